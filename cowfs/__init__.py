@@ -1,0 +1,3 @@
+"""cowfs: a FUSE filesystem that makes any directory undoable."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,208 @@
+"""Capture: writing reverse diffs into the open (top) layer before a change
+reaches the backing directory.
+
+Objects are identified by their backing inode number.  Within one layer that
+identity is stable: an object that existed when the layer was opened is never
+freed while the layer exists (removing it moves it into the grave), so its
+inode number cannot be reused.
+
+The ``Recorder`` keeps, for the open layer, what each object has already had
+captured (metadata, xattrs, which chunks), so a later change of the same
+chunk or attribute costs one dictionary lookup and records nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from . import schema as S
+from .store import Store, Writer
+
+Loc = Callable[[], bytes]
+
+
+class Obj:
+    """What the open layer holds for one object."""
+
+    __slots__ = ("created", "meta", "s0", "xattrs", "chunks")
+
+    def __init__(self) -> None:
+        self.created = False
+        self.meta = False
+        self.s0 = 0
+        self.xattrs = False
+        self.chunks: set[int] = set()
+
+
+class Recorder:
+    def __init__(self, store: Store):
+        self.store = store
+        self.C = store.chunk_size
+        self._zero = bytes(self.C)
+        self.layer = 0
+        self.objs: dict[int, Obj] = {}
+        self.fresh = False
+        self._pending_created: list[int] = []
+        self.reset(fresh=False)
+
+    def reset(self, fresh: bool) -> None:
+        """Follow the store's top layer.  *fresh*: the layer was opened by
+        this process, so memory knows everything it holds."""
+        top = self.store.top()
+        self.layer = top.id if top else 0
+        self.objs = {}
+        self.fresh = fresh
+        self._pending_created = []
+
+    # -- object state -------------------------------------------------------
+
+    def obj(self, ino: int) -> Obj:
+        o = self.objs.get(ino)
+        if o is None:
+            o = Obj()
+            if not self.fresh:
+                self._load(ino, o)
+            self.objs[ino] = o
+        return o
+
+    def _load(self, ino: int, o: Obj) -> None:
+        prefix = S.index_prefix(self.layer, ino)
+        with self.store.read() as txn:
+            cur = txn.cursor(db=self.store.db_index)
+            ok = cur.set_range(prefix)
+            while ok and cur.key().startswith(prefix):
+                _, _, kind, chunk = S.split_index_key(cur.key())
+                if kind == S.IDX_CREATED:
+                    o.created = True
+                elif kind == S.IDX_META:
+                    rec = S.decode_record(txn.get(cur.value(), db=self.store.db_journal))
+                    o.meta = True
+                    o.s0 = rec.fields[5]
+                elif kind == S.IDX_XATTRS:
+                    o.xattrs = True
+                elif kind == S.IDX_CHUNK:
+                    o.chunks.add(chunk)
+                ok = cur.next()
+
+    def is_created(self, ino: int) -> bool:
+        return self.obj(ino).created
+
+    def write_is_captured(self, ino: int, off: int, size: int) -> bool:
+        """Fast path: True when a write of [off, off+size) needs no capture."""
+        o = self.objs.get(ino)
+        if o is None:
+            return False
+        if o.created:
+            return True
+        if not o.meta:
+            return False
+        if off >= o.s0:
+            return True
+        C = self.C
+        end = min(off + size, o.s0)
+        chunks = o.chunks
+        for k in range(off // C, (end - 1) // C + 1):
+            if k not in chunks:
+                return False
+        return True
+
+    # -- transactions -----------------------------------------------------------
+
+    @contextmanager
+    def txn(self) -> Iterator[Writer]:
+        with self.store.write() as w:
+            if self._pending_created:
+                for ino in self._pending_created:
+                    w.index_put(self.layer, ino, S.IDX_CREATED, 0)
+            yield w
+        self._pending_created = []
+
+    def flush(self) -> None:
+        """Write index entries still held in memory (before a layer switch)."""
+        if self._pending_created:
+            with self.txn():
+                pass
+
+    def note_created(self, ino: int) -> None:
+        """*ino* was created in this layer: nothing of it needs capturing.
+        (The index entry is written with the next transaction; if it is lost
+        in a crash, later changes are merely captured needlessly.)"""
+        o = self.obj(ino)
+        if not o.created:
+            o.created = True
+            self._pending_created.append(ino)
+
+    # -- name records -------------------------------------------------------------
+
+    def create(self, w: Writer, path: bytes) -> None:
+        w.append(S.encode_record(S.CREATE, path))
+
+    def link(self, w: Writer, path: bytes) -> None:
+        w.append(S.encode_record(S.LINK, path))
+
+    def grave(self, w: Writer, path: bytes, ino: int) -> int:
+        gid = w.new_grave(ino)
+        w.append(S.encode_record(S.GRAVE, path, gid, ino))
+        return gid
+
+    def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
+        w.append(S.encode_record(S.RENAME, src, dst, ino))
+
+    def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
+        w.append(S.encode_record(S.EXCHANGE, a, b, ino_a, ino_b))
+
+    # -- object records -------------------------------------------------------------
+
+    def meta(self, w: Writer, ino: int, loc: Loc, st: os.stat_result) -> Obj:
+        """Capture mode, owner, size and times before the first change."""
+        o = self.obj(ino)
+        if o.created or o.meta:
+            return o
+        seq = w.append(S.encode_record(
+            S.META, loc(), ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
+            st.st_atime_ns, st.st_mtime_ns))
+        w.index_put(self.layer, ino, S.IDX_META, seq)
+        o.meta = True
+        o.s0 = st.st_size
+        return o
+
+    def xattrs(self, w: Writer, ino: int, loc: Loc,
+               pairs: Callable[[], list[tuple[bytes, bytes]]]) -> None:
+        o = self.obj(ino)
+        if o.created or o.xattrs:
+            return
+        seq = w.append(S.encode_record(S.XATTRS, loc(), ino, S.encode_xattrs(pairs())))
+        w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
+        o.xattrs = True
+
+    def data(self, w: Writer, ino: int, loc: Loc, fd: int, st: os.stat_result,
+             start: int, end: int) -> None:
+        """Capture the old bytes of [start, end) (as whole chunks, within the
+        size the object had when the layer was opened) before they change.
+        *fd* must be readable."""
+        o = self.meta(w, ino, loc, st)
+        if o.created:
+            return
+        end = min(end, o.s0)
+        if start >= end:
+            return
+        C = self.C
+        where = None
+        for k in range(start // C, (end - 1) // C + 1):
+            if k in o.chunks:
+                continue
+            if where is None:
+                where = loc()
+            length = min(C, o.s0 - k * C)
+            data = os.pread(fd, length, k * C)
+            if len(data) < length:
+                # The object is shorter than its layer-start size only if it
+                # was truncated, which captured these chunks already.
+                data += bytes(length - len(data))
+            zero = data == self._zero if length == C else data == bytes(length)
+            h = b"" if zero else w.put_chunk(data)
+            seq = w.append(S.encode_record(S.CHUNK, where, ino, k, length, h))
+            w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
+            o.chunks.add(k)

@@ -1,0 +1,44 @@
+"""The control channel: one JSON request line, one JSON response line, over
+the daemon's Unix socket (in a 0700 runtime directory; the daemon also checks
+SO_PEERCRED and serves only the user who mounted, and root)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from . import errors
+from .mounts import MountRecord
+
+MAX_REQUEST = 1 << 20
+
+
+def encode(obj: dict) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+def call(rec: MountRecord, op: str, timeout: float | None = 600.0, **args) -> dict:
+    """Send one request to the daemon of *rec*; return its result or raise
+    the CowfsError it answered with."""
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect(rec.socket)
+    except OSError as e:
+        raise errors.CowfsError(f"cannot reach the cowfs daemon of {rec.mountpoint}: "
+                                f"{e.strerror or e}", errors.DAEMON_ERROR) from None
+    with s:
+        s.sendall(encode({"op": op, **args}))
+        buf = bytearray()
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    if not buf:
+        raise errors.CowfsError(f"the cowfs daemon of {rec.mountpoint} closed the "
+                                "connection without answering", errors.DAEMON_ERROR)
+    resp = json.loads(buf)
+    if not resp.get("ok"):
+        raise errors.from_dict(resp)
+    return resp.get("result") or {}

@@ -1,0 +1,409 @@
+"""The mount daemon: mounts a workspace, serves FUSE requests and control
+requests on one trio loop, and unmounts cleanly.
+
+``cowfs mount`` starts it as ``python -m cowfs.daemon`` in a new session and
+waits on a pipe until the mount is live (or the daemon reports why not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from . import backing as B
+from . import schema as S
+from . import errors
+from .capture import Recorder
+from .control import MAX_REQUEST, encode
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse
+from .fs import CowFS
+from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
+from .stack import Stack
+from .store import Store
+
+log = logging.getLogger("cowfs.daemon")
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+MNT_DETACH = 2
+SYNC_INTERVAL = 2.0
+
+
+def default_store(workspace: str) -> str:
+    return os.path.join(workspace, ".cowfs")
+
+
+def check_fuse() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise NoFuse("/dev/fuse is missing: load the fuse module (modprobe fuse)")
+    if os.geteuid() != 0 and not any(
+            os.access(os.path.join(d, "fusermount3"), os.X_OK)
+            for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")):
+        raise NoFuse("fusermount3 is missing: install the fuse3 package")
+
+
+def kernel_unmount(mountpoint: str, lazy: bool) -> None:
+    if os.geteuid() == 0:
+        if _libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), mountpoint)
+        return
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        busy = "busy" in r.stderr.lower()
+        raise OSError(errno.EBUSY if busy else errno.EIO, r.stderr.strip() or "fusermount3 failed")
+
+
+def processes_inside(path: str) -> list[int]:
+    """Pids whose working directory is inside *path* (they keep seeing the
+    directory underneath the mount)."""
+    out = []
+    prefix = path.rstrip("/") + "/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if cwd == path or cwd.startswith(prefix):
+            out.append(int(pid))
+    return out
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20
+    if os.geteuid() == 0 and hard < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return
+        except (ValueError, OSError):
+            pass
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class Daemon:
+    def __init__(self, workspace: str, mountpoint: str | None = None,
+                 store: str | None = None):
+        self.workspace = os.path.abspath(workspace)
+        self.mountpoint = os.path.abspath(mountpoint or workspace)
+        self.store_dir = os.path.abspath(store or default_store(self.workspace))
+        self.owner = os.geteuid()
+        self.warnings: list[str] = []
+        self.lock = trio.Lock()
+        self.inflight = 0
+        self.unmounted_by_request = False
+
+    # -- setting up ---------------------------------------------------------------
+
+    def prepare(self) -> None:
+        check_fuse()
+        self._recover_stale_mount()
+        if not os.path.isdir(self.workspace):
+            raise BadWorkspace(f"workspace {self.workspace} does not exist or is not a directory")
+        if not os.path.isdir(self.mountpoint):
+            raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
+        raise_fd_limit()
+        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        self.store = Store.open(self.store_dir, self.workspace)
+        inside = os.path.dirname(self.store_dir) == self.workspace
+        self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
+        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        report = self.stack.resume()
+        if report is not None:
+            self.warnings.append(
+                f"finished an interrupted rollback ({report.applied} steps"
+                + (f", {len(report.failures)} failed" if report.failures else "") + ")")
+        self.recorder = Recorder(self.store)
+        if self.mountpoint == self.workspace:
+            pids = processes_inside(self.workspace)
+            if pids:
+                self.warnings.append(
+                    f"processes {', '.join(map(str, pids[:10]))} have their working "
+                    "directory inside the workspace; they keep seeing the directory "
+                    "underneath the mount and their changes are not captured")
+
+    def _recover_stale_mount(self) -> None:
+        if not is_cowfs_mount(self.mountpoint):
+            return
+        rec = MountRecord.load(self.mountpoint)
+        if rec is not None and pid_alive(rec.pid):
+            raise AlreadyMounted(f"{self.mountpoint} is already mounted by cowfs (pid {rec.pid})")
+        kernel_unmount(self.mountpoint, lazy=True)
+        if rec is not None:
+            rec.remove()
+        self.warnings.append(f"cleared the dead mount at {self.mountpoint}")
+
+    def mount(self, on_ready: Callable[[], None]) -> None:
+        self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
+                        on_init=on_ready)
+        fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
+        options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}
+        if os.geteuid() == 0:
+            options.add("allow_other")
+        self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
+                                  os.getpid(), socket_path(self.mountpoint))
+        self.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
+        pyfuse3.init(self.fs, self.mountpoint, options)
+
+    def run(self) -> None:
+        try:
+            trio.run(self._main)
+        finally:
+            if not self.unmounted_by_request:
+                try:
+                    pyfuse3.close(unmount=True)
+                except Exception:
+                    log.exception("unmount failed")
+            else:
+                pyfuse3.close(unmount=False)
+            self.record.remove()
+            self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+            self.store.close()
+            log.info("unmounted %s", self.mountpoint)
+
+    async def _main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._serve_control)
+            self.record.save()
+            nursery.start_soon(self._signals)
+            nursery.start_soon(self._periodic_sync)
+            await pyfuse3.main(min_tasks=2, max_tasks=16)
+            with trio.move_on_after(5):
+                while self.inflight:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for _ in sigs:
+                log.info("signal received, unmounting")
+                await self._flush()
+                self.store.sync()
+                pyfuse3.terminate()
+                return
+
+    async def _periodic_sync(self) -> None:
+        while True:
+            await trio.sleep(SYNC_INTERVAL)
+            await trio.to_thread.run_sync(self.store.env.sync, True)
+
+    # -- flushing and invalidating ---------------------------------------------------
+
+    async def _flush(self) -> None:
+        """Write the kernel's dirty pages of this mount to the daemon, so that
+        every write completed so far belongs to the current layer."""
+
+        def syncfs() -> None:
+            fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if _libc.syncfs(fd) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e))
+            finally:
+                os.close(fd)
+
+        await trio.to_thread.run_sync(syncfs)
+        self.recorder.flush()
+
+    async def _invalidate(self, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
+        def work() -> None:
+            for pino, name in entries:
+                try:
+                    pyfuse3.invalidate_entry(pino, name)
+                except OSError:
+                    pass
+            for ino in inodes:
+                try:
+                    pyfuse3.invalidate_inode(ino)
+                except OSError:
+                    pass
+
+        await trio.to_thread.run_sync(work)
+
+    # -- control requests ---------------------------------------------------------------
+
+    async def _serve_control(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        path = self.record.socket
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        await trio.serve_listeners(self._connection, [listener])
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                             struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid not in (0, self.owner):
+                await stream.send_all(encode({"ok": False, "code": errors.DAEMON_ERROR,
+                                              "error": "permission denied"}))
+                return
+            buf = bytearray()
+            with trio.move_on_after(30):
+                while b"\n" not in buf and len(buf) <= MAX_REQUEST:
+                    chunk = await stream.receive_some(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+            if b"\n" not in buf:
+                return
+            try:
+                req = json.loads(buf[:buf.index(b"\n")])
+                op = getattr(self, "op_" + str(req.pop("op")))
+            except (ValueError, KeyError, AttributeError, TypeError):
+                await stream.send_all(encode({"ok": False, "code": errors.USAGE,
+                                              "error": "malformed request"}))
+                return
+            self.inflight += 1
+            try:
+                async with self.lock:
+                    t0 = time.perf_counter()
+                    result = await op(**req)
+                    result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                resp = {"ok": True, "result": result}
+            except CowfsError as e:
+                resp = {"ok": False, **e.to_dict()}
+            except TypeError as e:
+                resp = {"ok": False, "code": errors.USAGE, "error": f"bad request: {e}"}
+            except Exception as e:
+                log.exception("control request failed")
+                resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+            finally:
+                self.inflight -= 1
+            try:
+                await stream.send_all(encode(resp))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def op_ping(self) -> dict:
+        return {"pid": os.getpid(), "workspace": self.workspace,
+                "mountpoint": self.mountpoint, "store": self.store_dir}
+
+    async def op_checkpoint(self, message: str = "") -> dict:
+        await self._flush()
+        layer = self.stack.checkpoint(message)
+        self.recorder.reset(fresh=True)
+        return layer.to_dict()
+
+    async def op_commit(self) -> dict:
+        await self._flush()
+        info = self.stack.commit()
+        self.recorder.reset(fresh=info["into"] is None)
+        return info
+
+    async def op_rollback(self, to: int | None = None) -> dict:
+        await self._flush()
+        before = max(layer.id for layer in self.store.layers())
+        try:
+            report = self.stack.rollback(to)
+        finally:
+            top = self.store.top()
+            self.recorder.reset(fresh=top is not None and top.id > before)
+        entries, inodes = self.fs.after_undo(report.touched)
+        await self._invalidate(entries, inodes)
+        result = report.to_dict()
+        if report.failures:
+            raise errors.PartialFailure(
+                "rollback finished with failures:\n  " + "\n  ".join(report.failures))
+        return result
+
+    async def op_status(self) -> dict:
+        await self._flush()
+        return self.stack.status()
+
+    async def op_log(self) -> dict:
+        await self._flush()
+        return {"layers": self.stack.log()}
+
+    async def op_unmount(self, lazy: bool = False) -> dict:
+        await self._flush()
+        self.store.sync()
+        try:
+            await trio.to_thread.run_sync(kernel_unmount, self.mountpoint, lazy)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise AlreadyMounted(f"{self.mountpoint} is busy (a process has a file "
+                                     "or its working directory there); close it or "
+                                     "use --lazy") from None
+            raise CowfsError(f"unmount failed: {e.strerror}") from None
+        self.unmounted_by_request = True
+        return {"unmounted": self.mountpoint}
+
+
+def setup_logging(store_dir: str, foreground: bool) -> None:
+    handlers: list[logging.Handler] = [logging.FileHandler(os.path.join(store_dir, "daemon.log"))]
+    if foreground:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def serve(workspace: str, mountpoint: str | None, store: str | None,
+          report: Callable[[dict], None], foreground: bool) -> int:
+    """Prepare, mount and serve until unmounted.  *report* is called once,
+    with {"ok": True, "warnings": [...]} when the mount is live, or with the
+    error that prevented it."""
+    daemon = Daemon(workspace, mountpoint, store)
+    try:
+        daemon.prepare()
+        setup_logging(daemon.store_dir, foreground)
+        daemon.mount(lambda: report({"ok": True, "warnings": daemon.warnings,
+                                     "pid": os.getpid(), "mountpoint": daemon.mountpoint}))
+    except CowfsError as e:
+        report({"ok": False, **e.to_dict()})
+        return e.code
+    except OSError as e:
+        report({"ok": False, "code": errors.DAEMON_ERROR,
+                "error": f"cannot mount {workspace}: {e.strerror or e}"})
+        return errors.DAEMON_ERROR
+    daemon.run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cowfs-daemon")
+    p.add_argument("--ready-fd", type=int, required=True)
+    p.add_argument("--store")
+    p.add_argument("workspace")
+    p.add_argument("mountpoint", nargs="?")
+    a = p.parse_args(argv)
+
+    def report(msg: dict) -> None:
+        try:
+            os.write(a.ready_fd, json.dumps(msg).encode() + b"\n")
+            os.close(a.ready_fd)
+        except OSError:
+            pass
+
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    return serve(a.workspace, a.mountpoint, a.store, report, foreground=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Errors that reach the user, each with its documented exit code."""
+
+from __future__ import annotations
+
+# Exit codes (documented in README.md, "Exit codes").
+OK = 0
+NOTHING_TO_DO = 1
+USAGE = 2
+NOT_MOUNTED = 3
+UNKNOWN_LAYER = 4
+ALREADY_MOUNTED = 5
+STORE_ERROR = 6
+BAD_WORKSPACE = 7
+NO_FUSE = 8
+DAEMON_ERROR = 9
+PARTIAL = 10
+INTERRUPTED = 130
+
+
+class CowfsError(Exception):
+    """An error with a one-line message and an exit code."""
+
+    code = DAEMON_ERROR
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": str(self), "code": self.code}
+
+
+class NothingToDo(CowfsError):
+    code = NOTHING_TO_DO
+
+
+class NotMounted(CowfsError):
+    code = NOT_MOUNTED
+
+
+class UnknownLayer(CowfsError):
+    code = UNKNOWN_LAYER
+
+
+class AlreadyMounted(CowfsError):
+    code = ALREADY_MOUNTED
+
+
+class StoreError(CowfsError):
+    code = STORE_ERROR
+
+
+class BadWorkspace(CowfsError):
+    code = BAD_WORKSPACE
+
+
+class NoFuse(CowfsError):
+    code = NO_FUSE
+
+
+class PartialFailure(CowfsError):
+    code = PARTIAL
+
+
+def from_dict(d: dict) -> CowfsError:
+    return CowfsError(d.get("error", "unknown error"), int(d.get("code", DAEMON_ERROR)))

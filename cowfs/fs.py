@@ -1,0 +1,806 @@
+"""The pyfuse3 adapter: the mounted view of the workspace.
+
+Every handler works on the backing directory through O_PATH fds kept per
+inode (never through paths that could follow a planted symlink) and, before
+it changes anything, has the ``Recorder`` write the reverse diff into the open
+layer.  Handlers do their system calls synchronously on the trio thread and
+never await in between, so each runs atomically with respect to the others
+and to layer switches.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from typing import Callable
+
+import pyfuse3
+from pyfuse3 import FUSEError
+
+from . import backing as B
+from . import schema as S
+from .capture import Recorder
+from .store import Store
+from .undo import Touched
+
+log = logging.getLogger("cowfs.fs")
+
+TIMEOUT = 300.0
+CAPABILITY = b"security.capability"
+
+
+class Node:
+    """A kernel-visible inode: our inode number, the backing object's O_PATH
+    fd and inode number, and the names we know it by (parent node + name)."""
+
+    __slots__ = ("ino", "bino", "fd", "nlookup", "parent", "name", "extra",
+                 "mode", "nocap")
+
+    def __init__(self, ino: int, bino: int, fd: int, mode: int):
+        self.ino = ino
+        self.bino = bino
+        self.fd = fd
+        self.mode = mode
+        self.nlookup = 0
+        self.parent: Node | None = None
+        self.name = b""
+        self.extra: set[tuple[Node, bytes]] | None = None
+        self.nocap = False
+
+    @property
+    def isdir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def islnk(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+
+class Handle:
+    __slots__ = ("node", "fd")
+
+    def __init__(self, node: Node, fd: int):
+        self.node = node
+        self.fd = fd
+
+
+class DirHandle:
+    __slots__ = ("node", "names")
+
+    def __init__(self, node: Node, names: list[bytes]):
+        self.node = node
+        self.names = names
+
+
+def handler(fn: Callable) -> Callable:
+    """Map OSError to its errno and anything unexpected to EIO: an exception
+    other than FUSEError escaping a handler would kill the mount."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kw):
+        try:
+            return await fn(*args, **kw)
+        except FUSEError:
+            raise
+        except OSError as e:
+            raise FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class CowFS(pyfuse3.Operations):
+    # No writeback cache: with it the kernel keeps its own file sizes and
+    # mtimes and never takes them back from the daemon, so a process holding
+    # a file open would keep seeing pre-rollback sizes.  keep_cache is safe:
+    # a rollback invalidates the pages it changed.
+    enable_writeback_cache = False
+    supports_dot_lookup = True
+
+    def __init__(self, rootfd: int, store: Store, recorder: Recorder, *,
+                 hidden: bytes | None = None,
+                 on_init: Callable[[], None] | None = None):
+        super().__init__()
+        self.store = store
+        self.rec = recorder
+        self.hidden = hidden
+        self.on_init = on_init
+        self.is_root = os.geteuid() == 0
+        st = os.stat(rootfd)
+        self.root = Node(pyfuse3.ROOT_INODE, st.st_ino, rootfd, st.st_mode)
+        self.root.nlookup = 1
+        self.grave = Node(0, 0, store.grave_fd, stat.S_IFDIR)
+        self.nodes: dict[int, Node] = {self.root.ino: self.root}
+        self.by_bino: dict[int, Node] = {self.root.bino: self.root}
+        self.next_ino = pyfuse3.ROOT_INODE + 1
+        self.handles: dict[int, Handle | DirHandle] = {}
+        self.next_fh = 1
+        self.grave_links = store.grave_counts()
+
+    def init(self) -> None:
+        if self.on_init is not None:
+            self.on_init()
+
+    # -- the inode table ---------------------------------------------------------
+
+    def _node(self, ino: int) -> Node:
+        try:
+            return self.nodes[ino]
+        except KeyError:
+            raise FUSEError(errno.ESTALE) from None
+
+    def _attr(self, node: Node, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = node.ino
+        e.generation = 0
+        e.entry_timeout = TIMEOUT
+        e.attr_timeout = TIMEOUT
+        e.st_mode = st.st_mode
+        e.st_nlink = st.st_nlink - self.grave_links.get(st.st_ino, 0)
+        e.st_uid = st.st_uid
+        e.st_gid = st.st_gid
+        e.st_rdev = st.st_rdev
+        e.st_size = st.st_size
+        e.st_blksize = st.st_blksize
+        e.st_blocks = st.st_blocks
+        e.st_atime_ns = st.st_atime_ns
+        e.st_mtime_ns = st.st_mtime_ns
+        e.st_ctime_ns = st.st_ctime_ns
+        return e
+
+    def _lookup(self, parent: Node, name: bytes, count: bool = True
+                ) -> tuple[Node, os.stat_result]:
+        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        node = self.by_bino.get(st.st_ino)
+        if node is None:
+            fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+            st = os.fstat(fd)
+            node = Node(self.next_ino, st.st_ino, fd, st.st_mode)
+            self.next_ino += 1
+            node.parent, node.name = parent, name
+            self.nodes[node.ino] = node
+            self.by_bino[node.bino] = node
+        else:
+            self._add_link(node, parent, name)
+        if count:
+            node.nlookup += 1
+        return node, st
+
+    def _drop(self, node: Node) -> None:
+        if node is self.root or self.nodes.get(node.ino) is not node:
+            return
+        del self.nodes[node.ino]
+        if self.by_bino.get(node.bino) is node:
+            del self.by_bino[node.bino]
+        os.close(node.fd)
+
+    def _add_link(self, node: Node, parent: Node, name: bytes) -> None:
+        if node.parent is parent and node.name == name:
+            return
+        if node.isdir or node.parent is None:
+            node.parent, node.name = parent, name
+            return
+        if node.extra is None:
+            node.extra = set()
+        node.extra.add((node.parent, node.name))
+        node.extra.discard((parent, name))
+        node.parent, node.name = parent, name
+
+    def _remove_link(self, node: Node, parent: Node, name: bytes) -> None:
+        if node.parent is parent and node.name == name:
+            if node.extra:
+                node.parent, node.name = node.extra.pop()
+            else:
+                node.parent, node.name = None, b""
+        elif node.extra:
+            node.extra.discard((parent, name))
+
+    def _path(self, node: Node) -> bytes:
+        """The location of *node* now (workspace path or grave entry)."""
+        parts = []
+        n = node
+        while n is not self.root:
+            p = n.parent
+            if p is None:
+                raise OSError(errno.ESTALE, "object has no known name")
+            if p is self.grave:
+                if parts:
+                    raise OSError(errno.ESTALE, "object inside a removed directory")
+                return S.GRAVE_PREFIX + n.name
+            parts.append(n.name)
+            n = p
+        return b"/".join(reversed(parts))
+
+    def _loc(self, node: Node) -> bytes:
+        """Like _path, but first make sure the name still leads to the object
+        (names of hard-linked files can go stale)."""
+        if node is self.root:
+            return b""
+        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+            if parent is None:
+                continue
+            st = B.lstat_at(parent.fd, name)
+            if st is not None and st.st_ino == node.bino:
+                if (parent, name) != (node.parent, node.name):
+                    self._add_link(node, parent, name)
+                return self._path(node)
+        raise OSError(errno.EIO, "cannot locate the object to capture it")
+
+    def _child(self, parent: Node, name: bytes) -> bytes:
+        return B.join(self._path(parent), name)
+
+    def _check_name(self, parent: Node, name: bytes) -> None:
+        if parent is self.root and self.hidden is not None and name == self.hidden:
+            raise FUSEError(errno.EPERM)
+
+    # -- capture helpers -------------------------------------------------------------
+
+    def _dir_changes(self, w, *dirs: Node) -> None:
+        """Capture directories' attributes (mtimes!) before their entries change."""
+        for d in dirs:
+            o = self.rec.obj(d.bino)
+            if not (o.created or o.meta):
+                self.rec.meta(w, d.bino, functools.partial(self._loc, d), os.stat(d.fd))
+
+    def _capture_meta(self, node: Node) -> None:
+        o = self.rec.obj(node.bino)
+        if o.created or o.meta:
+            return
+        st = os.stat(node.fd)
+        with self.rec.txn() as w:
+            self.rec.meta(w, node.bino, functools.partial(self._loc, node), st)
+
+    def _capture_data(self, node: Node, fd: int | None, start: int, end: int) -> None:
+        """Capture [start, end) of a regular file before it changes; *fd*: a
+        readable fd on it, or None to open one."""
+        o = self.rec.obj(node.bino)
+        if o.created:
+            return
+        own = fd is None
+        if own:
+            fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            with self.rec.txn() as w:
+                self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st,
+                              start, end)
+        finally:
+            if own:
+                os.close(fd)
+
+    def _xpath(self, node: Node) -> tuple[bytes, bool]:
+        if node.islnk:
+            if node.parent is None:
+                raise OSError(errno.ESTALE, "symlink has no known name")
+            return B.proc_at(node.parent.fd, node.name), False
+        return B.proc(node.fd), True
+
+    def _capture_xattrs(self, node: Node) -> None:
+        o = self.rec.obj(node.bino)
+        if o.created or o.xattrs:
+            return
+        with self.rec.txn() as w:
+            self.rec.xattrs(w, node.bino, functools.partial(self._loc, node),
+                            lambda: B.list_xattrs(*self._xpath(node)))
+
+    def _own(self, parent: Node, name: bytes, ctx, mode: int, fd: int | None = None) -> None:
+        """Give a new object the caller's uid and gid (or the directory's gid
+        under a setgid directory), as the kernel would."""
+        if not self.is_root:
+            return
+        pst = os.stat(parent.fd)
+        gid = pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid
+        if fd is not None:
+            os.fchown(fd, ctx.uid, gid)
+            if mode & (stat.S_ISUID | stat.S_ISGID):
+                os.fchmod(fd, stat.S_IMODE(mode))
+        else:
+            os.chown(name, ctx.uid, gid, dir_fd=parent.fd, follow_symlinks=False)
+            if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
+                fd2 = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+                try:
+                    os.chmod(B.proc(fd2), stat.S_IMODE(mode))
+                finally:
+                    os.close(fd2)
+
+    def _new_object(self, parent: Node, name: bytes, make: Callable[[], None], ctx,
+                    mode: int) -> pyfuse3.EntryAttributes:
+        """Record the creation, make the object, own it, look it up."""
+        self._check_name(parent, name)
+        if B.lstat_at(parent.fd, name) is not None:
+            raise FUSEError(errno.EEXIST)
+        self.rec.obj(parent.bino)
+        with self.rec.txn() as w:
+            self._dir_changes(w, parent)
+            self.rec.create(w, self._child(parent, name))
+        make()
+        self._own(parent, name, ctx, mode)
+        node, st = self._lookup(parent, name)
+        self.rec.note_created(st.st_ino)
+        return self._attr(node, st)
+
+    # -- lookups and attributes ------------------------------------------------------
+
+    @handler
+    async def lookup(self, parent_inode, name, ctx):
+        parent = self._node(parent_inode)
+        if name == b"." or name == b"..":
+            node = parent if name == b"." or parent.parent is None else parent.parent
+            if node is self.grave:
+                raise FUSEError(errno.ENOENT)
+            node.nlookup += 1
+            return self._attr(node, os.stat(node.fd))
+        if parent is self.root and name == self.hidden:
+            raise FUSEError(errno.ENOENT)
+        node, st = self._lookup(parent, name)
+        return self._attr(node, st)
+
+    @handler
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            node = self.nodes.get(ino)
+            if node is None or node is self.root:
+                continue
+            node.nlookup -= n
+            if node.nlookup <= 0:
+                self._drop(node)
+
+    @handler
+    async def getattr(self, inode, ctx):
+        node = self._node(inode)
+        return self._attr(node, os.stat(node.fd))
+
+    @handler
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self._node(inode)
+        handle = self.handles.get(fh) if fh is not None else None
+        if fields.update_size:
+            if not stat.S_ISREG(node.mode):
+                raise FUSEError(errno.EINVAL)
+            fd = handle.fd if isinstance(handle, Handle) else None
+            self._capture_data(node, fd, attr.st_size, 1 << 63)
+            if fd is not None:
+                os.ftruncate(fd, attr.st_size)
+            else:
+                wfd = os.open(B.proc(node.fd), os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.ftruncate(wfd, attr.st_size)
+                finally:
+                    os.close(wfd)
+        if (fields.update_mode or fields.update_uid or fields.update_gid
+                or fields.update_atime or fields.update_mtime):
+            self._capture_meta(node)
+            if fields.update_uid or fields.update_gid:
+                uid = attr.st_uid if fields.update_uid else -1
+                gid = attr.st_gid if fields.update_gid else -1
+                if node.islnk:
+                    os.chown(node.name, uid, gid, dir_fd=node.parent.fd,
+                             follow_symlinks=False)
+                else:
+                    os.chown(B.proc(node.fd), uid, gid)
+            if fields.update_mode and not node.islnk:
+                os.chmod(B.proc(node.fd), stat.S_IMODE(attr.st_mode))
+            if fields.update_atime or fields.update_mtime:
+                cur = os.stat(node.fd)
+                ns = (attr.st_atime_ns if fields.update_atime else cur.st_atime_ns,
+                      attr.st_mtime_ns if fields.update_mtime else cur.st_mtime_ns)
+                if node.islnk:
+                    os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
+                else:
+                    os.utime(B.proc(node.fd), ns=ns)
+        st = os.stat(node.fd)
+        node.mode = st.st_mode
+        return self._attr(node, st)
+
+    @handler
+    async def readlink(self, inode, ctx):
+        return os.readlink(b"", dir_fd=self._node(inode).fd)
+
+    @handler
+    async def access(self, inode, mode, ctx):
+        return True
+
+    @handler
+    async def statfs(self, ctx):
+        sv = os.fstatvfs(self.root.fd)
+        out = pyfuse3.StatvfsData()
+        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, attr, getattr(sv, attr))
+        return out
+
+    # -- creating names ----------------------------------------------------------------
+
+    @handler
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        parent = self._node(parent_inode)
+        mode &= ~ctx.umask
+        return self._new_object(parent, name,
+                                lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd),
+                                ctx, mode)
+
+    @handler
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        parent = self._node(parent_inode)
+        mode = (mode & ~ctx.umask) | stat.S_IFDIR
+        return self._new_object(parent, name,
+                                lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd),
+                                ctx, mode)
+
+    @handler
+    async def symlink(self, parent_inode, name, target, ctx):
+        parent = self._node(parent_inode)
+        return self._new_object(parent, name,
+                                lambda: os.symlink(target, name, dir_fd=parent.fd),
+                                ctx, stat.S_IFLNK | 0o777)
+
+    @handler
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        node = self._node(inode)
+        parent = self._node(new_parent_inode)
+        self._check_name(parent, new_name)
+        if B.lstat_at(parent.fd, new_name) is not None:
+            raise FUSEError(errno.EEXIST)
+        self.rec.obj(parent.bino)
+        with self.rec.txn() as w:
+            self._dir_changes(w, parent)
+            self.rec.link(w, self._child(parent, new_name))
+        if node.islnk:
+            os.link(node.name, new_name, src_dir_fd=node.parent.fd, dst_dir_fd=parent.fd,
+                    follow_symlinks=False)
+        else:
+            os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
+        node, st = self._lookup(parent, new_name)
+        return self._attr(node, st)
+
+    @handler
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        parent = self._node(parent_inode)
+        self._check_name(parent, name)
+        if B.lstat_at(parent.fd, name) is not None:
+            if flags & os.O_EXCL:
+                raise FUSEError(errno.EEXIST)
+            node, st = self._lookup(parent, name)
+            fi = await self.open(node.ino, flags & ~os.O_CREAT, ctx)
+            return fi, self._attr(node, os.stat(node.fd))
+        mode = (mode & ~ctx.umask) | stat.S_IFREG
+        self.rec.obj(parent.bino)
+        with self.rec.txn() as w:
+            self._dir_changes(w, parent)
+            self.rec.create(w, self._child(parent, name))
+        fd = os.open(name, self._open_flags(flags) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                     stat.S_IMODE(mode), dir_fd=parent.fd)
+        try:
+            self._own(parent, name, ctx, mode, fd)
+            node, st = self._lookup(parent, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.rec.note_created(st.st_ino)
+        return self._new_handle(node, fd), self._attr(node, st)
+
+    # -- removing and moving names -------------------------------------------------------
+
+    def _bury(self, w, parent: Node, name: bytes, st: os.stat_result) -> int:
+        """Record that *name* goes to the grave; the caller moves it."""
+        return self.rec.grave(w, self._child(parent, name), st.st_ino)
+
+    def _to_grave(self, parent: Node, name: bytes, gid: int, bino: int) -> None:
+        gname = str(gid).encode()
+        B.renameat2(parent.fd, name, self.grave.fd, gname, B.RENAME_NOREPLACE)
+        self.grave_links[bino] = self.grave_links.get(bino, 0) + 1
+        node = self.by_bino.get(bino)
+        if node is not None:
+            self._remove_link(node, parent, name)
+            self._add_link(node, self.grave, gname)
+
+    def _remove(self, parent: Node, name: bytes, want_dir: bool) -> None:
+        self._check_name(parent, name)
+        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        isdir = stat.S_ISDIR(st.st_mode)
+        if want_dir and not isdir:
+            raise FUSEError(errno.ENOTDIR)
+        if not want_dir and isdir:
+            raise FUSEError(errno.EISDIR)
+        self.rec.obj(parent.bino)
+        if self.rec.obj(st.st_ino).created:
+            with self.rec.txn() as w:
+                self._dir_changes(w, parent)
+            if isdir:
+                os.rmdir(name, dir_fd=parent.fd)
+            else:
+                os.unlink(name, dir_fd=parent.fd)
+            node = self.by_bino.get(st.st_ino)
+            if node is not None:
+                self._remove_link(node, parent, name)
+            return
+        if isdir and not self._is_empty(parent, name):
+            raise FUSEError(errno.ENOTEMPTY)
+        with self.rec.txn() as w:
+            self._dir_changes(w, parent)
+            gid = self._bury(w, parent, name, st)
+        self._to_grave(parent, name, gid, st.st_ino)
+
+    def _is_empty(self, parent: Node, name: bytes) -> bool:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=parent.fd)
+        try:
+            with os.scandir(fd) as it:
+                return next(it, None) is None
+        finally:
+            os.close(fd)
+
+    @handler
+    async def unlink(self, parent_inode, name, ctx):
+        self._remove(self._node(parent_inode), name, want_dir=False)
+
+    @handler
+    async def rmdir(self, parent_inode, name, ctx):
+        self._remove(self._node(parent_inode), name, want_dir=True)
+
+    @handler
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
+                     flags, ctx):
+        sp = self._node(parent_inode_old)
+        dp = self._node(parent_inode_new)
+        self._check_name(sp, name_old)
+        self._check_name(dp, name_new)
+        sst = os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False)
+        dst = B.lstat_at(dp.fd, name_new)
+        src_path, dst_path = self._child(sp, name_old), self._child(dp, name_new)
+        self.rec.obj(sp.bino), self.rec.obj(dp.bino)
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            if dst is None:
+                raise FUSEError(errno.ENOENT)
+            with self.rec.txn() as w:
+                self._dir_changes(w, sp, dp)
+                self.rec.exchange(w, src_path, dst_path, sst.st_ino, dst.st_ino)
+            B.renameat2(sp.fd, name_old, dp.fd, name_new, B.RENAME_EXCHANGE)
+            self._moved(sst.st_ino, sp, name_old, dp, name_new)
+            self._moved(dst.st_ino, dp, name_new, sp, name_old)
+            return
+        if dst is not None:
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise FUSEError(errno.EEXIST)
+            if dst.st_ino == sst.st_ino:
+                return
+            if stat.S_ISDIR(dst.st_mode):
+                if not stat.S_ISDIR(sst.st_mode):
+                    raise FUSEError(errno.EISDIR)
+                if not self._is_empty(dp, name_new):
+                    raise FUSEError(errno.ENOTEMPTY)
+            elif stat.S_ISDIR(sst.st_mode):
+                raise FUSEError(errno.ENOTDIR)
+        bury = dst is not None and not self.rec.obj(dst.st_ino).created
+        gid = None
+        with self.rec.txn() as w:
+            self._dir_changes(w, sp, dp)
+            if bury:
+                gid = self._bury(w, dp, name_new, dst)
+            self.rec.rename(w, src_path, dst_path, sst.st_ino)
+        if gid is not None:
+            self._to_grave(dp, name_new, gid, dst.st_ino)
+        try:
+            B.renameat2(sp.fd, name_old, dp.fd, name_new, 0)
+        except OSError:
+            if gid is not None:
+                self._from_grave(gid, dp, name_new, dst.st_ino)
+            raise
+        if dst is not None and gid is None:
+            node = self.by_bino.get(dst.st_ino)
+            if node is not None:
+                self._remove_link(node, dp, name_new)
+        self._moved(sst.st_ino, sp, name_old, dp, name_new)
+
+    def _from_grave(self, gid: int, parent: Node, name: bytes, bino: int) -> None:
+        """Undo _to_grave after a failed rename (the records stay; their undo
+        steps find nothing to do)."""
+        gname = str(gid).encode()
+        B.renameat2(self.grave.fd, gname, parent.fd, name, B.RENAME_NOREPLACE)
+        self.grave_links[bino] -= 1
+        node = self.by_bino.get(bino)
+        if node is not None:
+            self._remove_link(node, self.grave, gname)
+            self._add_link(node, parent, name)
+
+    def _moved(self, bino: int, sp: Node, sname: bytes, dp: Node, dname: bytes) -> None:
+        node = self.by_bino.get(bino)
+        if node is not None:
+            self._remove_link(node, sp, sname)
+            self._add_link(node, dp, dname)
+
+    # -- files ------------------------------------------------------------------------
+
+    def _open_flags(self, flags: int) -> int:
+        acc = flags & os.O_ACCMODE
+        if acc == os.O_WRONLY:
+            acc = os.O_RDWR  # capturing reads the old bytes
+        return (flags & ~(os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
+                          | os.O_DIRECT)) | acc | os.O_CLOEXEC
+
+    def _new_handle(self, node: Node, fd: int) -> pyfuse3.FileInfo:
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = Handle(node, fd)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @handler
+    async def open(self, inode, flags, ctx):
+        node = self._node(inode)
+        if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
+            self._capture_data(node, None, 0, 1 << 63)
+        fl = self._open_flags(flags)
+        try:
+            fd = os.open(B.proc(node.fd), fl)
+        except PermissionError:
+            fd = os.open(B.proc(node.fd), (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE))
+        return self._new_handle(node, fd)
+
+    @handler
+    async def read(self, fh, off, size):
+        return os.pread(self.handles[fh].fd, size, off)
+
+    @handler
+    async def write(self, fh, off, buf):
+        h = self.handles[fh]
+        node = h.node
+        if not self.rec.write_is_captured(node.bino, off, len(buf)):
+            self._capture_data(node, h.fd, off, off + len(buf))
+        return os.pwrite(h.fd, buf, off)
+
+    @handler
+    async def flush(self, fh):
+        pass
+
+    @handler
+    async def release(self, fh):
+        h = self.handles.pop(fh)
+        os.close(h.fd)
+
+    @handler
+    async def fsync(self, fh, datasync):
+        self.store.sync()  # the pre-images first, then the change they protect
+        h = self.handles[fh]
+        if datasync:
+            os.fdatasync(h.fd)
+        else:
+            os.fsync(h.fd)
+
+    # -- directories ------------------------------------------------------------------
+
+    @handler
+    async def opendir(self, inode, ctx):
+        node = self._node(inode)
+        fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            names = [os.fsencode(n) for n in os.listdir(fd)]
+        finally:
+            os.close(fd)
+        if node is self.root and self.hidden is not None:
+            names = [n for n in names if n != self.hidden]
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = DirHandle(node, [b".", b".."] + names)
+        return fh
+
+    @handler
+    async def readdir(self, fh, start_id, token):
+        dh = self.handles[fh]
+        names = dh.names
+        for i in range(start_id, len(names)):
+            name = names[i]
+            if name == b"." or name == b"..":
+                node = dh.node if name == b"." or dh.node.parent in (None, self.grave) \
+                    else dh.node.parent
+                # The kernel takes no reference for dot entries.
+                if not pyfuse3.readdir_reply(token, name, self._attr(node, os.stat(node.fd)),
+                                             i + 1):
+                    return
+                continue
+            try:
+                node, st = self._lookup(dh.node, name, count=False)
+            except FileNotFoundError:
+                continue
+            if not pyfuse3.readdir_reply(token, name, self._attr(node, st), i + 1):
+                if node.nlookup == 0:
+                    self._drop(node)
+                return
+            node.nlookup += 1
+
+    @handler
+    async def releasedir(self, fh):
+        del self.handles[fh]
+
+    @handler
+    async def fsyncdir(self, fh, datasync):
+        self.store.sync()
+        node = self.handles[fh].node
+        fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- xattrs -----------------------------------------------------------------------
+
+    @handler
+    async def getxattr(self, inode, name, ctx):
+        node = self._node(inode)
+        if name == CAPABILITY and node.nocap:
+            raise FUSEError(pyfuse3.ENOATTR)
+        try:
+            path, follow = self._xpath(node)
+            return os.getxattr(path, name, follow_symlinks=follow)
+        except OSError as e:
+            if name == CAPABILITY and e.errno == errno.ENODATA:
+                node.nocap = True
+            raise
+
+    @handler
+    async def listxattr(self, inode, ctx):
+        path, follow = self._xpath(self._node(inode))
+        return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
+
+    @handler
+    async def setxattr(self, inode, name, value, ctx):
+        node = self._node(inode)
+        self._capture_xattrs(node)
+        self._capture_meta(node)
+        path, follow = self._xpath(node)
+        os.setxattr(path, name, value, follow_symlinks=follow)
+        if name == CAPABILITY:
+            node.nocap = False
+
+    @handler
+    async def removexattr(self, inode, name, ctx):
+        node = self._node(inode)
+        self._capture_xattrs(node)
+        self._capture_meta(node)
+        path, follow = self._xpath(node)
+        os.removexattr(path, name, follow_symlinks=follow)
+
+    # -- after a rollback ---------------------------------------------------------------
+
+    def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
+        """Bring the inode table in line with what an undo run did; return
+        the kernel entries and inodes to invalidate."""
+        self.grave_links = self.store.grave_counts()
+        for bino, loc in touched.moves:
+            node = self.by_bino.get(bino)
+            if node is None:
+                continue
+            parent_path, name = B.split(loc)
+            parent = self._dir_node(parent_path)
+            if parent is not None:
+                self._add_link(node, parent, name)
+        entries = []
+        for parent_path, name in touched.entries:
+            parent = self._dir_node(parent_path)
+            if parent is not None:
+                entries.append((parent.ino, name))
+        inodes = []
+        for bino in touched.objects:
+            node = self.by_bino.get(bino)
+            if node is not None:
+                node.mode = os.stat(node.fd).st_mode
+                inodes.append(node.ino)
+        for parent_path, _ in touched.entries:
+            parent = self._dir_node(parent_path)
+            if parent is not None:
+                inodes.append(parent.ino)
+        return entries, sorted(set(inodes))
+
+    def _dir_node(self, path: bytes) -> Node | None:
+        try:
+            fd = B.open_dir(self.root.fd, path)
+        except OSError:
+            return None
+        try:
+            return self.by_bino.get(os.fstat(fd).st_ino)
+        finally:
+            os.close(fd)

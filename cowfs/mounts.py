@@ -1,0 +1,138 @@
+"""Finding mounted workspaces: the kernel's mount table and the runtime
+directory where each daemon leaves its control socket and a small record."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import NotMounted
+
+FSTYPE = "fuse.cowfs"
+
+
+def runtime_dir() -> str:
+    """A 0700 directory for control sockets, private to this user."""
+    if os.geteuid() == 0:
+        base = "/run/cowfs"
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        base = os.path.join(os.environ["XDG_RUNTIME_DIR"], "cowfs")
+    else:
+        base = f"/tmp/cowfs-{os.geteuid()}"
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    st = os.lstat(base)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.chmod(base, 0o700)
+        if os.lstat(base).st_uid != os.geteuid():
+            raise PermissionError(f"{base} is not owned by this user")
+    return base
+
+
+def _key(mountpoint: str) -> str:
+    return xxhash.xxh3_64_hexdigest(os.fsencode(mountpoint))
+
+
+def socket_path(mountpoint: str) -> str:
+    return os.path.join(runtime_dir(), _key(mountpoint) + ".sock")
+
+
+def record_path(mountpoint: str) -> str:
+    return os.path.join(runtime_dir(), _key(mountpoint) + ".json")
+
+
+def _unescape(field: str) -> str:
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_table() -> dict[str, str]:
+    """Mount point -> filesystem type, the last mount at a point winning."""
+    table = {}
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            mp = _unescape(left.split(" ")[4])
+            table[mp] = right.split(" ")[0]
+    return table
+
+
+def is_cowfs_mount(path: str) -> bool:
+    return mount_table().get(path) == FSTYPE
+
+
+def pid_alive(pid: int) -> bool:
+    """True while *pid* runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class MountRecord:
+    mountpoint: str
+    workspace: str
+    store: str
+    pid: int
+    socket: str
+
+    @classmethod
+    def load(cls, mountpoint: str) -> "MountRecord | None":
+        try:
+            with open(record_path(mountpoint)) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return cls(**d)
+
+    def save(self) -> None:
+        path = record_path(self.mountpoint)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.__dict__, f)
+        os.replace(tmp, path)
+
+    def remove(self) -> None:
+        for p in (record_path(self.mountpoint), self.socket):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def find_mount(path: str) -> MountRecord:
+    """The mounted workspace that contains *path*."""
+    try:
+        p = os.path.realpath(path)
+    except OSError as e:
+        raise NotMounted(f"{path}: {e.strerror}") from None
+    if not os.path.exists(p):
+        raise NotMounted(f"{path}: no such file or directory")
+    table = mount_table()
+    while True:
+        if table.get(p) == FSTYPE:
+            rec = MountRecord.load(p)
+            if rec is None or not pid_alive(rec.pid):
+                raise NotMounted(f"{p}: the cowfs daemon of this mount is gone; "
+                                 f"run 'cowfs mount {rec.workspace if rec else p}' to recover it")
+            return rec
+        if p == "/":
+            raise NotMounted(f"{path} is not inside a mounted cowfs workspace")
+        p = os.path.dirname(p)

@@ -1,0 +1,210 @@
+"""The LMDB schema of the layer store: every named database, every key layout
+and the encoding of every value. No other module builds keys by hand.
+
+Integers in keys are unsigned 64-bit big-endian so that they sort numerically.
+
+Databases
+---------
+``meta``     singleton settings and counters, keyed by a short ASCII name:
+             ``format``      u64   schema version (FORMAT)
+             ``workspace``   JSON  {"path", "dev", "ino"} of the workspace root
+                                   the store belongs to
+             ``chunk_size``  u64   size of the fixed, aligned data chunks
+             ``next_seq``    u64   next journal sequence number
+             ``next_layer``  u64   next layer id
+             ``next_grave``  u64   next grave id
+             ``pending``     JSON  an interrupted stack operation to resume
+                                   (``{"op": "rollback", "to": ID}`` or
+                                   ``{"op": "commit", "layer": ID}``)
+             ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
+``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
+             "message": str}.  The stack is the layers in id order; a layer
+             owns the journal records from its ``start`` up to the next
+             layer's ``start`` (the top layer: to the end of the journal), so
+             merging a layer into the one below is deleting its row.
+``journal``  u64 seq -> an undo record (see ``encode_record``).  Replaying a
+             layer's records from the last to the first restores the tree as
+             it was when the layer was opened.
+``index``    u64 layer + u64 ino + 1-byte kind [+ u64 chunk] -> u64 seq.
+             Which objects (backing inode numbers) a layer has already
+             captured, so later changes record nothing:
+             ``N`` created in this layer (value: 0), ``M`` metadata captured,
+             ``X`` xattrs captured, ``C`` + chunk number: that chunk captured.
+``chunks``   16-byte xxh3-128 digest -> chunk bytes (content-addressed).
+``refs``     16-byte digest -> u64 number of journal records using it.
+``graves``   u64 grave id -> u64 backing inode number of the object that was
+             moved into ``STORE/grave/<id>`` (whole-file pre-images).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, NamedTuple
+
+FORMAT = 1
+
+DB_META = b"meta"
+DB_LAYERS = b"layers"
+DB_JOURNAL = b"journal"
+DB_INDEX = b"index"
+DB_CHUNKS = b"chunks"
+DB_REFS = b"refs"
+DB_GRAVES = b"graves"
+ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES)
+
+K_FORMAT = b"format"
+K_WORKSPACE = b"workspace"
+K_CHUNK_SIZE = b"chunk_size"
+K_NEXT_SEQ = b"next_seq"
+K_NEXT_LAYER = b"next_layer"
+K_NEXT_GRAVE = b"next_grave"
+K_PENDING = b"pending"
+K_STATE = b"state"
+
+_U64 = struct.Struct(">Q")
+
+
+def u64(n: int) -> bytes:
+    return _U64.pack(n)
+
+
+def from_u64(b: bytes) -> int:
+    return _U64.unpack(b)[0]
+
+
+def to_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def from_json(b: bytes) -> Any:
+    return json.loads(b)
+
+
+# -- index keys ---------------------------------------------------------------
+
+IDX_CREATED = b"N"
+IDX_META = b"M"
+IDX_XATTRS = b"X"
+IDX_CHUNK = b"C"
+
+
+def index_prefix(layer: int, ino: int | None = None) -> bytes:
+    return u64(layer) if ino is None else u64(layer) + u64(ino)
+
+
+def index_key(layer: int, ino: int, kind: bytes, chunk: int | None = None) -> bytes:
+    key = u64(layer) + u64(ino) + kind
+    return key + u64(chunk) if chunk is not None else key
+
+
+def split_index_key(key: bytes) -> tuple[int, int, bytes, int | None]:
+    layer, ino = from_u64(key[:8]), from_u64(key[8:16])
+    kind = key[16:17]
+    chunk = from_u64(key[17:25]) if len(key) > 17 else None
+    return layer, ino, kind, chunk
+
+
+# -- locations ----------------------------------------------------------------
+# A location names an object at the moment a record was written: a path
+# relative to the workspace root (bytes, '/'-separated, b"" for the root), or a
+# grave entry in the store, written GRAVE_PREFIX + decimal id.  NUL never occurs
+# in file names, so the two cannot collide.
+
+GRAVE_PREFIX = b"\0grave/"
+
+
+def grave_loc(gid: int) -> bytes:
+    return GRAVE_PREFIX + str(gid).encode()
+
+
+def grave_id(loc: bytes) -> int | None:
+    return int(loc[len(GRAVE_PREFIX):]) if loc.startswith(GRAVE_PREFIX) else None
+
+
+# -- undo records ---------------------------------------------------------------
+# Each record says how to undo one change.  They are applied last first.
+
+CREATE = 1    # (path,)                  an object was created at path: remove it
+LINK = 2      # (path,)                  a hard link was made at path: unlink it
+GRAVE = 3     # (path, gid, ino)         path was moved to grave gid: move it back
+RENAME = 4    # (src, dst, ino)          ino was renamed src -> dst: rename back
+EXCHANGE = 5  # (a, b, ino_a, ino_b)     a and b were exchanged: exchange again
+META = 6      # (loc, ino, mode, uid, gid, size, atime_ns, mtime_ns)
+XATTRS = 7    # (loc, ino, blob)         all xattrs before the first xattr change
+CHUNK = 8     # (loc, ino, index, length, digest)  old bytes of one chunk;
+              #   an empty digest means the chunk was all zeros (a hole)
+
+KIND_NAMES = {
+    CREATE: "create", LINK: "link", GRAVE: "grave", RENAME: "rename",
+    EXCHANGE: "exchange", META: "meta", XATTRS: "xattrs", CHUNK: "chunk",
+}
+
+
+class Record(NamedTuple):
+    kind: int
+    fields: tuple
+
+    @property
+    def name(self) -> str:
+        return KIND_NAMES.get(self.kind, str(self.kind))
+
+
+_I = struct.Struct(">q")
+_L = struct.Struct(">I")
+
+
+def encode_record(kind: int, *fields: int | bytes | None) -> bytes:
+    out = [bytes((kind,))]
+    for f in fields:
+        if f is None:
+            out.append(b"n")
+        elif isinstance(f, int):
+            out.append(b"i" + _I.pack(f))
+        else:
+            out.append(b"b" + _L.pack(len(f)) + bytes(f))
+    return b"".join(out)
+
+
+def decode_record(data: bytes) -> Record:
+    kind = data[0]
+    fields: list[int | bytes | None] = []
+    pos = 1
+    end = len(data)
+    while pos < end:
+        tag = data[pos:pos + 1]
+        pos += 1
+        if tag == b"i":
+            fields.append(_I.unpack_from(data, pos)[0])
+            pos += 8
+        elif tag == b"b":
+            n = _L.unpack_from(data, pos)[0]
+            pos += 4
+            fields.append(bytes(data[pos:pos + n]))
+            pos += n
+        elif tag == b"n":
+            fields.append(None)
+        else:
+            raise ValueError(f"corrupt journal record (tag {tag!r})")
+    return Record(kind, tuple(fields))
+
+
+def encode_xattrs(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    out = []
+    for name, value in sorted(pairs):
+        out.append(_L.pack(len(name)) + name + _L.pack(len(value)) + value)
+    return b"".join(out)
+
+
+def decode_xattrs(blob: bytes) -> list[tuple[bytes, bytes]]:
+    pairs = []
+    pos = 0
+    while pos < len(blob):
+        n = _L.unpack_from(blob, pos)[0]
+        name = blob[pos + 4:pos + 4 + n]
+        pos += 4 + n
+        m = _L.unpack_from(blob, pos)[0]
+        value = blob[pos + 4:pos + 4 + m]
+        pos += 4 + m
+        pairs.append((bytes(name), bytes(value)))
+    return pairs

@@ -1,0 +1,358 @@
+"""Stack operations on a store: checkpoint, commit, rollback and the views
+of a layer (status, log).  They work the same inside the mount daemon and on
+an unmounted workspace; the daemon adds flushing and cache invalidation.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from . import backing as B
+from . import schema as S
+from .errors import NothingToDo, UnknownLayer
+from .store import Layer, Store
+from .undo import Touched, Undoer, describe
+
+
+@dataclass
+class RollbackReport:
+    dropped: list[int] = field(default_factory=list)
+    applied: int = 0
+    failures: list[str] = field(default_factory=list)
+    touched: Touched = field(default_factory=Touched)
+    top: int = 0
+
+    def to_dict(self) -> dict:
+        return {"dropped": self.dropped, "applied": self.applied,
+                "failures": self.failures, "top": self.top}
+
+
+class Stack:
+    def __init__(self, store: Store, resolver: B.Resolver):
+        self.store = store
+        self.resolver = resolver
+
+    # -- basics -----------------------------------------------------------------
+
+    def ensure_base(self) -> Layer:
+        """There is always an open layer."""
+        top = self.store.top()
+        return top if top is not None else self.store.push_layer("base")
+
+    def layer_is_empty(self, layer_id: int) -> bool:
+        layer = self.store.get_layer(layer_id)
+        return next(self.store.records(layer.start, self.store.layer_end(layer_id)),
+                    None) is None
+
+    def checkpoint(self, message: str = "") -> Layer:
+        return self.store.push_layer(message)
+
+    def resume(self) -> RollbackReport | None:
+        """Finish a stack operation that was interrupted by a crash."""
+        pending = self.store.get_meta_json(S.K_PENDING)
+        report = None
+        if pending and pending.get("op") == "rollback":
+            report = self._rollback_to(pending["to"])
+        elif pending and pending.get("op") == "commit":
+            self.store.set_meta_json(S.K_PENDING, None)
+        self.sweep_graves()
+        self.ensure_base()
+        return report
+
+    # -- commit -------------------------------------------------------------------
+
+    def commit(self) -> dict:
+        """Merge the top layer into the one below; committing the base layer
+        makes its changes permanent and opens a fresh base layer."""
+        layers = self.store.layers()
+        top = layers[-1]
+        if len(layers) == 1:
+            if self.layer_is_empty(top.id):
+                raise NothingToDo("nothing to commit: the base layer has no changes")
+            self._commit_base(top)
+            fresh = self.store.push_layer("base")
+            return {"committed": top.id, "into": None, "top": fresh.id}
+        below = layers[-2]
+        self._merge(top, below)
+        return {"committed": top.id, "into": below.id, "top": below.id}
+
+    def _merge(self, top: Layer, below: Layer) -> None:
+        st = self.store
+        with st.write() as w:
+            txn = w.txn
+            prefix = S.index_prefix(top.id)
+            cur = txn.cursor(db=st.db_index)
+            moves = []
+            ok = cur.set_range(prefix)
+            while ok and cur.key().startswith(prefix):
+                moves.append((cur.key(), cur.value()))
+                ok = cur.next()
+            created_below: dict[int, bool] = {}
+            for key, val in moves:
+                _, ino, kind, chunk = S.split_index_key(key)
+                txn.delete(key, db=st.db_index)
+                if ino not in created_below:
+                    created_below[ino] = txn.get(
+                        S.index_key(below.id, ino, S.IDX_CREATED), db=st.db_index) is not None
+                lower = S.index_key(below.id, ino, kind, chunk)
+                redundant = kind != S.IDX_CREATED and (
+                    created_below[ino] or txn.get(lower, db=st.db_index) is not None)
+                if redundant:
+                    # The lower layer already restores this (it is older).
+                    w.delete_record(S.from_u64(val))
+                elif txn.get(lower, db=st.db_index) is None:
+                    txn.put(lower, val, db=st.db_index)
+            txn.delete(S.u64(top.id), db=st.db_layers)
+        st.forget_layer_cache()
+
+    def _commit_base(self, base: Layer) -> None:
+        st = self.store
+        graves = []
+        with st.write() as w:
+            for seq, rec in st.records(base.start, st.layer_end(base.id)):
+                if rec.kind == S.GRAVE:
+                    graves.append(rec.fields[1])
+                w.delete_record(seq)
+            self._drop_index(w, base.id)
+            w.txn.delete(S.u64(base.id), db=st.db_layers)
+        st.forget_layer_cache()
+        for gid in graves:
+            remove_tree_at(st.grave_fd, str(gid).encode())
+
+    def _drop_index(self, w, layer_id: int) -> None:
+        prefix = S.index_prefix(layer_id)
+        cur = w.txn.cursor(db=self.store.db_index)
+        ok = cur.set_range(prefix)
+        while ok and cur.key().startswith(prefix):
+            ok = cur.delete()
+
+    def sweep_graves(self) -> int:
+        """Remove grave entries no record refers to (left by a crash during a
+        base commit)."""
+        fd = os.open(B.proc(self.store.grave_fd), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            names = os.listdir(fd)
+        finally:
+            os.close(fd)
+        removed = 0
+        with self.store.read() as txn:
+            live = {n for n in names if n.isdigit()
+                    and txn.get(S.u64(int(n)), db=self.store.db_graves) is not None}
+        for n in names:
+            if n not in live:
+                remove_tree_at(self.store.grave_fd, os.fsencode(n))
+                removed += 1
+        return removed
+
+    # -- rollback -------------------------------------------------------------------
+
+    def rollback(self, to: int | None = None) -> RollbackReport:
+        layers = self.store.layers()
+        top = layers[-1]
+        if to is None:
+            if len(layers) == 1 and self.layer_is_empty(top.id):
+                raise NothingToDo("nothing to roll back: the base layer has no changes")
+            to = top.id
+        elif to not in {layer.id for layer in layers}:
+            raise UnknownLayer(f"no layer {to} (layers: "
+                               f"{', '.join(str(layer.id) for layer in layers)})")
+        self.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": to})
+        return self._rollback_to(to)
+
+    def _rollback_to(self, to: int) -> RollbackReport:
+        st = self.store
+        report = RollbackReport()
+        layers = [layer for layer in st.layers() if layer.id >= to]
+        undo = Undoer(st, self.resolver, report.touched)
+        if layers:
+            start = layers[0].start
+            for seq, rec in st.records(start, st._next_seq, reverse=True):
+                try:
+                    undo.apply(rec)
+                    report.applied += 1
+                except (OSError, Exception) as e:  # report by name, keep going
+                    report.failures.append(f"{describe(rec)}: {e}")
+                with st.write() as w:
+                    w.delete_record(seq)
+        with st.write() as w:
+            for layer in layers:
+                self._drop_index(w, layer.id)
+                w.txn.delete(S.u64(layer.id), db=st.db_layers)
+            w.set_meta(S.K_PENDING, None)
+        st.forget_layer_cache()
+        report.dropped = [layer.id for layer in layers]
+        report.top = self.ensure_base().id
+        return report
+
+    # -- views ------------------------------------------------------------------------
+
+    def log(self) -> list[dict]:
+        out = []
+        for layer in self.store.layers():
+            d = layer.to_dict()
+            recs = self.store.layer_records(layer.id)
+            d["changes"] = len(self._changes(recs))
+            d["records"] = len(recs)
+            d["bytes"] = self.store.layer_bytes(layer.id)
+            out.append(d)
+        return out
+
+    def status(self, layer_id: int | None = None) -> dict:
+        top = self.store.top()
+        layer_id = top.id if layer_id is None else layer_id
+        recs = self.store.layer_records(layer_id)
+        return {"id": layer_id, "changes": self._changes(recs)}
+
+    def _changes(self, recs: list[tuple[int, S.Record]]) -> list[dict]:
+        """Net changes of a layer, like ``git status --short``: A added,
+        D deleted, M modified, T type changed, R renamed, m attributes only.
+
+        Records name paths as they were when written; renames (of the object
+        or of a directory above it) are replayed to map those paths to the
+        layer's start and to now."""
+        moves: list[tuple[bytes, bytes, bool]] = []   # (a, b, is_exchange) in order
+
+        def fwd(p: bytes, frm: int) -> bytes:
+            for a, b, xchg in moves[frm:]:
+                p = _subst(p, a, b) or (_subst(p, b, a) if xchg else None) or p
+            return p
+
+        def back(p: bytes) -> bytes:
+            for a, b, xchg in reversed(moves):
+                p = _subst(p, b, a) or (_subst(p, a, b) if xchg else None) or p
+            return p
+
+        start: dict[bytes, int] = {}            # start path -> object there at start
+        created: dict[bytes, int] = {}          # record path -> moves index after it
+        meta: dict[int, tuple] = {}
+        content: set[int] = set()
+        xattrs: set[int] = set()
+        graves: dict[int, int] = {}
+
+        def seen(path: bytes, ino: int | None) -> None:
+            if S.grave_id(path) is not None:
+                return
+            sp = back(path)
+            if ino is None:
+                created.setdefault(path, len(moves))
+                start.setdefault(sp, None)
+            else:
+                start.setdefault(sp, ino)
+
+        for _, r in recs:
+            f = r.fields
+            if r.kind in (S.CREATE, S.LINK):
+                seen(f[0], None)
+            elif r.kind == S.GRAVE:
+                seen(f[0], f[2])
+                graves.setdefault(f[2], f[1])
+            elif r.kind == S.RENAME:
+                seen(f[0], f[2])
+                seen(f[1], None)
+                moves.append((f[0], f[1], False))
+                created[f[1]] = len(moves)
+            elif r.kind == S.EXCHANGE:
+                seen(f[0], f[2])
+                seen(f[1], f[3])
+                moves.append((f[0], f[1], True))
+            elif r.kind == S.META:
+                seen(f[0], f[1])
+                meta[f[1]] = f
+            elif r.kind == S.CHUNK:
+                content.add(f[1])
+            elif r.kind == S.XATTRS:
+                xattrs.add(f[1])
+
+        def now(path: bytes) -> os.stat_result | None:
+            try:
+                with self.resolver.at(path) as (d, n):
+                    return B.lstat_at(d, n)
+            except OSError:
+                return None
+
+        out: dict[bytes, dict] = {}
+        present: set[int] = set()
+        for sp, was in start.items():
+            if was is None:
+                continue
+            cur = fwd(sp, 0)
+            st = now(cur)
+            if st is not None and st.st_ino == was:
+                present.add(was)
+                kind = self._modified(was, st, meta.get(was), content, xattrs)
+                if cur != sp:
+                    out[cur] = {"path": cur, "kind": "R", "from": sp}
+                elif kind and sp:
+                    out[cur] = {"path": cur, "kind": kind}
+                continue
+            st = now(sp)
+            if st is None:
+                out.setdefault(sp, {"path": sp, "kind": "D"})
+            else:
+                out[sp] = {"path": sp, "kind": "M" if self._type_of(
+                    was, meta, graves) in (None, stat.S_IFMT(st.st_mode)) else "T"}
+        for path, frm in created.items():
+            cur = fwd(path, frm)
+            st = now(cur)
+            if st is not None and st.st_ino not in present and cur not in out:
+                out[cur] = {"path": cur, "kind": "A"}
+        result = []
+        for path in sorted(out):
+            c = out[path]
+            c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
+            if "from" in c:
+                c["from"] = os.fsdecode(c["from"])
+            result.append(c)
+        return result
+
+    def _type_of(self, ino: int, meta: dict, graves: dict) -> int | None:
+        """The file type an object had at the layer's start, if known."""
+        if ino in meta:
+            return stat.S_IFMT(meta[ino][2])
+        if ino in graves:
+            st = B.lstat_at(self.store.grave_fd, str(graves[ino]).encode())
+            return stat.S_IFMT(st.st_mode) if st is not None else None
+        return None
+
+    @staticmethod
+    def _modified(ino, st, m, content, xattrs) -> str | None:
+        if ino in content or (m is not None and stat.S_ISREG(st.st_mode) and m[5] != st.st_size):
+            return "M"
+        if ino in xattrs:
+            return "m"
+        if m is None:
+            return None
+        if (m[2], m[3], m[4]) != (st.st_mode, st.st_uid, st.st_gid):
+            return "m"
+        if not stat.S_ISDIR(st.st_mode) and m[7] != st.st_mtime_ns:
+            return "m"
+        return None
+
+
+def _subst(p: bytes, a: bytes, b: bytes) -> bytes | None:
+    """*p* with its prefix directory (or itself) *a* replaced by *b*."""
+    if p == a:
+        return b
+    if p.startswith(a + b"/"):
+        return b + p[len(a):]
+    return None
+
+
+def remove_tree_at(dirfd: int, name: bytes) -> None:
+    """Remove *name* in *dirfd* and everything below it, never following
+    symlinks."""
+    st = B.lstat_at(dirfd, name)
+    if st is None:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dirfd)
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+    try:
+        for child in os.listdir(fd):
+            remove_tree_at(fd, os.fsencode(child))
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)

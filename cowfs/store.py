@@ -1,0 +1,369 @@
+"""The layer store: an LMDB environment (see ``schema``) plus a grave
+directory holding whole objects that were unlinked or replaced.
+
+The store is used by exactly one process at a time (the mount daemon, or a
+control command working on an unmounted workspace); an exclusive ``flock`` on
+``STORE/lock`` enforces that.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import lmdb
+import xxhash
+
+from . import schema as S
+from .errors import AlreadyMounted, StoreError
+
+MAP_SIZE = 64 << 30
+DEFAULT_CHUNK_SIZE = 64 << 10
+
+
+@dataclass(frozen=True)
+class Layer:
+    id: int
+    start: int
+    created: float
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "start": self.start, "created": self.created,
+                "message": self.message}
+
+
+def digest(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+class Writer:
+    """One write transaction; records, chunks and index entries written
+    through it become durable (against a process crash) together."""
+
+    def __init__(self, store: "Store", txn: lmdb.Transaction):
+        self.store = store
+        self.txn = txn
+        self.seq = store._next_seq
+
+    def append(self, data: bytes) -> int:
+        seq = self.seq
+        self.txn.put(S.u64(seq), data, db=self.store.db_journal)
+        self.seq += 1
+        return seq
+
+    def rewrite(self, seq: int, data: bytes) -> None:
+        self.txn.put(S.u64(seq), data, db=self.store.db_journal)
+
+    def delete_record(self, seq: int) -> None:
+        """Delete one journal record and release what it references."""
+        key = S.u64(seq)
+        data = self.txn.get(key, db=self.store.db_journal)
+        if data is None:
+            return
+        rec = S.decode_record(data)
+        if rec.kind == S.CHUNK and rec.fields[4]:
+            self.deref(rec.fields[4])
+        elif rec.kind == S.GRAVE:
+            self.txn.delete(S.u64(rec.fields[1]), db=self.store.db_graves)
+        self.txn.delete(key, db=self.store.db_journal)
+
+    def put_chunk(self, data: bytes) -> bytes:
+        h = digest(data)
+        refs = self.txn.get(h, db=self.store.db_refs)
+        if refs is None:
+            self.txn.put(h, data, db=self.store.db_chunks)
+            self.txn.put(h, S.u64(1), db=self.store.db_refs)
+        else:
+            self.txn.put(h, S.u64(S.from_u64(refs) + 1), db=self.store.db_refs)
+        return h
+
+    def deref(self, h: bytes) -> None:
+        refs = self.txn.get(h, db=self.store.db_refs)
+        if refs is None:
+            return
+        n = S.from_u64(refs) - 1
+        if n <= 0:
+            self.txn.delete(h, db=self.store.db_refs)
+            self.txn.delete(h, db=self.store.db_chunks)
+        else:
+            self.txn.put(h, S.u64(n), db=self.store.db_refs)
+
+    def index_put(self, layer: int, ino: int, kind: bytes, seq: int,
+                  chunk: int | None = None) -> None:
+        self.txn.put(S.index_key(layer, ino, kind, chunk), S.u64(seq),
+                     db=self.store.db_index)
+
+    def new_grave(self, ino: int) -> int:
+        gid = self.store._next_grave
+        self.store._next_grave += 1
+        self.txn.put(S.K_NEXT_GRAVE, S.u64(self.store._next_grave), db=self.store.db_meta)
+        self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
+        return gid
+
+    def set_meta(self, key: bytes, value: bytes | None) -> None:
+        if value is None:
+            self.txn.delete(key, db=self.store.db_meta)
+        else:
+            self.txn.put(key, value, db=self.store.db_meta)
+
+
+class Store:
+    """An opened store directory."""
+
+    def __init__(self, path: str, dirfd: int, lock_fd: int, env: lmdb.Environment):
+        self.path = path
+        self.dirfd = dirfd
+        self.lock_fd = lock_fd
+        self.env = env
+        self.db_meta = env.open_db(S.DB_META)
+        self.db_layers = env.open_db(S.DB_LAYERS)
+        self.db_journal = env.open_db(S.DB_JOURNAL)
+        self.db_index = env.open_db(S.DB_INDEX)
+        self.db_chunks = env.open_db(S.DB_CHUNKS)
+        self.db_refs = env.open_db(S.DB_REFS)
+        self.db_graves = env.open_db(S.DB_GRAVES)
+        self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
+                                dir_fd=dirfd)
+        with env.begin() as txn:
+            self.chunk_size = S.from_u64(txn.get(S.K_CHUNK_SIZE, db=self.db_meta))
+            self._next_seq = S.from_u64(txn.get(S.K_NEXT_SEQ, db=self.db_meta))
+            self._next_layer = S.from_u64(txn.get(S.K_NEXT_LAYER, db=self.db_meta))
+            self._next_grave = S.from_u64(txn.get(S.K_NEXT_GRAVE, db=self.db_meta))
+        self._layers: list[Layer] | None = None
+
+    # -- opening ------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, workspace: str, *, create: bool = True,
+             chunk_size: int = DEFAULT_CHUNK_SIZE) -> "Store":
+        """Open (and with *create*, initialise) the store at *path* for the
+        workspace root *workspace*; lock it exclusively."""
+        ws_st = os.stat(workspace)
+        if not os.path.isdir(path):
+            if not create:
+                raise StoreError(f"no cowfs store at {path}")
+            os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)
+        st = os.stat(path)
+        if st.st_dev != ws_st.st_dev:
+            raise StoreError(
+                f"store {path} is not on the workspace's filesystem; whole-file "
+                "pre-images must move into it, so it has to be")
+        dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+        lock_fd = -1
+        try:
+            lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
+                              dir_fd=dirfd)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise AlreadyMounted(
+                    f"store {path} is in use by another cowfs process "
+                    "(is the workspace mounted?)") from None
+            try:
+                os.mkdir("grave", 0o700, dir_fd=dirfd)
+            except FileExistsError:
+                pass
+            env = lmdb.open(os.path.join(path, "db"), map_size=MAP_SIZE,
+                            max_dbs=len(S.ALL_DBS) + 2, sync=False, metasync=False,
+                            writemap=False, readahead=False, subdir=True, mode=0o600)
+            env.reader_check()
+            cls._init_meta(env, path, workspace, ws_st, chunk_size)
+            return cls(path, dirfd, lock_fd, env)
+        except BaseException:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            os.close(dirfd)
+            raise
+
+    @staticmethod
+    def _init_meta(env: lmdb.Environment, path: str, workspace: str,
+                   ws_st: os.stat_result, chunk_size: int) -> None:
+        meta = env.open_db(S.DB_META)
+        for name in S.ALL_DBS:
+            env.open_db(name)
+        with env.begin(write=True, db=meta) as txn:
+            fmt = txn.get(S.K_FORMAT)
+            if fmt is None:
+                txn.put(S.K_FORMAT, S.u64(S.FORMAT))
+                txn.put(S.K_WORKSPACE, S.to_json(
+                    {"path": os.path.abspath(workspace), "dev": ws_st.st_dev,
+                     "ino": ws_st.st_ino}))
+                txn.put(S.K_CHUNK_SIZE, S.u64(chunk_size))
+                txn.put(S.K_NEXT_SEQ, S.u64(1))
+                txn.put(S.K_NEXT_LAYER, S.u64(1))
+                txn.put(S.K_NEXT_GRAVE, S.u64(1))
+                return
+            if S.from_u64(fmt) != S.FORMAT:
+                raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
+                                 f"this cowfs reads format {S.FORMAT}")
+            owner = S.from_json(txn.get(S.K_WORKSPACE))
+            if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
+                raise StoreError(
+                    f"store {path} belongs to another workspace ({owner['path']})")
+
+    def close(self) -> None:
+        self.sync()
+        self.env.close()
+        os.close(self.grave_fd)
+        os.close(self.dirfd)
+        os.close(self.lock_fd)
+
+    def sync(self) -> None:
+        """Make everything written so far durable against power loss."""
+        self.env.sync(True)
+        fd = os.open("grave", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                     dir_fd=self.dirfd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- transactions ---------------------------------------------------------
+
+    @contextmanager
+    def write(self) -> Iterator[Writer]:
+        """A write transaction; raises OSError(ENOSPC/EIO) when the store
+        cannot take it, so callers fail the change before touching a file."""
+        try:
+            with self.env.begin(write=True) as txn:
+                w = Writer(self, txn)
+                yield w
+                if w.seq != self._next_seq:
+                    txn.put(S.K_NEXT_SEQ, S.u64(w.seq), db=self.db_meta)
+            self._next_seq = w.seq
+        except lmdb.MapFullError as e:
+            raise OSError(errno.ENOSPC, f"cowfs store full: {e}") from None
+        except lmdb.Error as e:
+            err = errno.ENOSPC if "No space" in str(e) else errno.EIO
+            raise OSError(err, f"cowfs store error: {e}") from None
+
+    def read(self) -> lmdb.Transaction:
+        return self.env.begin()
+
+    # -- layers ----------------------------------------------------------------
+
+    def layers(self) -> list[Layer]:
+        if self._layers is None:
+            out = []
+            with self.env.begin(db=self.db_layers) as txn:
+                for k, v in txn.cursor():
+                    d = S.from_json(v)
+                    out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"]))
+            self._layers = out
+        return list(self._layers)
+
+    def top(self) -> Layer | None:
+        layers = self.layers()
+        return layers[-1] if layers else None
+
+    def layer_end(self, layer_id: int) -> int:
+        """First seq after *layer_id*'s records."""
+        for a, b in zip(self.layers(), self.layers()[1:]):
+            if a.id == layer_id:
+                return b.start
+        return self._next_seq
+
+    def push_layer(self, message: str = "") -> Layer:
+        layer = Layer(self._next_layer, self._next_seq, time.time(), message)
+        with self.write() as w:
+            w.txn.put(S.u64(layer.id), S.to_json(
+                {"start": layer.start, "created": layer.created, "message": message}),
+                db=self.db_layers)
+            self._next_layer += 1
+            w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
+        self._layers = None
+        return layer
+
+    def forget_layer_cache(self) -> None:
+        self._layers = None
+
+    def records(self, start: int, end: int, reverse: bool = False
+                ) -> Iterator[tuple[int, S.Record]]:
+        """Journal records with start <= seq < end (a short read txn per
+        batch, so callers may write between items)."""
+        with self.env.begin(db=self.db_journal) as txn:
+            cur = txn.cursor()
+            items = []
+            if reverse:
+                if cur.set_range(S.u64(end)):
+                    ok = cur.prev()
+                else:
+                    ok = cur.last()
+                while ok:
+                    seq = S.from_u64(cur.key())
+                    if seq < start:
+                        break
+                    if seq < end:
+                        items.append((seq, S.decode_record(cur.value())))
+                    ok = cur.prev()
+            else:
+                ok = cur.set_range(S.u64(start))
+                while ok:
+                    seq = S.from_u64(cur.key())
+                    if seq >= end:
+                        break
+                    items.append((seq, S.decode_record(cur.value())))
+                    ok = cur.next()
+        return iter(items)
+
+    def layer_records(self, layer_id: int) -> list[tuple[int, S.Record]]:
+        layer = self.get_layer(layer_id)
+        return list(self.records(layer.start, self.layer_end(layer_id)))
+
+    def get_layer(self, layer_id: int) -> Layer:
+        for layer in self.layers():
+            if layer.id == layer_id:
+                return layer
+        from .errors import UnknownLayer
+        raise UnknownLayer(f"no layer {layer_id}")
+
+    def layer_bytes(self, layer_id: int) -> int:
+        """Store bytes the layer's records occupy (records plus their chunk
+        data, counting shared chunks once per layer, plus grave files)."""
+        total = 0
+        seen: set[bytes] = set()
+        layer = self.get_layer(layer_id)
+        with self.env.begin() as txn:
+            for seq, rec in self.records(layer.start, self.layer_end(layer_id)):
+                total += 16
+                if rec.kind == S.CHUNK and rec.fields[4] and rec.fields[4] not in seen:
+                    seen.add(rec.fields[4])
+                    data = txn.get(rec.fields[4], db=self.db_chunks)
+                    total += len(data) if data is not None else 0
+                elif rec.kind == S.GRAVE:
+                    try:
+                        st = os.stat(str(rec.fields[1]), dir_fd=self.grave_fd,
+                                     follow_symlinks=False)
+                        total += st.st_blocks * 512
+                    except OSError:
+                        pass
+        return total
+
+    def get_meta_json(self, key: bytes):
+        with self.env.begin(db=self.db_meta) as txn:
+            v = txn.get(key)
+        return S.from_json(v) if v is not None else None
+
+    def set_meta_json(self, key: bytes, value) -> None:
+        with self.write() as w:
+            w.set_meta(key, S.to_json(value) if value is not None else None)
+
+    def grave_counts(self) -> dict[int, int]:
+        """Backing inode -> number of its names held in the grave."""
+        counts: dict[int, int] = {}
+        with self.env.begin(db=self.db_graves) as txn:
+            for _, v in txn.cursor():
+                ino = S.from_u64(v)
+                counts[ino] = counts.get(ino, 0) + 1
+        return counts
+
+    def chunk(self, h: bytes) -> bytes | None:
+        with self.env.begin(db=self.db_chunks) as txn:
+            return txn.get(h)

@@ -1,0 +1,218 @@
+"""Applying undo records to the backing directory.
+
+Every step is idempotent on its own: a rollback interrupted between applying a
+record and deleting it applies that one record again when it resumes, and a
+step whose object is already where it belongs does nothing.  Names are always
+resolved relative to directory fds without following symlinks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+
+from . import backing as B
+from . import schema as S
+from .store import Store, digest
+
+
+class UndoError(Exception):
+    pass
+
+
+@dataclass
+class Touched:
+    """What an undo run changed, for the mount to invalidate kernel caches."""
+
+    entries: set[tuple[bytes, bytes]] = field(default_factory=set)  # (parent path, name)
+    objects: set[int] = field(default_factory=set)                   # backing inodes
+    moves: list[tuple[int, bytes]] = field(default_factory=list)     # (ino, new loc)
+
+    def entry(self, loc: bytes) -> None:
+        if S.grave_id(loc) is None and loc:
+            self.entries.add(B.split(loc))
+
+
+class Undoer:
+    def __init__(self, store: Store, resolver: B.Resolver, touched: Touched | None = None):
+        self.store = store
+        self.r = resolver
+        self.touched = touched if touched is not None else Touched()
+
+    def apply(self, rec: S.Record) -> None:
+        handler = _HANDLERS[rec.kind]
+        handler(self, *rec.fields)
+
+    # -- names -------------------------------------------------------------------
+
+    def _remove(self, path: bytes) -> None:
+        with self.r.at(path) as (d, n):
+            st = B.lstat_at(d, n)
+            if st is None:
+                return
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(n, dir_fd=d)
+            else:
+                os.unlink(n, dir_fd=d)
+        self.touched.entry(path)
+
+    def _create(self, path: bytes) -> None:
+        self._remove(path)
+
+    def _link(self, path: bytes) -> None:
+        self._remove(path)
+
+    def _grave(self, path: bytes, gid: int, ino: int) -> None:
+        g = str(gid).encode()
+        if B.lstat_at(self.store.grave_fd, g) is None:
+            return
+        with self.r.at(path) as (d, n):
+            B.renameat2(self.store.grave_fd, g, d, n, B.RENAME_NOREPLACE)
+        self.touched.entry(path)
+        self.touched.moves.append((ino, path))
+
+    def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
+        with self.r.at(dst) as (dd, dn):
+            st = B.lstat_at(dd, dn)
+            if st is None or st.st_ino != ino:
+                return
+            with self.r.at(src) as (sd, sn):
+                B.renameat2(dd, dn, sd, sn, B.RENAME_NOREPLACE)
+        self.touched.entry(src)
+        self.touched.entry(dst)
+        self.touched.moves.append((ino, src))
+
+    def _exchange(self, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
+        with self.r.at(a) as (ad, an), self.r.at(b) as (bd, bn):
+            sa, sb = B.lstat_at(ad, an), B.lstat_at(bd, bn)
+            if sa is not None and sb is not None:
+                if sa.st_ino != ino_b or sb.st_ino != ino_a:
+                    return
+                B.renameat2(ad, an, bd, bn, B.RENAME_EXCHANGE)
+            elif sa is not None and sa.st_ino == ino_b:
+                B.renameat2(ad, an, bd, bn, B.RENAME_NOREPLACE)
+            elif sb is not None and sb.st_ino == ino_a:
+                B.renameat2(bd, bn, ad, an, B.RENAME_NOREPLACE)
+            else:
+                return
+        self.touched.entry(a)
+        self.touched.entry(b)
+        self.touched.moves.append((ino_a, a))
+        self.touched.moves.append((ino_b, b))
+
+    # -- objects -------------------------------------------------------------------
+
+    def _object(self, d: int, n: bytes, ino: int, loc: bytes) -> os.stat_result:
+        st = B.lstat_at(d, n)
+        if st is None:
+            raise UndoError(f"{_show(loc)}: object missing")
+        if st.st_ino != ino:
+            raise UndoError(f"{_show(loc)}: a different object is there")
+        return st
+
+    def _meta(self, loc: bytes, ino: int, mode: int, uid: int, gid: int, size: int,
+              atime: int, mtime: int) -> None:
+        with self.r.at(loc) as (d, n):
+            st = self._object(d, n, ino, loc)
+            if stat.S_ISREG(st.st_mode) and st.st_size != size:
+                fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=d)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            if (st.st_uid, st.st_gid) != (uid, gid):
+                os.chown(n, uid, gid, dir_fd=d, follow_symlinks=False)
+            if not stat.S_ISLNK(st.st_mode):
+                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+                try:
+                    os.chmod(B.proc(fd), stat.S_IMODE(mode))
+                finally:
+                    os.close(fd)
+            os.utime(n, ns=(atime, mtime), dir_fd=d, follow_symlinks=False)
+        self.touched.objects.add(ino)
+
+    def _xattrs(self, loc: bytes, ino: int, blob: bytes) -> None:
+        with self.r.at(loc) as (d, n):
+            self._object(d, n, ino, loc)
+            B.set_all_xattrs(*B.xattr_target(d, n), S.decode_xattrs(blob))
+        self.touched.objects.add(ino)
+
+    def _chunk(self, loc: bytes, ino: int, index: int, length: int, h: bytes) -> None:
+        data = None
+        if h:
+            data = self.store.chunk(h)
+            if data is None:
+                raise UndoError(f"{_show(loc)}: pre-image chunk {index} is missing")
+            if len(data) != length or digest(data) != h:
+                raise UndoError(f"{_show(loc)}: pre-image chunk {index} is corrupt")
+        with self.r.at(loc) as (d, n):
+            self._object(d, n, ino, loc)
+            fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=d)
+            try:
+                off = index * self.store.chunk_size
+                size = os.fstat(fd).st_size
+                if data is None:
+                    B.punch_hole(fd, off, min(length, max(0, size - off)))
+                else:
+                    write_sparse(fd, data, off, size)
+            finally:
+                os.close(fd)
+        self.touched.objects.add(ino)
+
+
+PAGE = 4096
+_ZERO_PAGE = bytes(PAGE)
+
+
+def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
+    """Write *data* at *off*, leaving (or punching) holes where whole pages
+    are zeros, so sparse files stay sparse."""
+    view = memoryview(data)
+    pos = 0
+    while pos < len(data):
+        end = min(pos + PAGE, len(data))
+        zero = view[pos:end] == _ZERO_PAGE[:end - pos]
+        run_end = end
+        while run_end < len(data):
+            nxt = min(run_end + PAGE, len(data))
+            if (view[run_end:nxt] == _ZERO_PAGE[:nxt - run_end]) != zero:
+                break
+            run_end = nxt
+        if not zero:
+            os.pwrite(fd, view[pos:run_end], off + pos)
+        elif off + pos < size:
+            B.punch_hole(fd, off + pos, min(run_end, size - off) - pos)
+        pos = run_end
+
+
+_HANDLERS = {
+    S.CREATE: Undoer._create,
+    S.LINK: Undoer._link,
+    S.GRAVE: Undoer._grave,
+    S.RENAME: Undoer._rename,
+    S.EXCHANGE: Undoer._exchange,
+    S.META: Undoer._meta,
+    S.XATTRS: Undoer._xattrs,
+    S.CHUNK: Undoer._chunk,
+}
+
+
+def _show(loc: bytes) -> str:
+    gid = S.grave_id(loc)
+    if gid is not None:
+        return f"<removed object {gid}>"
+    return os.fsdecode(loc) if loc else "."
+
+
+def describe(rec: S.Record) -> str:
+    """A short human description of a record, for error reports."""
+    first = rec.fields[0] if rec.fields else b""
+    return f"{rec.name} {_show(first) if isinstance(first, bytes) else first}"
+
+
+def is_missing(e: OSError) -> bool:
+    return e.errno in (errno.ENOENT, errno.ENOTDIR)

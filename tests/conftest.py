@@ -1,0 +1,152 @@
+"""Fixtures: real FUSE mounts driven through the real ``cowfs`` command.
+
+Every mount made through ``Workspace`` is unmounted and its daemon killed at
+teardown, whether the test passed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from cowfs import treesnap
+from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+
+COWFS = [sys.executable, "-m", "cowfs"]
+
+settings.register_profile("ci", max_examples=25, deadline=None, stateful_step_count=30,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=15, deadline=None, stateful_step_count=25,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("soak", max_examples=400, deadline=None, stateful_step_count=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("COWFS_HYPOTHESIS_PROFILE",
+                                     "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        pytest.exit("the cowfs test suite mounts FUSE filesystems as root; run it as root",
+                    returncode=2)
+
+
+def run(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real ``cowfs`` command."""
+    cmd = [*COWFS, *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check and r.returncode != 0:
+        raise AssertionError(f"cowfs {' '.join(cmd[3:])} exited {r.returncode}: "
+                             f"{r.stderr.strip()}")
+    return r
+
+
+class Workspace:
+    """A workspace directory and its (optional) cowfs mount over itself."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.mounted = False
+
+    def __truediv__(self, other) -> Path:
+        return self.path / other
+
+    def mount(self, *extra) -> None:
+        run("mount", *extra, self.path)
+        assert is_cowfs_mount(str(self.path))
+        self.mounted = True
+
+    def unmount(self) -> None:
+        run("unmount", self.path)
+        self.mounted = False
+        assert not is_cowfs_mount(str(self.path))
+
+    def cowfs(self, *args, check=True) -> subprocess.CompletedProcess:
+        return run("-C", self.path, *args, check=check)
+
+    def json(self, *args):
+        return json.loads(self.cowfs("--json", *args).stdout)
+
+    def checkpoint(self, message: str = "") -> int:
+        return self.json("checkpoint", "-m", message)["id"]
+
+    def rollback(self, to: int | None = None) -> dict:
+        return self.json("rollback", *(["--to", to] if to is not None else []))
+
+    def commit(self) -> dict:
+        return self.json("commit")
+
+    def status(self) -> list[dict]:
+        return self.json("status")["changes"]
+
+    def log(self) -> list[dict]:
+        return self.json("log")
+
+    def snapshot(self, **kw) -> treesnap.Snapshot:
+        return treesnap.snapshot(self.path, **kw)
+
+    def daemon_pid(self) -> int | None:
+        rec = MountRecord.load(str(self.path))
+        return rec.pid if rec else None
+
+    def kill(self) -> None:
+        """kill -9 the daemon (the mount stays behind, dead)."""
+        pid = self.daemon_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            time.sleep(0.01)
+
+    def teardown(self) -> None:
+        pid = self.daemon_pid()
+        if is_cowfs_mount(str(self.path)):
+            r = run("unmount", "--lazy", self.path, check=False)
+            if r.returncode != 0 or is_cowfs_mount(str(self.path)):
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+        if pid is not None and pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        rec = MountRecord.load(str(self.path))
+        if rec is not None:
+            rec.remove()
+        self.mounted = False
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """An empty, unmounted workspace; populate it, then call .mount()."""
+    ws = Workspace(tmp_path / "ws")
+    ws.path.mkdir()
+    try:
+        yield ws
+    finally:
+        ws.teardown()
+
+
+@pytest.fixture
+def mounted(workspace):
+    """A mounted workspace with a little content in its base state."""
+    (workspace / "a.txt").write_text("alpha\n")
+    (workspace / "dir").mkdir()
+    (workspace / "dir" / "b.txt").write_text("beta\n")
+    workspace.mount()
+    return workspace
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A last guard: no cowfs mount made by this session may outlive it."""
+    base = str(Path(os.environ.get("TMPDIR", "/tmp")))
+    for line in open("/proc/self/mountinfo"):
+        left, _, right = line.partition(" - ")
+        mp = left.split(" ")[4]
+        if right.startswith("fuse.cowfs ") and mp.startswith(base + "/pytest-of-"):
+            subprocess.run(["umount", "-l", mp], capture_output=True)
