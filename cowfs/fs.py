@@ -178,6 +178,7 @@ class CowFS(pyfuse3.Operations):
         if self.by_bino.get(node.bino) is node:
             del self.by_bino[node.bino]
         os.close(node.fd)
+        node.fd = -1
 
     def _add_link(self, node: Node, parent: Node, name: bytes) -> None:
         if node.parent is parent and node.name == name:
@@ -206,7 +207,7 @@ class CowFS(pyfuse3.Operations):
         n = node
         while n is not self.root:
             p = n.parent
-            if p is None:
+            if p is None or p.fd < 0:
                 raise OSError(errno.ESTALE, "object has no known name")
             if p is self.grave:
                 if parts:
@@ -222,14 +223,55 @@ class CowFS(pyfuse3.Operations):
         if node is self.root:
             return b""
         for parent, name in [(node.parent, node.name), *(node.extra or ())]:
-            if parent is None:
+            if parent is None or parent.fd < 0:
                 continue
             st = B.lstat_at(parent.fd, name)
             if st is not None and st.st_ino == node.bino:
                 if (parent, name) != (node.parent, node.name):
                     self._add_link(node, parent, name)
-                return self._path(node)
-        raise OSError(errno.EIO, "cannot locate the object to capture it")
+                try:
+                    return self._path(node)
+                except OSError:
+                    continue
+        path = self._search(node.bino)
+        if path is None:
+            raise OSError(errno.EIO, "cannot locate the object to capture it")
+        return path
+
+    def _search(self, bino: int) -> bytes | None:
+        """Find a name of backing inode *bino* by walking the tree (a last
+        resort when every name we knew has gone stale)."""
+        gfd = os.open(B.proc(self.grave.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with os.scandir(gfd) as it:
+                for e in it:
+                    if e.inode() == bino:
+                        return S.GRAVE_PREFIX + os.fsencode(e.name)
+        finally:
+            os.close(gfd)
+        pending = [b""]
+        while pending:
+            rel = pending.pop()
+            try:
+                fd = B.open_dir(self.root.fd, rel)
+                rfd = os.open(B.proc(fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                os.close(fd)
+            except OSError:
+                continue
+            try:
+                with os.scandir(rfd) as it:
+                    for e in it:
+                        name = os.fsencode(e.name)
+                        if not rel and name == self.hidden:
+                            continue
+                        path = B.join(rel, name)
+                        if e.inode() == bino:
+                            return path
+                        if e.is_dir(follow_symlinks=False):
+                            pending.append(path)
+            finally:
+                os.close(rfd)
+        return None
 
     def _child(self, parent: Node, name: bytes) -> bytes:
         return B.join(self._path(parent), name)

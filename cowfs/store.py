@@ -148,7 +148,12 @@ class Store:
         if not os.path.isdir(path):
             if not create:
                 raise StoreError(f"no cowfs store at {path}")
+            parent = os.path.dirname(os.path.abspath(path))
+            pst = os.stat(parent)
             os.mkdir(path, 0o700)
+            # Creating the store must not show up as a change of the
+            # workspace: keep the directory's times as they were.
+            os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
         os.chmod(path, 0o700)
         st = os.stat(path)
         if st.st_dev != ws_st.st_dev:
