@@ -45,6 +45,7 @@ class Recorder:
         self.objs: dict[int, Obj] = {}
         self.fresh = False
         self._pending_created: list[int] = []
+        self._saved: dict[int, tuple] = {}
         self.reset(fresh=False)
 
     def reset(self, fresh: bool) -> None:
@@ -112,12 +113,28 @@ class Recorder:
 
     @contextmanager
     def txn(self) -> Iterator[Writer]:
-        with self.store.write() as w:
-            if self._pending_created:
-                for ino in self._pending_created:
-                    w.index_put(self.layer, ino, S.IDX_CREATED, 0)
-            yield w
+        """A store transaction for captures.  If it fails, what memory says
+        was captured in it is forgotten again, so nothing is believed
+        captured that the store does not hold."""
+        self._saved: dict[int, tuple] = {}
+        try:
+            with self.store.write() as w:
+                if self._pending_created:
+                    for ino in self._pending_created:
+                        w.index_put(self.layer, ino, S.IDX_CREATED, 0)
+                yield w
+        except BaseException:
+            for ino, (meta, s0, xattrs, chunks) in self._saved.items():
+                o = self.objs[ino]
+                o.meta, o.s0, o.xattrs, o.chunks = meta, s0, xattrs, chunks
+            raise
+        finally:
+            self._saved = {}
         self._pending_created = []
+
+    def _changing(self, ino: int, o: Obj) -> None:
+        if ino not in self._saved:
+            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks))
 
     def flush(self) -> None:
         """Write index entries still held in memory (before a layer switch)."""
@@ -160,6 +177,7 @@ class Recorder:
         o = self.obj(ino)
         if o.created or o.meta:
             return o
+        self._changing(ino, o)
         seq = w.append(S.encode_record(
             S.META, loc(), ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
             st.st_atime_ns, st.st_mtime_ns))
@@ -173,6 +191,7 @@ class Recorder:
         o = self.obj(ino)
         if o.created or o.xattrs:
             return
+        self._changing(ino, o)
         seq = w.append(S.encode_record(S.XATTRS, loc(), ino, S.encode_xattrs(pairs())))
         w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
         o.xattrs = True
@@ -190,6 +209,7 @@ class Recorder:
             return
         C = self.C
         where = None
+        self._changing(ino, o)
         for k in range(start // C, (end - 1) // C + 1):
             if k in o.chunks:
                 continue

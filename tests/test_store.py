@@ -1,0 +1,195 @@
+"""The layer store, capture and undo without FUSE: a real LMDB store on a
+real directory, changed the way the mount daemon changes it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cowfs import backing as B
+from cowfs import schema as S
+from cowfs import treesnap
+from cowfs.capture import Recorder
+from cowfs.stack import Stack
+from cowfs.store import Store, digest
+
+C = 64 << 10
+
+
+class Harness:
+    """Capture-then-change on a plain directory, as the daemon does it."""
+
+    def __init__(self, root):
+        self.root = root
+        self.store = Store.open(str(root / ".cowfs"), str(root))
+        self.rootfd = os.open(root, B.DIR_FLAGS)
+        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        self.stack.ensure_base()
+        self.rec = Recorder(self.store)
+        self.rec.reset(fresh=False)
+
+    def close(self):
+        os.close(self.rootfd)
+        self.store.close()
+
+    def pwrite(self, name: str, data: bytes, off: int) -> None:
+        path = self.root / name
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            self.rec.obj(st.st_ino)
+            with self.rec.txn() as w:
+                self.rec.data(w, st.st_ino, lambda: name.encode(), fd, st, off, off + len(data))
+            os.pwrite(fd, data, off)
+        finally:
+            os.close(fd)
+
+    def dir_meta(self, w) -> None:
+        st = os.stat(self.root)
+        self.rec.meta(w, st.st_ino, lambda: b"", st)
+
+    def unlink(self, name: str) -> None:
+        st = os.lstat(self.root / name)
+        self.rec.obj(os.stat(self.root).st_ino)
+        with self.rec.txn() as w:
+            self.dir_meta(w)
+            gid = self.rec.grave(w, name.encode(), st.st_ino)
+        B.renameat2(self.rootfd, name.encode(), self.store.grave_fd, str(gid).encode())
+
+    def checkpoint(self) -> int:
+        self.rec.flush()
+        layer = self.stack.checkpoint()
+        self.rec.reset(fresh=True)
+        return layer.id
+
+    def snapshot(self):
+        return treesnap.snapshot(self.root)
+
+    def chunk_count(self) -> int:
+        with self.store.read() as txn:
+            return txn.stat(self.store.db_chunks)["entries"]
+
+
+@pytest.fixture
+def h(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    harness = Harness(root)
+    yield harness
+    harness.close()
+
+
+def test_chunks_are_content_addressed_and_reference_counted(h):
+    block = os.urandom(C)
+    (h.root / "a").write_bytes(block * 2)
+    (h.root / "b").write_bytes(block)
+    h.pwrite("a", b"x", 0)
+    h.pwrite("a", b"y", C)
+    h.pwrite("b", b"z", 0)
+    assert h.chunk_count() == 1
+    with h.store.read() as txn:
+        assert S.from_u64(txn.get(digest(block), db=h.store.db_refs)) == 3
+    h.stack.commit()
+    assert h.chunk_count() == 0
+
+
+def test_later_changes_of_a_captured_chunk_record_nothing(h):
+    (h.root / "f").write_bytes(os.urandom(3 * C))
+    h.pwrite("f", b"1", 10)
+    n = len(h.store.layer_records(h.store.top().id))
+    h.pwrite("f", b"2", 20)
+    h.pwrite("f", b"3", C - 1)
+    assert len(h.store.layer_records(h.store.top().id)) == n
+    h.pwrite("f", b"4", C)
+    assert len(h.store.layer_records(h.store.top().id)) == n + 1
+
+
+def test_merge_keeps_the_lower_entry_and_drops_redundant_ones(h):
+    data = os.urandom(2 * C)
+    (h.root / "f").write_bytes(data)
+    before = h.snapshot()
+    h.checkpoint()
+    h.pwrite("f", b"one", 0)
+    lower = len(h.store.layer_records(h.store.top().id))
+    h.checkpoint()
+    h.pwrite("f", b"two", 1)      # same chunk: redundant after the merge
+    h.pwrite("f", b"two", C)      # a chunk only the upper layer has
+    h.stack.commit()
+    h.rec.reset(fresh=False)
+    merged = h.store.layer_records(h.store.top().id)
+    assert len(merged) == lower + 1
+    chunks = [r for _, r in merged if r.kind == S.CHUNK]
+    assert sorted(r.fields[2] for r in chunks) == [0, 1]
+    assert h.chunk_count() == 2
+    h.stack.rollback()
+    treesnap.assert_same(before, h.snapshot())
+
+
+def test_commit_of_the_base_frees_chunks_and_graves(h):
+    (h.root / "f").write_bytes(os.urandom(C))
+    (h.root / "g").write_bytes(b"gone")
+    h.pwrite("f", b"!", 0)
+    h.unlink("g")
+    assert h.chunk_count() == 1 and os.listdir(h.store.path + "/grave")
+    h.stack.commit()
+    assert h.chunk_count() == 0
+    assert os.listdir(h.store.path + "/grave") == []
+    assert not (h.root / "g").exists()
+
+
+def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
+    (h.root / "f").write_bytes(os.urandom(4 * C))
+    (h.root / "g").write_text("g")
+    before = h.snapshot()
+    h.checkpoint()
+    for i in range(4):
+        h.pwrite("f", b"changed", i * C + 5)
+    h.unlink("g")
+    layer = h.store.top()
+    with h.rec.txn() as w:
+        h.rec.create(w, b"g")
+    (h.root / "g").write_text("a new g")   # a replacement, as after unlink + create
+    # Interrupt the rollback after two undo steps, the second one applied
+    # but its record not yet deleted (as a crash would).
+    h.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": layer.id})
+    from cowfs.undo import Undoer
+    undo = Undoer(h.store, h.stack.resolver)
+    (seq1, rec1), (seq2, rec2) = list(
+        h.store.records(layer.start, h.store._next_seq, reverse=True))[:2]
+    undo.apply(rec1)
+    with h.store.write() as w:
+        w.delete_record(seq1)
+    undo.apply(rec2)
+    assert (h.root / "g").read_text() == "g"
+    report = h.stack.resume()
+    assert report is not None and not report.failures
+    treesnap.assert_same(before, h.snapshot())
+    assert h.store.get_meta_json(S.K_PENDING) is None
+
+
+def test_a_failed_capture_is_not_believed_captured(h):
+    (h.root / "f").write_bytes(os.urandom(2 * C))
+    st = os.stat(h.root / "f")
+    o = h.rec.obj(st.st_ino)
+    fd = os.open(h.root / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(RuntimeError):
+            with h.rec.txn() as w:
+                h.rec.data(w, st.st_ino, lambda: b"f", fd, st, 0, 10)
+                raise RuntimeError("store write failed")
+    finally:
+        os.close(fd)
+    assert not o.meta and not o.chunks
+    assert not h.rec.write_is_captured(st.st_ino, 0, 10)
+    assert h.store.layer_records(h.store.top().id) == []
+
+
+def test_records_round_trip():
+    rec = S.encode_record(S.CHUNK, b"a/\xffb", 7, 3, 65536, b"\x00" * 16)
+    assert S.decode_record(rec) == S.Record(S.CHUNK, (b"a/\xffb", 7, 3, 65536, b"\x00" * 16))
+    pairs = [(b"user.a", b"\x00\x01"), (b"user.b", b"")]
+    assert S.decode_xattrs(S.encode_xattrs(pairs)) == pairs
+    assert S.grave_id(S.grave_loc(42)) == 42 and S.grave_id(b"x/y") is None
+    key = S.index_key(3, 99, S.IDX_CHUNK, 5)
+    assert S.split_index_key(key) == (3, 99, S.IDX_CHUNK, 5)
