@@ -313,6 +313,7 @@ class Daemon:
         await self._flush()
         info = self.stack.commit()
         self.recorder.reset(fresh=info["into"] is None)
+        self.fs.grave_links = self.store.grave_counts()
         return info
 
     async def op_rollback(self, to: int | None = None) -> dict:

@@ -289,11 +289,21 @@ class CowFS(pyfuse3.Operations):
             if not (o.created or o.meta):
                 self.rec.meta(w, d.bino, functools.partial(self._loc, d), os.stat(d.fd))
 
+    def _unreachable(self, node: Node, st: os.stat_result) -> bool:
+        """An object with no name left (open, unlinked, its grave entry freed
+        by a commit) cannot be put back anywhere: nothing to capture."""
+        if st.st_nlink == 0:
+            self.rec.note_created(node.bino)
+            return True
+        return False
+
     def _capture_meta(self, node: Node) -> None:
         o = self.rec.obj(node.bino)
         if o.created or o.meta:
             return
         st = os.stat(node.fd)
+        if self._unreachable(node, st):
+            return
         with self.rec.txn() as w:
             self.rec.meta(w, node.bino, functools.partial(self._loc, node), st)
 
@@ -308,6 +318,8 @@ class CowFS(pyfuse3.Operations):
             fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
+            if self._unreachable(node, st):
+                return
             with self.rec.txn() as w:
                 self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st,
                               start, end)
@@ -324,7 +336,7 @@ class CowFS(pyfuse3.Operations):
 
     def _capture_xattrs(self, node: Node) -> None:
         o = self.rec.obj(node.bino)
-        if o.created or o.xattrs:
+        if o.created or o.xattrs or self._unreachable(node, os.stat(node.fd)):
             return
         with self.rec.txn() as w:
             self.rec.xattrs(w, node.bino, functools.partial(self._loc, node),

@@ -531,3 +531,21 @@ def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
         assert data is not None
     finally:
         ws.teardown()
+
+
+def test_open_file_outliving_its_committed_removal_still_works(mounted):
+    ws = mounted
+    fd = os.open(ws / "a.txt", os.O_RDWR)
+    try:
+        os.unlink(ws / "a.txt")
+        ws.commit()  # the removal is now permanent: the grave entry is freed
+        assert os.fstat(fd).st_nlink == 0
+        os.pwrite(fd, b"still writable", 0)
+        os.fchmod(fd, 0o600)
+        assert os.pread(fd, 14, 0) == b"still writable"
+    finally:
+        os.close(fd)
+    before = ws.snapshot()
+    (ws / "n").write_text("n")
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot())

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import getpass
 import json
 import os
 import random
@@ -131,12 +130,11 @@ def replace_tree(src: str, dst: str) -> None:
     copy_tree(src, dst)
 
 
-def scratch_base() -> Path:
-    """Under pytest's own temp root, so conftest's last-guard sweep would
-    also catch a mount that somehow outlived its teardown."""
-    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"pytest-of-{getpass.getuser()}"
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return base
+def scratch_base() -> str:
+    """Not under /tmp/pytest-of-*: conftest's session-end sweep there lazily
+    unmounts every cowfs mount it finds, including those of other pytest
+    sessions running at the same time.  teardown() is what cleans up here."""
+    return os.environ.get("TMPDIR", "/tmp")
 
 
 @dataclass
