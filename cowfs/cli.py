@@ -70,6 +70,9 @@ def out(args, human: str | None, data) -> None:
 
 
 def do_mount(args) -> int:
+    from .daemon import check_fuse
+
+    check_fuse()
     ws = os.path.abspath(args.workspace)
     if not os.path.isdir(ws) and not is_cowfs_mount(ws):  # a dead mount is recovered
         raise BadWorkspace(f"workspace {args.workspace} does not exist or is not a directory")

@@ -7,12 +7,13 @@ import errno
 import os
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
 
 from cowfs import treesnap
-from cowfs.errors import (ALREADY_MOUNTED, BAD_WORKSPACE, NOT_MOUNTED, NOTHING_TO_DO,
+from cowfs.errors import (ALREADY_MOUNTED, BAD_WORKSPACE, NO_FUSE, NOT_MOUNTED, NOTHING_TO_DO,
                           STORE_ERROR, UNKNOWN_LAYER)
 
 from .conftest import run
@@ -549,3 +550,13 @@ def test_open_file_outliving_its_committed_removal_still_works(mounted):
     (ws / "n").write_text("n")
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_missing_dev_fuse_is_reported(workspace):
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'mount -t tmpfs none /dev && exec "$0" -m cowfs mount "$1"',
+         sys.executable, str(workspace.path)],
+        capture_output=True, text=True)
+    assert r.returncode == NO_FUSE, r.stderr
+    assert "/dev/fuse" in r.stderr and "Traceback" not in r.stderr

@@ -295,19 +295,19 @@ def test_tar_extract_over_existing_files_then_rollback(workspace, tmp_path, mode
     make_tarball(src, tarball)
     # The workspace already holds an older, different version of the tree.
     dest = ws / "dest"
-    extract_old = tmp_path / "old"
-    make_tar_tree(extract_old)
-    (extract_old / "top.txt").write_text("old top, longer than the new one\n")
-    (extract_old / "big.bin").write_bytes(os.urandom(700_000))  # still hard-linked
-    os.unlink(extract_old / "link-to-top")
-    (extract_old / "link-to-top").write_text("a file where the tar has a symlink\n")
-    os.unlink(extract_old / "secret")
-    os.symlink("top.txt", extract_old / "secret")  # a symlink where the tar has a file
-    os.chmod(extract_old / "bin" / "run", 0o700)
-    (extract_old / "only-old.txt").write_text("tar leaves me alone\n")
-    os.setxattr(extract_old / "top.txt", "user.origin", b"old")
-    settle_mtimes(extract_old, T0 + 1000)
-    sh(tmp_path, "cp", "-a", extract_old, dest)  # keeps hard links, fifo, xattrs
+    old = tmp_path / "old"
+    make_tar_tree(old)
+    (old / "top.txt").write_text("old top, longer than the new one\n")
+    (old / "big.bin").write_bytes(os.urandom(700_000))  # still hard-linked
+    os.unlink(old / "link-to-top")
+    (old / "link-to-top").write_text("a file where the tar has a symlink\n")
+    os.unlink(old / "secret")
+    os.symlink("top.txt", old / "secret")  # a symlink where the tar has a file
+    os.chmod(old / "bin" / "run", 0o700)
+    (old / "only-old.txt").write_text("tar leaves me alone\n")
+    os.setxattr(old / "top.txt", "user.origin", b"old")
+    settle_mtimes(old, T0 + 1000)
+    sh(tmp_path, "cp", "-a", old, dest)  # keeps hard links, fifo, xattrs
     settle_mtimes(dest, T0 + 1000)
     ws.mount()
     before = ws.snapshot()
@@ -452,6 +452,35 @@ def test_gcc_compile_and_link_then_rollback(workspace):
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
     assert sh(c, "./prog").stdout == "42 old\n"
+
+
+def test_gcc_build_in_scratch_dir_install_and_clean_then_rollback(workspace):
+    """The usual build pattern: compile in a fresh scratch directory, install the
+    result elsewhere with mv, remove the scratch directory."""
+    ws = workspace
+    make_project(ws.path)
+    (ws / "c").mkdir()
+    (ws / "c" / "main.c").write_text(C_MAIN)
+    (ws / "c" / "util.h").write_text(C_UTIL_H)
+    (ws / "c" / "util.c").write_text(C_UTIL_V1)
+    (ws / "bin").mkdir()
+    settle_mtimes(ws.path, T0 + 10)
+    ws.mount()
+    before = ws.snapshot()
+    ws.checkpoint("build, install, clean")
+
+    sh(ws.path, "mkdir", "-p", "build/obj")
+    sh(ws.path, "gcc", "-c", "c/main.c", "-o", "build/obj/main.o")
+    sh(ws.path, "gcc", "-c", "c/util.c", "-o", "build/obj/util.o")
+    sh(ws.path, "gcc", "-o", "build/prog", "build/obj/main.o", "build/obj/util.o")
+    sh(ws.path, "mv", "build/prog", "bin/prog")
+    sh(ws.path, "rm", "-rf", "build")
+    assert sh(ws.path, "bin/prog").stdout == "42 old\n"
+    changed(before, ws.snapshot())
+
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot())
+    assert not (ws / "bin" / "prog").exists()
 
 
 # -- 6. sqlite3 ----------------------------------------------------------------------
