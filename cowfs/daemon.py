@@ -109,6 +109,7 @@ class Daemon:
         self.lock = trio.Lock()
         self.inflight = 0
         self.unmounted_by_request = False
+        self.recovering = False
 
     # -- setting up ---------------------------------------------------------------
 
@@ -125,6 +126,8 @@ class Daemon:
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        if self.recovering:
+            self.warnings += [f"store check: {p}" for p in self.stack.check()]
         report = self.stack.resume()
         if report is not None:
             self.warnings.append(
@@ -146,6 +149,7 @@ class Daemon:
         if rec is not None and pid_alive(rec.pid):
             raise AlreadyMounted(f"{self.mountpoint} is already mounted by cowfs (pid {rec.pid})")
         kernel_unmount(self.mountpoint, lazy=True)
+        self.recovering = True
         if rec is not None:
             rec.remove()
         self.warnings.append(f"cleared the dead mount at {self.mountpoint}")

@@ -562,13 +562,13 @@ class CowFS(pyfuse3.Operations):
         if not want_dir and isdir:
             raise FUSEError(errno.EISDIR)
         self.rec.obj(parent.bino)
-        if self.rec.obj(st.st_ino).created:
+        if not isdir and self.rec.obj(st.st_ino).created:
+            # Nothing to keep.  (Directories always go to the grave, even
+            # new ones: earlier records may name paths inside them, and those
+            # must resolve while a rollback replays them.)
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
-            if isdir:
-                os.rmdir(name, dir_fd=parent.fd)
-            else:
-                os.unlink(name, dir_fd=parent.fd)
+            os.unlink(name, dir_fd=parent.fd)
             node = self.by_bino.get(st.st_ino)
             if node is not None:
                 self._remove_link(node, parent, name)
@@ -630,7 +630,8 @@ class CowFS(pyfuse3.Operations):
                     raise FUSEError(errno.ENOTEMPTY)
             elif stat.S_ISDIR(sst.st_mode):
                 raise FUSEError(errno.ENOTDIR)
-        bury = dst is not None and not self.rec.obj(dst.st_ino).created
+        bury = dst is not None and (stat.S_ISDIR(dst.st_mode)
+                                    or not self.rec.obj(dst.st_ino).created)
         gid = None
         with self.rec.txn() as w:
             self._dir_changes(w, sp, dp)

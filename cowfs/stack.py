@@ -61,6 +61,36 @@ class Stack:
         self.ensure_base()
         return report
 
+    def check(self) -> list[str]:
+        """Quick consistency check of the stack (run when recovering a mount
+        whose daemon died): layer boundaries, journal counters, and that every
+        record's chunk or grave entry is there."""
+        st = self.store
+        problems = []
+        layers = st.layers()
+        starts = [layer.start for layer in layers]
+        if starts != sorted(starts):
+            problems.append("layer boundaries are out of order")
+        with st.read() as txn:
+            cur = txn.cursor(db=st.db_journal)
+            if cur.last() and S.from_u64(cur.key()) >= st._next_seq:
+                problems.append("the journal is ahead of its counter")
+            first = layers[0].start if layers else st._next_seq
+            ok = cur.first()
+            while ok:
+                seq = S.from_u64(cur.key())
+                rec = S.decode_record(cur.value())
+                if seq < first:
+                    problems.append(f"record {seq} belongs to no layer")
+                elif rec.kind == S.CHUNK and rec.fields[4] and \
+                        txn.get(rec.fields[4], db=st.db_chunks) is None:
+                    problems.append(f"record {seq}: chunk of {rec.fields[0]!r} is missing")
+                elif rec.kind == S.GRAVE and \
+                        B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
+                    problems.append(f"record {seq}: removed object {rec.fields[0]!r} is missing")
+                ok = cur.next()
+        return problems
+
     # -- commit -------------------------------------------------------------------
 
     def commit(self) -> dict:

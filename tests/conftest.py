@@ -144,9 +144,12 @@ def mounted(workspace):
 
 def pytest_sessionfinish(session, exitstatus):
     """A last guard: no cowfs mount made by this session may outlive it."""
-    base = str(Path(os.environ.get("TMPDIR", "/tmp")))
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    base = str(factory.getbasetemp())
     for line in open("/proc/self/mountinfo"):
         left, _, right = line.partition(" - ")
         mp = left.split(" ")[4]
-        if right.startswith("fuse.cowfs ") and mp.startswith(base + "/pytest-of-"):
+        if right.startswith("fuse.cowfs ") and mp.startswith(base + "/"):
             subprocess.run(["umount", "-l", mp], capture_output=True)

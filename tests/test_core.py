@@ -560,3 +560,25 @@ def test_missing_dev_fuse_is_reported(workspace):
         capture_output=True, text=True)
     assert r.returncode == NO_FUSE, r.stderr
     assert "/dev/fuse" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_objects_moved_out_of_a_new_directory_that_is_then_removed(mounted):
+    """Records name paths inside directories created in the layer; a rollback
+    must still resolve them after those directories were removed."""
+    ws = mounted
+    before = ws.snapshot()
+    ws.checkpoint()
+    (ws / "d" / "e").mkdir(parents=True)
+    (ws / "d" / "e" / "f").write_text("new")
+    os.rename(ws / "d" / "e" / "f", ws / "dir" / "g")          # a new file, moved out
+    os.rename(ws / "a.txt", ws / "d" / "a.txt")                 # an old file, moved in
+    os.rename(ws / "d" / "a.txt", ws / "a2.txt")                # ... and out again
+    os.rmdir(ws / "d" / "e")
+    os.rmdir(ws / "d")
+    (ws / "t").mkdir()
+    (ws / "t" / "tmp").write_text("tmp")
+    os.unlink(ws / "t" / "tmp")
+    os.rmdir(ws / "t")
+    res = ws.rollback()
+    assert res["failures"] == []
+    treesnap.assert_same(before, ws.snapshot())
