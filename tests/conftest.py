@@ -120,6 +120,15 @@ class Workspace:
             rec.remove()
         self.mounted = False
 
+    def daemon_errors(self) -> list[str]:
+        """Errors the daemon logged (a handler that failed unexpectedly
+        answers EIO and logs it): a test fails on any it did not expect."""
+        log = self.path / ".cowfs" / "daemon.log"
+        if self.mounted or not log.exists():
+            return []
+        return [line for line in log.read_text(errors="replace").splitlines()
+                if " ERROR " in line or "Traceback" in line]
+
 
 @pytest.fixture
 def workspace(tmp_path):
@@ -130,6 +139,8 @@ def workspace(tmp_path):
         yield ws
     finally:
         ws.teardown()
+    errors = ws.daemon_errors()
+    assert not errors, "the daemon logged errors:\n" + "\n".join(errors)
 
 
 @pytest.fixture
