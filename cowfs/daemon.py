@@ -317,7 +317,7 @@ class Daemon:
         await self._flush()
         info = self.stack.commit()
         self.recorder.reset(fresh=info["into"] is None)
-        self.fs.grave_links = self.store.grave_counts()
+        self.fs.after_commit(info.pop("freed", []))
         return info
 
     async def op_rollback(self, to: int | None = None) -> dict:

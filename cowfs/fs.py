@@ -14,7 +14,9 @@ import errno
 import functools
 import logging
 import os
+import resource
 import stat
+from collections import OrderedDict
 from typing import Callable
 
 import pyfuse3
@@ -33,22 +35,35 @@ CAPABILITY = b"security.capability"
 
 
 class Node:
-    """A kernel-visible inode: our inode number, the backing object's O_PATH
-    fd and inode number, and the names we know it by (parent node + name)."""
+    """A kernel-visible inode: our inode number, the backing object's inode
+    number, the names we know it by (parent node + name), and an O_PATH fd
+    on the object, held in a bounded cache (``FdCache``) and reopened from a
+    name when it was evicted."""
 
-    __slots__ = ("ino", "bino", "fd", "nlookup", "parent", "name", "extra",
-                 "mode", "nocap")
+    __slots__ = ("ino", "bino", "_fd", "live", "nopen", "nlookup", "parent", "name",
+                 "extra", "mode", "nocap")
+    cache: "FdCache"
 
     def __init__(self, ino: int, bino: int, fd: int, mode: int):
         self.ino = ino
         self.bino = bino
-        self.fd = fd
+        self._fd = fd
+        self.live = True
+        self.nopen = 0
         self.mode = mode
         self.nlookup = 0
         self.parent: Node | None = None
         self.name = b""
         self.extra: set[tuple[Node, bytes]] | None = None
         self.nocap = False
+
+    @property
+    def fd(self) -> int:
+        """An O_PATH fd on the object (opened again if it was evicted)."""
+        if self._fd >= 0:
+            self.cache.used(self)
+            return self._fd
+        return self.cache.reopen(self)
 
     @property
     def isdir(self) -> bool:
@@ -65,6 +80,58 @@ class Handle:
     def __init__(self, node: Node, fd: int):
         self.node = node
         self.fd = fd
+
+
+class FdCache:
+    """Keeps at most *cap* O_PATH fds of nodes open, least recently used
+    evicted first.  Nodes with open files keep theirs (an unlinked open file
+    has no name to reopen it by)."""
+
+    def __init__(self, cap: int, reopen: Callable[[Node], int]):
+        self.cap = cap
+        self._reopen = reopen
+        self.lru: OrderedDict[int, Node] = OrderedDict()
+
+    def used(self, node: Node) -> None:
+        if node.ino in self.lru:
+            self.lru.move_to_end(node.ino)
+
+    def add(self, node: Node) -> None:
+        if node.nopen == 0 and node.ino > pyfuse3.ROOT_INODE:
+            self.lru[node.ino] = node
+            while len(self.lru) > self.cap:
+                _, old = self.lru.popitem(last=False)
+                os.close(old._fd)
+                old._fd = -1
+
+    def reopen(self, node: Node) -> int:
+        if not node.live:
+            raise OSError(errno.ESTALE, "stale inode")
+        node._fd = self._reopen(node)
+        self.add(node)
+        return node._fd
+
+    def pin(self, node: Node) -> None:
+        node.fd  # make sure it is open
+        node.nopen += 1
+        self.lru.pop(node.ino, None)
+
+    def unpin(self, node: Node) -> None:
+        node.nopen -= 1
+        if node.nopen == 0 and node.live and node._fd >= 0:
+            self.add(node)
+
+    def close(self, node: Node) -> None:
+        self.lru.pop(node.ino, None)
+        if node._fd >= 0:
+            os.close(node._fd)
+            node._fd = -1
+
+
+def fd_cache_size() -> int:
+    """Half the fd limit (the rest: open files, the store, sockets)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(256, min(soft // 2, 200_000))
 
 
 class DirHandle:
@@ -111,6 +178,8 @@ class CowFS(pyfuse3.Operations):
         self.hidden = hidden
         self.on_init = on_init
         self.is_root = os.geteuid() == 0
+        self.fds = FdCache(fd_cache_size(), self._reopen)
+        Node.cache = self.fds
         st = os.stat(rootfd)
         self.root = Node(pyfuse3.ROOT_INODE, st.st_ino, rootfd, st.st_mode)
         self.root.nlookup = 1
@@ -165,6 +234,7 @@ class CowFS(pyfuse3.Operations):
             node.parent, node.name = parent, name
             self.nodes[node.ino] = node
             self.by_bino[node.bino] = node
+            self.fds.add(node)
         else:
             self._add_link(node, parent, name)
         if count:
@@ -177,8 +247,40 @@ class CowFS(pyfuse3.Operations):
         del self.nodes[node.ino]
         if self.by_bino.get(node.bino) is node:
             del self.by_bino[node.bino]
-        os.close(node.fd)
-        node.fd = -1
+        node.live = False
+        self.fds.close(node)
+
+    def _orphan(self, bino: int) -> None:
+        """The object *bino* is gone for good: its inode number may be reused,
+        so it must no longer lead to its node (which lives on for the kernel
+        while it holds it, with the fd it has, if any)."""
+        node = self.by_bino.pop(bino, None)
+        if node is not None:
+            node.parent, node.name, node.extra = None, b"", None
+
+    def _reopen(self, node: Node) -> int:
+        """Open an O_PATH fd on *node*'s object again, through a name that
+        still leads to it."""
+        if self.by_bino.get(node.bino) is not node:
+            raise OSError(errno.ESTALE, "the object is gone")
+        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+            if parent is None or not parent.live:
+                continue
+            try:
+                fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+            except OSError:
+                continue
+            if os.fstat(fd).st_ino == node.bino:
+                return fd
+            os.close(fd)
+        path = self._search(node.bino)
+        if path is not None:
+            with B.Resolver(self.root.fd, self.grave.fd).at(path) as (d, n):
+                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+            if os.fstat(fd).st_ino == node.bino:
+                return fd
+            os.close(fd)
+        raise OSError(errno.ESTALE, "the object has no name left")
 
     def _add_link(self, node: Node, parent: Node, name: bytes) -> None:
         if node.parent is parent and node.name == name:
@@ -207,7 +309,7 @@ class CowFS(pyfuse3.Operations):
         n = node
         while n is not self.root:
             p = n.parent
-            if p is None or p.fd < 0:
+            if p is None or not p.live:
                 raise OSError(errno.ESTALE, "object has no known name")
             if p is self.grave:
                 if parts:
@@ -223,7 +325,7 @@ class CowFS(pyfuse3.Operations):
         if node is self.root:
             return b""
         for parent, name in [(node.parent, node.name), *(node.extra or ())]:
-            if parent is None or parent.fd < 0:
+            if parent is None or not parent.live:
                 continue
             st = B.lstat_at(parent.fd, name)
             if st is not None and st.st_ino == node.bino:
@@ -572,6 +674,8 @@ class CowFS(pyfuse3.Operations):
             node = self.by_bino.get(st.st_ino)
             if node is not None:
                 self._remove_link(node, parent, name)
+            if st.st_nlink == 1:
+                self._orphan(st.st_ino)
             return
         if isdir and not self._is_empty(parent, name):
             raise FUSEError(errno.ENOTEMPTY)
@@ -650,6 +754,8 @@ class CowFS(pyfuse3.Operations):
             node = self.by_bino.get(dst.st_ino)
             if node is not None:
                 self._remove_link(node, dp, name_new)
+            if dst.st_nlink == 1:
+                self._orphan(dst.st_ino)
         self._moved(sst.st_ino, sp, name_old, dp, name_new)
 
     def _from_grave(self, gid: int, parent: Node, name: bytes, bino: int) -> None:
@@ -682,6 +788,7 @@ class CowFS(pyfuse3.Operations):
         fh = self.next_fh
         self.next_fh += 1
         self.handles[fh] = Handle(node, fd)
+        self.fds.pin(node)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @handler
@@ -719,6 +826,7 @@ class CowFS(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh)
         os.close(h.fd)
+        self.fds.unpin(h.node)
 
     @handler
     async def fsync(self, fh, datasync):
@@ -828,6 +936,8 @@ class CowFS(pyfuse3.Operations):
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
         self.grave_links = self.store.grave_counts()
+        for bino in touched.removed:
+            self._orphan(bino)
         for bino, loc in touched.moves:
             node = self.by_bino.get(bino)
             if node is None:
@@ -852,6 +962,19 @@ class CowFS(pyfuse3.Operations):
             if parent is not None:
                 inodes.append(parent.ino)
         return entries, sorted(set(inodes))
+
+    def after_commit(self, freed: list[int]) -> None:
+        """A base commit deleted these objects' grave entries."""
+        self.grave_links = self.store.grave_counts()
+        for bino in freed:
+            node = self.by_bino.get(bino)
+            if node is None:
+                continue
+            for link in [(node.parent, node.name), *(node.extra or ())]:
+                if link[0] is self.grave:
+                    self._remove_link(node, *link)
+            if node._fd < 0 or os.fstat(node._fd).st_nlink == 0:
+                self._orphan(bino)
 
     def _dir_node(self, path: bytes) -> Node | None:
         try:

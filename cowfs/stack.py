@@ -101,9 +101,9 @@ class Stack:
         if len(layers) == 1:
             if self.layer_is_empty(top.id):
                 raise NothingToDo("nothing to commit: the base layer has no changes")
-            self._commit_base(top)
+            freed = self._commit_base(top)
             fresh = self.store.push_layer("base")
-            return {"committed": top.id, "into": None, "top": fresh.id}
+            return {"committed": top.id, "into": None, "top": fresh.id, "freed": freed}
         below = layers[-2]
         self._merge(top, below)
         return {"committed": top.id, "into": below.id, "top": below.id}
@@ -137,19 +137,22 @@ class Stack:
             txn.delete(S.u64(top.id), db=st.db_layers)
         st.forget_layer_cache()
 
-    def _commit_base(self, base: Layer) -> None:
+    def _commit_base(self, base: Layer) -> list[int]:
+        """Returns the inodes whose grave entries were deleted."""
         st = self.store
-        graves = []
+        graves, freed = [], []
         with st.write() as w:
             for seq, rec in st.records(base.start, st.layer_end(base.id)):
                 if rec.kind == S.GRAVE:
                     graves.append(rec.fields[1])
+                    freed.append(rec.fields[2])
                 w.delete_record(seq)
             self._drop_index(w, base.id)
             w.txn.delete(S.u64(base.id), db=st.db_layers)
         st.forget_layer_cache()
         for gid in graves:
             remove_tree_at(st.grave_fd, str(gid).encode())
+        return freed
 
     def _drop_index(self, w, layer_id: int) -> None:
         prefix = S.index_prefix(layer_id)

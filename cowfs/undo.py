@@ -29,6 +29,7 @@ class Touched:
     entries: set[tuple[bytes, bytes]] = field(default_factory=set)  # (parent path, name)
     objects: set[int] = field(default_factory=set)                   # backing inodes
     moves: list[tuple[int, bytes]] = field(default_factory=list)     # (ino, new loc)
+    removed: list[int] = field(default_factory=list)                  # inodes freed
 
     def entry(self, loc: bytes) -> None:
         if S.grave_id(loc) is None and loc:
@@ -56,6 +57,8 @@ class Undoer:
                 os.rmdir(n, dir_fd=d)
             else:
                 os.unlink(n, dir_fd=d)
+        if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
+            self.touched.removed.append(st.st_ino)
         self.touched.entry(path)
 
     def _create(self, path: bytes) -> None:

@@ -582,3 +582,31 @@ def test_objects_moved_out_of_a_new_directory_that_is_then_removed(mounted):
     res = ws.rollback()
     assert res["failures"] == []
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_many_more_files_than_the_daemon_may_hold_open(workspace):
+    """The daemon keeps a bounded number of fds; evicted ones are reopened
+    by name, and identities stay right."""
+    ws = workspace
+    for d in range(10):
+        (ws / f"d{d}").mkdir()
+        for f in range(200):
+            (ws / f"d{d}" / f"f{f}").write_text(f"{d}/{f}\n")
+    os.link(ws / "d0" / "f0", ws / "d9" / "hard")
+    subprocess.run(["prlimit", "--nofile=600:600", sys.executable, "-m", "cowfs", "mount",
+                    str(ws.path)], check=True, capture_output=True)
+    ws.mounted = True
+    before = ws.snapshot()
+    ws.checkpoint()
+    with open(ws / "d0" / "f0", "a") as held:   # an open file keeps its fd
+        for d in range(10):
+            for f in range(0, 200, 7):
+                with open(ws / f"d{d}" / f"f{f}", "a") as fh:
+                    fh.write("more\n")
+        os.rename(ws / "d3", ws / "d3-renamed")
+        os.unlink(ws / "d0" / "f0")
+        held.write("through the held file\n")
+        assert os.fstat(held.fileno()).st_nlink == 1
+    assert (ws / "d9" / "hard").read_text().endswith("through the held file\n")
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot())
