@@ -23,6 +23,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(errors.USAGE, f"cowfs: {message} (see 'cowfs --help')\n")
 
 
+def parse_size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        n = int(t[:-1] if t and t[-1] in "KM" else t) * units[t[-1] if t and t[-1] in "KM" else ""]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n < 4096 or n > (1 << 20) or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"chunk size must be a power of two from 4K to 1M: {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="cowfs", description="Make any directory undoable.")
     p.add_argument("-C", dest="path", default=".", metavar="PATH",
@@ -40,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("mount", "mount WORKSPACE (over itself, or at MOUNTPOINT) and capture every change")
     s.add_argument("--store", metavar="DIR", help="layer store (default: WORKSPACE/.cowfs)")
     s.add_argument("--foreground", action="store_true", help="do not daemonise")
+    s.add_argument("--chunk-size", type=parse_size, metavar="SIZE",
+                   help="capture granularity for a new store (default 64K; a power of "
+                        "two from 4K to 1M)")
     s.add_argument("workspace")
     s.add_argument("mountpoint", nargs="?")
 
@@ -88,11 +103,14 @@ def do_mount(args) -> int:
             else:
                 print(f"cowfs: {msg['error']}", file=sys.stderr)
 
-        return serve(ws, args.mountpoint, args.store, report, foreground=True)
+        return serve(ws, args.mountpoint, args.store, report, foreground=True,
+                     chunk_size=args.chunk_size)
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "cowfs.daemon", "--ready-fd", str(w)]
     if args.store:
         cmd += ["--store", args.store]
+    if args.chunk_size:
+        cmd += ["--chunk-size", str(args.chunk_size)]
     cmd.append(ws)
     if args.mountpoint:
         cmd.append(os.path.abspath(args.mountpoint))

@@ -100,10 +100,11 @@ def raise_fd_limit() -> None:
 
 class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
-                 store: str | None = None):
+                 store: str | None = None, chunk_size: int | None = None):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
+        self.chunk_size = chunk_size
         self.owner = os.geteuid()
         self.warnings: list[str] = []
         self.lock = trio.Lock()
@@ -122,7 +123,8 @@ class Daemon:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
-        self.store = Store.open(self.store_dir, self.workspace)
+        self.store = Store.open(self.store_dir, self.workspace,
+                                **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
@@ -368,11 +370,12 @@ def setup_logging(store_dir: str, foreground: bool) -> None:
 
 
 def serve(workspace: str, mountpoint: str | None, store: str | None,
-          report: Callable[[dict], None], foreground: bool) -> int:
+          report: Callable[[dict], None], foreground: bool,
+          chunk_size: int | None = None) -> int:
     """Prepare, mount and serve until unmounted.  *report* is called once,
     with {"ok": True, "warnings": [...]} when the mount is live, or with the
     error that prevented it."""
-    daemon = Daemon(workspace, mountpoint, store)
+    daemon = Daemon(workspace, mountpoint, store, chunk_size)
     try:
         daemon.prepare()
         setup_logging(daemon.store_dir, foreground)
@@ -393,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cowfs-daemon")
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--store")
+    p.add_argument("--chunk-size", type=int)
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
@@ -407,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    return serve(a.workspace, a.mountpoint, a.store, report, foreground=False)
+    return serve(a.workspace, a.mountpoint, a.store, report, foreground=False,
+                 chunk_size=a.chunk_size)
 
 
 if __name__ == "__main__":
