@@ -214,7 +214,12 @@ class Daemon:
 
     async def _flush(self) -> None:
         """Write the kernel's dirty pages of this mount to the daemon, so that
-        every write completed so far belongs to the current layer."""
+        every write completed so far belongs to the current layer.  (Without
+        the writeback cache, write(2) reaches the daemon before it returns;
+        only shared mmaps of files open for writing leave dirty pages.)"""
+        self.recorder.flush()
+        if not self.fs.writers:
+            return
 
         def syncfs() -> None:
             fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -226,7 +231,6 @@ class Daemon:
                 os.close(fd)
 
         await trio.to_thread.run_sync(syncfs)
-        self.recorder.flush()
 
     async def _invalidate(self, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         def work() -> None:

@@ -75,11 +75,12 @@ class Node:
 
 
 class Handle:
-    __slots__ = ("node", "fd")
+    __slots__ = ("node", "fd", "writable")
 
-    def __init__(self, node: Node, fd: int):
+    def __init__(self, node: Node, fd: int, writable: bool):
         self.node = node
         self.fd = fd
+        self.writable = writable
 
 
 class FdCache:
@@ -189,6 +190,9 @@ class CowFS(pyfuse3.Operations):
         self.next_ino = pyfuse3.ROOT_INODE + 1
         self.handles: dict[int, Handle | DirHandle] = {}
         self.next_fh = 1
+        # Files open for writing: only they can have dirty pages (shared
+        # mmaps) in the kernel that a layer switch must flush first.
+        self.writers = 0
         self.grave_links = store.grave_counts()
 
     def init(self) -> None:
@@ -638,7 +642,7 @@ class CowFS(pyfuse3.Operations):
             os.close(fd)
             raise
         self.rec.note_created(st.st_ino)
-        return self._new_handle(node, fd), self._attr(node, st)
+        return self._new_handle(node, fd, flags), self._attr(node, st)
 
     # -- removing and moving names -------------------------------------------------------
 
@@ -784,10 +788,12 @@ class CowFS(pyfuse3.Operations):
         return (flags & ~(os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
                           | os.O_DIRECT)) | acc | os.O_CLOEXEC
 
-    def _new_handle(self, node: Node, fd: int) -> pyfuse3.FileInfo:
+    def _new_handle(self, node: Node, fd: int, flags: int) -> pyfuse3.FileInfo:
         fh = self.next_fh
         self.next_fh += 1
-        self.handles[fh] = Handle(node, fd)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        self.writers += writable
+        self.handles[fh] = Handle(node, fd, writable)
         self.fds.pin(node)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
@@ -801,7 +807,7 @@ class CowFS(pyfuse3.Operations):
             fd = os.open(B.proc(node.fd), fl)
         except PermissionError:
             fd = os.open(B.proc(node.fd), (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE))
-        return self._new_handle(node, fd)
+        return self._new_handle(node, fd, flags)
 
     @handler
     async def read(self, fh, off, size):
@@ -826,6 +832,7 @@ class CowFS(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh)
         os.close(h.fd)
+        self.writers -= h.writable
         self.fds.unpin(h.node)
 
     @handler

@@ -610,3 +610,18 @@ def test_many_more_files_than_the_daemon_may_hold_open(workspace):
     assert (ws / "d9" / "hard").read_text().endswith("through the held file\n")
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_shared_mmap_writes_belong_to_the_layer_they_were_made_in(mounted):
+    import mmap
+    ws = mounted
+    (ws / "m").write_bytes(b"0" * 8192)
+    ws.commit()
+    before = ws.snapshot()
+    ws.checkpoint()
+    with open(ws / "m", "r+b") as f:
+        with mmap.mmap(f.fileno(), 8192) as m:
+            m[0:5] = b"dirty"            # a dirty page only the kernel knows about
+            ws.rollback()                 # flushes it into the layer first, then undoes it
+            assert m[0:5] == b"00000"
+    treesnap.assert_same(before, ws.snapshot())
