@@ -932,6 +932,8 @@ class CowFS(pyfuse3.Operations):
     @handler
     async def removexattr(self, inode, name, ctx):
         node = self._node(inode)
+        path, follow = self._xpath(node)
+        os.getxattr(path, name, follow_symlinks=follow)  # ENODATA: nothing to remove or record
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
