@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import subprocess
 import sys
 import time
 
@@ -69,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", type=int, metavar="ID")
 
     cmd("commit", "merge the top layer into the one below (the base: make permanent)")
+
+    s = cmd("run", "run a command as a step: keep what it changed, or roll it back")
+    s.add_argument("-m", "--message", help="layer message (default: the command line)")
+    s.add_argument("--verify", metavar="CMD", help="a shell command that must succeed too")
+    s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback")
+    s.add_argument("--on-success", choices=("commit", "keep"), default="commit")
+    s.add_argument("--approve", action="store_true",
+                   help="after success, ask on the terminal whether to keep the changes")
+    s.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="with --approve (and --workspace): no answer in time means discard")
+    s.add_argument("--workspace", metavar="DIR",
+                   help="mount DIR just for this command, then ask whether to keep")
+    yn = s.add_mutually_exclusive_group()
+    yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")
+    yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
+    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     cmd("status", "list the open layer's changes")
     cmd("log", "list all layers")
     return p
@@ -85,7 +99,7 @@ def out(args, human: str | None, data) -> None:
 
 
 def do_mount(args) -> int:
-    from .daemon import check_fuse
+    from .daemon import check_fuse, spawn
 
     check_fuse()
     ws = os.path.abspath(args.workspace)
@@ -105,37 +119,7 @@ def do_mount(args) -> int:
 
         return serve(ws, args.mountpoint, args.store, report, foreground=True,
                      chunk_size=args.chunk_size)
-    r, w = os.pipe()
-    cmd = [sys.executable, "-m", "cowfs.daemon", "--ready-fd", str(w)]
-    if args.store:
-        cmd += ["--store", args.store]
-    if args.chunk_size:
-        cmd += ["--chunk-size", str(args.chunk_size)]
-    cmd.append(ws)
-    if args.mountpoint:
-        cmd.append(os.path.abspath(args.mountpoint))
-    proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    os.close(w)
-    buf = b""
-    deadline = time.monotonic() + 120
-    while not buf.endswith(b"\n") and time.monotonic() < deadline:
-        ready, _, _ = select.select([r], [], [], 0.5)
-        if ready:
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            buf += chunk
-    os.close(r)
-    if not buf:
-        code = proc.poll()
-        raise CowfsError(f"the cowfs daemon exited ({code}) without mounting {ws}",
-                         errors.DAEMON_ERROR)
-    msg = json.loads(buf)
-    if not msg.get("ok"):
-        proc.wait()
-        raise errors.from_dict(msg)
+    msg = spawn(ws, args.mountpoint, args.store, args.chunk_size)
     for warning in msg["warnings"]:
         print(f"cowfs: warning: {warning}", file=sys.stderr)
     out(args, f"mounted {msg['mountpoint']}", msg)
@@ -195,13 +179,143 @@ def do_log(args) -> int:
     for layer in res["layers"]:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
+        for run in layer.get("runs", []):
+            status = f"exit {run['exit_status']}"
+            if run.get("verify_status") is not None:
+                status += f", verify exit {run['verify_status']}"
+            rows.append(f"{'':>39}run {run['outcome']} ({status}, {run['duration']} s): "
+                        f"{run['command']}")
     out(args, "\n".join(rows), res["layers"])
     return 0
+
+
+def summary(changes: list, limit: int = 10) -> str:
+    """Counts by kind and the first paths, like git status --short."""
+    if not changes:
+        return "no changes"
+    counts: dict[str, int] = {}
+    for c in changes:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    names = {"A": "added", "D": "deleted", "M": "modified", "T": "type changed",
+             "R": "renamed", "m": "attributes"}
+    head = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(counts.items()))
+    lines = [f"{len(changes)} change{'s' if len(changes) != 1 else ''}: {head}"]
+    lines += [f"  {c}" for c in changes[:limit]]
+    if len(changes) > limit:
+        lines.append(f"  ... and {len(changes) - limit} more")
+    return "\n".join(lines)
+
+
+def ask(question: str, choices: str, timeout: float) -> str | None:
+    """Ask on the controlling terminal; None without one or without an
+    answer in time."""
+    import select
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.write(tty, question.encode())
+        ready, _, _ = select.select([tty], [], [], timeout)
+        if not ready:
+            os.write(tty, b"\n")
+            return None
+        answer = os.read(tty, 1024).decode(errors="replace").strip().lower()
+    finally:
+        os.close(tty)
+    return answer[:1] if answer[:1] in choices else ""
+
+
+def approve(result, timeout: float) -> str:
+    """keep / discard / show-diff loop for --approve."""
+    print(summary(result.changes), file=sys.stderr)
+    while True:
+        answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds",
+                     timeout)
+        if answer is None:
+            print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
+            return "rollback"
+        if answer == "k":
+            return "commit"
+        if answer == "d":
+            return "rollback"
+        if answer == "s":
+            print(summary(result.changes, limit=len(result.changes)), file=sys.stderr)
+
+
+def do_run(args) -> int:
+    from .api import Workspace
+    from .store import Store
+
+    cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not cmd:
+        raise CowfsError("run needs a command after --", errors.USAGE)
+    ephemeral = None
+    if args.workspace:
+        ws_path = os.path.realpath(args.workspace)
+        if not os.path.isdir(ws_path):
+            raise BadWorkspace(f"workspace {args.workspace} does not exist or is not a directory")
+        if is_cowfs_mount(ws_path):
+            ws = Workspace.attach(ws_path)
+        else:
+            created_store = not os.path.exists(os.path.join(ws_path, ".cowfs"))
+            ws = Workspace.mount(ws_path)
+            ephemeral = (ws_path, created_store)
+    else:
+        ws = Workspace.attach(args.path)
+    shown = False
+    try:
+        decide = None
+        if ephemeral is not None:
+            def decide(result):
+                nonlocal shown
+                shown = True
+                print(summary(result.changes), file=sys.stderr)
+                if args.yes or args.no:
+                    return "commit" if args.yes else "rollback"
+                answer = ask("cowfs: keep these changes? [y/N] ", "yn", args.timeout)
+                if answer is None:
+                    print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
+                return "commit" if answer == "y" else "rollback"
+        elif args.approve:
+            def decide(result):
+                nonlocal shown
+                shown = True
+                return approve(result, args.timeout)
+        result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
+                        on_success=args.on_success, message=args.message, decide=decide)
+        if ephemeral is not None and result.outcome == "committed":
+            ws._commit_down_to(ws.log()[0].id)  # the base too: now permanent
+        if not shown:
+            print(summary(result.changes), file=sys.stderr)
+        why = ("" if result.ok else
+               f" (the command exited {result.exit_status})" if result.exit_status else
+               f" (the verifier exited {result.verify_status})")
+        print(f"cowfs: {result.outcome}{why}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
+    finally:
+        if ephemeral is not None:
+            ws.unmount()
+            ws_path, created_store = ephemeral
+            if created_store and ephemeral_store_is_empty(ws_path):
+                Store.destroy(os.path.join(ws_path, ".cowfs"))
+    return result.status
+
+
+def ephemeral_store_is_empty(ws_path: str) -> bool:
+    from .store import Store
+    store = Store.open(os.path.join(ws_path, ".cowfs"), ws_path, create=False)
+    try:
+        return all(not store.layer_records(layer.id) for layer in store.layers())
+    finally:
+        store.close()
 
 
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
+    "run": do_run,
 }
 
 
@@ -218,8 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         print("cowfs: interrupted", file=sys.stderr)
         return errors.INTERRUPTED
     except OSError as e:
-        print(f"cowfs: {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
-              file=sys.stderr)
+        name = os.fsdecode(e.filename) + ": " if e.filename else ""
+        print(f"cowfs: {name}{e.strerror or e}", file=sys.stderr)
+        return errors.DAEMON_ERROR
+    except Exception as e:  # a bug: still one line, never a traceback
+        print(f"cowfs: internal error: {type(e).__name__}: {e}", file=sys.stderr)
         return errors.DAEMON_ERROR
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import resource
+import select
 import signal
 import socket
 import struct
@@ -346,6 +347,19 @@ class Daemon:
         await self._flush()
         return self.stack.status()
 
+    async def op_changes(self, since: int | None = None) -> dict:
+        """Net changes since layer *since* was opened (default: the top)."""
+        await self._flush()
+        top = self.store.top()
+        since = top.id if since is None else since
+        return {"since": since, "changes": self.stack.changes_since(since)}
+
+    async def op_annotate(self, layer: int, run: dict) -> dict:
+        """Record a `cowfs run` step on a layer."""
+        self.store.get_layer(layer)
+        self.store.add_runs(layer, [run])
+        return {"layer": layer}
+
     async def op_log(self) -> dict:
         await self._flush()
         return {"layers": self.stack.log()}
@@ -363,6 +377,21 @@ class Daemon:
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         return {"unmounted": self.mountpoint}
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state, when it is listening."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as e:
+        log.warning("cannot notify systemd: %s", e)
 
 
 def setup_logging(store_dir: str, foreground: bool) -> None:
@@ -383,8 +412,12 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
     try:
         daemon.prepare()
         setup_logging(daemon.store_dir, foreground)
-        daemon.mount(lambda: report({"ok": True, "warnings": daemon.warnings,
-                                     "pid": os.getpid(), "mountpoint": daemon.mountpoint}))
+        def ready() -> None:
+            report({"ok": True, "warnings": daemon.warnings, "pid": os.getpid(),
+                    "mountpoint": daemon.mountpoint})
+            sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=mounted {daemon.mountpoint}")
+
+        daemon.mount(ready)
     except CowfsError as e:
         report({"ok": False, **e.to_dict()})
         return e.code
@@ -393,7 +426,47 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
                 "error": f"cannot mount {workspace}: {e.strerror or e}"})
         return errors.DAEMON_ERROR
     daemon.run()
+    sd_notify("STOPPING=1")
     return 0
+
+
+def spawn(workspace: str, mountpoint: str | None = None, store: str | None = None,
+          chunk_size: int | None = None, timeout: float = 120) -> dict:
+    """Start a daemon for *workspace* in its own session and wait until the
+    mount is live; return its report (warnings, pid) or raise its error."""
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "cowfs.daemon", "--ready-fd", str(w)]
+    if store:
+        cmd += ["--store", os.path.abspath(store)]
+    if chunk_size:
+        cmd += ["--chunk-size", str(chunk_size)]
+    cmd.append(os.path.abspath(workspace))
+    if mountpoint:
+        cmd.append(os.path.abspath(mountpoint))
+    proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    os.close(w)
+    buf = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while not buf.endswith(b"\n") and time.monotonic() < deadline:
+            ready, _, _ = select.select([r], [], [], 0.5)
+            if ready:
+                chunk = os.read(r, 65536)
+                if not chunk:
+                    break
+                buf += chunk
+    finally:
+        os.close(r)
+    if not buf:
+        raise CowfsError(f"the cowfs daemon exited ({proc.poll()}) without mounting "
+                         f"{workspace}", errors.DAEMON_ERROR)
+    msg = json.loads(buf)
+    if not msg.get("ok"):
+        proc.wait()
+        raise errors.from_dict(msg)
+    return msg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,8 @@ class Stack:
                     w.delete_record(S.from_u64(val))
                 elif txn.get(lower, db=st.db_index) is None:
                     txn.put(lower, val, db=st.db_index)
+            if top.runs:
+                st.add_runs(below.id, list(top.runs), w)
             txn.delete(S.u64(top.id), db=st.db_layers)
         st.forget_layer_cache()
 
@@ -237,6 +239,12 @@ class Stack:
         layer_id = top.id if layer_id is None else layer_id
         recs = self.store.layer_records(layer_id)
         return {"id": layer_id, "changes": self._changes(recs)}
+
+    def changes_since(self, layer_id: int) -> list[dict]:
+        """Net changes since layer *layer_id* was opened (what a rollback
+        --to it would undo)."""
+        layer = self.store.get_layer(layer_id)
+        return self._changes(list(self.store.records(layer.start, self.store._next_seq)))
 
     def _changes(self, recs: list[tuple[int, S.Record]]) -> list[dict]:
         """Net changes of a layer, like ``git status --short``: A added,

@@ -32,10 +32,11 @@ class Layer:
     start: int
     created: float
     message: str
+    runs: tuple = ()   # records of `cowfs run` steps (dicts), oldest first
 
     def to_dict(self) -> dict:
         return {"id": self.id, "start": self.start, "created": self.created,
-                "message": self.message}
+                "message": self.message, "runs": list(self.runs)}
 
 
 def digest(data: bytes) -> bytes:
@@ -213,6 +214,16 @@ class Store:
                 raise StoreError(
                     f"store {path} belongs to another workspace ({owner['path']})")
 
+    @staticmethod
+    def destroy(path: str) -> None:
+        """Remove a store directory (keeping its parent's times, as creating
+        it did)."""
+        import shutil
+        parent = os.path.dirname(os.path.abspath(path))
+        pst = os.stat(parent)
+        shutil.rmtree(path)
+        os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
+
     def close(self) -> None:
         self.sync()
         self.env.close()
@@ -260,7 +271,8 @@ class Store:
             with self.env.begin(db=self.db_layers) as txn:
                 for k, v in txn.cursor():
                     d = S.from_json(v)
-                    out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"]))
+                    out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
+                                     tuple(d.get("runs", ()))))
             self._layers = out
         return list(self._layers)
 
@@ -285,6 +297,20 @@ class Store:
             w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
         self._layers = None
         return layer
+
+    def add_runs(self, layer_id: int, runs: list[dict], w: Writer | None = None) -> None:
+        """Append run records to a layer's record."""
+        def put(w: Writer) -> None:
+            key = S.u64(layer_id)
+            d = S.from_json(w.txn.get(key, db=self.db_layers))
+            d["runs"] = d.get("runs", []) + runs
+            w.txn.put(key, S.to_json(d), db=self.db_layers)
+        if w is not None:
+            put(w)
+        else:
+            with self.write() as w2:
+                put(w2)
+        self._layers = None
 
     def forget_layer_cache(self) -> None:
         self._layers = None

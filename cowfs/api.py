@@ -1,0 +1,287 @@
+"""The Python API for agent harnesses: the same operations as the CLI.
+
+    from cowfs import Workspace
+
+    ws = Workspace.mount("/srv/project")          # or Workspace.attach(path)
+    result = ws.run(["make", "test"])             # rolled back if it fails
+    with ws.step("refactor", verify="pytest -q"):  # rolled back on an exception
+        edit_files()                               # or a failing verification
+
+Every method talks to the workspace's daemon over its control socket and
+raises ``CowfsError`` (with the CLI's exit code in ``.code``) on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from . import control
+from .errors import CowfsError
+from .mounts import MountRecord, find_mount, pid_alive
+
+Command = Sequence[str] | str
+
+
+@dataclass
+class Change:
+    """One net change of a layer, like a line of ``git status --short``:
+    kind A added, D deleted, M modified, T type changed, R renamed (with
+    ``source``), m attributes only."""
+
+    path: str
+    kind: str
+    source: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Change":
+        return cls(d["path"], d["kind"], d.get("from"))
+
+    def __str__(self) -> str:
+        return f"R {self.source} -> {self.path}" if self.kind == "R" else f"{self.kind} {self.path}"
+
+
+@dataclass
+class Status:
+    layer: int
+    changes: list[Change]
+
+
+@dataclass
+class LayerInfo:
+    id: int
+    created: float
+    message: str
+    changes: int
+    bytes: int
+    runs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class RollbackResult:
+    dropped: list[int]
+    applied: int
+    failures: list[str]
+    top: int
+
+
+@dataclass
+class CommitResult:
+    committed: int
+    into: int | None
+    top: int
+
+
+@dataclass
+class RunResult:
+    """What `Workspace.run` did: the command's and the verifier's exit
+    statuses (128 + signal for a signal), what changed, and the outcome:
+    "committed", "kept" or "rolled back"."""
+
+    command: str
+    cwd: str
+    layer: int
+    exit_status: int
+    verify: str | None
+    verify_status: int | None
+    duration: float
+    outcome: str
+    changes: list[Change]
+    started: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0 and self.verify_status in (None, 0)
+
+    @property
+    def status(self) -> int:
+        """The exit status to pass on: the command's, or the verifier's when
+        only that failed."""
+        return self.exit_status if self.exit_status != 0 else (self.verify_status or 0)
+
+    def record(self) -> dict:
+        d = asdict(self)
+        d["changes"] = len(self.changes)
+        return d
+
+
+class StepFailed(Exception):
+    """A `Workspace.step` whose verification failed (it was rolled back)."""
+
+    def __init__(self, message: str, verify_status: int):
+        super().__init__(message)
+        self.verify_status = verify_status
+
+
+def command_line(cmd: Command) -> str:
+    return cmd if isinstance(cmd, str) else shlex.join(cmd)
+
+
+def execute(cmd: Command, cwd: str) -> int:
+    """Run *cmd* (an argument list, or a shell string) with the terminal
+    passed through.  Ctrl-C goes to the command (the caller ignores it while
+    the command runs).  Returns the exit status, 128 + N for signal N."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        rc = proc.wait()
+    except FileNotFoundError:
+        return 127
+    except PermissionError:
+        return 126
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return 128 - rc if rc < 0 else rc
+
+
+class Workspace:
+    """A mounted cowfs workspace."""
+
+    def __init__(self, record: MountRecord):
+        self.record = record
+
+    # -- getting one ------------------------------------------------------------
+
+    @classmethod
+    def mount(cls, path: str | os.PathLike, store: str | os.PathLike | None = None,
+              mountpoint: str | os.PathLike | None = None) -> "Workspace":
+        """Mount *path* (over itself unless *mountpoint*) and return it."""
+        from .daemon import check_fuse, spawn
+
+        check_fuse()
+        msg = spawn(os.fspath(path), mountpoint and os.fspath(mountpoint),
+                    store and os.fspath(store))
+        return cls.attach(msg["mountpoint"])
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike) -> "Workspace":
+        """The mounted workspace containing *path*."""
+        return cls(find_mount(os.fspath(path)))
+
+    @property
+    def root(self) -> str:
+        """Where the workspace is mounted."""
+        return self.record.mountpoint
+
+    def _call(self, op: str, **args) -> dict:
+        return control.call(self.record, op, **args)
+
+    # -- the stack ----------------------------------------------------------------
+
+    def checkpoint(self, message: str = "") -> int:
+        """Open a new layer; return its id."""
+        return self._call("checkpoint", message=message)["id"]
+
+    def rollback(self, to: int | None = None, dry_run: bool = False
+                 ) -> RollbackResult | list[Change]:
+        """Undo the top layer, or every layer down to and including *to*.
+        With *dry_run*, change nothing and return what would be undone."""
+        if dry_run:
+            return self.changes(since=to)
+        r = self._call("rollback", to=to)
+        return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
+
+    def commit(self) -> CommitResult:
+        """Merge the top layer into the one below (the base: make permanent)."""
+        r = self._call("commit")
+        return CommitResult(r["committed"], r["into"], r["top"])
+
+    def status(self) -> Status:
+        r = self._call("status")
+        return Status(r["id"], [Change.from_dict(c) for c in r["changes"]])
+
+    def changes(self, since: int | None = None) -> list[Change]:
+        """Net changes since layer *since* was opened (default: the top)."""
+        return [Change.from_dict(c) for c in self._call("changes", since=since)["changes"]]
+
+    def log(self) -> list[LayerInfo]:
+        return [LayerInfo(d["id"], d["created"], d["message"], d["changes"], d["bytes"],
+                          d.get("runs", [])) for d in self._call("log")["layers"]]
+
+    def top(self) -> int:
+        return self._call("status")["id"]
+
+    def unmount(self, lazy: bool = False) -> None:
+        self._call("unmount", lazy=lazy)
+        deadline = time.monotonic() + 60
+        while pid_alive(self.record.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    # -- steps ---------------------------------------------------------------------
+
+    def _commit_down_to(self, layer: int) -> int:
+        """Merge every layer above *layer* and *layer* itself into the layer
+        below it; return the layer that now holds the changes."""
+        while True:
+            r = self._call("commit")
+            if r["committed"] <= layer:
+                return r["top"]
+
+    def _default_cwd(self) -> str:
+        cwd = os.getcwd()
+        inside = cwd == self.root or cwd.startswith(self.root.rstrip("/") + "/")
+        return cwd if inside else self.root
+
+    def run(self, cmd: Command, verify: Command | None = None, on_fail: str = "rollback",
+            on_success: str = "commit", message: str | None = None, cwd: str | None = None,
+            decide: Callable[[RunResult], str] | None = None) -> RunResult:
+        """Run *cmd* as a step in its own layer.  If it exits non-zero, or
+        *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
+        otherwise it is committed into the layer below (``on_success="keep"``
+        leaves its layer open).  *decide*, given the result of a successful
+        step, may return "commit", "keep" or "rollback" instead."""
+        if on_fail not in ("rollback", "keep") or on_success not in ("commit", "keep"):
+            raise ValueError("on_fail is rollback|keep, on_success is commit|keep")
+        cwd = cwd or self._default_cwd()
+        line = command_line(cmd)
+        started = time.time()
+        layer = self.checkpoint(message or f"run: {line}")
+        t0 = time.monotonic()
+        rc = execute(cmd, cwd)
+        vrc = execute(verify, cwd) if verify is not None and rc == 0 else None
+        result = RunResult(line, cwd, layer, rc, verify and command_line(verify), vrc,
+                           round(time.monotonic() - t0, 3), "", self.changes(since=layer),
+                           started)
+        action = (decide(result) if decide else on_success) if result.ok else on_fail
+        if action == "rollback":
+            into = self.rollback(to=layer).top
+            result.outcome = "rolled back"
+        elif action == "commit":
+            into = self._commit_down_to(layer)
+            result.outcome = "committed"
+        else:
+            into = layer
+            result.outcome = "kept"
+        self._call("annotate", layer=into, run=result.record())
+        return result
+
+    @contextmanager
+    def step(self, message: str, verify: Command | None = None,
+             cwd: str | None = None) -> Iterator[int]:
+        """A block of work in its own layer: rolled back if the block raises
+        (the exception propagates) or *verify* fails (raises StepFailed),
+        committed otherwise.  Yields the layer id."""
+        layer = self.checkpoint(message)
+        try:
+            yield layer
+        except BaseException:
+            self.rollback(to=layer)
+            raise
+        if verify is not None:
+            rc = execute(verify, cwd or self._default_cwd())
+            if rc != 0:
+                self.rollback(to=layer)
+                raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "
+                                 f"exited {rc}; rolled back", rc)
+        self._commit_down_to(layer)
+
+
+__all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "RollbackResult",
+           "RunResult", "Status", "StepFailed", "Workspace"]

@@ -1,0 +1,239 @@
+"""`cowfs run` and the Python API: steps that are kept or rolled back,
+through real mounts and real programs."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cowfs import StepFailed, Workspace, treesnap
+
+from .conftest import COWFS, run
+
+BROKEN_C = "int main(void) { return missing_function(); }\n"
+GOOD_C = '#include <stdio.h>\nint main(void) { puts("ok"); return 0; }\n'
+
+
+def test_a_failing_build_is_rolled_back_exactly(mounted):
+    ws = mounted
+    (ws / "main.c").write_text(BROKEN_C)
+    before = ws.snapshot()
+    r = ws.cowfs("run", "--", "sh", "-c",
+                 "mkdir -p build && gcc -c main.c -o build/main.o && gcc build/main.o -o app",
+                 check=False)
+    assert r.returncode == 1, r.stderr          # gcc's status is passed on
+    assert "rolled back (the command exited 1)" in r.stderr
+    assert "A build/main.o" in r.stderr          # the summary of what it had changed
+    treesnap.assert_same(before, ws.snapshot())
+    runs = ws.log()[-1]["runs"]
+    assert runs[-1]["outcome"] == "rolled back" and runs[-1]["exit_status"] == 1
+
+
+def test_a_successful_step_is_committed_and_recorded(mounted):
+    ws = mounted
+    (ws / "main.c").write_text(GOOD_C)
+    r = ws.cowfs("--json", "run", "-m", "build", "--", "gcc", "main.c", "-o", "app")
+    assert (ws / "app").exists()
+    assert len(ws.log()) == 1                    # merged into the base layer
+    result = __import__("json").loads(r.stdout.splitlines()[-1])
+    assert result["outcome"] == "committed" and result["exit_status"] == 0
+    assert {"path": "app", "kind": "A", "source": None} in result["changes"]
+    text = ws.cowfs("log").stdout
+    assert "run committed (exit 0" in text and "gcc main.c -o app" in text
+
+
+def test_a_verify_gate_rejects(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    r = ws.cowfs("run", "--verify", "grep -q alpha a.txt", "--",
+                 "sed", "-i", "s/alpha/omega/", "a.txt", check=False)
+    assert r.returncode == 1 and "the verifier exited 1" in r.stderr
+    treesnap.assert_same(before, ws.snapshot())
+    r = ws.cowfs("run", "--verify", "grep -q omega a.txt", "--",
+                 "sed", "-i", "s/alpha/omega/", "a.txt")
+    assert (ws / "a.txt").read_text() == "omega\n"
+
+
+def test_on_fail_keep_and_on_success_keep(mounted):
+    ws = mounted
+    r = ws.cowfs("run", "--on-fail", "keep", "--", "sh", "-c", "echo x > x; exit 4",
+                 check=False)
+    assert r.returncode == 4 and (ws / "x").exists()
+    kept = ws.log()[-1]
+    assert kept["id"] > 1 and kept["runs"][-1]["outcome"] == "kept"
+    ws.cowfs("run", "--on-success", "keep", "--", "touch", "y")
+    assert len(ws.log()) == 3 and (ws / "y").exists()
+
+
+def test_ctrl_c_reaches_the_command_and_the_step_is_rolled_back(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "run", "--", "sh", "-c",
+                             "echo started > marker; sleep 60"],
+                            start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (ws / "marker").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "rolled back" in err
+    treesnap.assert_same(before, ws.snapshot())
+
+
+def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
+                       timeout: float = 60) -> tuple[int, str]:
+    """Run cowfs with a pseudo-terminal as its controlling terminal; type
+    *answer* when it asks."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [*COWFS, *args])
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+            if answer is not None and b"keep these changes?" in out:
+                os.write(fd, answer)
+                answer = None
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+def test_an_approval_that_times_out_discards(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    code, out = _run_on_a_terminal(["-C", str(ws.path), "run", "--approve", "--timeout", "1",
+                                    "--", "sh", "-c", "echo new > new"])
+    assert "keep these changes?" in out and "discarding" in out, out
+    assert code == 0
+    treesnap.assert_same(before, ws.snapshot())
+
+
+def test_an_approval_answered_keep(mounted):
+    ws = mounted
+    code, out = _run_on_a_terminal(["-C", str(ws.path), "run", "--approve", "--",
+                                    "sh", "-c", "echo new > new"], answer=b"k\n")
+    assert code == 0 and "committed" in out, out
+    assert (ws / "new").read_text() == "new\n"
+
+
+def test_approve_without_a_terminal_never_hangs(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    r = subprocess.run([*COWFS, "-C", str(ws.path), "run", "--approve", "--", "touch", "t"],
+                       capture_output=True, text=True, timeout=60, start_new_session=True,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and "no terminal" in r.stderr
+    treesnap.assert_same(before, ws.snapshot())
+
+
+def test_ephemeral_run_kept(workspace):
+    (workspace / "f").write_text("one\n")
+    r = run("run", "--workspace", workspace.path, "--yes", "--",
+            "sh", "-c", "echo two >> f && mkdir d && echo x > d/x")
+    assert "committed" in r.stderr
+    assert (workspace / "f").read_text() == "one\ntwo\n"
+    assert (workspace / "d" / "x").read_text() == "x\n"
+    assert not (workspace / ".cowfs").exists()   # the store it made is gone again
+    assert "fuse.cowfs" not in open("/proc/self/mounts").read().split(str(workspace.path))[-1][:20]
+
+
+def test_ephemeral_run_discarded_byte_for_byte(workspace):
+    (workspace / "f").write_text("one\n")
+    os.symlink("f", workspace / "link")
+    before = workspace.snapshot()
+    r = run("run", "--workspace", workspace.path, "--no", "--",
+            "sh", "-c", "echo two >> f && rm link && touch new")
+    assert "rolled back" in r.stderr
+    treesnap.assert_same(before, workspace.snapshot())
+    # without a terminal and without --yes it is discarded too
+    r = subprocess.run([*COWFS, "run", "--workspace", str(workspace.path), "--", "touch", "n2"],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       start_new_session=True, timeout=120)
+    assert r.returncode == 0 and "discarding" in r.stderr
+    treesnap.assert_same(before, workspace.snapshot())
+
+
+def test_run_needs_a_command(mounted):
+    r = mounted.cowfs("run", "--", check=False)
+    assert r.returncode == 2 and "needs a command" in r.stderr
+
+
+# -- the Python API ----------------------------------------------------------------
+
+
+def test_api_step_commits_on_success(mounted):
+    ws = Workspace.attach(mounted.path)
+    with ws.step("edit") as layer:
+        (mounted / "a.txt").write_text("edited\n")
+        assert ws.top() == layer
+    assert (mounted / "a.txt").read_text() == "edited\n"
+    assert [layer.id for layer in ws.log()] == [1]
+
+
+def test_api_step_rolls_back_on_exception(mounted):
+    ws = Workspace.attach(mounted.path)
+    before = mounted.snapshot()
+    with pytest.raises(RuntimeError):
+        with ws.step("doomed"):
+            (mounted / "a.txt").write_text("broken\n")
+            os.mkdir(mounted / "junk")
+            raise RuntimeError("the agent gave up")
+    treesnap.assert_same(before, mounted.snapshot())
+
+
+def test_api_step_rolls_back_on_failed_verification(mounted):
+    ws = Workspace.attach(mounted.path)
+    before = mounted.snapshot()
+    with pytest.raises(StepFailed) as e:
+        with ws.step("bad edit", verify=["grep", "-q", "alpha", "a.txt"]):
+            (mounted / "a.txt").write_text("beta\n")
+    assert e.value.verify_status == 1
+    treesnap.assert_same(before, mounted.snapshot())
+
+
+def test_api_run_status_log_rollback_and_dry_run(mounted):
+    ws = Workspace.attach(mounted.path)
+    res = ws.run("echo hi > hi && exit 2")
+    assert not res.ok and res.status == 2 and res.outcome == "rolled back"
+    assert [str(c) for c in res.changes] == ["A hi"]
+    res = ws.run(["touch", "kept"])
+    assert res.ok and res.outcome == "committed"
+    first = ws.checkpoint("try")
+    (mounted / "a.txt").unlink()
+    assert [str(c) for c in ws.status().changes] == ["D a.txt"]
+    assert [str(c) for c in ws.rollback(dry_run=True)] == ["D a.txt"]
+    assert (mounted / "dir").exists() and not (mounted / "a.txt").exists()
+    result = ws.rollback(to=first)
+    assert result.dropped == [first] and result.failures == []
+    assert (mounted / "a.txt").exists()
+    assert [r["outcome"] for r in ws.log()[0].runs] == ["rolled back", "committed"]
+
+
+def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
+    """The README's example: retry until the build passes."""
+    ws = Workspace.attach(mounted.path)
+    attempts = [BROKEN_C, BROKEN_C, GOOD_C]
+    for source in attempts:
+        (mounted / "prog.c").write_text(source)
+        result = ws.run(["gcc", "prog.c", "-o", "prog"], verify="./prog")
+        if result.ok:
+            break
+        assert not (mounted / "prog").exists()   # each failure left nothing behind
+    assert result.ok and (mounted / "prog").exists()
