@@ -237,3 +237,21 @@ def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
             break
         assert not (mounted / "prog").exists()   # each failure left nothing behind
     assert result.ok and (mounted / "prog").exists()
+
+
+def test_readme_agent_loop_with_steps(mounted):
+    ws = Workspace.attach(mounted.path)
+    sources = iter([BROKEN_C, GOOD_C])
+    failures = []
+    for attempt in range(5):
+        try:
+            with ws.step(f"attempt {attempt}", verify="./prog"):
+                (mounted / "prog.c").write_text(next(sources))
+                subprocess.run(["gcc", "prog.c", "-o", "prog"], cwd=ws.root, check=True,
+                               capture_output=True)
+            break
+        except (StepFailed, subprocess.CalledProcessError) as e:
+            failures.append(e)
+            assert not (mounted / "prog.c").exists()     # undone: a clean state again
+    assert len(failures) == 1 and attempt == 1
+    assert (mounted / "prog.c").read_text() == GOOD_C and len(ws.log()) == 1
