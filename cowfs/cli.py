@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
     s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     cmd("status", "list the open layer's changes")
+    s = cmd("doctor", "check FUSE, the daemon, the store and the providers")
+    s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
+    s.add_argument("--store", metavar="DIR",
+                   help="store of an unmounted workspace (default: PATH/.cowfs)")
     cmd("log", "list all layers")
     return p
 
@@ -312,10 +316,15 @@ def ephemeral_store_is_empty(ws_path: str) -> bool:
         store.close()
 
 
+def do_doctor(args) -> int:
+    from .doctor import report
+    return report(args.target, args.json, store=args.store)
+
+
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
-    "run": do_run,
+    "run": do_run, "doctor": do_doctor,
 }
 
 

@@ -199,12 +199,16 @@ class Daemon:
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            async for _ in sigs:
+            stopping = False
+            async for _ in sigs:  # keep receiving: a second signal must not kill us mid-stop
+                if stopping:
+                    continue
+                stopping = True
                 log.info("signal received, unmounting")
+                sd_notify("STOPPING=1")
                 await self._flush()
                 self.store.sync()
                 pyfuse3.terminate()
-                return
 
     async def _periodic_sync(self) -> None:
         while True:
@@ -360,6 +364,10 @@ class Daemon:
         self.store.add_runs(layer, [run])
         return {"layer": layer}
 
+    async def op_check(self) -> dict:
+        """The stack's consistency check (as on an unmounted store)."""
+        return {"problems": self.stack.check()}
+
     async def op_log(self) -> dict:
         await self._flush()
         return {"layers": self.stack.log()}
@@ -376,6 +384,7 @@ class Daemon:
                                      "use --lazy") from None
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
+        sd_notify("STOPPING=1")
         return {"unmounted": self.mountpoint}
 
 
@@ -426,7 +435,6 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
                 "error": f"cannot mount {workspace}: {e.strerror or e}"})
         return errors.DAEMON_ERROR
     daemon.run()
-    sd_notify("STOPPING=1")
     return 0
 
 

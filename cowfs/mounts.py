@@ -123,8 +123,12 @@ def find_mount(path: str) -> MountRecord:
         p = os.path.realpath(path)
     except OSError as e:
         raise NotMounted(f"{path}: {e.strerror}") from None
-    if not os.path.exists(p):
-        raise NotMounted(f"{path}: no such file or directory")
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        raise NotMounted(f"{path}: no such file or directory") from None
+    except OSError:
+        pass  # e.g. ENOTCONN: a mount whose daemon died, reported below
     table = mount_table()
     while True:
         if table.get(p) == FSTYPE:
