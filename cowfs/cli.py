@@ -184,11 +184,11 @@ def do_log(args) -> int:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
         for run in layer.get("runs", []):
-            status = f"exit {run['exit_status']}"
+            status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
                 status += f", verify exit {run['verify_status']}"
-            rows.append(f"{'':>39}run {run['outcome']} ({status}, {run['duration']} s): "
-                        f"{run['command']}")
+            rows.append(f"{'':>39}run {run.get('outcome')} ({status}, {run.get('duration')} s): "
+                        f"{run.get('command')}")
     out(args, "\n".join(rows), res["layers"])
     return 0
 

@@ -22,8 +22,8 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0, **args) -> di
     the CowfsError it answered with."""
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(rec.socket)  # blocking: waits while the daemon's backlog is full
         s.settimeout(timeout)
-        s.connect(rec.socket)
     except OSError as e:
         raise errors.CowfsError(f"cannot reach the cowfs daemon of {rec.mountpoint}: "
                                 f"{e.strerror or e}", errors.DAEMON_ERROR) from None

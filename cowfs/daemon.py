@@ -99,6 +99,31 @@ def raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+class BadRequest(Exception):
+    pass
+
+
+def check_args(op: Callable, args: dict) -> None:
+    """Arguments must be the op's parameters, of their annotated types
+    (bool is not an int here; None only where allowed)."""
+    import inspect
+    import typing
+    params = inspect.signature(op).parameters
+    hints = typing.get_type_hints(op)
+    for name, value in args.items():
+        if name not in params:
+            raise BadRequest(f"unknown argument {name!r}")
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        ok = any(value is None if t is type(None) else
+                 isinstance(value, t) and not (t is int and isinstance(value, bool))
+                 for t in allowed)
+        if not ok:
+            raise BadRequest(f"argument {name!r} has the wrong type")
+    for name, p in params.items():
+        if p.default is inspect.Parameter.empty and name not in args:
+            raise BadRequest(f"missing argument {name!r}")
+
+
 class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
                  store: str | None = None, chunk_size: int | None = None):
@@ -263,12 +288,20 @@ class Daemon:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await sock.bind(path)
         os.chmod(path, 0o600)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)
         listener = trio.SocketListener(sock)
         task_status.started()
         await trio.serve_listeners(self._connection, [listener])
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """Serve one request; nothing a client sends may escape this (an
+        exception here would stop the daemon and its mount)."""
+        try:
+            await self._serve_one(stream)
+        except Exception:
+            log.exception("control connection failed")
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
         async with stream:
             creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                              struct.calcsize("3i"))
@@ -288,8 +321,13 @@ class Daemon:
                 return
             try:
                 req = json.loads(buf[:buf.index(b"\n")])
-                op = getattr(self, "op_" + str(req.pop("op")))
-            except (ValueError, KeyError, AttributeError, TypeError):
+                op = getattr(self, "op_" + req.pop("op"))
+                check_args(op, req)
+            except BadRequest as e:
+                await stream.send_all(encode({"ok": False, "code": errors.USAGE,
+                                              "error": f"bad request: {e}"}))
+                return
+            except Exception:  # not JSON, not an object, no such op, too deep, ...
                 await stream.send_all(encode({"ok": False, "code": errors.USAGE,
                                               "error": "malformed request"}))
                 return
@@ -302,8 +340,6 @@ class Daemon:
                 resp = {"ok": True, "result": result}
             except CowfsError as e:
                 resp = {"ok": False, **e.to_dict()}
-            except TypeError as e:
-                resp = {"ok": False, "code": errors.USAGE, "error": f"bad request: {e}"}
             except Exception as e:
                 log.exception("control request failed")
                 resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
@@ -360,6 +396,13 @@ class Daemon:
 
     async def op_annotate(self, layer: int, run: dict) -> dict:
         """Record a `cowfs run` step on a layer."""
+        required = {"command": str, "outcome": str, "exit_status": int}
+        for key, kind in required.items():
+            if not isinstance(run.get(key), kind) or isinstance(run.get(key), bool):
+                raise CowfsError(f"bad request: a run record needs {key!r} ({kind.__name__})",
+                                 errors.USAGE)
+        if len(json.dumps(run)) > 64 << 10:
+            raise CowfsError("bad request: the run record is too large", errors.USAGE)
         self.store.get_layer(layer)
         self.store.add_runs(layer, [run])
         return {"layer": layer}
