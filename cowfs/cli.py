@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("checkpoint", "open a new layer; print its id")
     s.add_argument("-m", "--message", default="")
+    s.add_argument("--provider", action="append", default=[], metavar="NAME",
+                   help="also snapshot this registered provider (repeatable)")
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
     s.add_argument("--to", type=int, metavar="ID")
@@ -82,7 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     yn = s.add_mutually_exclusive_group()
     yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
+    s.add_argument("--provider", action="append", default=[], metavar="NAME",
+                   help="also snapshot this registered provider with the step (repeatable)")
     s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    s = cmd("provider", "register, list or remove the workspace's providers")
+    psub = s.add_subparsers(dest="action", required=True, metavar="ACTION",
+                            parser_class=Parser)
+    a = psub.add_parser("add", help="register a command provider")
+    a.add_argument("name")
+    a.add_argument("--type", default="command", choices=("command",))
+    a.add_argument("--capture", required=True, metavar="CMD")
+    a.add_argument("--restore", required=True, metavar="CMD")
+    a.add_argument("--discard", default="", metavar="CMD")
+    psub.add_parser("list", help="list the registered providers")
+    r = psub.add_parser("remove", help="unregister a provider")
+    r.add_argument("name")
     cmd("status", "list the open layer's changes")
     s = cmd("doctor", "check FUSE, the daemon, the store and the providers")
     s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
@@ -141,7 +158,8 @@ def do_unmount(args) -> int:
 
 
 def do_checkpoint(args) -> int:
-    res = control.call(find_mount(args.path), "checkpoint", message=args.message)
+    res = control.call(find_mount(args.path), "checkpoint", message=args.message,
+                       providers=args.provider)
     out(args, str(res["id"]), res)
     return 0
 
@@ -287,7 +305,8 @@ def do_run(args) -> int:
                 shown = True
                 return approve(result, args.timeout)
         result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
-                        on_success=args.on_success, message=args.message, decide=decide)
+                        on_success=args.on_success, message=args.message, decide=decide,
+                        providers=args.provider)
         if ephemeral is not None and result.outcome == "committed":
             ws._commit_down_to(ws.log()[0].id)  # the base too: now permanent
         if not shown:
@@ -316,6 +335,22 @@ def ephemeral_store_is_empty(ws_path: str) -> bool:
         store.close()
 
 
+def do_provider(args) -> int:
+    rec = find_mount(args.path)
+    if args.action == "add":
+        res = control.call(rec, "provider_add", name=args.name, type=args.type,
+                           capture=args.capture, restore=args.restore, discard=args.discard)
+        out(args, f"registered provider {args.name}", res)
+    elif args.action == "remove":
+        res = control.call(rec, "provider_remove", name=args.name)
+        out(args, f"removed provider {args.name}", res)
+    else:
+        res = control.call(rec, "provider_list")["providers"]
+        out(args, "\n".join(f"{p['name']}  {p['type']}  capture: {p.get('capture', '')}"
+                             for p in res) or None, res)
+    return 0
+
+
 def do_doctor(args) -> int:
     from .doctor import report
     return report(args.target, args.json, store=args.store)
@@ -324,7 +359,7 @@ def do_doctor(args) -> int:
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
-    "run": do_run, "doctor": do_doctor,
+    "run": do_run, "doctor": do_doctor, "provider": do_provider,
 }
 
 

@@ -33,6 +33,7 @@ from .capture import Recorder
 from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse
 from .fs import CowFS
+from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
 from .stack import Stack
 from .store import Store
@@ -162,6 +163,7 @@ class Daemon:
                 f"finished an interrupted rollback ({report.applied} steps"
                 + (f", {len(report.failures)} failed" if report.failures else "") + ")")
         self.recorder = Recorder(self.store)
+        self.registry = Registry(self.store.dirfd, self.mountpoint)
         if self.mountpoint == self.workspace:
             pids = processes_inside(self.workspace)
             if pids:
@@ -354,22 +356,83 @@ class Daemon:
         return {"pid": os.getpid(), "workspace": self.workspace,
                 "mountpoint": self.mountpoint, "store": self.store_dir}
 
-    async def op_checkpoint(self, message: str = "") -> dict:
+    async def op_checkpoint(self, message: str = "", providers: list | None = None) -> dict:
+        providers = providers or []
+        if not all(isinstance(p, str) for p in providers) or len(set(providers)) != len(providers):
+            raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
+        chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
         await self._flush()
         layer = self.stack.checkpoint(message)
         self.recorder.reset(fresh=True)
-        return layer.to_dict()
+        taken: list[dict] = []
+        t0 = time.perf_counter()
+        try:
+            for provider in chosen:
+                ctx = self.registry.context(provider.name, layer.id)
+                data = await trio.to_thread.run_sync(provider.capture, ctx)
+                taken.append({"provider": provider.name, "data": data,
+                              "seconds": round(time.perf_counter() - t0, 3)})
+                t0 = time.perf_counter()
+            if taken:
+                self.store.set_snapshots(layer.id, taken)
+        except Exception as e:
+            # All or nothing: discard what was taken and drop the new layer.
+            failed = chosen[min(len(taken), len(chosen) - 1)].name
+            await self._discard(layer.id, taken)
+            self.registry.drop_state(self.registry.context(failed, layer.id))
+            self.stack.rollback(layer.id)
+            self.recorder.reset(fresh=False)
+            raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
+                             "nothing was taken", errors.DAEMON_ERROR) from None
+        return self.store.get_layer(layer.id).to_dict()
+
+    async def _discard(self, layer_id: int, snapshots: list[dict]) -> list[str]:
+        """Discard snapshots (last taken first); return failures by name."""
+        failures = []
+        for snap in reversed(snapshots):
+            try:
+                provider = self.registry.get(snap["provider"])
+                ctx = self.registry.context(provider.name, layer_id)
+                await trio.to_thread.run_sync(provider.discard, ctx, snap["data"])
+                self.registry.drop_state(ctx)
+            except Exception as e:
+                failures.append(f"discard {snap['provider']} of layer {layer_id}: {e}")
+        return failures
 
     async def op_commit(self) -> dict:
         await self._flush()
+        top = self.store.top()
         info = self.stack.commit()
         self.recorder.reset(fresh=info["into"] is None)
         self.fs.after_commit(info.pop("freed", []))
+        # The merged (or now permanent) layer's snapshots are no longer needed:
+        # a rollback goes back to the older snapshots of the layer below.
+        failures = await self._discard(top.id, list(top.snapshots))
+        if failures:
+            info["warnings"] = failures
         return info
 
     async def op_rollback(self, to: int | None = None) -> dict:
         await self._flush()
-        before = max(layer.id for layer in self.store.layers())
+        layers = self.store.layers()
+        before = layers[-1].id
+        if to is not None:
+            self.store.get_layer(to)  # an unknown id fails before anything is restored
+        dropping = [layer for layer in reversed(layers) if layer.id >= (to or before)]
+        # Providers first (they were taken after their layer was opened), last first.
+        failures = []
+        restored = []
+        for layer in dropping:
+            for snap in reversed(layer.snapshots):
+                t0 = time.perf_counter()
+                try:
+                    provider = self.registry.get(snap["provider"])
+                    ctx = self.registry.context(provider.name, layer.id)
+                    await trio.to_thread.run_sync(provider.restore, ctx, snap["data"])
+                    restored.append({"provider": provider.name, "layer": layer.id,
+                                     "seconds": round(time.perf_counter() - t0, 3)})
+                except Exception as e:
+                    failures.append(f"restore {snap['provider']} of layer {layer.id}: {e}")
         try:
             report = self.stack.rollback(to)
         finally:
@@ -377,11 +440,34 @@ class Daemon:
             self.recorder.reset(fresh=top is not None and top.id > before)
         entries, inodes = self.fs.after_undo(report.touched)
         await self._invalidate(entries, inodes)
+        for layer in dropping:
+            failures += await self._discard(layer.id, list(layer.snapshots))
         result = report.to_dict()
-        if report.failures:
+        result["restored"] = restored
+        failures = report.failures + failures
+        if failures:
             raise errors.PartialFailure(
-                "rollback finished with failures:\n  " + "\n  ".join(report.failures))
+                "rollback finished with failures:\n  " + "\n  ".join(failures))
         return result
+
+    async def op_provider_add(self, name: str, type: str, capture: str, restore: str,
+                              discard: str = "") -> dict:
+        self.registry.add(name, {"type": type, "capture": capture, "restore": restore,
+                                 "discard": discard})
+        return {"name": name}
+
+    async def op_provider_remove(self, name: str) -> dict:
+        in_use = [layer.id for layer in self.store.layers()
+                  if any(s["provider"] == name for s in layer.snapshots)]
+        if in_use:
+            raise CowfsError(f"provider {name!r} has snapshots in layers "
+                             f"{', '.join(map(str, in_use))}; roll back or commit them first",
+                             errors.USAGE)
+        self.registry.remove(name)
+        return {"name": name}
+
+    async def op_provider_list(self) -> dict:
+        return {"providers": [{"name": n, **c} for n, c in self.registry.configs().items()]}
 
     async def op_status(self) -> dict:
         await self._flush()

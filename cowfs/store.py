@@ -32,11 +32,13 @@ class Layer:
     start: int
     created: float
     message: str
-    runs: tuple = ()   # records of `cowfs run` steps (dicts), oldest first
+    runs: tuple = ()        # records of `cowfs run` steps (dicts), oldest first
+    snapshots: tuple = ()   # provider snapshots taken with the layer, in order
 
     def to_dict(self) -> dict:
         return {"id": self.id, "start": self.start, "created": self.created,
-                "message": self.message, "runs": list(self.runs)}
+                "message": self.message, "runs": list(self.runs),
+                "snapshots": list(self.snapshots)}
 
 
 def digest(data: bytes) -> bytes:
@@ -272,7 +274,7 @@ class Store:
                 for k, v in txn.cursor():
                     d = S.from_json(v)
                     out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
-                                     tuple(d.get("runs", ()))))
+                                     tuple(d.get("runs", ())), tuple(d.get("snapshots", ()))))
             self._layers = out
         return list(self._layers)
 
@@ -297,6 +299,14 @@ class Store:
             w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
         self._layers = None
         return layer
+
+    def set_snapshots(self, layer_id: int, snapshots: list[dict]) -> None:
+        with self.write() as w:
+            key = S.u64(layer_id)
+            d = S.from_json(w.txn.get(key, db=self.db_layers))
+            d["snapshots"] = snapshots
+            w.txn.put(key, S.to_json(d), db=self.db_layers)
+        self._layers = None
 
     def add_runs(self, layer_id: int, runs: list[dict], w: Writer | None = None) -> None:
         """Append run records to a layer's record."""

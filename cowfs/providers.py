@@ -1,0 +1,180 @@
+"""Providers: state outside the files, snapshotted together with a layer.
+
+A checkpoint is a group: the file layer plus a snapshot from each provider
+asked for.  A rollback restores the snapshots of every dropped layer (last
+taken first) and then the files; a merge or a base commit discards the
+snapshots that are no longer needed.
+
+Providers are registered per workspace in ``STORE/cowfs.toml``::
+
+    [provider.db]
+    type = "command"
+    capture = "pg_dump app > \"$COWFS_STATE_DIR/dump.sql\""
+    restore = "psql app < \"$COWFS_STATE_DIR/dump.sql\""
+    discard = ""            # optional; the state directory is removed anyway
+
+Command providers run their commands with ``sh -c`` and these variables:
+COWFS_PROVIDER, COWFS_LAYER, COWFS_WORKSPACE and COWFS_STATE_DIR, a private
+directory in the store for that provider and layer.
+
+Every method runs outside the daemon's event loop (it may take long).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+
+import tomli_w
+
+from .errors import CowfsError, USAGE
+
+CONFIG = "cowfs.toml"
+TYPES = ("command",)
+
+
+class ProviderError(Exception):
+    pass
+
+
+@dataclass
+class Context:
+    """Where a provider's snapshot of one layer lives."""
+
+    layer: int
+    workspace: str
+    state_dir: str
+
+
+class Provider:
+    """capture / restore / discard / describe for one kind of state."""
+
+    type = ""
+
+    def __init__(self, name: str, config: dict):
+        self.name = name
+        self.config = config
+
+    def capture(self, ctx: Context) -> dict:
+        """Take a snapshot; return what restore and discard need (JSON)."""
+        raise NotImplementedError
+
+    def restore(self, ctx: Context, snapshot: dict) -> None:
+        raise NotImplementedError
+
+    def discard(self, ctx: Context, snapshot: dict) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class CommandProvider(Provider):
+    type = "command"
+
+    @staticmethod
+    def validate(config: dict) -> None:
+        for key in ("capture", "restore"):
+            if not isinstance(config.get(key), str) or not config[key].strip():
+                raise CowfsError(f"a command provider needs a {key} command", USAGE)
+        if not isinstance(config.get("discard", ""), str):
+            raise CowfsError("the discard command must be a string", USAGE)
+
+    def _sh(self, what: str, ctx: Context) -> str:
+        cmd = self.config.get(what) or ""
+        if not cmd.strip():
+            return ""
+        env = dict(os.environ, COWFS_PROVIDER=self.name, COWFS_LAYER=str(ctx.layer),
+                   COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir)
+        r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, errors="replace")
+        if r.returncode != 0:
+            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
+            raise ProviderError(f"{what} command exited {r.returncode}"
+                                + (f": {' / '.join(tail)}" if tail else ""))
+        return r.stdout
+
+    def capture(self, ctx: Context) -> dict:
+        self._sh("capture", ctx)
+        return {}
+
+    def restore(self, ctx: Context, snapshot: dict) -> None:
+        self._sh("restore", ctx)
+
+    def discard(self, ctx: Context, snapshot: dict) -> None:
+        self._sh("discard", ctx)
+
+    def describe(self) -> str:
+        return f"command provider (capture: {self.config['capture']})"
+
+
+KINDS = {"command": CommandProvider}
+
+
+class Registry:
+    """The providers registered in a store (``STORE/cowfs.toml``), reached
+    through the store's directory fd (the store is hidden under the mount)."""
+
+    def __init__(self, store_dirfd: int, workspace: str):
+        self.dirfd = store_dirfd
+        self.workspace = workspace
+        self.base = f"/proc/{os.getpid()}/fd/{store_dirfd}"
+
+    def _load(self) -> dict:
+        try:
+            with open(os.path.join(self.base, CONFIG), "rb") as f:
+                return tomllib.load(f)
+        except FileNotFoundError:
+            return {}
+        except tomllib.TOMLDecodeError as e:
+            raise CowfsError(f"{CONFIG} in the store is not valid TOML: {e}", USAGE) from None
+
+    def _save(self, data: dict) -> None:
+        path = os.path.join(self.base, CONFIG)
+        with open(path + ".tmp", "wb") as f:
+            tomli_w.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    def configs(self) -> dict[str, dict]:
+        return dict(self._load().get("provider", {}))
+
+    def get(self, name: str) -> Provider:
+        config = self.configs().get(name)
+        if config is None:
+            raise CowfsError(f"no provider {name!r} (see 'cowfs provider list')", USAGE)
+        kind = KINDS.get(config.get("type", ""))
+        if kind is None:
+            raise CowfsError(f"provider {name!r} has unknown type {config.get('type')!r}", USAGE)
+        return kind(name, config)
+
+    def add(self, name: str, config: dict) -> None:
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise CowfsError(f"bad provider name {name!r} (letters, digits, - and _)", USAGE)
+        kind = KINDS.get(config.get("type", ""))
+        if kind is None:
+            raise CowfsError(f"unknown provider type {config.get('type')!r} "
+                             f"(known: {', '.join(KINDS)})", USAGE)
+        kind.validate(config)
+        data = self._load()
+        data.setdefault("provider", {})[name] = config
+        self._save(data)
+
+    def remove(self, name: str) -> None:
+        data = self._load()
+        if name not in data.get("provider", {}):
+            raise CowfsError(f"no provider {name!r}", USAGE)
+        del data["provider"][name]
+        self._save(data)
+
+    def context(self, name: str, layer: int) -> Context:
+        state = os.path.join(self.base, "providers", name, str(layer))
+        os.makedirs(state, mode=0o700, exist_ok=True)
+        return Context(layer, self.workspace, state)
+
+    def drop_state(self, ctx: Context) -> None:
+        shutil.rmtree(ctx.state_dir, ignore_errors=True)
