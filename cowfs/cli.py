@@ -91,12 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("provider", "register, list or remove the workspace's providers")
     psub = s.add_subparsers(dest="action", required=True, metavar="ACTION",
                             parser_class=Parser)
-    a = psub.add_parser("add", help="register a command provider")
+    a = psub.add_parser("add", help="register a provider")
     a.add_argument("name")
-    a.add_argument("--type", default="command", choices=("command",))
-    a.add_argument("--capture", required=True, metavar="CMD")
-    a.add_argument("--restore", required=True, metavar="CMD")
-    a.add_argument("--discard", default="", metavar="CMD")
+    a.add_argument("--type", default="command", choices=("command", "docker"))
+    a.add_argument("--capture", default="", metavar="CMD", help="command: take a snapshot")
+    a.add_argument("--restore", default="", metavar="CMD", help="command: put it back")
+    a.add_argument("--discard", default="", metavar="CMD", help="command: drop it")
+    a.add_argument("--container", default="", metavar="NAME", help="docker: the container")
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
@@ -339,14 +340,17 @@ def do_provider(args) -> int:
     rec = find_mount(args.path)
     if args.action == "add":
         res = control.call(rec, "provider_add", name=args.name, type=args.type,
-                           capture=args.capture, restore=args.restore, discard=args.discard)
+                           capture=args.capture, restore=args.restore, discard=args.discard,
+                           container=args.container)
         out(args, f"registered provider {args.name}", res)
     elif args.action == "remove":
         res = control.call(rec, "provider_remove", name=args.name)
         out(args, f"removed provider {args.name}", res)
     else:
         res = control.call(rec, "provider_list")["providers"]
-        out(args, "\n".join(f"{p['name']}  {p['type']}  capture: {p.get('capture', '')}"
+        out(args, "\n".join(f"{p['name']}  {p['type']}  "
+                             + (f"container: {p['container']}" if p["type"] == "docker"
+                                else f"capture: {p.get('capture', '')}")
                              for p in res) or None, res)
     return 0
 

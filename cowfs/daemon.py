@@ -450,10 +450,14 @@ class Daemon:
                 "rollback finished with failures:\n  " + "\n  ".join(failures))
         return result
 
-    async def op_provider_add(self, name: str, type: str, capture: str, restore: str,
-                              discard: str = "") -> dict:
-        self.registry.add(name, {"type": type, "capture": capture, "restore": restore,
-                                 "discard": discard})
+    async def op_provider_add(self, name: str, type: str, capture: str = "",
+                              restore: str = "", discard: str = "",
+                              container: str = "") -> dict:
+        if type == "docker":
+            config = {"type": type, "container": container}
+        else:
+            config = {"type": type, "capture": capture, "restore": restore, "discard": discard}
+        self.registry.add(name, config)
         return {"name": name}
 
     async def op_provider_remove(self, name: str) -> dict:

@@ -33,7 +33,6 @@ import tomli_w
 from .errors import CowfsError, USAGE
 
 CONFIG = "cowfs.toml"
-TYPES = ("command",)
 
 
 class ProviderError(Exception):
@@ -111,7 +110,77 @@ class CommandProvider(Provider):
         return f"command provider (capture: {self.config['capture']})"
 
 
-KINDS = {"command": CommandProvider}
+class DockerProvider(Provider):
+    """``docker commit`` of a container into an image tagged after the
+    workspace and layer; restore stops and removes the container and creates
+    it again from that image with the same configuration (name, command,
+    entrypoint, env, working dir, labels, mounts, network) and starts it if it
+    was running."""
+
+    type = "docker"
+
+    @staticmethod
+    def validate(config: dict) -> None:
+        if not isinstance(config.get("container"), str) or not config["container"]:
+            raise CowfsError("a docker provider needs --container NAME", USAGE)
+
+    def _client(self):
+        try:
+            import docker
+        except ImportError:
+            raise ProviderError("the docker Python SDK is not installed "
+                                "(pip install 'cowfs[providers]')") from None
+        return docker.from_env()
+
+    def capture(self, ctx: Context) -> dict:
+        client = self._client()
+        c = client.containers.get(self.config["container"])
+        a = c.attrs
+        repo = f"cowfs/{os.path.basename(ctx.workspace.rstrip('/')).lower() or 'root'}"
+        tag = f"{repo}:layer-{ctx.layer}-{c.id[:12]}"
+        image = c.commit(*tag.split(":"))
+        cfg, host = a["Config"], a["HostConfig"]
+        return {"image": image.id, "tag": tag, "name": a["Name"].lstrip("/"),
+                "running": a["State"]["Running"],
+                "config": {"command": cfg.get("Cmd"), "entrypoint": cfg.get("Entrypoint"),
+                           "environment": cfg.get("Env"), "working_dir": cfg.get("WorkingDir"),
+                           "labels": cfg.get("Labels"), "user": cfg.get("User"),
+                           "tty": cfg.get("Tty"), "stdin_open": cfg.get("OpenStdin"),
+                           "hostname": cfg.get("Hostname")},
+                "host": {"binds": host.get("Binds"), "network_mode": host.get("NetworkMode"),
+                         "privileged": host.get("Privileged")}}
+
+    def restore(self, ctx: Context, snapshot: dict) -> None:
+        import docker.errors
+        client = self._client()
+        try:
+            client.containers.get(snapshot["name"]).remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        new = client.api.create_container(
+            snapshot["image"], name=snapshot["name"], **{k: v for k, v in
+                                                          snapshot["config"].items()
+                                                          if v is not None},
+            host_config=client.api.create_host_config(**{k: v for k, v in
+                                                         snapshot["host"].items()
+                                                         if v is not None}))
+        if snapshot["running"]:
+            client.api.start(new["Id"])
+
+    def discard(self, ctx: Context, snapshot: dict) -> None:
+        import docker.errors
+        try:
+            # Removing the tag frees the image, or (while a restored container
+            # runs from it) leaves it to that container.
+            self._client().images.remove(snapshot["tag"], force=True)
+        except docker.errors.NotFound:
+            pass
+
+    def describe(self) -> str:
+        return f"docker container {self.config['container']}"
+
+
+KINDS = {"command": CommandProvider, "docker": DockerProvider}
 
 
 class Registry:
