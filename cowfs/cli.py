@@ -93,11 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                             parser_class=Parser)
     a = psub.add_parser("add", help="register a provider")
     a.add_argument("name")
-    a.add_argument("--type", default="command", choices=("command", "docker"))
+    a.add_argument("--type", default="command", choices=("command", "docker", "libvirt"))
     a.add_argument("--capture", default="", metavar="CMD", help="command: take a snapshot")
     a.add_argument("--restore", default="", metavar="CMD", help="command: put it back")
     a.add_argument("--discard", default="", metavar="CMD", help="command: drop it")
     a.add_argument("--container", default="", metavar="NAME", help="docker: the container")
+    a.add_argument("--domain", default="", metavar="NAME", help="libvirt: the domain")
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
@@ -341,7 +342,7 @@ def do_provider(args) -> int:
     if args.action == "add":
         res = control.call(rec, "provider_add", name=args.name, type=args.type,
                            capture=args.capture, restore=args.restore, discard=args.discard,
-                           container=args.container)
+                           container=args.container, domain=args.domain)
         out(args, f"registered provider {args.name}", res)
     elif args.action == "remove":
         res = control.call(rec, "provider_remove", name=args.name)
@@ -350,6 +351,7 @@ def do_provider(args) -> int:
         res = control.call(rec, "provider_list")["providers"]
         out(args, "\n".join(f"{p['name']}  {p['type']}  "
                              + (f"container: {p['container']}" if p["type"] == "docker"
+                                else f"domain: {p['domain']}" if p["type"] == "libvirt"
                                 else f"capture: {p.get('capture', '')}")
                              for p in res) or None, res)
     return 0

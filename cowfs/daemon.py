@@ -452,9 +452,11 @@ class Daemon:
 
     async def op_provider_add(self, name: str, type: str, capture: str = "",
                               restore: str = "", discard: str = "",
-                              container: str = "") -> dict:
+                              container: str = "", domain: str = "") -> dict:
         if type == "docker":
             config = {"type": type, "container": container}
+        elif type == "libvirt":
+            config = {"type": type, "domain": domain}
         else:
             config = {"type": type, "capture": capture, "restore": restore, "discard": discard}
         self.registry.add(name, config)
