@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--discard", default="", metavar="CMD", help="command: drop it")
     a.add_argument("--container", default="", metavar="NAME", help="docker: the container")
     a.add_argument("--domain", default="", metavar="NAME", help="libvirt: the domain")
+    a.add_argument("--diagnostics", default="", metavar="CMD",
+                   help="libvirt: run before a revert; its output is kept as a post-mortem")
+    a.add_argument("--health", default="", metavar="CMD",
+                   help="libvirt: run after a revert; failing is reported")
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
@@ -203,6 +207,10 @@ def do_log(args) -> int:
     for layer in res["layers"]:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
+        for pm in layer.get("postmortems", []):
+            first = (pm.get("output") or "").strip().splitlines()[:1]
+            rows.append(f"{'':>39}post-mortem of {pm.get('domain')} before reverting layer "
+                        f"{pm.get('layer')}: {first[0] if first else '(no output)'}")
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
@@ -342,7 +350,8 @@ def do_provider(args) -> int:
     if args.action == "add":
         res = control.call(rec, "provider_add", name=args.name, type=args.type,
                            capture=args.capture, restore=args.restore, discard=args.discard,
-                           container=args.container, domain=args.domain)
+                           container=args.container, domain=args.domain,
+                           diagnostics=args.diagnostics, health=args.health)
         out(args, f"registered provider {args.name}", res)
     elif args.action == "remove":
         res = control.call(rec, "provider_remove", name=args.name)

@@ -422,15 +422,20 @@ class Daemon:
         # Providers first (they were taken after their layer was opened), last first.
         failures = []
         restored = []
+        postmortems: list[dict] = []
         for layer in dropping:
             for snap in reversed(layer.snapshots):
                 t0 = time.perf_counter()
                 try:
                     provider = self.registry.get(snap["provider"])
                     ctx = self.registry.context(provider.name, layer.id)
-                    await trio.to_thread.run_sync(provider.restore, ctx, snap["data"])
+                    postmortem = await trio.to_thread.run_sync(provider.restore, ctx,
+                                                               snap["data"])
                     restored.append({"provider": provider.name, "layer": layer.id,
                                      "seconds": round(time.perf_counter() - t0, 3)})
+                    if postmortem:
+                        postmortems.append({**postmortem, "layer": layer.id,
+                                            "time": time.time()})
                 except Exception as e:
                     failures.append(f"restore {snap['provider']} of layer {layer.id}: {e}")
         try:
@@ -442,8 +447,11 @@ class Daemon:
         await self._invalidate(entries, inodes)
         for layer in dropping:
             failures += await self._discard(layer.id, list(layer.snapshots))
+        if postmortems:  # kept with the layer the workspace is back at
+            self.store.append_to_layer(self.store.top().id, "postmortems", postmortems)
         result = report.to_dict()
         result["restored"] = restored
+        result["postmortems"] = postmortems
         failures = report.failures + failures
         if failures:
             raise errors.PartialFailure(
@@ -452,11 +460,13 @@ class Daemon:
 
     async def op_provider_add(self, name: str, type: str, capture: str = "",
                               restore: str = "", discard: str = "",
-                              container: str = "", domain: str = "") -> dict:
+                              container: str = "", domain: str = "",
+                              diagnostics: str = "", health: str = "") -> dict:
         if type == "docker":
             config = {"type": type, "container": container}
         elif type == "libvirt":
-            config = {"type": type, "domain": domain}
+            config = {"type": type, "domain": domain, "diagnostics": diagnostics,
+                      "health": health}
         else:
             config = {"type": type, "capture": capture, "restore": restore, "discard": discard}
         self.registry.add(name, config)
@@ -496,7 +506,7 @@ class Daemon:
         if len(json.dumps(run)) > 64 << 10:
             raise CowfsError("bad request: the run record is too large", errors.USAGE)
         self.store.get_layer(layer)
-        self.store.add_runs(layer, [run])
+        self.store.append_to_layer(layer, "runs", [run])
         return {"layer": layer}
 
     async def op_check(self) -> dict:

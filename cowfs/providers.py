@@ -61,7 +61,8 @@ class Provider:
         """Take a snapshot; return what restore and discard need (JSON)."""
         raise NotImplementedError
 
-    def restore(self, ctx: Context, snapshot: dict) -> None:
+    def restore(self, ctx: Context, snapshot: dict) -> dict | None:
+        """Put the snapshot back; may return a post-mortem to keep."""
         raise NotImplementedError
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
@@ -69,6 +70,25 @@ class Provider:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+
+def run_sh(provider: str, what: str, cmd: str, ctx: Context, check: bool = True,
+           **extra: str) -> str:
+    """Run a user-given shell command for a provider; its stdout (and, when
+    *check* is false, its stderr and exit status too)."""
+    if not cmd.strip():
+        return ""
+    env = dict(os.environ, COWFS_PROVIDER=provider, COWFS_LAYER=str(ctx.layer),
+               COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir, **extra)
+    r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, errors="replace")
+    if not check:
+        return r.stdout + r.stderr + (f"\n(exit {r.returncode})" if r.returncode else "")
+    if r.returncode != 0:
+        tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
+        raise ProviderError(f"{what} command exited {r.returncode}"
+                            + (f": {' / '.join(tail)}" if tail else ""))
+    return r.stdout
 
 
 class CommandProvider(Provider):
@@ -82,19 +102,8 @@ class CommandProvider(Provider):
         if not isinstance(config.get("discard", ""), str):
             raise CowfsError("the discard command must be a string", USAGE)
 
-    def _sh(self, what: str, ctx: Context) -> str:
-        cmd = self.config.get(what) or ""
-        if not cmd.strip():
-            return ""
-        env = dict(os.environ, COWFS_PROVIDER=self.name, COWFS_LAYER=str(ctx.layer),
-                   COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir)
-        r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, errors="replace")
-        if r.returncode != 0:
-            tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
-            raise ProviderError(f"{what} command exited {r.returncode}"
-                                + (f": {' / '.join(tail)}" if tail else ""))
-        return r.stdout
+    def _sh(self, what: str, ctx: Context, **extra: str) -> str:
+        return run_sh(self.name, what, self.config.get(what) or "", ctx, **extra)
 
     def capture(self, ctx: Context) -> dict:
         self._sh("capture", ctx)
@@ -102,6 +111,7 @@ class CommandProvider(Provider):
 
     def restore(self, ctx: Context, snapshot: dict) -> None:
         self._sh("restore", ctx)
+        return None
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
         self._sh("discard", ctx)
@@ -184,7 +194,9 @@ class LibvirtProvider(Provider):
     """An internal snapshot of a libvirt domain per checkpoint (memory and
     disk of a running domain, the disk of a shut-off one); rollback reverts
     to it, merging or committing deletes it, so the chain stays short: one
-    snapshot per open layer that asked for one."""
+    snapshot per open layer that asked for one.  Optional ``diagnostics``
+    (run before a revert; its output is kept as a post-mortem) and ``health``
+    (run after it; a failure is reported) shell commands get COWFS_DOMAIN."""
 
     type = "libvirt"
     URI = "qemu:///system"
@@ -193,6 +205,9 @@ class LibvirtProvider(Provider):
     def validate(config: dict) -> None:
         if not isinstance(config.get("domain"), str) or not config["domain"]:
             raise CowfsError("a libvirt provider needs --domain NAME", USAGE)
+        for key in ("diagnostics", "health"):
+            if not isinstance(config.get(key, ""), str):
+                raise CowfsError(f"the {key} command must be a string", USAGE)
 
     def _domain(self):
         try:
@@ -215,12 +230,22 @@ class LibvirtProvider(Provider):
         finally:
             conn.close()
 
-    def restore(self, ctx: Context, snapshot: dict) -> None:
+    def restore(self, ctx: Context, snapshot: dict) -> dict | None:
+        domain = self.config["domain"]
+        postmortem = run_sh(self.name, "diagnostics", self.config.get("diagnostics", ""),
+                            ctx, check=False, COWFS_DOMAIN=domain)
         conn, dom = self._domain()
         try:
             dom.revertToSnapshot(dom.snapshotLookupByName(snapshot["snapshot"]), 0)
         finally:
             conn.close()
+        try:
+            run_sh(self.name, "health", self.config.get("health", ""), ctx, COWFS_DOMAIN=domain)
+        except ProviderError as e:
+            raise ProviderError(f"reverted, but the health check failed: {e}") from None
+        if self.config.get("diagnostics"):
+            return {"provider": self.name, "domain": domain, "output": postmortem[-16384:]}
+        return None
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
         import libvirt

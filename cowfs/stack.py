@@ -134,8 +134,9 @@ class Stack:
                     w.delete_record(S.from_u64(val))
                 elif txn.get(lower, db=st.db_index) is None:
                     txn.put(lower, val, db=st.db_index)
-            if top.runs:
-                st.add_runs(below.id, list(top.runs), w)
+            for key in ("runs", "postmortems"):
+                if getattr(top, key):
+                    st.append_to_layer(below.id, key, list(getattr(top, key)), w)
             txn.delete(S.u64(top.id), db=st.db_layers)
         st.forget_layer_cache()
 

@@ -34,11 +34,12 @@ class Layer:
     message: str
     runs: tuple = ()        # records of `cowfs run` steps (dicts), oldest first
     snapshots: tuple = ()   # provider snapshots taken with the layer, in order
+    postmortems: tuple = ()  # diagnostics captured before reverting layers above
 
     def to_dict(self) -> dict:
         return {"id": self.id, "start": self.start, "created": self.created,
                 "message": self.message, "runs": list(self.runs),
-                "snapshots": list(self.snapshots)}
+                "snapshots": list(self.snapshots), "postmortems": list(self.postmortems)}
 
 
 def digest(data: bytes) -> bytes:
@@ -274,7 +275,8 @@ class Store:
                 for k, v in txn.cursor():
                     d = S.from_json(v)
                     out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
-                                     tuple(d.get("runs", ())), tuple(d.get("snapshots", ()))))
+                                     tuple(d.get("runs", ())), tuple(d.get("snapshots", ())),
+                                     tuple(d.get("postmortems", ()))))
             self._layers = out
         return list(self._layers)
 
@@ -308,13 +310,14 @@ class Store:
             w.txn.put(key, S.to_json(d), db=self.db_layers)
         self._layers = None
 
-    def add_runs(self, layer_id: int, runs: list[dict], w: Writer | None = None) -> None:
-        """Append run records to a layer's record."""
+    def append_to_layer(self, layer_id: int, key: str, items: list[dict],
+                        w: Writer | None = None) -> None:
+        """Append records (``runs``, ``postmortems``) to a layer's record."""
         def put(w: Writer) -> None:
-            key = S.u64(layer_id)
-            d = S.from_json(w.txn.get(key, db=self.db_layers))
-            d["runs"] = d.get("runs", []) + runs
-            w.txn.put(key, S.to_json(d), db=self.db_layers)
+            k = S.u64(layer_id)
+            d = S.from_json(w.txn.get(k, db=self.db_layers))
+            d[key] = d.get(key, []) + items
+            w.txn.put(k, S.to_json(d), db=self.db_layers)
         if w is not None:
             put(w)
         else:

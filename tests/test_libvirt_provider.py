@@ -41,3 +41,26 @@ def test_running_vm_is_reverted_and_merges_keep_the_chain_short(mounted, tiny_vm
     ws.rollback()
     assert dom.isActive() and not engines.has_marker(dom)
     assert dom.snapshotListNames() == []
+
+
+def test_diagnostics_are_kept_and_a_failed_health_check_is_loud(mounted, tiny_vm):
+    ws, dom = mounted, tiny_vm
+    ws.cowfs("provider", "add", "vm", "--type", "libvirt", "--domain", dom.name(),
+             "--diagnostics", 'echo "post-mortem of $COWFS_DOMAIN: disk full"',
+             "--health", "test -n \"$COWFS_DOMAIN\"")
+    ws.json("checkpoint", "-m", "risky", "--provider", "vm")
+    engines.write_marker(dom)
+    res = ws.rollback()
+    assert res["postmortems"][0]["output"].strip() == f"post-mortem of {dom.name()}: disk full"
+    assert not engines.has_marker(dom)
+    base = ws.log()[-1]
+    assert base["postmortems"][0]["domain"] == dom.name()
+    assert "post-mortem of" in ws.cowfs("log").stdout
+
+    ws.cowfs("provider", "add", "sick", "--type", "libvirt", "--domain", dom.name(),
+             "--health", "echo 'web1 does not answer' >&2; exit 1")
+    ws.json("checkpoint", "--provider", "sick")
+    r = ws.cowfs("rollback", check=False)
+    assert r.returncode == 10
+    assert "restore sick of layer" in r.stderr and "health check failed" in r.stderr
+    assert "web1 does not answer" in r.stderr
