@@ -175,10 +175,12 @@ class Workspace:
 
     # -- the stack ----------------------------------------------------------------
 
-    def checkpoint(self, message: str = "", providers: Sequence[str] = ()) -> int:
-        """Open a new layer, with snapshots of the named providers; return
-        its id."""
-        return self._call("checkpoint", message=message, providers=list(providers))["id"]
+    def checkpoint(self, message: str = "", providers: Sequence[str] = (),
+                   containers: Sequence[str] = (), vms: Sequence[str] = ()) -> int:
+        """Open a new layer, with snapshots of the named providers, docker
+        containers and libvirt domains; return its id."""
+        return self._call("checkpoint", message=message, providers=list(providers),
+                          containers=list(containers), vms=list(vms))["id"]
 
     def rollback(self, to: int | None = None, dry_run: bool = False
                  ) -> RollbackResult | list[Change]:
@@ -233,7 +235,8 @@ class Workspace:
     def run(self, cmd: Command, verify: Command | None = None, on_fail: str = "rollback",
             on_success: str = "commit", message: str | None = None, cwd: str | None = None,
             decide: Callable[[RunResult], str] | None = None,
-            providers: Sequence[str] = ()) -> RunResult:
+            providers: Sequence[str] = (), containers: Sequence[str] = (),
+            vms: Sequence[str] = ()) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
         otherwise it is committed into the layer below (``on_success="keep"``
@@ -244,7 +247,7 @@ class Workspace:
         cwd = cwd or self._default_cwd()
         line = command_line(cmd)
         started = time.time()
-        layer = self.checkpoint(message or f"run: {line}", providers)
+        layer = self.checkpoint(message or f"run: {line}", providers, containers, vms)
         t0 = time.monotonic()
         rc = execute(cmd, cwd)
         vrc = execute(verify, cwd) if verify is not None and rc == 0 else None
@@ -266,11 +269,12 @@ class Workspace:
 
     @contextmanager
     def step(self, message: str, verify: Command | None = None,
-             cwd: str | None = None, providers: Sequence[str] = ()) -> Iterator[int]:
+             cwd: str | None = None, providers: Sequence[str] = (),
+             containers: Sequence[str] = (), vms: Sequence[str] = ()) -> Iterator[int]:
         """A block of work in its own layer: rolled back if the block raises
         (the exception propagates) or *verify* fails (raises StepFailed),
         committed otherwise.  Yields the layer id."""
-        layer = self.checkpoint(message, providers)
+        layer = self.checkpoint(message, providers, containers, vms)
         try:
             yield layer
         except BaseException:

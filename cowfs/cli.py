@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-m", "--message", default="")
     s.add_argument("--provider", action="append", default=[], metavar="NAME",
                    help="also snapshot this registered provider (repeatable)")
+    s.add_argument("--container", action="append", default=[], metavar="NAME",
+                   help="also snapshot this docker container (repeatable)")
+    s.add_argument("--vm", action="append", default=[], metavar="DOMAIN",
+                   help="also snapshot this libvirt domain (repeatable)")
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
     s.add_argument("--to", type=int, metavar="ID")
@@ -86,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
     s.add_argument("--provider", action="append", default=[], metavar="NAME",
                    help="also snapshot this registered provider with the step (repeatable)")
+    s.add_argument("--container", action="append", default=[], metavar="NAME",
+                   help="also snapshot this docker container with the step (repeatable)")
+    s.add_argument("--vm", action="append", default=[], metavar="DOMAIN",
+                   help="also snapshot this libvirt domain with the step (repeatable)")
     s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     s = cmd("provider", "register, list or remove the workspace's providers")
@@ -165,7 +173,7 @@ def do_unmount(args) -> int:
 
 def do_checkpoint(args) -> int:
     res = control.call(find_mount(args.path), "checkpoint", message=args.message,
-                       providers=args.provider)
+                       providers=args.provider, containers=args.container, vms=args.vm)
     out(args, str(res["id"]), res)
     return 0
 
@@ -316,7 +324,7 @@ def do_run(args) -> int:
                 return approve(result, args.timeout)
         result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
                         on_success=args.on_success, message=args.message, decide=decide,
-                        providers=args.provider)
+                        providers=args.provider, containers=args.container, vms=args.vm)
         if ephemeral is not None and result.outcome == "committed":
             ws._commit_down_to(ws.log()[0].id)  # the base too: now permanent
         if not shown:

@@ -356,8 +356,16 @@ class Daemon:
         return {"pid": os.getpid(), "workspace": self.workspace,
                 "mountpoint": self.mountpoint, "store": self.store_dir}
 
-    async def op_checkpoint(self, message: str = "", providers: list | None = None) -> dict:
-        providers = providers or []
+    async def op_checkpoint(self, message: str = "", providers: list | None = None,
+                            containers: list | None = None, vms: list | None = None) -> dict:
+        providers = list(providers or [])
+        for kind, key, names in (("docker", "container", containers or []),
+                                 ("libvirt", "domain", vms or [])):
+            for target in names:
+                if not isinstance(target, str) or not target:
+                    raise CowfsError("bad request: container and VM names are strings",
+                                     errors.USAGE)
+                providers.append(self.registry.ensure(kind, key, target))
         if not all(isinstance(p, str) for p in providers) or len(set(providers)) != len(providers):
             raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first

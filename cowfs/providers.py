@@ -315,6 +315,17 @@ class Registry:
         data.setdefault("provider", {})[name] = config
         self._save(data)
 
+    def ensure(self, kind: str, key: str, target: str) -> str:
+        """The provider of *kind* for *target* (a container or domain name),
+        registered under a derived name when there is none yet."""
+        for name, config in self.configs().items():
+            if config.get("type") == kind and config.get(key) == target:
+                return name
+        prefix = "container" if kind == "docker" else "vm"
+        name = f"{prefix}-" + "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in target)
+        self.add(name, {"type": kind, key: target})
+        return name
+
     def remove(self, name: str) -> None:
         data = self._load()
         if name not in data.get("provider", {}):

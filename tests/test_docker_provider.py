@@ -51,3 +51,18 @@ def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(
         assert not [i for i in docker_client.images.list("cowfs/ws")]
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_run_container_shorthand(mounted, docker_client, busybox):
+    ws = mounted
+    name = engines.unique_name("short")
+    docker_client.containers.run(busybox, ["sleep", "3600"], name=name, detach=True,
+                                 labels={engines.LABEL: "1"}, network_mode="none")
+    try:
+        r = ws.cowfs("run", "--container", name, "--", "docker", "exec", name, "sh", "-c",
+                     "touch /usr/local/bin/junk && exit 1", check=False)
+        assert r.returncode == 1
+        assert docker_client.containers.get(name).exec_run(
+            ["ls", "/usr/local/bin/junk"]).exit_code != 0
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)

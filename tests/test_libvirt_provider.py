@@ -64,3 +64,15 @@ def test_diagnostics_are_kept_and_a_failed_health_check_is_loud(mounted, tiny_vm
     assert r.returncode == 10
     assert "restore sick of layer" in r.stderr and "health check failed" in r.stderr
     assert "web1 does not answer" in r.stderr
+
+
+def test_checkpoint_vm_shorthand_registers_the_domain(mounted, tiny_vm):
+    ws, dom = mounted, tiny_vm
+    layer = ws.json("checkpoint", "--vm", dom.name())
+    name = layer["snapshots"][0]["provider"]
+    assert [p["domain"] for p in ws.json("provider", "list") if p["name"] == name] == [dom.name()]
+    engines.write_marker(dom)
+    ws.rollback()
+    assert not engines.has_marker(dom)
+    ws.json("checkpoint", "--vm", dom.name())          # the same provider is reused
+    assert len(ws.json("provider", "list")) == 1
