@@ -6,6 +6,7 @@ teardown, whether the test passed or not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -130,17 +132,25 @@ class Workspace:
                 if " ERROR " in line or "Traceback" in line]
 
 
-@pytest.fixture
-def workspace(tmp_path):
-    """An empty, unmounted workspace; populate it, then call .mount()."""
-    ws = Workspace(tmp_path / "ws")
+@contextlib.contextmanager
+def managed_workspace(path: Path) -> Iterator[Workspace]:
+    """A new, empty workspace directory that is always unmounted (and its
+    daemon killed) afterwards; fails if the daemon logged errors."""
+    ws = Workspace(path)
     ws.path.mkdir()
     try:
         yield ws
     finally:
         ws.teardown()
     errors = ws.daemon_errors()
-    assert not errors, "the daemon logged errors:\n" + "\n".join(errors)
+    assert not errors, f"the daemon of {path} logged errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """An empty, unmounted workspace; populate it, then call .mount()."""
+    with managed_workspace(tmp_path / "ws") as ws:
+        yield ws
 
 
 @pytest.fixture

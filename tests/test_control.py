@@ -30,7 +30,7 @@ from cowfs import control, treesnap
 from cowfs.errors import NOT_MOUNTED, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
-from .conftest import COWFS, Workspace
+from .conftest import COWFS, Workspace, managed_workspace
 
 MiB = 1 << 20
 OTHER_UID = 1234
@@ -709,14 +709,8 @@ def test_another_user_is_refused(mounted):
 
 @pytest.fixture
 def second(tmp_path):
-    ws = Workspace(tmp_path / "ws2")   # "ws" is a prefix of its name on purpose
-    ws.path.mkdir()
-    try:
+    with managed_workspace(tmp_path / "ws2") as ws:   # "ws" is a prefix of it on purpose
         yield ws
-    finally:
-        ws.teardown()
-    errors = ws.daemon_errors()
-    assert not errors, "the second daemon logged errors:\n" + "\n".join(errors)
 
 
 def cowfs_in(cwd: Path, *args) -> subprocess.CompletedProcess:
