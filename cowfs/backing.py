@@ -11,7 +11,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import stat
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -154,13 +153,3 @@ def set_all_xattrs(path: bytes, follow: bool, pairs: list[tuple[bytes, bytes]]) 
             os.removexattr(path, n, follow_symlinks=follow)
     for n, v in want.items():
         os.setxattr(path, n, v, follow_symlinks=follow)
-
-
-def kind_of(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "special"

@@ -33,6 +33,16 @@ def parse_size(text: str) -> int:
     return n
 
 
+def snapshot_options(s: argparse.ArgumentParser) -> None:
+    """--provider / --container / --vm: state outside the files to snapshot
+    with the new layer (each repeatable)."""
+    for flag, meta, what in (("--provider", "NAME", "registered provider"),
+                             ("--container", "NAME", "docker container"),
+                             ("--vm", "DOMAIN", "libvirt domain")):
+        s.add_argument(flag, action="append", default=[], metavar=meta,
+                       help=f"also snapshot this {what} (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="cowfs", description="Make any directory undoable.")
     p.add_argument("-C", dest="path", default=".", metavar="PATH",
@@ -62,12 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("checkpoint", "open a new layer; print its id")
     s.add_argument("-m", "--message", default="")
-    s.add_argument("--provider", action="append", default=[], metavar="NAME",
-                   help="also snapshot this registered provider (repeatable)")
-    s.add_argument("--container", action="append", default=[], metavar="NAME",
-                   help="also snapshot this docker container (repeatable)")
-    s.add_argument("--vm", action="append", default=[], metavar="DOMAIN",
-                   help="also snapshot this libvirt domain (repeatable)")
+    snapshot_options(s)
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
     s.add_argument("--to", type=int, metavar="ID")
@@ -88,12 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     yn = s.add_mutually_exclusive_group()
     yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
-    s.add_argument("--provider", action="append", default=[], metavar="NAME",
-                   help="also snapshot this registered provider with the step (repeatable)")
-    s.add_argument("--container", action="append", default=[], metavar="NAME",
-                   help="also snapshot this docker container with the step (repeatable)")
-    s.add_argument("--vm", action="append", default=[], metavar="DOMAIN",
-                   help="also snapshot this libvirt domain with the step (repeatable)")
+    snapshot_options(s)
     s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     s = cmd("provider", "register, list or remove the workspace's providers")

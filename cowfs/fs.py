@@ -955,21 +955,20 @@ class CowFS(pyfuse3.Operations):
             parent = self._dir_node(parent_path)
             if parent is not None:
                 self._add_link(node, parent, name)
-        entries = []
+        entries, inodes = [], []
+        parents: dict[bytes, Node | None] = {}
         for parent_path, name in touched.entries:
-            parent = self._dir_node(parent_path)
+            if parent_path not in parents:
+                parents[parent_path] = self._dir_node(parent_path)
+            parent = parents[parent_path]
             if parent is not None:
                 entries.append((parent.ino, name))
-        inodes = []
+                inodes.append(parent.ino)  # its mtime and link count changed back
         for bino in touched.objects:
             node = self.by_bino.get(bino)
             if node is not None:
                 node.mode = os.stat(node.fd).st_mode
                 inodes.append(node.ino)
-        for parent_path, _ in touched.entries:
-            parent = self._dir_node(parent_path)
-            if parent is not None:
-                inodes.append(parent.ino)
         return entries, sorted(set(inodes))
 
     def after_commit(self, freed: list[int]) -> None:

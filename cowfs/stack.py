@@ -127,12 +127,11 @@ class Stack:
                     created_below[ino] = txn.get(
                         S.index_key(below.id, ino, S.IDX_CREATED), db=st.db_index) is not None
                 lower = S.index_key(below.id, ino, kind, chunk)
-                redundant = kind != S.IDX_CREATED and (
-                    created_below[ino] or txn.get(lower, db=st.db_index) is not None)
-                if redundant:
+                lower_has = txn.get(lower, db=st.db_index) is not None
+                if kind != S.IDX_CREATED and (created_below[ino] or lower_has):
                     # The lower layer already restores this (it is older).
                     w.delete_record(S.from_u64(val))
-                elif txn.get(lower, db=st.db_index) is None:
+                elif not lower_has:
                     txn.put(lower, val, db=st.db_index)
             for key in ("runs", "postmortems"):
                 if getattr(top, key):

@@ -8,7 +8,6 @@ resolved relative to directory fds without following symlinks.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -215,7 +214,3 @@ def describe(rec: S.Record) -> str:
     """A short human description of a record, for error reports."""
     first = rec.fields[0] if rec.fields else b""
     return f"{rec.name} {_show(first) if isinstance(first, bytes) else first}"
-
-
-def is_missing(e: OSError) -> bool:
-    return e.errno in (errno.ENOENT, errno.ENOTDIR)
