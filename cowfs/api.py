@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from . import control
-from .errors import CowfsError
+from .errors import USAGE, CowfsError
 from .mounts import MountRecord, find_mount, pid_alive
+from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 
 Command = Sequence[str] | str
 
@@ -94,6 +95,11 @@ class RunResult:
     outcome: str
     changes: list[Change]
     started: float = 0.0
+    scope: str = "files"
+    snapshots: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    uncaptured: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -106,9 +112,27 @@ class RunResult:
         return self.exit_status if self.exit_status != 0 else (self.verify_status or 0)
 
     def record(self) -> dict:
+        """The run as kept on its layer (long lists cut short)."""
         d = asdict(self)
         d["changes"] = len(self.changes)
+        d["uncaptured"] = {name: lines[:50] + ([f"... and {len(lines) - 50} more"]
+                                               if len(lines) > 50 else [])
+                           for name, lines in self.uncaptured.items()}
         return d
+
+
+@dataclass
+class Plan:
+    """What a run snapshots: decided by `Workspace.plan`."""
+
+    scope: str
+    verdict: Verdict
+    checkpoint: bool
+    providers: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)
+    vms: list[str] = field(default_factory=list)
+    watch: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 class StepFailed(Exception):
@@ -232,28 +256,109 @@ class Workspace:
         inside = cwd == self.root or cwd.startswith(self.root.rstrip("/") + "/")
         return cwd if inside else self.root
 
+    def plan(self, cmd: Command, scope: str = "files", cwd: str | None = None,
+             providers: Sequence[str] = (), containers: Sequence[str] = (),
+             vms: Sequence[str] = (), policy: Policy | None = None) -> Plan:
+        """What `run` would snapshot for *cmd* under *scope* (see
+        `cowfs.policy`), without running anything."""
+        if scope not in RUN_SCOPES:
+            raise ValueError(f"scope is one of {', '.join(RUN_SCOPES)}")
+        policy = policy or Policy.load()
+        cwd = os.path.realpath(cwd or self._default_cwd())
+        roots = sorted({self.root, self.record.workspace})
+        verdict = policy.classify(cmd, Where(cwd, roots))
+        registered = self._call("provider_list")["providers"]
+        docker = {p["container"]: p["name"] for p in registered if p["type"] == "docker"}
+        libvirt = {p["domain"]: p["name"] for p in registered if p["type"] == "libvirt"}
+        plan = Plan(scope, verdict, checkpoint=True, providers=list(providers))
+        containers, vms = list(containers), list(vms)
+        if scope == "container" or (scope == "auto" and verdict.scope == "system"):
+            containers += verdict.containers or ([] if scope == "auto" else list(docker))
+        if scope == "vm":
+            vms += list(libvirt)
+        if scope == "auto" and verdict.scope == "system" and not verdict.containers:
+            containers += list(docker)
+            vms += list(libvirt)
+        for names, known, attr in ((containers, docker, "containers"), (vms, libvirt, "vms")):
+            for target in dict.fromkeys(names):
+                if target in known:
+                    plan.providers.append(known[target])
+                else:
+                    getattr(plan, attr).append(target)
+        plan.providers = list(dict.fromkeys(plan.providers))
+        snapshots = plan.providers + plan.containers + plan.vms
+        if scope in ("container", "vm") and not (plan.containers or plan.vms or any(
+                p in docker.values() or p in libvirt.values() for p in plan.providers)):
+            what = "container" if scope == "container" else "VM"
+            raise CowfsError(f"--scope {scope}: no {what} configured (name one with "
+                             f"--{'container' if scope == 'container' else 'vm'} or register "
+                             f"one with 'cowfs provider add')", USAGE)
+        if scope == "auto" and verdict.scope == "none" and not snapshots:
+            plan.checkpoint = False
+        if scope == "auto" and verdict.scope == "system" and not snapshots:
+            why = "; ".join(verdict.reasons)
+            if policy.settings["unescalated"] == "refuse":
+                raise CowfsError(f"{command_line(cmd)!r} changes the system outside the "
+                                 f"workspace ({why}) and no container or VM is configured "
+                                 f"to snapshot; refused by the policy", USAGE)
+            plan.warnings.append(f"this command changes the system outside the workspace "
+                                 f"({why}) and no container or VM is configured: only the "
+                                 f"workspace files are captured")
+        captured = {c for c in plan.containers} | {
+            c for c, name in docker.items() if name in plan.providers}
+        plan.watch = [c for c in dict.fromkeys(verdict.containers + list(docker))
+                      if c not in captured]
+        return plan
+
     def run(self, cmd: Command, verify: Command | None = None, on_fail: str = "rollback",
             on_success: str = "commit", message: str | None = None, cwd: str | None = None,
             decide: Callable[[RunResult], str] | None = None,
             providers: Sequence[str] = (), containers: Sequence[str] = (),
-            vms: Sequence[str] = ()) -> RunResult:
+            vms: Sequence[str] = (), scope: str = "files",
+            policy: Policy | None = None) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
         otherwise it is committed into the layer below (``on_success="keep"``
         leaves its layer open).  *decide*, given the result of a successful
-        step, may return "commit", "keep" or "rollback" instead."""
+        step, may return "commit", "keep" or "rollback" instead.
+
+        *scope* "files" snapshots the files (and the named providers,
+        containers and VMs); "container" and "vm" also every configured
+        container or VM; "auto" asks the escalation *policy*: read-only
+        commands take no checkpoint (outcome "no checkpoint"), commands that
+        change the system escalate to the configured containers and VMs.
+        Containers the run did not snapshot are watched with ``docker diff``:
+        what changed in them is reported in ``uncaptured`` and ``warnings``."""
         if on_fail not in ("rollback", "keep") or on_success not in ("commit", "keep"):
             raise ValueError("on_fail is rollback|keep, on_success is commit|keep")
         cwd = cwd or self._default_cwd()
+        plan = self.plan(cmd, scope, cwd, providers, containers, vms, policy)
         line = command_line(cmd)
         started = time.time()
-        layer = self.checkpoint(message or f"run: {line}", providers, containers, vms)
+        if plan.checkpoint:
+            layer = self.checkpoint(message or f"run: {line}", plan.providers,
+                                    plan.containers, plan.vms)
+        else:
+            layer = self.top()
+        watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
         rc = execute(cmd, cwd)
         vrc = execute(verify, cwd) if verify is not None and rc == 0 else None
+        duration = round(time.monotonic() - t0, 3)
         result = RunResult(line, cwd, layer, rc, verify and command_line(verify), vrc,
-                           round(time.monotonic() - t0, 3), "", self.changes(since=layer),
-                           started)
+                           duration, "", self.changes(since=layer) if plan.checkpoint else [],
+                           started, plan.verdict.scope if scope == "auto" else scope,
+                           plan.providers + plan.containers + plan.vms,
+                           plan.verdict.reasons, watch.changes(), list(plan.warnings))
+        for name, lines in result.uncaptured.items():
+            shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+            result.warnings.append(f"container {name} changed outside the workspace and this "
+                                   f"was not captured (run with --scope container to "
+                                   f"snapshot it): {shown}")
+        if not plan.checkpoint:
+            result.outcome = "no checkpoint"
+            self._call("annotate", layer=layer, run=result.record())
+            return result
         action = (decide(result) if decide else on_success) if result.ok else on_fail
         if action == "rollback":
             into = self.rollback(to=layer).top
@@ -289,5 +394,5 @@ class Workspace:
         self._commit_down_to(layer)
 
 
-__all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "RollbackResult",
-           "RunResult", "Status", "StepFailed", "Workspace"]
+__all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "Plan", "Policy",
+           "RollbackResult", "RunResult", "Status", "StepFailed", "Workspace"]

@@ -14,6 +14,7 @@ import time
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
 from .mounts import find_mount, is_cowfs_mount, pid_alive
+from .policy import RUN_SCOPES, Policy, Where
 
 
 class Parser(argparse.ArgumentParser):
@@ -94,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
     snapshot_options(s)
+    s.add_argument("--scope", choices=RUN_SCOPES,
+                   help="what to snapshot: auto asks the escalation policy (read-only "
+                        "commands: no checkpoint; system changes: the configured container "
+                        "or VM); default: the policy's run_scope, files")
+    s.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="an escalation policy file read before the others (repeatable)")
+    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    s = cmd("policy", "show how the escalation policy classifies a command (or which "
+                      "policy files are in use)")
+    s.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="a policy file read before the others (repeatable)")
     s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
     s = cmd("provider", "register, list or remove the workspace's providers")
@@ -287,9 +300,9 @@ def do_run(args) -> int:
     from .api import Workspace
     from .store import Store
 
-    cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not cmd:
-        raise CowfsError("run needs a command after --", errors.USAGE)
+    cmd = command_argv(args)
+    policy = Policy.load(args.policy)
+    scope = args.scope or policy.settings["run_scope"]
     ephemeral = None
     if args.workspace:
         ws_path = os.path.realpath(args.workspace)
@@ -324,10 +337,16 @@ def do_run(args) -> int:
                 return approve(result, args.timeout)
         result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
                         on_success=args.on_success, message=args.message, decide=decide,
-                        providers=args.provider, containers=args.container, vms=args.vm)
+                        providers=args.provider, containers=args.container, vms=args.vm,
+                        scope=scope, policy=policy)
+        for warning in result.warnings:
+            print(f"cowfs: warning: {warning}", file=sys.stderr)
         if ephemeral is not None and result.outcome == "committed":
             ws._commit_down_to(ws.log()[0].id)  # the base too: now permanent
-        if not shown:
+        if result.outcome == "no checkpoint":
+            print(f"cowfs: read-only ({'; '.join(result.reasons)}): no checkpoint taken",
+                  file=sys.stderr)
+        elif not shown:
             print(summary(result.changes), file=sys.stderr)
         why = ("" if result.ok else
                f" (the command exited {result.exit_status})" if result.exit_status else
@@ -342,6 +361,34 @@ def do_run(args) -> int:
             if created_store and ephemeral_store_is_empty(ws_path):
                 Store.destroy(os.path.join(ws_path, ".cowfs"))
     return result.status
+
+
+def command_argv(args) -> list[str]:
+    cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not cmd:
+        raise CowfsError(f"{args.command} needs a command after --", errors.USAGE)
+    return cmd
+
+
+def do_policy(args) -> int:
+    policy = Policy.load(args.policy)
+    if not args.argv:
+        out(args, "\n".join(policy.sources), {"sources": policy.sources})
+        return 0
+    cmd = command_argv(args)
+    try:
+        root = find_mount(args.path).mountpoint
+    except CowfsError:
+        root = os.path.realpath(args.path)
+    cwd = os.getcwd() if os.path.realpath(os.getcwd()).startswith(root) else root
+    # one argument is a shell string, as `sh -c` would take it
+    verdict = policy.classify(cmd[0] if len(cmd) == 1 else cmd, Where(cwd, [root]))
+    lines = [verdict.scope] + [f"  {r}" for r in verdict.reasons]
+    if verdict.containers:
+        lines.append(f"  runs in container{'s' if len(verdict.containers) > 1 else ''} "
+                     + ", ".join(verdict.containers))
+    out(args, "\n".join(lines), verdict.__dict__)
+    return 0
 
 
 def ephemeral_store_is_empty(ws_path: str) -> bool:
@@ -382,7 +429,7 @@ def do_doctor(args) -> int:
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
-    "run": do_run, "doctor": do_doctor, "provider": do_provider,
+    "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
 }
 
 
