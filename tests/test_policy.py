@@ -15,7 +15,7 @@ from cowfs.policy import Policy, PolicyError, Where
 
 from . import engines
 from .conftest import COWFS
-from .engines import busybox, docker_client  # noqa: F401  (fixtures)
+from .engines import busybox, docker_client, libvirt_conn, tiny_vm  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(autouse=True)
@@ -281,3 +281,30 @@ def test_files_only_run_in_a_container_warns_about_uncaptured_changes(mounted, b
     assert (ws / "result").read_text() == "data\n"
     run_record = ws.log()[-1]["runs"][-1]
     assert run_record["uncaptured"][box] == lines
+
+
+# -- VMs -----------------------------------------------------------------------------------
+
+
+def test_auto_escalates_to_the_registered_vm_by_a_user_rule(mounted, tiny_vm, tmp_path):
+    """A remediation step that changes a VM's disk (qemu-io here, ssh in
+    real life), classified `system` by the user's own rule: escalated to
+    the registered libvirt domain, and reverted with the files."""
+    ws, dom = mounted, tiny_vm
+    ws.cowfs("provider", "add", "web", "--type", "libvirt", "--domain", dom.name())
+    rule = tmp_path / "site.toml"
+    rule.write_text('[[rule]]\nname = "disk surgery"\nscope = "system"\n'
+                    'programs = ["qemu-io"]\n')
+    disk = engines.domain_disk(dom)
+    before = ws.snapshot()
+    r = ws.cowfs("--json", "run", "--scope", "auto", "--policy", rule, "--", "sh", "-c",
+                 f"echo fixed > a.txt && qemu-io -f qcow2 -c 'write -P 0x5a "
+                 f"{engines.MARKER_OFFSET} {engines.MARKER_LEN}' {disk} && exit 1",
+                 check=False)
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert (result["scope"], result["snapshots"]) == ("system", ["web"])
+    assert "disk surgery" in result["reasons"][0]
+    assert not engines.has_marker(dom)
+    treesnap.assert_same(before, ws.snapshot())
+    assert dom.snapshotListNames() == []
