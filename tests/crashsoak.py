@@ -1,0 +1,257 @@
+"""Crash trials: concurrent writers, kill -9 of the daemon at a random
+moment (while programs write, in the middle of a rollback, in the middle
+of a commit), mount again, roll back to the checkpoint, compare trees.
+
+    python -m tests.crashsoak --trials 100 [--seed S] [--writers 4] [--keep-failed]
+
+prints one line per trial and then ``K/N exact``; the exit status is 0 only
+when every trial was exact.  tests/test_crash.py runs a few trials in CI;
+tools/soak runs many.  Real mounts, real processes: run as root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cowfs import treesnap
+from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+
+COWFS = [sys.executable, "-m", "cowfs"]
+MOMENTS = ("writing", "rollback", "commit")
+CHUNK = 64 << 10
+
+
+def cowfs(*args, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    r = subprocess.run([*COWFS, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"cowfs {' '.join(map(str, args))} exited {r.returncode}: "
+                           f"{r.stderr.strip()}")
+    return r
+
+
+# -- the writers ---------------------------------------------------------------------
+
+
+def writer(root: str, seed: int, ops: int) -> None:
+    """Random file operations under *root*/wN until killed or *ops* done.
+    Errors are expected (names race with other writers; the mount dies)."""
+    rnd = random.Random(seed)
+    me = f"w{seed % 1000}"
+    names = [f"{d}/{n}" for d in ("", "d1", "d2", f"{me}") for n in
+             ("small", "big", "x", "y", f"{me}-f")]
+
+    def path(name: str) -> str:
+        return os.path.join(root, name.lstrip("/"))
+
+    for _ in range(ops):
+        name = rnd.choice(names)
+        p = path(name)
+        op = rnd.randrange(12)
+        try:
+            if op <= 2:   # write at a random offset, small or across chunks
+                size = rnd.choice((1, 100, 4096, CHUNK + 7, 3 * CHUNK))
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    os.pwrite(fd, rnd.randbytes(size), rnd.randrange(4 * CHUNK))
+                    if rnd.random() < 0.2:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            elif op == 3:
+                with open(p, "ab") as f:
+                    f.write(rnd.randbytes(rnd.randrange(1, 9000)))
+            elif op == 4:
+                os.truncate(p, rnd.choice((0, 10, CHUNK - 1, 2 * CHUNK + 5)))
+            elif op == 5:
+                os.rename(p, path(rnd.choice(names)))
+            elif op == 6:
+                os.unlink(p)
+            elif op == 7:
+                os.mkdir(path(rnd.choice(("d1", "d2", me, f"d1/{me}"))))
+            elif op == 8:
+                os.rmdir(path(rnd.choice(("d1", "d2", me, f"d1/{me}"))))
+            elif op == 9:
+                os.chmod(p, rnd.choice((0o600, 0o644, 0o755)))
+            elif op == 10:
+                os.link(p, path(rnd.choice(names)))
+            else:
+                os.symlink(rnd.choice(("small", "../x", "nowhere")), path(rnd.choice(names)))
+        except OSError:
+            pass
+
+
+def bulk(root: str, seed: int, count: int) -> None:
+    """Many small changes at once (so that a rollback or commit of them
+    takes long enough to be interrupted): files created in a new directory,
+    rewritten, and some existing ones appended to."""
+    rnd = random.Random(seed)
+    top = os.path.join(root, f"bulk{seed % 1000}")
+    try:
+        os.mkdir(top)
+        for i in range(count):
+            with open(os.path.join(top, f"f{i}"), "wb") as f:
+                f.write(rnd.randbytes(rnd.randrange(1, 200)))
+            if i % 7 == 0:
+                os.chmod(os.path.join(top, f"f{i}"), 0o600)
+    except OSError:
+        pass
+
+
+def populate(root: Path, rnd: random.Random) -> None:
+    for d in ("d1", "d2", "keep"):
+        (root / d).mkdir()
+    for name in ("small", "d1/small", "d2/x", "keep/a"):
+        (root / name).write_bytes(rnd.randbytes(rnd.randrange(1, 3000)))
+    for name in ("big", "d1/big", "keep/big"):
+        (root / name).write_bytes(rnd.randbytes(rnd.randrange(3 * CHUNK, 6 * CHUNK)))
+    os.link(root / "keep" / "a", root / "keep" / "a-link")
+    os.symlink("keep/a", root / "sym")
+    os.chmod(root / "keep" / "big", 0o600)
+
+
+# -- one trial ------------------------------------------------------------------------
+
+
+@dataclass
+class Trial:
+    n: int
+    moment: str
+    exact: bool
+    interrupted: str      # what the remount said it finished, if anything
+    detail: str = ""
+
+
+def kill_daemon(mountpoint: Path) -> None:
+    rec = MountRecord.load(str(mountpoint))
+    if rec is None:
+        return
+    try:
+        os.kill(rec.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 30
+    while pid_alive(rec.pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def start_writers(ws: Path, count: int, seed: int, ops: int,
+                  function: str = "writer") -> list[subprocess.Popen]:
+    """*count* processes running *function*(ws, seed, ops) of this module."""
+    code = (f"import sys; from tests.crashsoak import {function}; "
+            f"{function}(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
+    repo = Path(__file__).resolve().parent.parent
+    return [subprocess.Popen([sys.executable, "-c", code, str(ws), str(seed * 100 + i), str(ops)],
+                             cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for i in range(count)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial:
+    rnd = random.Random(seed)
+    ws = base / f"trial-{n}"
+    ws.mkdir()
+    populate(ws, rnd)
+    procs: list[subprocess.Popen] = []
+    bg: subprocess.Popen | None = None
+    try:
+        cowfs("mount", ws)
+        start_writers(ws, 1, seed + 7, 40)[0].wait()       # some changes in the base layer
+        layer = json.loads(cowfs("--json", "-C", ws, "checkpoint", "-m", "trial").stdout)["id"]
+        expected = treesnap.snapshot(ws)
+        procs = start_writers(ws, writers, seed, 100_000)
+        if moment == "writing":
+            time.sleep(rnd.uniform(0.2, 1.0))
+            kill_daemon(ws)
+        else:
+            if moment == "commit":
+                time.sleep(rnd.uniform(0.1, 0.5))
+                cowfs("-C", ws, "checkpoint", "-m", "upper")
+            start_writers(ws, 1, seed, rnd.randrange(500, 3000), "bulk")[0].wait()
+            stop(procs)
+            op = ["rollback", "--to", str(layer)] if moment == "rollback" else ["commit"]
+            bg = subprocess.Popen([*COWFS, "-C", str(ws), *op], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+            time.sleep(rnd.uniform(0.1, 0.5))
+            kill_daemon(ws)
+        stop(procs)
+        if bg is not None:
+            bg.wait(timeout=60)
+        mounted = json.loads(cowfs("--json", "mount", ws).stdout)
+        finished = "; ".join(w for w in mounted.get("warnings", []) if "interrupted" in w)
+        layers = [entry["id"] for entry in json.loads(cowfs("--json", "-C", ws, "log").stdout)]
+        if layer in layers:
+            cowfs("-C", ws, "rollback", "--to", layer)
+        elif moment != "rollback":
+            return Trial(n, moment, False, finished, f"layer {layer} vanished: {layers}")
+        diff = treesnap.compare(expected, treesnap.snapshot(ws))
+        return Trial(n, moment, not diff, finished, "; ".join(diff[:5]))
+    finally:
+        stop(procs)
+        if bg is not None and bg.poll() is None:
+            bg.kill()
+        if is_cowfs_mount(str(ws)):
+            if cowfs("unmount", ws, check=False).returncode != 0:
+                kill_daemon(ws)
+                subprocess.run(["umount", "-l", str(ws)], capture_output=True)
+        kill_daemon(ws)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="crashsoak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--writers", type=int, default=4)
+    p.add_argument("--dir", help="where to make the workspaces (default: a temporary "
+                                 "directory on /var/tmp)")
+    p.add_argument("--keep-failed", action="store_true",
+                   help="keep the workspaces of trials that were not exact")
+    args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    base = Path(tempfile.mkdtemp(prefix="cowfs-crash-", dir=args.dir or "/var/tmp"))
+    print(f"crashsoak: {args.trials} trials, {args.writers} writers, seed {seed}, in {base}")
+    results = []
+    t0 = time.monotonic()
+    try:
+        for n in range(args.trials):
+            moment = MOMENTS[n % len(MOMENTS)]
+            try:
+                t = run_trial(n, base, seed + n, args.writers, moment)
+            except Exception as e:  # a trial that could not even finish is not exact
+                t = Trial(n, moment, False, "", f"{type(e).__name__}: {e}")
+            results.append(t)
+            print(f"trial {n:3} kill while {moment:9} {'exact' if t.exact else 'NOT EXACT'}"
+                  + (f"  (mount: {t.interrupted})" if t.interrupted else "")
+                  + (f"  {t.detail}" if t.detail else ""), flush=True)
+            if t.exact or not args.keep_failed:
+                shutil.rmtree(base / f"trial-{n}", ignore_errors=True)
+    finally:
+        if not any(not t.exact for t in results) or not args.keep_failed:
+            shutil.rmtree(base, ignore_errors=True)
+    exact = sum(t.exact for t in results)
+    resumed = sum(bool(t.interrupted) for t in results)
+    print(f"crashsoak: {exact}/{len(results)} exact ({resumed} trials resumed an interrupted "
+          f"rollback or commit at the next mount), {time.monotonic() - t0:.0f} s, seed {seed}")
+    return 0 if exact == len(results) == args.trials else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
