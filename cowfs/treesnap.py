@@ -80,28 +80,15 @@ def snapshot(
     """
     root_b = os.fsencode(root)
     skipped = frozenset(os.fsencode(name) for name in exclude)
-    root_st = os.lstat(root_b)
-    if not stat.S_ISDIR(root_st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", root)
-
-    snap = Snapshot()
-    snap[ROOT] = _entry(root_b, root_st, content)
-    inodes: defaultdict[tuple[int, int], list[bytes]] = defaultdict(list)
-    pending = [b""]
-    while pending:
-        rel_dir = pending.pop()
-        for name in os.listdir(os.path.join(root_b, rel_dir) if rel_dir else root_b):
-            if not rel_dir and name in skipped:
-                continue
-            rel = rel_dir + b"/" + name if rel_dir else name
-            path = os.path.join(root_b, rel)
-            st = os.lstat(path)
-            snap[rel] = _entry(path, st, content)
-            if stat.S_ISDIR(st.st_mode):
-                pending.append(rel)
-            elif st.st_nlink > 1:
-                inodes[(st.st_dev, st.st_ino)].append(rel)
-
+    root_fd = os.open(root_b, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        root_st = os.fstat(root_fd)
+        snap = Snapshot()
+        snap[ROOT] = _entry(root_fd, None, root_st, content)
+        inodes: defaultdict[tuple[int, int], list[bytes]] = defaultdict(list)
+        _walk(root_fd, b"", snap, inodes, skipped, content)
+    finally:
+        os.close(root_fd)
     for paths in inodes.values():
         leader = min(paths)
         for rel in paths:
@@ -109,13 +96,49 @@ def snapshot(
     return snap
 
 
-def _entry(path: bytes, st: os.stat_result, content: bool) -> Entry:
-    """Build the :class:`Entry` for ``path`` (``link`` is filled in later)."""
+def _walk(top_fd: int, top_rel: bytes, snap: Snapshot,
+          inodes: defaultdict[tuple[int, int], list[bytes]], skipped: frozenset[bytes],
+          content: bool) -> None:
+    """Record everything below the directory *top_fd*, relative to directory
+    fds (no path is ever longer than a name: trees deeper than PATH_MAX are
+    fine), depth first with an explicit stack."""
+    stack = [(top_fd, top_rel, iter(sorted(os.listdir(top_fd))))]
+    try:
+        while stack:
+            dir_fd, rel_dir, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                if dir_fd != top_fd:
+                    os.close(dir_fd)
+                continue
+            name = os.fsencode(name)
+            if not rel_dir and name in skipped:
+                continue
+            rel = rel_dir + b"/" + name if rel_dir else name
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            snap[rel] = _entry(dir_fd, name, st, content)
+            if stat.S_ISDIR(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                stack.append((fd, rel, iter(sorted(os.listdir(fd)))))
+            elif st.st_nlink > 1:
+                inodes[(st.st_dev, st.st_ino)].append(rel)
+    finally:
+        for dir_fd, _, _ in stack:
+            if dir_fd != top_fd:
+                os.close(dir_fd)
+
+
+def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -> Entry:
+    """Build the :class:`Entry` for *name* in *dir_fd* (None: the directory
+    itself); ``link`` is filled in later."""
     try:
         kind = _KINDS[stat.S_IFMT(st.st_mode)]
     except KeyError:
-        raise ValueError(f"unsupported file type {st.st_mode:#o}: {path!r}") from None
+        raise ValueError(f"unsupported file type {st.st_mode:#o}: {name!r}") from None
     is_file = kind == "file"
+    # a short path to the entry itself, for the calls that take no dir fd
+    path = b"/proc/self/fd/%d" % dir_fd + (b"/" + name if name is not None else b"")
     return Entry(
         kind=kind,
         mode=st.st_mode,
@@ -123,28 +146,25 @@ def _entry(path: bytes, st: os.stat_result, content: bool) -> Entry:
         gid=st.st_gid,
         size=st.st_size if is_file else None,
         mtime_ns=st.st_mtime_ns,
-        digest=_digest(path) if is_file and content else None,
-        target=os.readlink(path) if kind == "symlink" else None,
+        digest=_digest(dir_fd, name) if is_file and content else None,
+        target=os.readlink(name, dir_fd=dir_fd) if kind == "symlink" else None,
         rdev=st.st_rdev if kind in ("chardev", "blockdev") else None,
         xattrs=_xattrs(path),
         link=None,
     )
 
 
-def _digest(path: bytes) -> str:
-    """Return the xxh3_128 hexdigest of a regular file, read in 1 MiB chunks."""
+def _digest(dir_fd: int, name: bytes) -> str:
+    """Return the xxh3_128 hexdigest of a regular file, read in 1 MiB chunks,
+    refusing to follow a symlink swapped in meanwhile."""
     hasher = xxhash.xxh3_128()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0, opener=_open_nofollow) as f:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    with open(fd, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             hasher.update(view[:n])
     return hasher.hexdigest()
-
-
-def _open_nofollow(path: str | bytes, flags: int) -> int:
-    """``open()`` opener that refuses to follow a symlink swapped in meanwhile."""
-    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def _xattrs(path: bytes) -> XattrPairs:
