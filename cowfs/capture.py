@@ -13,6 +13,7 @@ chunk or attribute costs one dictionary lookup and records nothing.
 
 from __future__ import annotations
 
+import errno
 import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -209,6 +210,7 @@ class Recorder:
             return
         C = self.C
         where = None
+        holes = Holes(fd)
         self._changing(ino, o)
         for k in range(start // C, (end - 1) // C + 1):
             if k in o.chunks:
@@ -216,13 +218,37 @@ class Recorder:
             if where is None:
                 where = loc()
             length = min(C, o.s0 - k * C)
-            data = os.pread(fd, length, k * C)
-            if len(data) < length:
-                # The object is shorter than its layer-start size only if it
-                # was truncated, which captured these chunks already.
-                data += bytes(length - len(data))
-            zero = data == self._zero if length == C else data == bytes(length)
+            if holes.covers(k * C, k * C + length):
+                zero = True    # not even read: sparse files cost nothing per hole
+            else:
+                data = os.pread(fd, length, k * C)
+                if len(data) < length:
+                    # The object is shorter than its layer-start size only if
+                    # it was truncated, which captured these chunks already.
+                    data += bytes(length - len(data))
+                zero = data == self._zero if length == C else data == bytes(length)
             h = b"" if zero else w.put_chunk(data)
             seq = w.append(S.encode_record(S.CHUNK, where, ino, k, length, h))
             w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
             o.chunks.add(k)
+
+
+class Holes:
+    """Which ranges of a file are holes, from SEEK_DATA/SEEK_HOLE, asked
+    lazily while a capture walks forward through the file."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.data_at = -1      # the next data at or after the last position asked
+        self.asked = -1
+
+    def covers(self, start: int, end: int) -> bool:
+        """True when [start, end) is all hole (reads as zeros)."""
+        if start < self.asked or self.data_at < start:
+            try:
+                self.data_at = os.lseek(self.fd, start, os.SEEK_DATA)
+            except OSError as e:
+                # ENXIO: no data at or after start; otherwise no support: read it
+                self.data_at = 1 << 63 if e.errno == errno.ENXIO else start
+            self.asked = start
+        return self.data_at >= end
