@@ -1,0 +1,223 @@
+"""Hostile programs: no operation of cowfs reads or writes outside the
+workspace and its store, whatever is planted in the tree.
+
+The worst case is a program that changes the backing directory behind the
+daemon's back (possible when the workspace is mounted at another
+mountpoint, or while it is not mounted): directories swapped for symlinks
+to a victim directory outside, symlinks in every component of a path,
+directories renamed while a rollback runs.  The victim must stay untouched
+(names, bytes, modes, mtimes); cowfs reports what it could not undo."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cowfs import treesnap
+from cowfs.errors import PARTIAL
+
+from .conftest import managed_workspace, run
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A directory outside the workspace that mirrors its layout."""
+    v = tmp_path / "victim"
+    for d in ("d/sub", "a/b/c", "x", "y"):
+        (v / d).mkdir(parents=True)
+    for f in ("d/f", "d/sub/g", "d/new", "a/b/c/f", "x/f0", "y/f0", "f"):
+        (v / f).write_text("victim\n")
+    before = treesnap.snapshot(v)
+    yield v
+    treesnap.assert_same(before, treesnap.snapshot(v))   # untouched, mtimes included
+
+
+class Split:
+    """A workspace mounted at another mountpoint: `mnt` is the cowfs view,
+    `backing` the directory underneath, which a hostile program can reach."""
+
+    def __init__(self, ws, backing: Path):
+        self.ws, self.backing, self.mnt = ws, backing, ws.path
+
+    def cowfs(self, *args, check=True):
+        return self.ws.cowfs(*args, check=check)
+
+
+@pytest.fixture
+def split(tmp_path):
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with managed_workspace(tmp_path / "mnt") as ws:
+        run("mount", backing, ws.path)
+        ws.mounted = True
+        yield Split(ws, backing)
+        ws.teardown()
+    log = backing / ".cowfs" / "daemon.log"
+    errors = [line for line in log.read_text().splitlines() if "Traceback" in line]
+    assert not errors, log.read_text()
+
+
+def populate(root: Path) -> None:
+    (root / "d" / "sub").mkdir(parents=True)
+    (root / "d" / "f").write_text("original\n")
+    (root / "d" / "sub" / "g").write_text("g\n")
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "a" / "b" / "c" / "f").write_text("deep\n")
+
+
+def change(root: Path) -> None:
+    """Changes of every kind under d/ and a/ (through the mount)."""
+    (root / "d" / "f").write_text("changed\n")
+    os.chmod(root / "d" / "f", 0o600)
+    (root / "d" / "new").write_text("new\n")
+    os.unlink(root / "d" / "sub" / "g")
+    os.setxattr(root / "d" / "sub", "user.k", b"v")
+    (root / "a" / "b" / "c" / "f").write_text("deep change\n")
+    os.rename(root / "a" / "b" / "c" / "f", root / "a" / "b" / "c" / "f2")
+
+
+def test_directory_swapped_for_a_symlink_behind_the_daemon(split, victim):
+    populate(split.mnt)
+    split.cowfs("commit")
+    split.cowfs("checkpoint")
+    change(split.mnt)
+    # behind the daemon's back: d and a become symlinks to the victim
+    os.rename(split.backing / "d", split.backing / "d.moved")
+    os.symlink(victim / "d", split.backing / "d")
+    os.rename(split.backing / "a", split.backing / "a.moved")
+    os.symlink(victim / "a", split.backing / "a")
+    r = split.cowfs("rollback", check=False)
+    assert r.returncode == PARTIAL, r.stderr
+    assert "d/f" in r.stderr or "d/" in r.stderr     # what could not be undone is named
+    assert os.readlink(split.backing / "d") == str(victim / "d")
+    assert split.cowfs("status").returncode == 0      # the daemon is alive
+
+
+@pytest.mark.parametrize("component", ["a", "a/b", "a/b/c"])
+def test_symlink_planted_in_any_component_of_a_path(split, victim, component):
+    populate(split.mnt)
+    split.cowfs("commit")
+    split.cowfs("checkpoint")
+    change(split.mnt)
+    planted = split.backing / component
+    os.rename(planted, planted.with_name(planted.name + ".moved"))
+    os.symlink(victim / component, planted)
+    r = split.cowfs("rollback", check=False)
+    assert r.returncode == PARTIAL, r.stderr
+    assert "a/b/c/f" in r.stderr
+    # the rest was undone
+    assert (split.mnt / "d" / "f").read_text() == "original\n"
+    assert (split.mnt / "d" / "sub" / "g").read_text() == "g\n"
+
+
+def test_symlink_to_root_planted_through_the_mount_is_undone(split, victim):
+    """The ordinary case: the swap is made through the mount, so it is
+    captured like any change and undone first."""
+    populate(split.mnt)
+    split.cowfs("commit")
+    before = treesnap.snapshot(split.mnt)
+    split.cowfs("checkpoint")
+    change(split.mnt)
+    os.rename(split.mnt / "d", split.mnt / "d2")
+    os.symlink("/", split.mnt / "d")
+    os.symlink(victim, split.mnt / "a" / "b" / "c" / "f")
+    (split.mnt / "d2" / "f").write_text("through the moved dir\n")
+    split.cowfs("rollback")
+    treesnap.assert_same(before, treesnap.snapshot(split.mnt))
+
+
+def test_directories_renamed_and_swapped_while_a_rollback_runs(split, victim):
+    for d in ("x", "y"):
+        (split.mnt / d).mkdir()
+        for i in range(400):
+            (split.mnt / d / f"f{i}").write_text(f"{d}{i}\n")
+    split.cowfs("commit")
+    split.cowfs("checkpoint")
+    for d in ("x", "y"):
+        for i in range(400):
+            (split.mnt / d / f"f{i}").write_text("changed\n")
+            os.chmod(split.mnt / d / f"f{i}", 0o600)
+    stop = threading.Event()
+    swaps = 0
+
+    def hostile():
+        nonlocal swaps
+        b = split.backing
+        while not stop.is_set():
+            for d in ("x", "y"):
+                try:
+                    os.rename(b / d, b / f"{d}.away")
+                    os.symlink(victim / d, b / d)
+                    time.sleep(0.001)
+                    os.unlink(b / d)
+                    os.rename(b / f"{d}.away", b / d)
+                    swaps += 1
+                except OSError:
+                    pass
+    t = threading.Thread(target=hostile)
+    t.start()
+    try:
+        r = split.cowfs("rollback", check=False)
+    finally:
+        stop.set()
+        t.join()
+    assert swaps > 0
+    assert r.returncode in (0, PARTIAL), r.stderr
+    for d in ("x", "y"):       # the hostile thread put everything back in the end
+        assert (split.backing / d).is_dir() and not (split.backing / d).is_symlink()
+
+
+def test_store_is_unreachable_through_the_mount(split):
+    populate(split.mnt)
+    m = split.mnt
+    for path in (m / ".cowfs", m / "d" / ".." / ".cowfs", m / "d" / "sub" / ".." / ".." / ".cowfs"):
+        with pytest.raises(FileNotFoundError):
+            os.lstat(path)
+    root = os.open(m, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(FileNotFoundError):
+            os.open(".cowfs", os.O_RDONLY, dir_fd=root)
+        with pytest.raises(FileNotFoundError):
+            os.open("d/../.cowfs/db/data.mdb", os.O_RDONLY, dir_fd=root)
+        assert ".cowfs" not in os.listdir(root)
+    finally:
+        os.close(root)
+    for action in (lambda: os.rename(m / "d", m / ".cowfs"),
+                   lambda: os.link(m / "d" / "f", m / ".cowfs"),
+                   lambda: os.symlink(".", m / ".cowfs"),
+                   lambda: os.rename(m / "d" / "f", m / "d" / ".." / ".cowfs")):
+        with pytest.raises(OSError) as e:
+            action()
+        assert e.value.errno == errno.EPERM
+    # a directory elsewhere may have that name: it is user data, not the store
+    (m / "d" / ".cowfs").mkdir()
+    assert os.listdir(m / "d" / ".cowfs") == []
+    assert (split.backing / ".cowfs" / "db" / "data.mdb").exists()
+
+
+def test_tar_with_hostile_member_paths_stays_inside(split, victim, tmp_path):
+    """A real program writing through symlinks it planted: tar extracting
+    an archive whose members try to escape; whatever tar does, rollback
+    puts the workspace back and the victim is untouched."""
+    populate(split.mnt)
+    split.cowfs("commit")
+    before = treesnap.snapshot(split.mnt)
+    src = tmp_path / "evil"
+    src.mkdir()
+    os.symlink(victim, src / "escape")
+    (src / "plain").write_text("plain\n")
+    archive = tmp_path / "evil.tar"
+    subprocess.run(["tar", "-C", src, "-cf", archive, "escape", "plain"], check=True)
+    split.cowfs("checkpoint")
+    subprocess.run(["tar", "-C", split.mnt, "-xf", archive], check=True)
+    assert (split.mnt / "escape").is_symlink()
+    split.cowfs("rollback")
+    treesnap.assert_same(before, treesnap.snapshot(split.mnt))
+    shutil.rmtree(src)
