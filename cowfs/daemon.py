@@ -35,7 +35,7 @@ from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse
 from .fs import CowFS
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
-from .stack import Stack
+from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 
 log = logging.getLogger("cowfs.daemon")
@@ -138,6 +138,7 @@ class Daemon:
         self.inflight = 0
         self.unmounted_by_request = False
         self.recovering = False
+        self.fs: CowFS | None = None
 
     # -- setting up ---------------------------------------------------------------
 
@@ -157,13 +158,11 @@ class Daemon:
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
         if self.recovering:
             self.warnings += [f"store check: {p}" for p in self.stack.check()]
-        report = self.stack.resume()
-        if report is not None:
-            self.warnings.append(
-                f"finished an interrupted rollback ({report.applied} steps"
-                + (f", {len(report.failures)} failed" if report.failures else "") + ")")
-        self.recorder = Recorder(self.store)
         self.registry = Registry(self.store.dirfd, self.mountpoint)
+        if self.stack.pending() is not None:
+            self.warnings += trio.run(self._resume)
+        self.stack.resume()
+        self.recorder = Recorder(self.store)
         if self.mountpoint == self.workspace:
             pids = processes_inside(self.workspace)
             if pids:
@@ -386,81 +385,134 @@ class Daemon:
         except Exception as e:
             # All or nothing: discard what was taken and drop the new layer.
             failed = chosen[min(len(taken), len(chosen) - 1)].name
-            await self._discard(layer.id, taken)
+            leftovers = []
+            for snap in reversed(taken):
+                try:
+                    await self._apply("discard", snap["provider"], layer.id, snap["data"])
+                except Exception as e2:
+                    leftovers.append(f"; discarding {snap['provider']}'s snapshot failed: {e2}")
             self.registry.drop_state(self.registry.context(failed, layer.id))
             self.stack.rollback(layer.id)
             self.recorder.reset(fresh=False)
             raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
-                             "nothing was taken", errors.DAEMON_ERROR) from None
+                             "nothing was taken" + "".join(leftovers),
+                             errors.DAEMON_ERROR) from None
         return self.store.get_layer(layer.id).to_dict()
 
-    async def _discard(self, layer_id: int, snapshots: list[dict]) -> list[str]:
-        """Discard snapshots (last taken first); return failures by name."""
-        failures = []
-        for snap in reversed(snapshots):
+    # -- group operations (see Stack: the pending record) -----------------------------
+
+    async def _apply(self, do: str, name: str, layer: int, data: dict) -> dict | None:
+        """Restore or discard one provider snapshot; a restore may return a
+        post-mortem."""
+        provider = self.registry.get(name)
+        ctx = self.registry.context(name, layer)
+        if do == "restore":
+            return await trio.to_thread.run_sync(provider.restore, ctx, data)
+        await trio.to_thread.run_sync(provider.discard, ctx, data)
+        self.registry.drop_state(ctx)
+        return None
+
+    async def _provider_steps(self, do: str) -> list[str]:
+        """Run the pending record's *do* steps that have not finished, each
+        marked in the store before it runs and after it; return what ran."""
+        ran = []
+        for i, step in enumerate(self.stack.pending().get("steps", [])):
+            if step["do"] != do or step["state"] in FINISHED:
+                continue
+            what = f"{do} {step['provider']} of layer {step['layer']}"
+            ran.append(what + (" (again: it was interrupted)" if step["state"] == "started"
+                               else ""))
+            self.stack.mark_step(i, state="started")
+            t0 = time.perf_counter()
             try:
-                provider = self.registry.get(snap["provider"])
-                ctx = self.registry.context(provider.name, layer_id)
-                await trio.to_thread.run_sync(provider.discard, ctx, snap["data"])
-                self.registry.drop_state(ctx)
+                postmortem = await self._apply(do, step["provider"], step["layer"], step["data"])
+                result = {"state": "done"}
             except Exception as e:
-                failures.append(f"discard {snap['provider']} of layer {layer_id}: {e}")
-        return failures
+                postmortem = getattr(e, "postmortem", None)
+                result = {"state": "failed", "error": f"{what}: {e}"}
+            if postmortem:  # kept (with the layer the workspace is back at) even on failure
+                result["postmortem"] = {**postmortem, "layer": step["layer"], "time": time.time()}
+            self.stack.mark_step(i, seconds=round(time.perf_counter() - t0, 3), **result)
+        return ran
+
+    async def _carry_out(self) -> tuple[dict | None, RollbackReport | None, list[str]]:
+        """Carry out the pending group operation from where it stands:
+        provider restores, the files, provider discards.  Returns the closed
+        pending record, the file rollback's report (when it ran now) and the
+        provider steps that ran now."""
+        if self.stack.pending() is None:
+            return None, None, []
+        ran = await self._provider_steps("restore")
+        report = None
+        if files_left(self.stack.pending()):
+            before = self.store.top()
+            try:
+                report = self.stack.roll_back_files()
+            finally:
+                if self.fs is not None:
+                    top = self.store.top()
+                    self.recorder.reset(fresh=top is not None and before is not None
+                                        and top.id > before.id)
+            if self.fs is not None:
+                await self._invalidate(*self.fs.after_undo(report.touched))
+        ran += await self._provider_steps("discard")
+        return self.stack.finish(), report, ran
+
+    async def _resume(self) -> list[str]:
+        """Finish the group operation a crash interrupted (at mount, before
+        serving); the warnings that say what was done."""
+        op = self.stack.pending().get("op", "operation")
+        record, report, ran = await self._carry_out()
+        warnings = []
+        if report is not None:
+            warnings.append(f"finished an interrupted {op} ({report.applied} steps"
+                            + (f", {len(report.failures)} failed" if report.failures else "")
+                            + ")")
+            warnings += report.failures
+        if ran:
+            warnings.append(f"finished the provider work of an interrupted {op}: "
+                            + ", ".join(ran))
+        return warnings + step_failures(record)
+
+    async def _finish_leftover(self) -> None:
+        """A group operation left pending by an unexpected error is carried
+        out before a new one is planned over it."""
+        if self.stack.pending() is not None:
+            record, report, _ = await self._carry_out()
+            log.warning("finished a pending %s: %s", record.get("op"),
+                        step_failures(record) + (report.failures if report else []))
 
     async def op_commit(self) -> dict:
         await self._flush()
-        top = self.store.top()
+        await self._finish_leftover()
         info = self.stack.commit()
         self.recorder.reset(fresh=info["into"] is None)
         self.fs.after_commit(info.pop("freed", []))
         # The merged (or now permanent) layer's snapshots are no longer needed:
-        # a rollback goes back to the older snapshots of the layer below.
-        failures = await self._discard(top.id, list(top.snapshots))
+        # a rollback goes back to the older snapshots of the layer below.  The
+        # commit recorded their discards as pending; carry them out.
+        record, _, _ = await self._carry_out()
+        failures = step_failures(record)
         if failures:
             info["warnings"] = failures
         return info
 
     async def op_rollback(self, to: int | None = None) -> dict:
         await self._flush()
-        layers = self.store.layers()
-        before = layers[-1].id
-        if to is not None:
-            self.store.get_layer(to)  # an unknown id fails before anything is restored
-        dropping = [layer for layer in reversed(layers) if layer.id >= (to or before)]
-        # Providers first (they were taken after their layer was opened), last first.
-        failures = []
-        restored = []
-        postmortems: list[dict] = []
-        for layer in dropping:
-            for snap in reversed(layer.snapshots):
-                t0 = time.perf_counter()
-                try:
-                    provider = self.registry.get(snap["provider"])
-                    ctx = self.registry.context(provider.name, layer.id)
-                    postmortem = await trio.to_thread.run_sync(provider.restore, ctx,
-                                                               snap["data"])
-                    restored.append({"provider": provider.name, "layer": layer.id,
-                                     "seconds": round(time.perf_counter() - t0, 3)})
-                    if postmortem:
-                        postmortems.append({**postmortem, "layer": layer.id,
-                                            "time": time.time()})
-                except Exception as e:
-                    failures.append(f"restore {snap['provider']} of layer {layer.id}: {e}")
-        try:
-            report = self.stack.rollback(to)
-        finally:
-            top = self.store.top()
-            self.recorder.reset(fresh=top is not None and top.id > before)
-        entries, inodes = self.fs.after_undo(report.touched)
-        await self._invalidate(entries, inodes)
-        for layer in dropping:
-            failures += await self._discard(layer.id, list(layer.snapshots))
-        if postmortems:  # kept with the layer the workspace is back at
-            self.store.append_to_layer(self.store.top().id, "postmortems", postmortems)
+        await self._finish_leftover()
+        # An unknown id, or nothing to roll back, fails before anything runs.
+        self.stack.plan_rollback(to)
+        # Providers first (they were taken after their layer was opened), last
+        # first; then the files; then the dropped snapshots are discarded.
+        record, report, _ = await self._carry_out()
+        steps = record["steps"]
         result = report.to_dict()
-        result["restored"] = restored
-        result["postmortems"] = postmortems
-        failures = report.failures + failures
+        result["restored"] = [{"provider": s["provider"], "layer": s["layer"],
+                               "seconds": s["seconds"]}
+                              for s in steps if s["do"] == "restore" and s["state"] == "done"]
+        # (kept with the layer the workspace is back at)
+        result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
+        failures = report.failures + step_failures(record)
         if failures:
             raise errors.PartialFailure(
                 "rollback finished with failures:\n  " + "\n  ".join(failures))
@@ -539,6 +591,11 @@ class Daemon:
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
         return {"unmounted": self.mountpoint}
+
+
+def step_failures(record: dict | None) -> list[str]:
+    """The failed provider steps of a closed pending record, by name."""
+    return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
 
 
 def sd_notify(message: str) -> None:

@@ -2,8 +2,11 @@
 
 A checkpoint is a group: the file layer plus a snapshot from each provider
 asked for.  A rollback restores the snapshots of every dropped layer (last
-taken first) and then the files; a merge or a base commit discards the
-snapshots that are no longer needed.
+taken first), then the files, then discards those snapshots; a merge or a
+base commit discards the snapshots that are no longer needed.  Every
+restore and discard is a step of the store's pending record, marked before
+and after it runs: after a crash the next mount runs the steps left (a step
+that was running is run again; a finished one never is).
 
 Providers are registered per workspace in ``STORE/cowfs.toml``::
 
@@ -36,7 +39,12 @@ CONFIG = "cowfs.toml"
 
 
 class ProviderError(Exception):
-    pass
+    """A provider step failed.  *postmortem*: diagnostics captured before
+    the failure, kept with the layer all the same."""
+
+    def __init__(self, message: str, postmortem: dict | None = None):
+        super().__init__(message)
+        self.postmortem = postmortem
 
 
 @dataclass
@@ -62,10 +70,14 @@ class Provider:
         raise NotImplementedError
 
     def restore(self, ctx: Context, snapshot: dict) -> dict | None:
-        """Put the snapshot back; may return a post-mortem to keep."""
+        """Put the snapshot back; may return a post-mortem to keep (or raise
+        ProviderError carrying one).  A restore interrupted by a crash is run
+        again, so it must work from whatever state it was left in."""
         raise NotImplementedError
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
+        """Free the snapshot.  Idempotent: a discard interrupted by a crash
+        is run again, and what is already gone counts as discarded."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -217,7 +229,11 @@ class LibvirtProvider(Provider):
                                 "(pip install 'cowfs[providers]')") from None
         libvirt.registerErrorHandler(lambda *_: None, None)
         conn = libvirt.open(self.config.get("uri") or self.URI)
-        return conn, conn.lookupByName(self.config["domain"])
+        try:
+            return conn, conn.lookupByName(self.config["domain"])
+        except BaseException:
+            conn.close()
+            raise
 
     def capture(self, ctx: Context) -> dict:
         conn, dom = self._domain()
@@ -232,24 +248,36 @@ class LibvirtProvider(Provider):
 
     def restore(self, ctx: Context, snapshot: dict) -> dict | None:
         domain = self.config["domain"]
-        postmortem = run_sh(self.name, "diagnostics", self.config.get("diagnostics", ""),
-                            ctx, check=False, COWFS_DOMAIN=domain)
-        conn, dom = self._domain()
+        postmortem = None
+        if self.config.get("diagnostics"):
+            output = run_sh(self.name, "diagnostics", self.config["diagnostics"], ctx,
+                            check=False, COWFS_DOMAIN=domain)
+            postmortem = {"provider": self.name, "domain": domain, "output": output[-16384:]}
+        # The post-mortem describes the state before the revert: it is kept
+        # whether or not the revert and the health check succeed.
         try:
-            dom.revertToSnapshot(dom.snapshotLookupByName(snapshot["snapshot"]), 0)
-        finally:
-            conn.close()
+            conn, dom = self._domain()
+            try:
+                dom.revertToSnapshot(dom.snapshotLookupByName(snapshot["snapshot"]), 0)
+            finally:
+                conn.close()
+        except Exception as e:
+            raise ProviderError(f"revert failed: {e}", postmortem) from e
         try:
             run_sh(self.name, "health", self.config.get("health", ""), ctx, COWFS_DOMAIN=domain)
         except ProviderError as e:
-            raise ProviderError(f"reverted, but the health check failed: {e}") from None
-        if self.config.get("diagnostics"):
-            return {"provider": self.name, "domain": domain, "output": postmortem[-16384:]}
-        return None
+            raise ProviderError(f"reverted, but the health check failed: {e}",
+                                postmortem) from None
+        return postmortem
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
         import libvirt
-        conn, dom = self._domain()
+        try:
+            conn, dom = self._domain()
+        except libvirt.libvirtError as e:
+            if e.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return  # the domain is gone, and its snapshots with it
+            raise
         try:
             dom.snapshotLookupByName(snapshot["snapshot"]).delete(0)
         except libvirt.libvirtError as e:

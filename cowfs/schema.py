@@ -13,9 +13,20 @@ Databases
              ``next_seq``    u64   next journal sequence number
              ``next_layer``  u64   next layer id
              ``next_grave``  u64   next grave id
-             ``pending``     JSON  an interrupted stack operation to resume
-                                   (``{"op": "rollback", "to": ID}`` or
-                                   ``{"op": "commit", "layer": ID}``)
+             ``pending``     JSON  the group operation under way, resumed
+                                   by the next mount if a crash interrupts it:
+                                   ``{"op": "rollback", "to": ID}`` or
+                                   ``{"op": "commit", "layer": ID}``, plus
+                                   ``"files"``: bool, the file part is done,
+                                   and ``"steps"``: the provider steps, in
+                                   order, each ``{"do": "restore"|"discard",
+                                   "provider", "layer", "data": the snapshot,
+                                   "state": "todo"|"started"|"done"|"failed"}``
+                                   and, once run, ``"seconds"``, ``"error"``
+                                   (failed), ``"postmortem"`` (restores).
+                                   Restores run before the files, discards
+                                   after; the layers' post-mortems move to
+                                   the top layer when the record is closed.
              ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
              "message": str}.  The stack is the layers in id order; a layer

@@ -50,13 +50,17 @@ class Stack:
         return self.store.push_layer(message)
 
     def resume(self) -> RollbackReport | None:
-        """Finish a stack operation that was interrupted by a crash."""
-        pending = self.store.get_meta_json(S.K_PENDING)
+        """Finish the file part of a stack operation that was interrupted by
+        a crash.  Provider steps left in the pending record are the caller's
+        (the daemon runs them before and after this); the record is closed
+        here only when none is left."""
+        pending = self.pending()
         report = None
-        if pending and pending.get("op") == "rollback":
-            report = self._rollback_to(pending["to"])
-        elif pending and pending.get("op") == "commit":
-            self.store.set_meta_json(S.K_PENDING, None)
+        if pending is not None:
+            if files_left(pending):
+                report = self.roll_back_files()
+            if not steps_left(pending):
+                self.finish()
         self.sweep_graves()
         self.ensure_base()
         return report
@@ -90,6 +94,40 @@ class Stack:
                     problems.append(f"record {seq}: removed object {rec.fields[0]!r} is missing")
                 ok = cur.next()
         return problems
+
+    # -- group operations: the pending record ----------------------------------------
+    # A rollback or commit is a group: provider restores (last taken first),
+    # then the files, then provider discards.  The pending record in the store
+    # lists every step; each is marked before it runs and after it, so that the
+    # next mount finishes exactly what is left after a crash.
+
+    def pending(self) -> dict | None:
+        return self.store.get_meta_json(S.K_PENDING)
+
+    def mark_step(self, index: int, **fields) -> None:
+        """Update step *index* of the pending record, durably (even against
+        a power loss) before the step runs or anything follows it."""
+        with self.store.write() as w:
+            pending = _pending_in(w)
+            pending["steps"][index].update(fields)
+            w.set_meta(S.K_PENDING, S.to_json(pending))
+        self.store.env.sync(True)
+
+    def finish(self) -> dict | None:
+        """Close the pending group operation: keep the restores' post-mortems
+        with the layer the workspace is now at, and clear the record.
+        Returns the record as it was."""
+        pending = self.pending()
+        if pending is None:
+            return None
+        top = self.ensure_base()
+        postmortems = [step["postmortem"] for step in pending.get("steps", ())
+                       if step.get("postmortem")]
+        with self.store.write() as w:
+            if postmortems:
+                self.store.append_to_layer(top.id, "postmortems", postmortems, w)
+            w.set_meta(S.K_PENDING, None)
+        return pending
 
     # -- commit -------------------------------------------------------------------
 
@@ -137,6 +175,7 @@ class Stack:
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
             txn.delete(S.u64(top.id), db=st.db_layers)
+            _plan_discards(w, top)
         st.forget_layer_cache()
 
     def _commit_base(self, base: Layer) -> list[int]:
@@ -151,6 +190,7 @@ class Stack:
                 w.delete_record(seq)
             self._drop_index(w, base.id)
             w.txn.delete(S.u64(base.id), db=st.db_layers)
+            _plan_discards(w, base)
         st.forget_layer_cache()
         for gid in graves:
             remove_tree_at(st.grave_fd, str(gid).encode())
@@ -183,7 +223,11 @@ class Stack:
 
     # -- rollback -------------------------------------------------------------------
 
-    def rollback(self, to: int | None = None) -> RollbackReport:
+    def plan_rollback(self, to: int | None = None) -> dict:
+        """Check a rollback (down to and including layer *to*; default: the
+        top layer) and write its pending record: the restores of the dropped
+        layers' snapshots (top layer first, last taken first), the files,
+        then the discards of those snapshots.  Nothing is changed yet."""
         layers = self.store.layers()
         top = layers[-1]
         if to is None:
@@ -193,8 +237,25 @@ class Stack:
         elif to not in {layer.id for layer in layers}:
             raise UnknownLayer(f"no layer {to} (layers: "
                                f"{', '.join(str(layer.id) for layer in layers)})")
-        self.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": to})
-        return self._rollback_to(to)
+        dropping = [layer for layer in reversed(layers) if layer.id >= to]
+        pending = {"op": "rollback", "to": to, "files": False,
+                   "steps": _steps("restore", dropping) + _steps("discard", dropping)}
+        self.store.set_meta_json(S.K_PENDING, pending)
+        return pending
+
+    def roll_back_files(self) -> RollbackReport:
+        """The file part of the pending rollback (resumable)."""
+        return self._rollback_to(self.pending()["to"])
+
+    def rollback(self, to: int | None = None) -> RollbackReport:
+        """A rollback of the files alone, for layers without provider
+        snapshots.  (Provider steps, were there any, would stay pending for
+        the daemon, which carries out groups with snapshots.)"""
+        self.plan_rollback(to)
+        report = self.roll_back_files()
+        if not steps_left(self.pending()):
+            self.finish()
+        return report
 
     def _rollback_to(self, to: int) -> RollbackReport:
         st = self.store
@@ -215,7 +276,9 @@ class Stack:
             for layer in layers:
                 self._drop_index(w, layer.id)
                 w.txn.delete(S.u64(layer.id), db=st.db_layers)
-            w.set_meta(S.K_PENDING, None)
+            pending = _pending_in(w)
+            pending["files"] = True
+            w.set_meta(S.K_PENDING, S.to_json(pending))
         st.forget_layer_cache()
         report.dropped = [layer.id for layer in layers]
         report.top = self.ensure_base().id
@@ -370,6 +433,40 @@ class Stack:
         if not stat.S_ISDIR(st.st_mode) and m[7] != st.st_mtime_ns:
             return "m"
         return None
+
+
+# -- the pending record's steps ------------------------------------------------------
+
+FINISHED = ("done", "failed")
+
+
+def _steps(do: str, layers: list[Layer]) -> list[dict]:
+    """Provider steps for *layers* (in the order given), each layer's
+    snapshots last taken first."""
+    return [{"do": do, "provider": snap["provider"], "layer": layer.id,
+             "data": snap["data"], "state": "todo"}
+            for layer in layers for snap in reversed(layer.snapshots)]
+
+
+def files_left(pending: dict) -> bool:
+    """Whether the pending record's file part is still to be done."""
+    return pending.get("op") == "rollback" and not pending.get("files")
+
+
+def steps_left(pending: dict) -> list[dict]:
+    return [step for step in pending.get("steps", ()) if step["state"] not in FINISHED]
+
+
+def _pending_in(w) -> dict:
+    return S.from_json(w.txn.get(S.K_PENDING, db=w.store.db_meta))
+
+
+def _plan_discards(w, layer: Layer) -> None:
+    """In the transaction that merges or commits *layer*: its snapshots are
+    no longer needed; record their discards as pending."""
+    if layer.snapshots:
+        w.set_meta(S.K_PENDING, S.to_json({"op": "commit", "layer": layer.id, "files": True,
+                                           "steps": _steps("discard", [layer])}))
 
 
 def _subst(p: bytes, a: bytes, b: bytes) -> bytes | None:

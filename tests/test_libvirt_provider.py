@@ -7,6 +7,7 @@ from cowfs import treesnap
 
 from . import engines
 from .engines import libvirt_conn, tiny_vm  # noqa: F401  (fixtures)
+from .test_providers import KillSwitch, crash_during
 
 
 def add_vm(ws, dom):
@@ -76,3 +77,37 @@ def test_checkpoint_vm_shorthand_registers_the_domain(mounted, tiny_vm):
     assert not engines.has_marker(dom)
     ws.json("checkpoint", "--vm", dom.name())          # the same provider is reused
     assert len(ws.json("provider", "list")) == 1
+
+
+def test_a_failed_health_check_keeps_the_post_mortem(mounted, tiny_vm):
+    ws, dom = mounted, tiny_vm
+    ws.cowfs("provider", "add", "sick", "--type", "libvirt", "--domain", dom.name(),
+             "--diagnostics", "echo diag-output", "--health", "false")
+    layer = ws.json("checkpoint", "--provider", "sick")["id"]
+    engines.write_marker(dom)
+    r = ws.cowfs("rollback", check=False)
+    assert r.returncode == 10
+    assert f"restore sick of layer {layer}: reverted, but the health check failed" in r.stderr
+    assert not engines.has_marker(dom)            # the revert itself happened
+    postmortems = ws.log()[-1]["postmortems"]
+    assert [(p["provider"], p["domain"], p["layer"], p["output"].strip())
+            for p in postmortems] == [("sick", dom.name(), layer, "diag-output")]
+    assert dom.snapshotListNames() == []
+
+
+def test_a_rollback_killed_before_the_revert_is_finished_by_the_next_mount(
+        mounted, tiny_vm, tmp_path):
+    ws, dom = mounted, tiny_vm
+    switch = KillSwitch(tmp_path / "kill")
+    ws.cowfs("provider", "add", "vm", "--type", "libvirt", "--domain", dom.name(),
+             "--diagnostics", switch.guard("vm $COWFS_LAYER") + "echo diag-output")
+    before = ws.snapshot()
+    layer = ws.json("checkpoint", "--provider", "vm")["id"]
+    engines.write_marker(dom)
+    (ws / "a.txt").write_text("changed\n")
+    err = crash_during(ws, switch, f"vm {layer}", "rollback")
+    assert f"restore vm of layer {layer} (again: it was interrupted)" in err
+    assert not engines.has_marker(dom)
+    assert dom.snapshotListNames() == []
+    treesnap.assert_same(before, ws.snapshot())
+    assert [p["output"].strip() for p in ws.log()[-1]["postmortems"]] == ["diag-output"]

@@ -1,14 +1,22 @@
 """Command providers: state outside the workspace (here a real sqlite3
-database in another directory) snapshotted and restored with the layers."""
+database, or a file, in another directory) snapshotted and restored with the
+layers; and a daemon killed (kill -9) in the middle of a rollback or commit,
+whose provider work the next mount finishes, each step once."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from cowfs import Workspace, treesnap
 from cowfs.errors import DAEMON_ERROR, PARTIAL, USAGE
+from cowfs.mounts import pid_alive
+
+from .conftest import run
 
 
 def sql(db, statement: str) -> str:
@@ -119,3 +127,169 @@ def test_api_run_with_a_provider(mounted, db):
                     providers=["db"])
     assert not result.ok and result.outcome == "rolled back"
     assert sql(db, "select x from t") == "original"
+
+
+# -- a crash in the middle of a group operation --------------------------------------------
+# Each restore and discard is a step of the store's pending record, marked
+# before and after it runs: the next mount runs exactly the steps left.
+
+
+class KillSwitch:
+    """Makes one provider command kill -9 the mount daemon before it does
+    anything, once: armed with a step name and the daemon's pid, the command
+    whose guard expands to that name fires it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def guard(self, step: str) -> str:
+        """Shell to put first in a command; *step* may use $COWFS_* variables."""
+        t = shlex.quote(str(self.path))
+        return (f'if [ "$(head -n1 {t} 2>/dev/null)" = "{step}" ]; then '
+                f'pid=$(tail -n1 {t}); rm -f {t}; kill -9 "$pid"; exit 1; fi; ')
+
+    def arm(self, step: str, pid: int) -> None:
+        self.path.write_text(f"{step}\n{pid}\n")
+
+    @property
+    def armed(self) -> bool:
+        return self.path.exists()
+
+
+def crash_during(ws, switch: KillSwitch, step: str, *command) -> str:
+    """Run the cowfs *command* with the switch armed for *step*; once the
+    daemon is dead, mount again (which recovers the dead mount and finishes
+    the interrupted work).  Returns what the mount said on stderr."""
+    pid = ws.daemon_pid()
+    switch.arm(step, pid)
+    r = ws.cowfs(*command, check=False)
+    assert r.returncode != 0 and not switch.armed, r.stderr
+    deadline = time.monotonic() + 60
+    while pid_alive(pid):
+        assert time.monotonic() < deadline, "the daemon outlived kill -9"
+        time.sleep(0.01)
+    r = run("mount", ws.path)
+    assert "cleared the dead mount" in r.stderr
+    return r.stderr
+
+
+class Outside:
+    """A state file outside the workspace and a command provider over it
+    that logs every restore and discard it carries out (after doing it)."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir()
+        self.state = directory / "state"
+        self.log = directory / "log"
+        self.switch = KillSwitch(directory / "kill")
+        self.state.write_text("original")
+
+    def add(self, ws, name: str = "st", restore_fails: bool = False) -> None:
+        def cmd(what: str, work: str) -> str:
+            step = f"{what} $COWFS_PROVIDER $COWFS_LAYER"
+            return (self.switch.guard(step) + f'echo "{step}" >> {shlex.quote(str(self.log))}'
+                    f" && {work}")
+        state = shlex.quote(str(self.state))
+        ws.cowfs("provider", "add", name,
+                 "--capture", f'cp {state} "$COWFS_STATE_DIR/copy"',
+                 "--restore", cmd("restore", "exit 7" if restore_fails else
+                                  f'cp "$COWFS_STATE_DIR/copy" {state}'),
+                 "--discard", cmd("discard", "true"))
+
+    def ran(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def two_layers(self, ws) -> tuple[int, int]:
+        """Two checkpoints with the provider; the state and the files change
+        after each."""
+        first = ws.json("checkpoint", "--provider", "st")["id"]
+        self.state.write_text("one")
+        (ws / "a.txt").write_text("one\n")
+        (ws / "new").mkdir()
+        second = ws.json("checkpoint", "--provider", "st")["id"]
+        self.state.write_text("two")
+        (ws / "dir" / "b.txt").unlink()
+        (ws / "new" / "f").write_text("two")
+        return first, second
+
+
+@pytest.fixture
+def outside(mounted, tmp_path) -> Outside:
+    """A state file outside the mounted workspace, with provider "st" over it."""
+    out = Outside(tmp_path / "outside")
+    out.add(mounted)
+    return out
+
+
+def state_dirs(ws) -> list[str]:
+    """The providers' state directories left in the (unmounted) store."""
+    base = ws / ".cowfs" / "providers"
+    return sorted(str(p.relative_to(base)) for p in base.glob("*/*"))
+
+
+@pytest.mark.parametrize("kill_at", ["restore 0", "restore 1", "discard 0", "discard 1"])
+def test_a_rollback_killed_at_any_provider_step_is_finished_once_by_the_next_mount(
+        mounted, outside, kill_at):
+    ws, out = mounted, outside
+    layers = [x["id"] for x in ws.log()]
+    before = ws.snapshot()
+    first, second = out.two_layers(ws)
+    expected = [f"restore st {second}", f"restore st {first}",
+                f"discard st {second}", f"discard st {first}"]
+    what, index = kill_at.split()
+    killed = [step for step in expected if step.startswith(what)][int(index)]
+
+    err = crash_during(ws, out.switch, killed, "rollback", "--to", first)
+
+    # Every step ran exactly once, in order (the killed attempt did nothing).
+    assert out.ran() == expected
+    # The mount says what it finished: the killed step (again) and the rest.
+    finished = [s.replace(" st ", " st of layer ") for s in expected[expected.index(killed):]]
+    finished[0] += " (again: it was interrupted)"
+    assert ("finished the provider work of an interrupted rollback: "
+            + ", ".join(finished)) in err
+    assert ("finished an interrupted rollback (" in err) == (what == "restore")  # the files
+    assert out.state.read_text() == "original"
+    treesnap.assert_same(before, ws.snapshot())
+    assert [x["id"] for x in ws.log()] == layers
+    assert ws.status() == []
+    ws.unmount()
+    assert state_dirs(ws) == []
+
+
+def test_a_commit_killed_before_its_discards_is_finished_once_by_the_next_mount(
+        mounted, outside):
+    ws, out = mounted, outside
+    first, second = out.two_layers(ws)
+    after = ws.snapshot()
+
+    err = crash_during(ws, out.switch, f"discard st {second}", "commit")
+
+    assert (f"finished the provider work of an interrupted commit: discard st of layer "
+            f"{second} (again: it was interrupted)") in err
+    assert out.ran() == [f"discard st {second}"]
+    treesnap.assert_same(after, ws.snapshot())       # a commit never changes the tree
+    assert [x["id"] for x in ws.log()][-1] == first  # merged into first
+    ws.rollback()                                    # first's snapshot is still there
+    assert out.state.read_text() == "original"
+    assert out.ran() == [f"discard st {second}", f"restore st {first}", f"discard st {first}"]
+    ws.unmount()
+    assert state_dirs(ws) == []
+
+
+def test_a_restore_that_failed_before_the_crash_is_reported_and_not_run_again(
+        mounted, outside):
+    ws, out = mounted, outside
+    out.add(ws, "flaky", restore_fails=True)
+    before = ws.snapshot()
+    layer = ws.json("checkpoint", "--provider", "st", "--provider", "flaky")["id"]
+    out.state.write_text("changed")
+    (ws / "a.txt").write_text("changed\n")
+
+    err = crash_during(ws, out.switch, f"discard flaky {layer}", "rollback")
+
+    assert f"restore flaky of layer {layer}: restore command exited 7" in err
+    assert out.ran() == [f"restore flaky {layer}", f"restore st {layer}",
+                         f"discard flaky {layer}", f"discard st {layer}"]
+    assert out.state.read_text() == "original"
+    treesnap.assert_same(before, ws.snapshot())
