@@ -8,7 +8,9 @@ tiny VM, and clean up what it made.
 
 Everything it creates is named with ``PREFIX`` ("cowfs-test-"; images live
 under the repository ``cowfs-test/``) and labelled ``LABEL``, and the cleanup
-helpers remove exactly that.
+helpers remove exactly that. ``tools/bench`` makes its image and domains under
+names and a label of its own (the ``label`` and ``prefix`` arguments), so a
+test session's cleanup leaves a benchmark running alongside alone.
 
 ``EngineUnavailable`` says an engine cannot run on this machine, with the
 reason. The fixtures at the bottom turn it into ``pytest.skip`` -- or into a
@@ -298,10 +300,10 @@ def busybox_rootfs_tar(busybox: str | None = None) -> bytes:
     return buf.getvalue()
 
 
-def busybox_image(client, tag: str = BUSYBOX_TAG) -> str:
-    """Tag of a local busybox image, built once by importing
-    ``busybox_rootfs_tar()`` (the equivalent of ``docker import``); reused
-    when present. Nothing is pulled."""
+def busybox_image(client, tag: str = BUSYBOX_TAG, label: str = LABEL) -> str:
+    """Tag of a local busybox image labelled ``label``, built once by
+    importing ``busybox_rootfs_tar()`` (the equivalent of ``docker import``);
+    reused when present. Nothing is pulled."""
     import docker
     try:
         client.images.get(tag)
@@ -319,7 +321,7 @@ def busybox_image(client, tag: str = BUSYBOX_TAG) -> str:
             pass
         client.api.import_image_from_data(
             busybox_rootfs_tar(), repository=repo, tag=version,
-            changes=[f"LABEL {LABEL}=1",
+            changes=[f"LABEL {label}=1",
                      "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                      'CMD ["/bin/sh"]'])
         client.images.get(tag)  # raises if the import did not produce it
@@ -521,14 +523,16 @@ def tiny_domain_xml(name: str, disk: Path, vtype: str, memory_mib: int = 64) -> 
 
 
 def tiny_domain(conn, name: str, workdir, *, start: bool = False, memory_mib: int = 64,
-                disk_mib: int = 64, vtype: str | None = None):
+                disk_mib: int = 64, vtype: str | None = None, prefix: str = PREFIX):
     """Define (and with ``start=True`` start) a minimal x86_64 domain on a new
     ``disk_mib`` qcow2 disk ``workdir/NAME.qcow2``. It boots nothing (SeaBIOS
     finds no bootable disk and idles), which is all internal snapshots need:
     ``snapshotCreateXML`` of the running domain takes memory + disk, of the
-    shut-off one the disk. A stale domain of the same name is removed first."""
-    if not name.startswith(PREFIX):
-        raise ValueError(f"test domains are named {PREFIX}... so cleanup finds them: {name!r}")
+    shut-off one the disk. A stale domain of the same name is removed first.
+    ``name`` starts with ``prefix``, so that ``cleanup_libvirt(conn, prefix)``
+    finds it."""
+    if not name.startswith(prefix):
+        raise ValueError(f"these domains are named {prefix}... so cleanup finds them: {name!r}")
     remove_domain(conn, name)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
