@@ -13,7 +13,8 @@ import time
 
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
-from .mounts import find_mount, is_cowfs_mount, pid_alive
+from .errors import NotMounted
+from .mounts import MountRecord, find_mount, is_cowfs_mount, pid_alive
 from .policy import RUN_SCOPES, Policy, Where
 
 
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-C", dest="path", default=".", metavar="PATH",
                    help="a path inside the workspace (default: the current directory)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--store", dest="offline_store", metavar="DIR",
+                   help="status, log, rollback, commit on a workspace that is not mounted: "
+                        "its store (default: the nearest WORKSPACE/.cowfs above PATH)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=Parser)
 
@@ -184,6 +188,44 @@ def do_unmount(args) -> int:
     return 0
 
 
+def locate_unmounted(path: str) -> tuple[str, str | None]:
+    """(workspace, store) of the unmounted workspace that contains *path*:
+    the nearest directory above it with a .cowfs store, or a dead mount."""
+    p = os.path.realpath(path)
+    while True:
+        rec = MountRecord.load(p) if is_cowfs_mount(p) else None
+        if rec is not None:
+            return rec.workspace, rec.store
+        if is_cowfs_mount(p) or os.path.isdir(os.path.join(p, ".cowfs", "db")):
+            return p, None
+        if p == "/":
+            raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
+                             f".cowfs store); give the store with --store DIR")
+        p = os.path.dirname(p)
+
+
+def call(args, op: str, **kw) -> dict:
+    """Ask the daemon of the workspace at -C PATH; when it is not mounted
+    (and for status, log, rollback, commit), operate on its store directly."""
+    try:
+        return control.call(find_mount(args.path), op, **kw)
+    except NotMounted:
+        if op not in OFFLINE_OPS:
+            raise
+        from .daemon import offline
+        if args.offline_store:
+            workspace, store = os.path.realpath(args.path), args.offline_store
+        else:
+            workspace, store = locate_unmounted(args.path)
+        result = offline(workspace, store, op, **kw)
+        for warning in result["warnings"]:
+            print(f"cowfs: warning: {warning}", file=sys.stderr)
+        return result
+
+
+OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes"}
+
+
 def do_checkpoint(args) -> int:
     res = control.call(find_mount(args.path), "checkpoint", message=args.message,
                        providers=args.provider, containers=args.container, vms=args.vm)
@@ -192,7 +234,7 @@ def do_checkpoint(args) -> int:
 
 
 def do_rollback(args) -> int:
-    res = control.call(find_mount(args.path), "rollback", to=args.to)
+    res = call(args, "rollback", to=args.to)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
               f"({res['applied']} steps); open layer is {res['top']}", res)
@@ -200,7 +242,7 @@ def do_rollback(args) -> int:
 
 
 def do_commit(args) -> int:
-    res = control.call(find_mount(args.path), "commit")
+    res = call(args, "commit")
     if res["into"] is None:
         human = f"committed base layer {res['committed']}; its changes are permanent; " \
                 f"open layer is {res['top']}"
@@ -217,13 +259,13 @@ def format_change(c: dict) -> str:
 
 
 def do_status(args) -> int:
-    res = control.call(find_mount(args.path), "status")
+    res = call(args, "status")
     out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
     return 0
 
 
 def do_log(args) -> int:
-    res = control.call(find_mount(args.path), "log")
+    res = call(args, "log")
     rows = [f"{'ID':>4}  {'CREATED':>10}  {'CHANGES':>7}  {'BYTES':>10}  MESSAGE"]
     for layer in res["layers"]:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import functools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from . import schema as S
 from . import errors
 from .capture import Recorder
 from .control import MAX_REQUEST, encode
-from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse, NotMounted
 from .fs import CowFS
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
@@ -144,6 +145,30 @@ class Daemon:
 
     def prepare(self) -> None:
         check_fuse()
+        self._open()
+        if self.mountpoint == self.workspace:
+            pids = processes_inside(self.workspace)
+            if pids:
+                self.warnings.append(
+                    f"processes {', '.join(map(str, pids[:10]))} have their working "
+                    "directory inside the workspace; they keep seeing the directory "
+                    "underneath the mount and their changes are not captured")
+
+    def open_offline(self) -> None:
+        """Open the store of a workspace that is not mounted (a dead mount
+        is cleared first) to run control operations on it directly: recovery
+        never depends on FUSE."""
+        if not os.path.isdir(self.store_dir) and not is_cowfs_mount(self.workspace):
+            raise NotMounted(f"{self.workspace} is not mounted and has no cowfs store "
+                             f"({self.store_dir})")
+        self._open(create=False)
+
+    def close_offline(self) -> None:
+        self.store.sync()
+        self.store.close()
+        os.close(self.rootfd)
+
+    def _open(self, create: bool = True) -> None:
         self._recover_stale_mount()
         if not os.path.isdir(self.workspace):
             raise BadWorkspace(f"workspace {self.workspace} does not exist or is not a directory")
@@ -151,7 +176,7 @@ class Daemon:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
-        self.store = Store.open(self.store_dir, self.workspace,
+        self.store = Store.open(self.store_dir, self.workspace, create=create,
                                 **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
@@ -163,13 +188,6 @@ class Daemon:
             self.warnings += trio.run(self._resume)
         self.stack.resume()
         self.recorder = Recorder(self.store)
-        if self.mountpoint == self.workspace:
-            pids = processes_inside(self.workspace)
-            if pids:
-                self.warnings.append(
-                    f"processes {', '.join(map(str, pids[:10]))} have their working "
-                    "directory inside the workspace; they keep seeing the directory "
-                    "underneath the mount and their changes are not captured")
 
     def _recover_stale_mount(self) -> None:
         if not is_cowfs_mount(self.mountpoint):
@@ -249,7 +267,7 @@ class Daemon:
         the writeback cache, write(2) reaches the daemon before it returns;
         only shared mmaps of files open for writing leave dirty pages.)"""
         self.recorder.flush()
-        if not self.fs.writers:
+        if self.fs is None or not self.fs.writers:
             return
 
         def syncfs() -> None:
@@ -487,7 +505,9 @@ class Daemon:
         await self._finish_leftover()
         info = self.stack.commit()
         self.recorder.reset(fresh=info["into"] is None)
-        self.fs.after_commit(info.pop("freed", []))
+        freed = info.pop("freed", [])
+        if self.fs is not None:
+            self.fs.after_commit(freed)
         # The merged (or now permanent) layer's snapshots are no longer needed:
         # a rollback goes back to the older snapshots of the layer below.  The
         # commit recorded their discards as pending; carry them out.
@@ -596,6 +616,21 @@ class Daemon:
 def step_failures(record: dict | None) -> list[str]:
     """The failed provider steps of a closed pending record, by name."""
     return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
+
+
+def offline(workspace: str, store: str | None, op: str, **args) -> dict:
+    """Run control operation *op* on the store of an unmounted workspace;
+    the result carries the warnings of opening it (a resumed rollback, a
+    cleared dead mount) in "warnings"."""
+    daemon = Daemon(workspace, store=store)
+    daemon.open_offline()
+    try:
+        result = trio.run(functools.partial(getattr(daemon, "op_" + op), **args))
+    finally:
+        daemon.close_offline()
+    result["warnings"] = daemon.warnings + result.get("warnings", [])
+    result["mounted"] = False
+    return result
 
 
 def sd_notify(message: str) -> None:

@@ -797,6 +797,7 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     # unmounting one leaves the other working
     pid2 = two.daemon_pid()
     one.unmount()
-    r = one.cowfs("status", check=False)
+    r = one.cowfs("checkpoint", check=False)
     assert r.returncode == NOT_MOUNTED, r.stderr
+    assert one.json("status")["mounted"] is False     # read from its store directly
     assert_mount_works(two, pid2)
