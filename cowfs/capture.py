@@ -79,9 +79,11 @@ class Recorder:
                 if kind == S.IDX_CREATED:
                     o.created = True
                 elif kind == S.IDX_META:
-                    rec = S.decode_record(txn.get(cur.value(), db=self.store.db_journal))
+                    raw = txn.get(cur.value(), db=self.store.db_journal)
+                    rec = S.decode_or_damaged(raw or b"")
                     o.meta = True
-                    o.s0 = rec.fields[5]
+                    # a damaged record: the object cannot be restored anyway
+                    o.s0 = rec.fields[5] if rec.kind == S.META else 0
                 elif kind == S.IDX_XATTRS:
                     o.xattrs = True
                 elif kind == S.IDX_CHUNK:

@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
     cmd("status", "list the open layer's changes")
+    s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
+                     "the grave (read-only; mounted or not)")
+    s.add_argument("--repair", action="store_true",
+                   help="repair what can be repaired without inventing data (asks first)")
+    s.add_argument("--yes", action="store_true", help="with --repair: do not ask")
     s = cmd("doctor", "check FUSE, the daemon, the store and the providers")
     s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
     s.add_argument("--store", metavar="DIR",
@@ -463,6 +468,56 @@ def do_provider(args) -> int:
     return 0
 
 
+def do_check(args) -> int:
+    """Exit 0 when the store is consistent, 6 when problems remain."""
+    from . import fsck
+    try:
+        rec = find_mount(args.path)
+    except NotMounted:
+        rec = None
+        workspace, store_dir = (os.path.realpath(args.path), args.offline_store) \
+            if args.offline_store else locate_unmounted(args.path)
+        store_dir = store_dir or os.path.join(workspace, ".cowfs")
+
+    def offline_check(repair: bool) -> dict:
+        from .store import Store
+        store = Store.open(store_dir, workspace, create=False, readonly=not repair)
+        try:
+            done = fsck.repair(store, fsck.check(store)) if repair else None
+            return fsck.check(store).to_dict() | ({"repaired": done} if repair else {})
+        finally:
+            store.close()
+
+    res = control.call(rec, "check", full=True) if rec else offline_check(False)
+    lines = [f"checked {res['chunks']} chunks ({res['bytes_checked']} bytes), "
+             f"{res['records']} records, {res['graves']} removed objects: "
+             + ("consistent" if res["ok"] else f"{len(res['problems'])} problems")]
+    lines += [f"  {p['text']}" for p in res["problems"]]
+    if args.repair and not res["ok"]:
+        fixable = [p for p in res["problems"] if p["repairable"]]
+        if not fixable:
+            lines.append("nothing here can be repaired without inventing data; a rollback "
+                         "skips the objects named and reports them")
+        else:
+            if not args.json:
+                print("\n".join(lines))
+                lines = []
+            if not args.yes:
+                answer = ask(f"cowfs: repair {len(fixable)} problem"
+                             f"{'s' if len(fixable) > 1 else ''}? [y/N] ", "yn", 300)
+                if answer != "y":
+                    raise CowfsError("not repaired" + (" (no terminal: use --yes)"
+                                                      if answer is None else ""),
+                                     errors.STORE_ERROR)
+            res = control.call(rec, "repair") if rec else offline_check(True)
+            lines += [f"repaired: {d}" for d in res["repaired"]]
+            lines.append("now " + ("consistent" if res["ok"] else
+                                   f"{len(res['problems'])} problems remain:"))
+            lines += [f"  {p['text']}" for p in res["problems"]]
+    out(args, "\n".join(lines), res)
+    return 0 if res["ok"] else errors.STORE_ERROR
+
+
 def do_doctor(args) -> int:
     from .doctor import report
     return report(args.target, args.json, store=args.store)
@@ -472,6 +527,7 @@ COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
+    "check": do_check,
 }
 
 

@@ -30,6 +30,7 @@ import trio
 from . import backing as B
 from . import schema as S
 from . import errors
+from . import fsck
 from .capture import Recorder
 from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse, NotMounted
@@ -589,9 +590,22 @@ class Daemon:
         self.store.append_to_layer(layer, "runs", [run])
         return {"layer": layer}
 
-    async def op_check(self) -> dict:
-        """The stack's consistency check (as on an unmounted store)."""
-        return {"problems": self.stack.check()}
+    async def op_check(self, full: bool = False) -> dict:
+        """The stack's quick consistency check, or with *full* `cowfs check`
+        (chunk hashes too).  Both run on the trio thread: the file system's
+        handlers wait, so the store cannot change while it is read."""
+        await self._flush()
+        if not full:
+            return {"problems": self.stack.check()}
+        return fsck.check(self.store).to_dict()
+
+    async def op_repair(self) -> dict:
+        """`cowfs check --repair`: check, repair what can be repaired without
+        inventing data, check again (with the handlers waiting throughout)."""
+        await self._flush()
+        done = fsck.repair(self.store, fsck.check(self.store))
+        self.recorder.reset(fresh=False)
+        return {"repaired": done, **fsck.check(self.store).to_dict()}
 
     async def op_log(self) -> dict:
         await self._flush()

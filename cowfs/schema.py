@@ -50,6 +50,7 @@ Databases
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Any, NamedTuple
 
@@ -133,6 +134,12 @@ def grave_id(loc: bytes) -> int | None:
     return int(loc[len(GRAVE_PREFIX):]) if loc.startswith(GRAVE_PREFIX) else None
 
 
+def show_loc(loc: bytes) -> str:
+    """A location for messages: the workspace path, or the removed object."""
+    gid = grave_id(loc)
+    return f"(removed object {gid})" if gid is not None else (os.fsdecode(loc) or ".")
+
+
 # -- undo records ---------------------------------------------------------------
 # Each record says how to undo one change.  They are applied last first.
 
@@ -146,7 +153,10 @@ XATTRS = 7    # (loc, ino, blob)         all xattrs before the first xattr chang
 CHUNK = 8     # (loc, ino, index, length, digest)  old bytes of one chunk;
               #   an empty digest means the chunk was all zeros (a hole)
 
+DAMAGED = 0   # (raw bytes,)             a record that does not decode (never written)
+
 KIND_NAMES = {
+    DAMAGED: "damaged record",
     CREATE: "create", LINK: "link", GRAVE: "grave", RENAME: "rename",
     EXCHANGE: "exchange", META: "meta", XATTRS: "xattrs", CHUNK: "chunk",
 }
@@ -198,6 +208,19 @@ def decode_record(data: bytes) -> Record:
         else:
             raise ValueError(f"corrupt journal record (tag {tag!r})")
     return Record(kind, tuple(fields))
+
+
+def decode_or_damaged(data: bytes) -> Record:
+    """Decode a journal record; one that does not decode (corruption) comes
+    back as a DAMAGED record holding its bytes, so readers can report it."""
+    try:
+        rec = decode_record(data)
+        if rec.kind not in KIND_NAMES or rec.kind == DAMAGED or not rec.fields \
+                or not isinstance(rec.fields[0], bytes):
+            raise ValueError("unknown kind")
+        return rec
+    except (ValueError, IndexError, struct.error):
+        return Record(DAMAGED, (bytes(data),))
 
 
 def encode_xattrs(pairs: list[tuple[bytes, bytes]]) -> bytes:

@@ -10,6 +10,7 @@ import stat
 from dataclasses import dataclass, field
 
 from . import backing as B
+from . import fsck
 from . import schema as S
 from .errors import NothingToDo, UnknownLayer
 from .store import Layer, Store
@@ -67,33 +68,9 @@ class Stack:
 
     def check(self) -> list[str]:
         """Quick consistency check of the stack (run when recovering a mount
-        whose daemon died): layer boundaries, journal counters, and that every
-        record's chunk or grave entry is there."""
-        st = self.store
-        problems = []
-        layers = st.layers()
-        starts = [layer.start for layer in layers]
-        if starts != sorted(starts):
-            problems.append("layer boundaries are out of order")
-        with st.read() as txn:
-            cur = txn.cursor(db=st.db_journal)
-            if cur.last() and S.from_u64(cur.key()) >= st._next_seq:
-                problems.append("the journal is ahead of its counter")
-            first = layers[0].start if layers else st._next_seq
-            ok = cur.first()
-            while ok:
-                seq = S.from_u64(cur.key())
-                rec = S.decode_record(cur.value())
-                if seq < first:
-                    problems.append(f"record {seq} belongs to no layer")
-                elif rec.kind == S.CHUNK and rec.fields[4] and \
-                        txn.get(rec.fields[4], db=st.db_chunks) is None:
-                    problems.append(f"record {seq}: chunk of {rec.fields[0]!r} is missing")
-                elif rec.kind == S.GRAVE and \
-                        B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
-                    problems.append(f"record {seq}: removed object {rec.fields[0]!r} is missing")
-                ok = cur.next()
-        return problems
+        whose daemon died): everything `cowfs check` verifies except the
+        chunk hashes."""
+        return [str(p) for p in fsck.check(self.store, hashes=False).problems]
 
     # -- group operations: the pending record ----------------------------------------
     # A rollback or commit is a group: provider restores (last taken first),
@@ -263,11 +240,25 @@ class Stack:
         layers = [layer for layer in st.layers() if layer.id >= to]
         undo = Undoer(st, self.resolver, report.touched)
         if layers:
-            start = layers[0].start
-            for seq, rec in st.records(start, st._next_seq, reverse=True):
+            records = list(st.records(layers[0].start, st._next_seq, reverse=True))
+            # An object with a corrupt or missing pre-image is skipped as a
+            # whole (left as it is now), never restored in part.
+            unrestorable, known = fsck.unrestorable(st, records)
+            reported: set[int] = set()
+            for seq, rec in records:
+                ino = fsck.object_of(rec)
                 try:
-                    undo.apply(rec)
-                    report.applied += 1
+                    if rec.kind == S.DAMAGED:
+                        if seq not in known:   # else reported with its object
+                            report.failures.append(f"record {seq} is damaged and cannot be "
+                                                   "applied; what it would undo stays as it is")
+                    elif ino in unrestorable:
+                        if ino not in reported:
+                            reported.add(ino)
+                            report.failures.append(unrestorable[ino])
+                    else:
+                        undo.apply(rec)
+                        report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
                     report.failures.append(f"{describe(rec)}: {e}")
                 with st.write() as w:

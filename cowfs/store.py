@@ -70,7 +70,7 @@ class Writer:
         data = self.txn.get(key, db=self.store.db_journal)
         if data is None:
             return
-        rec = S.decode_record(data)
+        rec = S.decode_or_damaged(data)
         if rec.kind == S.CHUNK and rec.fields[4]:
             self.deref(rec.fields[4])
         elif rec.kind == S.GRAVE:
@@ -120,18 +120,20 @@ class Writer:
 class Store:
     """An opened store directory."""
 
-    def __init__(self, path: str, dirfd: int, lock_fd: int, env: lmdb.Environment):
+    def __init__(self, path: str, dirfd: int, lock_fd: int, env: lmdb.Environment,
+                 readonly: bool = False):
         self.path = path
         self.dirfd = dirfd
         self.lock_fd = lock_fd
         self.env = env
-        self.db_meta = env.open_db(S.DB_META)
-        self.db_layers = env.open_db(S.DB_LAYERS)
-        self.db_journal = env.open_db(S.DB_JOURNAL)
-        self.db_index = env.open_db(S.DB_INDEX)
-        self.db_chunks = env.open_db(S.DB_CHUNKS)
-        self.db_refs = env.open_db(S.DB_REFS)
-        self.db_graves = env.open_db(S.DB_GRAVES)
+        self.readonly = readonly
+        try:
+            (self.db_meta, self.db_layers, self.db_journal, self.db_index, self.db_chunks,
+             self.db_refs, self.db_graves) = [env.open_db(name, create=not readonly)
+                                              for name in S.ALL_DBS]
+        except lmdb.Error as e:
+            env.close()
+            raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
@@ -145,9 +147,11 @@ class Store:
 
     @classmethod
     def open(cls, path: str, workspace: str, *, create: bool = True,
-             chunk_size: int = DEFAULT_CHUNK_SIZE) -> "Store":
+             chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False) -> "Store":
         """Open (and with *create*, initialise) the store at *path* for the
-        workspace root *workspace*; lock it exclusively."""
+        workspace root *workspace*; lock it exclusively.  *readonly*: an
+        existing store, opened so that nothing in it can be written."""
+        create = create and not readonly
         ws_st = os.stat(workspace)
         if not os.path.isdir(path):
             if not create:
@@ -158,8 +162,9 @@ class Store:
             # Creating the store must not show up as a change of the
             # workspace: keep the directory's times as they were.
             os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
-        os.chmod(path, 0o700)
         st = os.stat(path)
+        if st.st_mode & 0o777 != 0o700 and not readonly:
+            os.chmod(path, 0o700)
         if st.st_dev != ws_st.st_dev:
             raise StoreError(
                 f"store {path} is not on the workspace's filesystem; whole-file "
@@ -175,16 +180,29 @@ class Store:
                 raise AlreadyMounted(
                     f"store {path} is in use by another cowfs process "
                     "(is the workspace mounted?)") from None
-            try:
-                os.mkdir("grave", 0o700, dir_fd=dirfd)
-            except FileExistsError:
-                pass
+            if not readonly:
+                try:
+                    os.mkdir("grave", 0o700, dir_fd=dirfd)
+                except FileExistsError:
+                    pass
+            elif not os.path.isdir(os.path.join(path, "db")):
+                raise StoreError(f"no cowfs store at {path}")
             env = lmdb.open(os.path.join(path, "db"), map_size=MAP_SIZE,
                             max_dbs=len(S.ALL_DBS) + 2, sync=False, metasync=False,
-                            writemap=False, readahead=False, subdir=True, mode=0o600)
-            env.reader_check()
-            cls._init_meta(env, path, workspace, ws_st, chunk_size)
-            return cls(path, dirfd, lock_fd, env)
+                            writemap=False, readahead=False, subdir=True, mode=0o600,
+                            readonly=readonly)
+            if not readonly:
+                env.reader_check()
+                cls._init_meta(env, path, workspace, ws_st, chunk_size)
+            store = cls(path, dirfd, lock_fd, env, readonly=readonly)
+            if readonly:
+                try:
+                    with env.begin(db=store.db_meta) as txn:
+                        cls._validate(txn, path, ws_st)
+                except BaseException:
+                    store.close()
+                    raise
+            return store
         except BaseException:
             if lock_fd >= 0:
                 os.close(lock_fd)
@@ -209,13 +227,21 @@ class Store:
                 txn.put(S.K_NEXT_LAYER, S.u64(1))
                 txn.put(S.K_NEXT_GRAVE, S.u64(1))
                 return
-            if S.from_u64(fmt) != S.FORMAT:
-                raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
-                                 f"this cowfs reads format {S.FORMAT}")
-            owner = S.from_json(txn.get(S.K_WORKSPACE))
-            if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
-                raise StoreError(
-                    f"store {path} belongs to another workspace ({owner['path']})")
+            Store._validate(txn, path, ws_st)
+
+    @staticmethod
+    def _validate(txn: lmdb.Transaction, path: str, ws_st: os.stat_result) -> None:
+        """The store's format is ours and it belongs to this workspace."""
+        fmt = txn.get(S.K_FORMAT)
+        if fmt is None:
+            raise StoreError(f"store {path} is not initialised")
+        if S.from_u64(fmt) != S.FORMAT:
+            raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
+                             f"this cowfs reads format {S.FORMAT}")
+        owner = S.from_json(txn.get(S.K_WORKSPACE))
+        if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
+            raise StoreError(
+                f"store {path} belongs to another workspace ({owner['path']})")
 
     @staticmethod
     def destroy(path: str) -> None:
@@ -228,7 +254,8 @@ class Store:
         os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
 
     def close(self) -> None:
-        self.sync()
+        if not self.readonly:
+            self.sync()
         self.env.close()
         os.close(self.grave_fd)
         os.close(self.dirfd)
@@ -345,7 +372,7 @@ class Store:
                     if seq < start:
                         break
                     if seq < end:
-                        items.append((seq, S.decode_record(cur.value())))
+                        items.append((seq, S.decode_or_damaged(cur.value())))
                     ok = cur.prev()
             else:
                 ok = cur.set_range(S.u64(start))
@@ -353,7 +380,7 @@ class Store:
                     seq = S.from_u64(cur.key())
                     if seq >= end:
                         break
-                    items.append((seq, S.decode_record(cur.value())))
+                    items.append((seq, S.decode_or_damaged(cur.value())))
                     ok = cur.next()
         return iter(items)
 

@@ -69,7 +69,12 @@ class Undoer:
     def _grave(self, path: bytes, gid: int, ino: int) -> None:
         g = str(gid).encode()
         if B.lstat_at(self.store.grave_fd, g) is None:
-            return
+            with self.r.at(path) as (d, n):
+                st = B.lstat_at(d, n)
+            if st is not None and st.st_ino == ino:
+                return          # put back already (a resumed rollback)
+            raise UndoError(f"{_show(path)}: not restored: the removed object "
+                            f"(grave {gid}) is missing from the store")
         with self.r.at(path) as (d, n):
             B.renameat2(self.store.grave_fd, g, d, n, B.RENAME_NOREPLACE)
         self.touched.entry(path)

@@ -1,0 +1,339 @@
+"""Integrity of the layer store: `cowfs check [--repair]`.
+
+The check reads everything and writes nothing:
+
+* every chunk hashes (xxh3-128) to its name;
+* every chunk's reference count equals the records that use it, and no
+  chunk is kept that nothing uses;
+* every journal record decodes and lies inside a layer; the chunk of a
+  CHUNK record and the grave entry of a GRAVE record exist, and a graved
+  object is still the object that was removed (same inode);
+* layer boundaries are in order and the journal agrees with its counter;
+* every index entry points at a record of its own layer, and nothing lies
+  in the grave that no record holds.
+
+Each problem names the layers and workspace paths it affects.  ``repair``
+fixes what can be fixed without inventing data: reference counts, unused
+chunks, grave entries and files nothing refers to, stale index entries,
+records outside every layer.  A corrupt or missing pre-image cannot be
+repaired; a rollback skips the object it belongs to and reports it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import backing as B
+from . import schema as S
+from .store import Store, digest
+
+
+@dataclass
+class Problem:
+    what: str
+    layers: list[int] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    repairable: bool = False
+
+    def __str__(self) -> str:
+        where = []
+        if self.layers:
+            where.append("layer" + ("s " if len(self.layers) > 1 else " ")
+                         + ", ".join(map(str, sorted(set(self.layers)))))
+        if self.paths:
+            shown = sorted(set(self.paths))
+            where.append(", ".join(shown[:5]) + (f" and {len(shown) - 5} more"
+                                                  if len(shown) > 5 else ""))
+        return self.what + (f" ({'; '.join(where)})" if where else "") + \
+            ("" if self.repairable else " [cannot be repaired]")
+
+    def to_dict(self) -> dict:
+        return {"problem": self.what, "layers": sorted(set(self.layers)),
+                "paths": sorted(set(self.paths)), "repairable": self.repairable,
+                "text": str(self)}
+
+
+show = S.show_loc
+
+
+def object_of(rec: S.Record) -> int | None:
+    """The object (backing inode) a META, XATTRS or CHUNK record restores."""
+    return rec.fields[1] if rec.kind in (S.META, S.XATTRS, S.CHUNK) else None
+
+
+def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
+    """Journal seq -> the object (inode) whose index entry points at it:
+    how a damaged record's object is still known."""
+    found: dict[int, int] = {}
+    if not seqs:
+        return found
+    cur = txn.cursor(db=store.db_index)
+    ok = cur.first()
+    while ok:
+        _, ino, kind, _ = S.split_index_key(cur.key())
+        if kind != S.IDX_CREATED and S.from_u64(cur.value()) in seqs:
+            found[S.from_u64(cur.value())] = ino
+        ok = cur.next()
+    return found
+
+
+def unrestorable(store: Store, records: list[tuple[int, S.Record]]
+                 ) -> tuple[dict[int, str], set[int]]:
+    """Objects among *records* whose pre-image is missing or corrupt, or
+    whose undo record is damaged: inode -> what to report (a rollback
+    leaves such an object as it is); and the damaged records whose object
+    is known that way."""
+    out: dict[int, str] = {}
+    with store.read() as txn:
+        damaged = {seq for seq, rec in records if rec.kind == S.DAMAGED}
+        names = {rec.fields[1]: rec.fields[0] for _, rec in records
+                 if object_of(rec) is not None}
+        owners = owners_of(store, txn, damaged)
+        for seq, ino in owners.items():
+            out[ino] = (f"{show(names.get(ino, b'?'))}: not restored: its undo record {seq} "
+                        "is damaged; the object is left as it is now")
+        for _, rec in records:
+            if rec.kind != S.CHUNK or not rec.fields[4] or rec.fields[1] in out:
+                continue
+            loc, ino, index, length, h = rec.fields
+            data = txn.get(h, db=store.db_chunks)
+            if data is None:
+                why = "is missing"
+            elif len(data) != length or digest(data) != h:
+                why = "is corrupt"
+            else:
+                continue
+            out[ino] = (f"{show(loc)}: not restored: its pre-image (chunk {index}) {why}; "
+                        "the file is left as it is now")
+    return out, set(owners)
+
+
+@dataclass
+class Report:
+    problems: list[Problem] = field(default_factory=list)
+    chunks: int = 0
+    records: int = 0
+    graves: int = 0
+    bytes_checked: int = 0
+    corrupt_chunks: set[bytes] = field(default_factory=set)
+    # what repair would do
+    fix_refs: dict[bytes, int | None] = field(default_factory=dict)   # digest -> count/None
+    drop_chunks: set[bytes] = field(default_factory=set)
+    drop_records: list[int] = field(default_factory=list)
+    drop_index: list[bytes] = field(default_factory=list)
+    drop_graves: list[int] = field(default_factory=list)
+    drop_grave_files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"ok": not self.problems, "chunks": self.chunks, "records": self.records,
+                "graves": self.graves, "bytes_checked": self.bytes_checked,
+                "problems": [p.to_dict() for p in self.problems]}
+
+
+def layer_of(starts: list[tuple[int, int]], seq: int) -> int | None:
+    """The layer owning journal record *seq* (starts: (start, id) ascending)."""
+    owner = None
+    for start, lid in starts:
+        if seq >= start:
+            owner = lid
+        else:
+            break
+    return owner
+
+
+def check(store: Store, hashes: bool = True) -> Report:
+    """Read the whole store and report every inconsistency (writes nothing).
+    Without *hashes*, chunk contents are not verified (a quick check)."""
+    rep = Report()
+    layers = store.layers()
+    starts = [(layer.start, layer.id) for layer in layers]
+    if [s for s, _ in starts] != sorted(s for s, _ in starts):
+        rep.problems.append(Problem("layer boundaries are out of order",
+                                    [layer.id for layer in layers]))
+    first = starts[0][0] if starts else store._next_seq
+    uses: dict[bytes, list[tuple[int | None, str]]] = {}
+    damaged: dict[int, int | None] = {}      # seq -> layer
+    names: dict[int, str] = {}               # inode -> a path it had
+    graved: dict[int, tuple[int | None, str]] = {}
+    seqs: set[int] = set()
+    with store.read() as txn:
+        cur = txn.cursor(db=store.db_journal)
+        ok = cur.first()
+        while ok:
+            seq = S.from_u64(cur.key())
+            seqs.add(seq)
+            rep.records += 1
+            owner = layer_of(starts, seq)
+            if seq >= store._next_seq:
+                rep.problems.append(Problem(f"record {seq} is beyond the journal's counter",
+                                            [owner] if owner else []))
+            rec = S.decode_or_damaged(cur.value())
+            if rec.kind == S.DAMAGED:
+                damaged[seq] = owner
+                ok = cur.next()
+                continue
+            loc = rec.fields[0]
+            if object_of(rec) is not None:
+                names[rec.fields[1]] = show(loc)
+            if seq < first:
+                rep.problems.append(Problem(f"record {seq} ({rec.name} of {show(loc)}) "
+                                            "belongs to no layer", repairable=True))
+                rep.drop_records.append(seq)
+            elif rec.kind == S.CHUNK and rec.fields[4]:
+                uses.setdefault(rec.fields[4], []).append(
+                    (owner, f"{show(loc)} (chunk {rec.fields[2]})"))
+            elif rec.kind == S.GRAVE:
+                graved[rec.fields[1]] = (owner, show(loc))
+            ok = cur.next()
+
+        owners = owners_of(store, txn, set(damaged))
+        for seq, owner in damaged.items():
+            ino = owners.get(seq)
+            rep.problems.append(Problem(
+                f"record {seq} is damaged: what it would undo is lost",
+                [owner] if owner else [], [names.get(ino, "?")] if ino is not None else []))
+
+        # chunks: hashes, reference counts, unused ones
+        cur = txn.cursor(db=store.db_chunks)
+        ok = cur.first()
+        present: set[bytes] = set()
+        while ok:
+            h, data = bytes(cur.key()), cur.value()
+            present.add(h)
+            rep.chunks += 1
+            rep.bytes_checked += len(data)
+            users = uses.get(h, [])
+            if users and hashes and digest(data) != h:
+                rep.corrupt_chunks.add(h)
+                rep.problems.append(Problem(
+                    f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
+                    [u for u, _ in users if u], [p for _, p in users]))
+            refs = txn.get(h, db=store.db_refs)
+            count = S.from_u64(refs) if refs is not None else 0
+            if not users:
+                rep.problems.append(Problem(f"chunk {h.hex()} is used by no record",
+                                            repairable=True))
+                rep.drop_chunks.add(h)
+            elif count != len(users):
+                rep.problems.append(Problem(
+                    f"chunk {h.hex()} has reference count {count}, but {len(users)} "
+                    "records use it", [u for u, _ in users if u], repairable=True))
+                rep.fix_refs[h] = len(users)
+            ok = cur.next()
+        for h, users in uses.items():
+            if h not in present:
+                rep.problems.append(Problem(f"chunk {h.hex()} is missing",
+                                            [u for u, _ in users if u], [p for _, p in users]))
+        cur = txn.cursor(db=store.db_refs)
+        ok = cur.first()
+        while ok:
+            h = bytes(cur.key())
+            if h not in present and h not in uses:
+                rep.problems.append(Problem(f"reference count of absent chunk {h.hex()}",
+                                            repairable=True))
+                rep.fix_refs[h] = None
+            ok = cur.next()
+
+        # graves: entries, files, identity
+        names = set(grave_names(store))
+        cur = txn.cursor(db=store.db_graves)
+        ok = cur.first()
+        while ok:
+            gid, ino = S.from_u64(cur.key()), S.from_u64(cur.value())
+            rep.graves += 1
+            owner, path = graved.get(gid, (None, None))
+            st = B.lstat_at(store.grave_fd, str(gid).encode())
+            if path is None:
+                rep.problems.append(Problem(f"grave entry {gid} is held by no record",
+                                            repairable=True))
+                rep.drop_graves.append(gid)
+            elif st is None:
+                rep.problems.append(Problem(f"the removed object {path} (grave {gid}) is "
+                                            "missing from the store", [owner] if owner else [],
+                                            [path]))
+            elif st.st_ino != ino:
+                rep.problems.append(Problem(f"the removed object {path} (grave {gid}) was "
+                                            f"replaced (inode {st.st_ino}, recorded {ino})",
+                                            [owner] if owner else [], [path]))
+            names.discard(str(gid))
+            ok = cur.next()
+        for gid, (owner, path) in graved.items():
+            if txn.get(S.u64(gid), db=store.db_graves) is None:
+                rep.problems.append(Problem(f"the grave entry of removed object {path} "
+                                            f"(grave {gid}) is missing",
+                                            [owner] if owner else [], [path]))
+                names.discard(str(gid))
+        for name in sorted(names):
+            rep.problems.append(Problem(f"grave file {name} is held by no record",
+                                        repairable=True))
+            rep.drop_grave_files.append(name)
+
+        # index entries
+        ids = {layer.id for layer in layers}
+        cur = txn.cursor(db=store.db_index)
+        ok = cur.first()
+        stale = 0
+        while ok:
+            key = bytes(cur.key())
+            lid = S.split_index_key(key)[0]
+            seq = S.from_u64(cur.value())
+            kind = S.split_index_key(key)[2]
+            if lid not in ids or (kind != S.IDX_CREATED and
+                                  (seq not in seqs or layer_of(starts, seq) != lid)):
+                rep.drop_index.append(key)
+                stale += 1
+            ok = cur.next()
+        if stale:
+            rep.problems.append(Problem(f"{stale} index entries point at no record of their "
+                                        "layer", repairable=True))
+    return rep
+
+
+def grave_names(store: Store) -> list[str]:
+    fd = os.open(B.proc(store.grave_fd), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def repair(store: Store, rep: Report) -> list[str]:
+    """Carry out what *rep* found repairable, in one transaction (grave
+    files are removed after it commits); return what was done."""
+    from .stack import remove_tree_at
+    done = []
+    with store.write() as w:
+        for h, n in rep.fix_refs.items():
+            if n is None:
+                w.txn.delete(h, db=store.db_refs)
+            else:
+                w.txn.put(h, S.u64(n), db=store.db_refs)
+        for h in rep.drop_chunks:
+            w.txn.delete(h, db=store.db_chunks)
+            w.txn.delete(h, db=store.db_refs)
+        for seq in rep.drop_records:
+            w.delete_record(seq)
+        for key in rep.drop_index:
+            w.txn.delete(key, db=store.db_index)
+        for gid in rep.drop_graves:
+            w.txn.delete(S.u64(gid), db=store.db_graves)
+    if rep.fix_refs:
+        done.append(f"set {len(rep.fix_refs)} reference counts to the records that use them")
+    if rep.drop_chunks:
+        done.append(f"removed {len(rep.drop_chunks)} chunks no record uses")
+    if rep.drop_records:
+        done.append(f"removed {len(rep.drop_records)} records outside every layer")
+    if rep.drop_index:
+        done.append(f"removed {len(rep.drop_index)} stale index entries")
+    for gid in rep.drop_graves:
+        rep.drop_grave_files.append(str(gid))
+    for name in rep.drop_grave_files:
+        try:
+            remove_tree_at(store.grave_fd, os.fsencode(name))
+        except FileNotFoundError:
+            pass
+    if rep.drop_graves or rep.drop_grave_files:
+        done.append(f"removed {len(set(rep.drop_grave_files))} grave entries no record holds")
+    store.forget_layer_cache()
+    return done
