@@ -175,13 +175,15 @@ class Workspace:
 
     @classmethod
     def mount(cls, path: str | os.PathLike, store: str | os.PathLike | None = None,
-              mountpoint: str | os.PathLike | None = None) -> "Workspace":
-        """Mount *path* (over itself unless *mountpoint*) and return it."""
+              mountpoint: str | os.PathLike | None = None, max_store: int | None = None,
+              max_layers: int | None = None) -> "Workspace":
+        """Mount *path* (over itself unless *mountpoint*) and return it;
+        *max_store* (bytes) and *max_layers* as `cowfs mount` takes them."""
         from .daemon import check_fuse, spawn
 
         check_fuse()
         msg = spawn(os.fspath(path), mountpoint and os.fspath(mountpoint),
-                    store and os.fspath(store))
+                    store and os.fspath(store), max_store=max_store, max_layers=max_layers)
         return cls.attach(msg["mountpoint"])
 
     @classmethod

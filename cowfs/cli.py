@@ -35,6 +35,25 @@ def parse_size(text: str) -> int:
     return n
 
 
+def parse_limit(text: str) -> int:
+    """A size with an optional K/M/G/T suffix (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale > 1 else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(n * scale)
+
+
+def parse_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a number of layers: {text!r}")
+    return int(text)
+
+
 def snapshot_options(s: argparse.ArgumentParser) -> None:
     """--provider / --container / --vm: state outside the files to snapshot
     with the new layer (each repeatable)."""
@@ -68,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-size", type=parse_size, metavar="SIZE",
                    help="capture granularity for a new store (default 64K; a power of "
                         "two from 4K to 1M)")
+    s.add_argument("--max-store", type=parse_limit, metavar="SIZE",
+                   help="most store space undo data may take (e.g. 500M, 2G; 0: no limit); "
+                        "a change whose capture would exceed it fails with ENOSPC; kept "
+                        "in the store for later mounts")
+    s.add_argument("--max-layers", type=parse_count, metavar="N",
+                   help="most layers above the base (0: no limit); past it the oldest are "
+                        "merged into the base, so undo back to the base is kept")
     s.add_argument("workspace")
     s.add_argument("mountpoint", nargs="?")
 
@@ -132,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
     cmd("status", "list the open layer's changes")
+    cmd("gc", "free store space nothing needs (unused chunks, grave files no record holds); "
+              "mounted or not")
     s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
                      "the grave (read-only; mounted or not)")
     s.add_argument("--repair", action="store_true",
@@ -175,12 +203,17 @@ def do_mount(args) -> int:
                 print(f"cowfs: {msg['error']}", file=sys.stderr)
 
         return serve(ws, args.mountpoint, args.store, report, foreground=True,
-                     chunk_size=args.chunk_size)
-    msg = spawn(ws, args.mountpoint, args.store, args.chunk_size)
+                     **mount_options(args))
+    msg = spawn(ws, args.mountpoint, args.store, **mount_options(args))
     for warning in msg["warnings"]:
         print(f"cowfs: warning: {warning}", file=sys.stderr)
     out(args, f"mounted {msg['mountpoint']}", msg)
     return 0
+
+
+def mount_options(args) -> dict:
+    return {"chunk_size": args.chunk_size, "max_store": args.max_store,
+            "max_layers": args.max_layers}
 
 
 def do_unmount(args) -> int:
@@ -228,7 +261,7 @@ def call(args, op: str, **kw) -> dict:
         return result
 
 
-OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes"}
+OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc"}
 
 
 def do_checkpoint(args) -> int:
@@ -265,7 +298,29 @@ def format_change(c: dict) -> str:
 
 def do_status(args) -> int:
     res = call(args, "status")
-    out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
+    lines = [format_change(c) for c in res["changes"]]
+    u = res["usage"]
+    lines.append(f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
+                 + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
+                 + f"; store {human_size(u['bytes'])}"
+                 + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
+                 + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)")
+    out(args, "\n".join(lines), res)
+    return 0
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def do_gc(args) -> int:
+    res = call(args, "gc")
+    out(args, f"freed {human_size(res['freed_bytes'])}: " + (", ".join(res["done"])
+                                                           or "nothing to free"), res)
     return 0
 
 
@@ -527,7 +582,7 @@ COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
-    "check": do_check,
+    "check": do_check, "gc": do_gc,
 }
 
 

@@ -129,11 +129,13 @@ def check_args(op: Callable, args: dict) -> None:
 
 class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
-                 store: str | None = None, chunk_size: int | None = None):
+                 store: str | None = None, chunk_size: int | None = None,
+                 max_store: int | None = None, max_layers: int | None = None):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
+        self.limits = {"max_store": max_store, "max_layers": max_layers}
         self.owner = os.geteuid()
         self.warnings: list[str] = []
         self.lock = trio.Lock()
@@ -181,6 +183,8 @@ class Daemon:
                                 **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
+        if create:   # a mount: its options (0 clears) change the store's limits
+            self.store.set_limits(**{k: v for k, v in self.limits.items() if v is not None})
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
         if self.recovering:
             self.warnings += [f"store check: {p}" for p in self.stack.check()]
@@ -416,7 +420,21 @@ class Daemon:
             raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
                              "nothing was taken" + "".join(leftovers),
                              errors.DAEMON_ERROR) from None
-        return self.store.get_layer(layer.id).to_dict()
+        info = self.store.get_layer(layer.id).to_dict()
+        merged = await self._enforce_max_layers()
+        if merged:
+            info["merged"] = merged
+        return info
+
+    async def _enforce_max_layers(self) -> list[int]:
+        """--max-layers: merge the oldest layers above the base into it
+        (their snapshots are discarded), so undo back to the base is kept."""
+        merged = []
+        limit = self.store.limits().get("max_layers")
+        while limit and len(self.store.layers()) - 1 > limit:
+            merged.append(self.stack.merge_into_base())
+            await self._carry_out()
+        return merged
 
     # -- group operations (see Stack: the pending record) -----------------------------
 
@@ -568,7 +586,15 @@ class Daemon:
 
     async def op_status(self) -> dict:
         await self._flush()
-        return self.stack.status()
+        return self.stack.status() | {"usage": self.stack.usage()}
+
+    async def op_gc(self) -> dict:
+        """Free what nothing needs: unused chunks, grave files no record
+        holds, stale index entries; report what was freed."""
+        await self._flush()
+        result = self.stack.gc()
+        self.recorder.reset(fresh=False)
+        return result
 
     async def op_changes(self, since: int | None = None) -> dict:
         """Net changes since layer *since* was opened (default: the top)."""
@@ -670,13 +696,15 @@ def setup_logging(store_dir: str, foreground: bool) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+MOUNT_OPTIONS = ("chunk_size", "max_store", "max_layers")
+
+
 def serve(workspace: str, mountpoint: str | None, store: str | None,
-          report: Callable[[dict], None], foreground: bool,
-          chunk_size: int | None = None) -> int:
+          report: Callable[[dict], None], foreground: bool, **options) -> int:
     """Prepare, mount and serve until unmounted.  *report* is called once,
     with {"ok": True, "warnings": [...]} when the mount is live, or with the
-    error that prevented it."""
-    daemon = Daemon(workspace, mountpoint, store, chunk_size)
+    error that prevented it.  *options*: MOUNT_OPTIONS."""
+    daemon = Daemon(workspace, mountpoint, store, **options)
     try:
         daemon.prepare()
         setup_logging(daemon.store_dir, foreground)
@@ -698,15 +726,16 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
 
 
 def spawn(workspace: str, mountpoint: str | None = None, store: str | None = None,
-          chunk_size: int | None = None, timeout: float = 120) -> dict:
+          timeout: float = 120, **options) -> dict:
     """Start a daemon for *workspace* in its own session and wait until the
     mount is live; return its report (warnings, pid) or raise its error."""
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "cowfs.daemon", "--ready-fd", str(w)]
     if store:
         cmd += ["--store", os.path.abspath(store)]
-    if chunk_size:
-        cmd += ["--chunk-size", str(chunk_size)]
+    for name, value in options.items():
+        if value is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
     cmd.append(os.path.abspath(workspace))
     if mountpoint:
         cmd.append(os.path.abspath(mountpoint))
@@ -740,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cowfs-daemon")
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--store")
-    p.add_argument("--chunk-size", type=int)
+    for name in MOUNT_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
@@ -756,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     return serve(a.workspace, a.mountpoint, a.store, report, foreground=False,
-                 chunk_size=a.chunk_size)
+                 **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 
 
 if __name__ == "__main__":

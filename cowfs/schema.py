@@ -28,6 +28,8 @@ Databases
                                    after; the layers' post-mortems move to
                                    the top layer when the record is closed.
              ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
+             ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
+                                   absent (or 0) for no limit
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
              "message": str}.  The stack is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
@@ -73,6 +75,7 @@ K_NEXT_LAYER = b"next_layer"
 K_NEXT_GRAVE = b"next_grave"
 K_PENDING = b"pending"
 K_STATE = b"state"
+K_LIMITS = b"limits"
 
 _U64 = struct.Struct(">Q")
 

@@ -123,6 +123,31 @@ class Stack:
         self._merge(top, below)
         return {"committed": top.id, "into": below.id, "top": below.id}
 
+    def merge_into_base(self) -> int:
+        """Merge the oldest layer above the base into the base (--max-layers);
+        return its id.  Its snapshots' discards are left pending."""
+        base, oldest = self.store.layers()[:2]
+        self._merge(oldest, base)
+        return oldest.id
+
+    def usage(self) -> dict:
+        data, grave = self.store.data_bytes(), self.store.grave_bytes()
+        limits = self.store.limits()
+        return {"bytes": data + grave, "data": data, "grave": grave,
+                "max_store": limits.get("max_store"), "layers": len(self.store.layers()),
+                "max_layers": limits.get("max_layers")}
+
+    def gc(self) -> dict:
+        """Free what nothing needs: unused chunks, grave files no record
+        holds, stale index entries, wrong reference counts (`cowfs check
+        --repair` without asking, minus what needs judgement)."""
+        before = self.usage()["bytes"]
+        rep = fsck.check(self.store, hashes=False)
+        done = fsck.repair(self.store, rep)
+        after = self.usage()["bytes"]
+        return {"done": done, "freed_bytes": max(0, before - after), "bytes": after,
+                "problems": [str(p) for p in fsck.check(self.store, hashes=False).problems]}
+
     def _merge(self, top: Layer, below: Layer) -> None:
         st = self.store
         with st.write() as w:

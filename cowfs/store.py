@@ -23,6 +23,7 @@ from . import schema as S
 from .errors import AlreadyMounted, StoreError
 
 MAP_SIZE = 64 << 30
+RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
 DEFAULT_CHUNK_SIZE = 64 << 10
 
 
@@ -54,8 +55,10 @@ class Writer:
         self.store = store
         self.txn = txn
         self.seq = store._next_seq
+        self.used: int | None = None     # store bytes in use, once --max-store asks
 
     def append(self, data: bytes) -> int:
+        self.reserve(len(data) + RECORD_OVERHEAD)
         seq = self.seq
         self.txn.put(S.u64(seq), data, db=self.store.db_journal)
         self.seq += 1
@@ -77,10 +80,24 @@ class Writer:
             self.txn.delete(S.u64(rec.fields[1]), db=self.store.db_graves)
         self.txn.delete(key, db=self.store.db_journal)
 
+    def reserve(self, n: int) -> None:
+        """--max-store: fail (ENOSPC, before the change is made) when *n* more
+        bytes of undo data would take the store past its limit."""
+        limit = self.store.max_store
+        if not limit:
+            return
+        if self.used is None:
+            self.used = self.store.data_bytes(self.txn)
+        self.used += n
+        if self.used > limit:
+            raise OSError(errno.ENOSPC, f"cowfs store limit reached ({limit} bytes; "
+                                        "commit, roll back or raise --max-store)")
+
     def put_chunk(self, data: bytes) -> bytes:
         h = digest(data)
         refs = self.txn.get(h, db=self.store.db_refs)
         if refs is None:
+            self.reserve(len(data) + RECORD_OVERHEAD)
             self.txn.put(h, data, db=self.store.db_chunks)
             self.txn.put(h, S.u64(1), db=self.store.db_refs)
         else:
@@ -142,6 +159,7 @@ class Store:
             self._next_layer = S.from_u64(txn.get(S.K_NEXT_LAYER, db=self.db_meta))
             self._next_grave = S.from_u64(txn.get(S.K_NEXT_GRAVE, db=self.db_meta))
         self._layers: list[Layer] | None = None
+        self.max_store = self.limits().get("max_store") or 0
 
     # -- opening ------------------------------------------------------------
 
@@ -415,6 +433,48 @@ class Store:
                         total += st.st_blocks * 512
                     except OSError:
                         pass
+        return total
+
+    # -- space -------------------------------------------------------------------
+
+    def limits(self) -> dict:
+        return self.get_meta_json(S.K_LIMITS) or {}
+
+    def set_limits(self, **limits: int) -> None:
+        """Set --max-store / --max-layers; 0 removes a limit."""
+        if not limits:
+            return
+        current = self.limits() | limits
+        self.set_meta_json(S.K_LIMITS, {k: v for k, v in current.items() if v})
+        self.max_store = self.limits().get("max_store") or 0
+
+    def data_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+        """Bytes of LMDB pages in use (pages freed by commits and rollbacks
+        are reused, so this falls when data is freed)."""
+        def count(txn) -> int:
+            pages = 0
+            for db in (self.db_meta, self.db_layers, self.db_journal, self.db_index,
+                       self.db_chunks, self.db_refs, self.db_graves):
+                st = txn.stat(db)
+                pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+            return pages * st["psize"]
+        if txn is not None:
+            return count(txn)
+        with self.env.begin() as t:
+            return count(t)
+
+    def grave_bytes(self) -> int:
+        """Disk space of the removed objects kept whole in the grave."""
+        total = 0
+        fd = os.open("grave", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.dirfd)
+        try:
+            for name in os.listdir(fd):
+                try:
+                    total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
         return total
 
     def get_meta_json(self, key: bytes):
