@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-layers", type=parse_count, metavar="N",
                    help="most layers above the base (0: no limit); past it the oldest are "
                         "merged into the base, so undo back to the base is kept")
+    s.add_argument("--accept-drift", action="store_true",
+                   help="mount even though paths the layers changed were changed while "
+                        "not mounted (recorded in the log)")
     s.add_argument("workspace")
     s.add_argument("mountpoint", nargs="?")
 
@@ -213,7 +216,7 @@ def do_mount(args) -> int:
 
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
-            "max_layers": args.max_layers}
+            "max_layers": args.max_layers, "accept_drift": args.accept_drift}
 
 
 def do_unmount(args) -> int:
@@ -330,6 +333,9 @@ def do_log(args) -> int:
     for layer in res["layers"]:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
+        for d in layer.get("drift", []):
+            rows.append(f"{'':>39}drift accepted at mount ({len(d['paths'])} paths changed "
+                        f"while not mounted): {', '.join(d['paths'][:5])}")
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
             rows.append(f"{'':>39}post-mortem of {pm.get('domain')} before reverting layer "

@@ -33,7 +33,7 @@ from . import errors
 from . import fsck
 from .capture import Recorder
 from .control import MAX_REQUEST, encode
-from .errors import AlreadyMounted, BadWorkspace, CowfsError, NoFuse, NotMounted
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
@@ -130,12 +130,14 @@ def check_args(op: Callable, args: dict) -> None:
 class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
                  store: str | None = None, chunk_size: int | None = None,
-                 max_store: int | None = None, max_layers: int | None = None):
+                 max_store: int | None = None, max_layers: int | None = None,
+                 accept_drift: bool = False):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
         self.limits = {"max_store": max_store, "max_layers": max_layers}
+        self.accept_drift = accept_drift
         self.owner = os.geteuid()
         self.warnings: list[str] = []
         self.lock = trio.Lock()
@@ -189,10 +191,40 @@ class Daemon:
         if self.recovering:
             self.warnings += [f"store check: {p}" for p in self.stack.check()]
         self.registry = Registry(self.store.dirfd, self.mountpoint)
+        if create:
+            self._check_drift()
         if self.stack.pending() is not None:
             self.warnings += trio.run(self._resume)
         self.stack.resume()
         self.recorder = Recorder(self.store)
+
+    def _check_drift(self) -> None:
+        """Paths the layers changed that were changed again while the
+        workspace was not mounted make the mount refuse (their undo data no
+        longer fits them), unless accepted; accepted drift is logged."""
+        recorded = self.store.get_meta_json(S.K_DRIFT)
+        if recorded is None:
+            return
+        drift = self.stack.drift(recorded)
+        if drift and not self.accept_drift:
+            shown = ", ".join(drift[:10]) + (f" and {len(drift) - 10} more"
+                                            if len(drift) > 10 else "")
+            raise Drift(f"{len(drift)} path{'s' if len(drift) > 1 else ''} the layers changed "
+                        f"were changed while the workspace was not mounted: {shown}; a "
+                        "rollback would mix both; mount with --accept-drift to go on anyway")
+        if drift:
+            top = self.stack.ensure_base()
+            self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
+            self.warnings.append(f"accepted drift of {len(drift)} paths (recorded in the log): "
+                                 + ", ".join(drift[:10]))
+        self.store.set_meta_json(S.K_DRIFT, None)
+
+    def record_fingerprint(self) -> None:
+        """At a clean unmount: what the layers' paths look like now."""
+        try:
+            self.store.set_meta_json(S.K_DRIFT, self.stack.fingerprint())
+        except Exception:
+            log.exception("could not record the workspace's state for drift detection")
 
     def _recover_stale_mount(self) -> None:
         if not is_cowfs_mount(self.mountpoint):
@@ -230,6 +262,7 @@ class Daemon:
             else:
                 pyfuse3.close(unmount=False)
             self.record.remove()
+            self.record_fingerprint()
             self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
@@ -665,7 +698,17 @@ def offline(workspace: str, store: str | None, op: str, **args) -> dict:
     daemon = Daemon(workspace, store=store)
     daemon.open_offline()
     try:
-        result = trio.run(functools.partial(getattr(daemon, "op_" + op), **args))
+        if op in ("rollback", "commit"):
+            recorded = daemon.store.get_meta_json(S.K_DRIFT)
+            drift = daemon.stack.drift(recorded) if recorded else []
+            if drift:
+                raise Drift(f"{', '.join(drift[:10])}: changed while not mounted, after the "
+                            "layers changed them; mount with --accept-drift first")
+        try:
+            result = trio.run(functools.partial(getattr(daemon, "op_" + op), **args))
+        finally:  # what a rollback or commit changed (also when it partly failed)
+            if op in ("rollback", "commit") and daemon.store.get_meta_json(S.K_DRIFT):
+                daemon.record_fingerprint()
     finally:
         daemon.close_offline()
     result["warnings"] = daemon.warnings + result.get("warnings", [])
@@ -734,7 +777,9 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
     if store:
         cmd += ["--store", os.path.abspath(store)]
     for name, value in options.items():
-        if value is not None:
+        if value is True:
+            cmd.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
     cmd.append(os.path.abspath(workspace))
     if mountpoint:
@@ -771,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store")
     for name in MOUNT_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
+    p.add_argument("--accept-drift", action="store_true")
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
@@ -786,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     return serve(a.workspace, a.mountpoint, a.store, report, foreground=False,
+                 accept_drift=a.accept_drift,
                  **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 
 

@@ -14,6 +14,7 @@ BAD_WORKSPACE = 7
 NO_FUSE = 8
 DAEMON_ERROR = 9
 PARTIAL = 10
+DRIFT = 11
 INTERRUPTED = 130
 
 
@@ -61,6 +62,10 @@ class NoFuse(CowfsError):
 
 class PartialFailure(CowfsError):
     code = PARTIAL
+
+
+class Drift(CowfsError):
+    code = DRIFT
 
 
 def from_dict(d: dict) -> CowfsError:

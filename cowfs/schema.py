@@ -30,6 +30,10 @@ Databases
              ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
+             ``drift``       JSON  written at a clean unmount: workspace path ->
+                                   [size, mtime_ns, ctime_ns, ino] (null:
+                                   absent) of every path the layers changed;
+                                   compared (and cleared) by the next mount
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
              "message": str}.  The stack is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
@@ -76,6 +80,7 @@ K_NEXT_GRAVE = b"next_grave"
 K_PENDING = b"pending"
 K_STATE = b"state"
 K_LIMITS = b"limits"
+K_DRIFT = b"drift"
 
 _U64 = struct.Struct(">Q")
 

@@ -130,6 +130,34 @@ class Stack:
         self._merge(oldest, base)
         return oldest.id
 
+    # -- drift: changes made while not mounted ---------------------------------------
+
+    def fingerprint(self) -> dict[str, list | None]:
+        """Path -> [size, mtime_ns, ctime_ns, ino] (None: absent) of every
+        path the layers changed, as it is now (taken at unmount)."""
+        layers = self.store.layers()
+        if not layers:
+            return {}
+        out = {}
+        for change in self.changes_since(layers[0].id):
+            for path in (change["path"], change.get("from")):
+                if path is not None:
+                    out[path] = self._stat(os.fsencode(path))
+        return out
+
+    def _stat(self, path: bytes) -> list | None:
+        try:
+            with self.resolver.at(path) as (d, n):
+                st = B.lstat_at(d, n)
+        except OSError:
+            return ["unreachable"]    # a component is gone or no directory
+        return None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    def drift(self, recorded: dict[str, list | None]) -> list[str]:
+        """The recorded paths that are not as they were at unmount."""
+        return sorted(path for path, was in recorded.items()
+                      if self._stat(os.fsencode(path)) != was)
+
     def usage(self) -> dict:
         data, grave = self.store.data_bytes(), self.store.grave_bytes()
         limits = self.store.limits()
@@ -173,7 +201,7 @@ class Stack:
                     w.delete_record(S.from_u64(val))
                 elif not lower_has:
                     txn.put(lower, val, db=st.db_index)
-            for key in ("runs", "postmortems"):
+            for key in ("runs", "postmortems", "drift"):
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
             txn.delete(S.u64(top.id), db=st.db_layers)

@@ -36,11 +36,13 @@ class Layer:
     runs: tuple = ()        # records of `cowfs run` steps (dicts), oldest first
     snapshots: tuple = ()   # provider snapshots taken with the layer, in order
     postmortems: tuple = ()  # diagnostics captured before reverting layers above
+    drift: tuple = ()       # accepted drift: paths changed while not mounted
 
     def to_dict(self) -> dict:
         return {"id": self.id, "start": self.start, "created": self.created,
                 "message": self.message, "runs": list(self.runs),
-                "snapshots": list(self.snapshots), "postmortems": list(self.postmortems)}
+                "snapshots": list(self.snapshots), "postmortems": list(self.postmortems),
+                "drift": list(self.drift)}
 
 
 def digest(data: bytes) -> bytes:
@@ -321,7 +323,7 @@ class Store:
                     d = S.from_json(v)
                     out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
                                      tuple(d.get("runs", ())), tuple(d.get("snapshots", ())),
-                                     tuple(d.get("postmortems", ()))))
+                                     tuple(d.get("postmortems", ())), tuple(d.get("drift", ()))))
             self._layers = out
         return list(self._layers)
 
