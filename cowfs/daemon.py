@@ -193,7 +193,11 @@ class Daemon:
         self.registry = Registry(self.store.dirfd, self.mountpoint)
         if create:
             self._check_drift()
-        if self.stack.pending() is not None:
+        pending = self.stack.pending()
+        if pending is not None and pending.get("op") == "checkpoint":
+            self.recorder = Recorder(self.store)
+            self.warnings += self._resume_checkpoint(pending)
+        elif pending is not None:
             self.warnings += trio.run(self._resume)
         self.stack.resume()
         self.recorder = Recorder(self.store)
@@ -429,6 +433,9 @@ class Daemon:
         self.recorder.reset(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
+        if chosen:   # a crash while capturing: the next mount removes what was taken
+            self.store.set_meta_json(S.K_PENDING, {"op": "checkpoint", "layer": layer.id,
+                                                   "providers": providers})
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
@@ -437,7 +444,7 @@ class Daemon:
                               "seconds": round(time.perf_counter() - t0, 3)})
                 t0 = time.perf_counter()
             if taken:
-                self.store.set_snapshots(layer.id, taken)
+                self.store.set_snapshots(layer.id, taken, close_pending=True)
         except Exception as e:
             # All or nothing: discard what was taken and drop the new layer.
             failed = chosen[min(len(taken), len(chosen) - 1)].name
@@ -448,8 +455,7 @@ class Daemon:
                 except Exception as e2:
                     leftovers.append(f"; discarding {snap['provider']}'s snapshot failed: {e2}")
             self.registry.drop_state(self.registry.context(failed, layer.id))
-            self.stack.rollback(layer.id)
-            self.recorder.reset(fresh=False)
+            self._drop_checkpoint(layer.id)
             raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
                              "nothing was taken" + "".join(leftovers),
                              errors.DAEMON_ERROR) from None
@@ -458,6 +464,33 @@ class Daemon:
         if merged:
             info["merged"] = merged
         return info
+
+    def _drop_checkpoint(self, layer_id: int) -> None:
+        """Undo a checkpoint that failed (or a crash interrupted) while taking
+        snapshots: its layer merges into the one below, so changes programs
+        made meanwhile are kept, and the pending record is cleared."""
+        top = self.store.top()
+        if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
+            self.stack.commit()
+        self.store.set_meta_json(S.K_PENDING, None)
+        self.recorder.reset(fresh=False)
+
+    def _resume_checkpoint(self, pending: dict) -> list[str]:
+        """A crash interrupted a checkpoint's captures: discard what each
+        provider may have taken for that layer, and drop the checkpoint."""
+        layer, problems = pending["layer"], []
+        for name in pending.get("providers", []):
+            try:
+                ctx = self.registry.context(name, layer)
+                self.registry.get(name).forget(ctx)
+                self.registry.drop_state(ctx)
+            except Exception as e:
+                problems.append(f"discarding what provider {name} took for layer {layer} "
+                                f"failed: {e}")
+        self._drop_checkpoint(layer)
+        return [f"a checkpoint (layer {layer}) was interrupted while taking snapshots of "
+                f"{', '.join(pending.get('providers', []))}: what they took was discarded and "
+                f"the layer merged into the one below"] + problems
 
     async def _enforce_max_layers(self) -> list[int]:
         """--max-layers: merge the oldest layers above the base into it

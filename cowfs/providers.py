@@ -80,6 +80,11 @@ class Provider:
         is run again, and what is already gone counts as discarded."""
         raise NotImplementedError
 
+    def forget(self, ctx: Context) -> None:
+        """Remove whatever a capture for ctx.layer may have made, without
+        its snapshot data (a capture a crash interrupted); idempotent."""
+        raise NotImplementedError
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -128,6 +133,9 @@ class CommandProvider(Provider):
     def discard(self, ctx: Context, snapshot: dict) -> None:
         self._sh("discard", ctx)
 
+    def forget(self, ctx: Context) -> None:
+        self.discard(ctx, {})
+
     def describe(self) -> str:
         return f"command provider (capture: {self.config['capture']})"
 
@@ -158,8 +166,7 @@ class DockerProvider(Provider):
         client = self._client()
         c = client.containers.get(self.config["container"])
         a = c.attrs
-        repo = f"cowfs/{os.path.basename(ctx.workspace.rstrip('/')).lower() or 'root'}"
-        tag = f"{repo}:layer-{ctx.layer}-{c.id[:12]}"
+        tag = f"{self._tag_prefix(ctx)}{c.id[:12]}"
         image = c.commit(*tag.split(":"))
         cfg, host = a["Config"], a["HostConfig"]
         return {"image": image.id, "tag": tag, "name": a["Name"].lstrip("/"),
@@ -197,6 +204,18 @@ class DockerProvider(Provider):
             self._client().images.remove(snapshot["tag"], force=True)
         except docker.errors.NotFound:
             pass
+
+    @staticmethod
+    def _tag_prefix(ctx: Context) -> str:
+        repo = f"cowfs/{os.path.basename(ctx.workspace.rstrip('/')).lower() or 'root'}"
+        return f"{repo}:layer-{ctx.layer}-"
+
+    def forget(self, ctx: Context) -> None:
+        prefix = self._tag_prefix(ctx)
+        for image in self._client().images.list(prefix.split(":")[0]):
+            for tag in image.tags:
+                if tag.startswith(prefix):
+                    self.discard(ctx, {"tag": tag})
 
     def describe(self) -> str:
         return f"docker container {self.config['container']}"
@@ -238,7 +257,7 @@ class LibvirtProvider(Provider):
     def capture(self, ctx: Context) -> dict:
         conn, dom = self._domain()
         try:
-            name = f"cowfs-layer-{ctx.layer}"
+            name = self._snapshot_name(ctx)
             xml = (f"<domainsnapshot><name>{name}</name><description>cowfs layer "
                    f"{ctx.layer} of {ctx.workspace}</description></domainsnapshot>")
             dom.snapshotCreateXML(xml, 0)
@@ -285,6 +304,13 @@ class LibvirtProvider(Provider):
                 raise
         finally:
             conn.close()
+
+    @staticmethod
+    def _snapshot_name(ctx: Context) -> str:
+        return f"cowfs-layer-{ctx.layer}"
+
+    def forget(self, ctx: Context) -> None:
+        self.discard(ctx, {"snapshot": self._snapshot_name(ctx)})
 
     def describe(self) -> str:
         return f"libvirt domain {self.config['domain']}"

@@ -349,12 +349,17 @@ class Store:
         self._layers = None
         return layer
 
-    def set_snapshots(self, layer_id: int, snapshots: list[dict]) -> None:
+    def set_snapshots(self, layer_id: int, snapshots: list[dict],
+                      close_pending: bool = False) -> None:
+        """Record a layer's snapshots (and, in the same transaction, close
+        the pending record of the checkpoint that took them)."""
         with self.write() as w:
             key = S.u64(layer_id)
             d = S.from_json(w.txn.get(key, db=self.db_layers))
             d["snapshots"] = snapshots
             w.txn.put(key, S.to_json(d), db=self.db_layers)
+            if close_pending:
+                w.set_meta(S.K_PENDING, None)
         self._layers = None
 
     def append_to_layer(self, layer_id: int, key: str, items: list[dict],

@@ -293,3 +293,32 @@ def test_a_restore_that_failed_before_the_crash_is_reported_and_not_run_again(
                          f"discard flaky {layer}", f"discard st {layer}"]
     assert out.state.read_text() == "original"
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_a_checkpoint_killed_while_capturing_leaves_nothing_behind(mounted, tmp_path):
+    """A crash in the middle of a checkpoint's captures: the next mount
+    discards what the providers took (each provider's discard runs) and
+    merges the half-made layer into the one below, keeping the files."""
+    ws = mounted
+    out = Outside(tmp_path / "outside")
+    log, state = shlex.quote(str(out.log)), shlex.quote(str(out.state))
+    for name in ("first", "second"):
+        ws.cowfs("provider", "add", name,
+                 "--capture", out.switch.guard("capture $COWFS_PROVIDER")
+                 + f'cp {state} "$COWFS_STATE_DIR/copy"',
+                 "--restore", f'cp "$COWFS_STATE_DIR/copy" {state}',
+                 "--discard", f'echo "discard $COWFS_PROVIDER $COWFS_LAYER" >> {log}')
+    (ws / "a.txt").write_text("before the checkpoint\n")
+    layers = [layer["id"] for layer in ws.log()]
+    err = crash_during(ws, out.switch, "capture second", "checkpoint", "--provider", "first",
+                       "--provider", "second")
+    assert "was interrupted while taking snapshots" in err
+    half = max(layers) + 1
+    assert out.ran() == [f"discard first {half}", f"discard second {half}"]
+    assert [layer["id"] for layer in ws.log()] == layers      # no half-made layer
+    assert (ws / "a.txt").read_text() == "before the checkpoint\n"
+    ws.unmount()
+    assert state_dirs(ws) == []
+    ws.mount()
+    ws.rollback()                                              # still undoable
+    assert (ws / "a.txt").read_text() == "alpha\n"
