@@ -13,9 +13,12 @@ raises ``CowfsError`` (with the CLI's exit code in ``.code``) on failure.
 
 from __future__ import annotations
 
+import base64
 import os
 import shlex
+import shutil
 import signal
+import stat
 import subprocess
 import time
 from contextlib import contextmanager
@@ -25,6 +28,7 @@ from typing import Callable, Iterator, Sequence
 from . import control
 from .errors import USAGE, CowfsError
 from .mounts import MountRecord, find_mount, pid_alive
+from .past import wpath
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 
 Command = Sequence[str] | str
@@ -165,6 +169,44 @@ def execute(cmd: Command, cwd: str) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+_KIND_OF = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
+            stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "chardev",
+            stat.S_IFBLK: "blockdev"}
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _remove(path: str) -> None:
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _set_attrs(path: str, info: dict, xattrs: bool) -> None:
+    """Owner, mode, xattrs and times of *path* as *info* (op show) gives
+    them; times last, so nothing after them moves them."""
+    link = info["kind"] == "symlink"
+    if os.geteuid() == 0:
+        os.chown(path, info["uid"], info["gid"], follow_symlinks=False)
+    if not link:
+        os.chmod(path, stat.S_IMODE(info["mode"]))
+    if xattrs and not link:
+        wanted = {base64.b64decode(n): base64.b64decode(v) for n, v in info["xattrs"]}
+        for name in os.listxattr(path, follow_symlinks=False):
+            if os.fsencode(name) not in wanted:
+                os.removexattr(path, name, follow_symlinks=False)
+        for name, value in wanted.items():
+            os.setxattr(path, name, value, follow_symlinks=False)
+    os.utime(path, ns=(info["atime_ns"], info["mtime_ns"]), follow_symlinks=False)
+
+
 class Workspace:
     """A mounted cowfs workspace."""
 
@@ -233,6 +275,106 @@ class Workspace:
     def log(self) -> list[LayerInfo]:
         return [LayerInfo(d["id"], d["created"], d["message"], d["changes"], d["bytes"],
                           d.get("runs", [])) for d in self._call("log")["layers"]]
+
+    def show(self, path: str, layer: int | None = None) -> bytes:
+        """The bytes of file *path* (workspace-relative) as they were when
+        *layer* (default: the open layer) was opened."""
+        return b"".join(self._pages(layer, path))
+
+    def _pages(self, layer: int | None, path: str, first: dict | None = None) -> Iterator[bytes]:
+        res = first or self._call("show", layer=layer, path=path)
+        if res["kind"] != "file":
+            raise CowfsError(f"{path} was a {res['kind']}, not a file, then", USAGE)
+        offset = 0
+        while True:
+            data = base64.b64decode(res["data"])
+            yield data
+            offset += len(data)
+            if not data or offset >= res["size"]:
+                return
+            res = self._call("show", layer=layer, path=path, offset=offset)
+
+    def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
+        """Put *paths* (files or whole subtrees, workspace-relative) back as
+        they were when *layer* (default: the open layer) was opened.  The
+        restore is made through the mount, so it is a change of the open
+        layer like any other (and can itself be rolled back).  Returns the
+        paths it changed."""
+        done: list[str] = []
+        for path in paths:
+            rel = os.fsdecode(wpath(path))
+            if not rel:
+                raise CowfsError("restore takes paths inside the workspace; to put back "
+                                 "everything, use rollback", USAGE)
+            self._restore_parents(rel, layer, done)
+            self._restore(rel, layer, done)
+        return done
+
+    def _abs(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def _restore_parents(self, rel: str, layer: int | None, done: list[str]) -> None:
+        """Directories above *rel* that are missing now come back (empty,
+        with their attributes then) so *rel* has somewhere to go."""
+        parts = rel.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            d = "/".join(parts[:i])
+            st = _lstat(self._abs(d))
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                continue
+            info = self._call("show", layer=layer, path=d, missing_ok=True)
+            if info["kind"] != "dir":
+                raise CowfsError(f"{d} was not a directory when layer {info['layer']} was "
+                                 "opened", USAGE)
+            if st is not None:
+                _remove(self._abs(d))
+            os.mkdir(self._abs(d), 0o700)
+            _set_attrs(self._abs(d), info, xattrs=True)
+            done.append(d)
+
+    def _restore(self, rel: str, layer: int | None, done: list[str]) -> None:
+        target = self._abs(rel)
+        info = self._call("show", layer=layer, path=rel, missing_ok=True)
+        st = _lstat(target)
+        kind = info["kind"]
+        if kind is None:                       # made after: it goes
+            if st is not None:
+                _remove(target)
+                done.append(rel)
+            return
+        if st is not None and _KIND_OF.get(stat.S_IFMT(st.st_mode)) != kind:
+            _remove(target)
+            st = None
+        if kind == "file":
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                for data in self._pages(layer, rel, info):
+                    os.write(fd, data)
+            finally:
+                os.close(fd)
+        elif kind == "dir":
+            if st is None:
+                os.mkdir(target, 0o700)
+            wanted = set(info["entries"])
+            for name in os.listdir(target):
+                if name not in wanted:
+                    _remove(os.path.join(target, name))
+            for name in info["entries"]:
+                self._restore(f"{rel}/{name}", layer, done)
+        elif kind == "symlink":
+            if st is not None:
+                os.unlink(target)
+            os.symlink(info["target"], target)
+        elif kind == "fifo":
+            if st is None:
+                os.mkfifo(target, 0o600)
+        elif kind in ("chardev", "blockdev"):
+            if st is None:
+                os.mknod(target, info["mode"], info["rdev"])
+        else:
+            raise CowfsError(f"{rel}: a {kind} cannot be restored", USAGE)
+        _set_attrs(target, info, xattrs=True)
+        done.append(rel)
 
     def top(self) -> int:
         return self._call("status")["id"]

@@ -110,6 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
     s.add_argument("--to", type=int, metavar="ID")
+    s.add_argument("--dry-run", action="store_true",
+                   help="list what the rollback would change (path and kind); change nothing")
+
+    s = cmd("diff", "changes since layer ID was opened (default: the open layer), with "
+                    "their content: unified diff for text, sizes and xxh3 for binary")
+    fmt = s.add_mutually_exclusive_group()
+    fmt.add_argument("--stat", action="store_true", help="lines added and removed per file")
+    fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
+    s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
+                   help="the layer, then only these paths (relative to the workspace root)")
+
+    s = cmd("restore", "put PATHs (files or subtrees) back as they were when layer ID was "
+                       "opened, as a new change of the open layer")
+    s.add_argument("--from", dest="layer", type=int, metavar="ID",
+                   help="the layer (default: the open layer)")
+    s.add_argument("paths", nargs="+", metavar="PATH",
+                   help="relative to the workspace root")
+
+    s = cmd("show", "print PATH as it was when layer ID was opened (a file's bytes, a "
+                    "directory's names, a symlink's target), changing nothing")
+    s.add_argument("spec", metavar="ID:PATH")
 
     cmd("commit", "merge the top layer into the one below (the base: make permanent)")
 
@@ -264,7 +285,7 @@ def call(args, op: str, **kw) -> dict:
         return result
 
 
-OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc"}
+OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc", "diff", "show"}
 
 
 def do_checkpoint(args) -> int:
@@ -275,6 +296,10 @@ def do_checkpoint(args) -> int:
 
 
 def do_rollback(args) -> int:
+    if args.dry_run:
+        res = call(args, "changes", since=args.to)
+        out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
+        return 0
     res = call(args, "rollback", to=args.to)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
@@ -318,6 +343,94 @@ def human_size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def layer_and_paths(rest: list[str]) -> tuple[int | None, list[str]]:
+    """[ID] [-- PATH...] (the ID must come before --)."""
+    layer = None
+    if rest and rest[0] != "--":
+        if not rest[0].isdigit():
+            raise CowfsError(f"not a layer id: {rest[0]!r} (paths go after --)", errors.USAGE)
+        layer = int(rest.pop(0))
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    elif rest:
+        raise CowfsError("paths go after --", errors.USAGE)
+    return layer, rest
+
+
+def do_diff(args) -> int:
+    layer, paths = layer_and_paths(list(args.rest))
+    res = call(args, "diff", since=layer, paths=paths)
+    rows = []
+    for c in res["changes"]:
+        name = format_change(c)
+        if args.name_status:
+            rows.append(name.replace(" ", "\t", 1))
+        elif args.stat:
+            counts = (f"+{c['added']} -{c['removed']}" if "diff" in c else
+                      f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
+            rows.append(f" {name[2:]:<50} | {counts}")
+        else:
+            rows.append(f"diff --cowfs {name}")
+            for side in ("old", "new"):
+                if side in c and c[side]["kind"] != "file":
+                    rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
+            if "diff" in c:
+                rows.append(c["diff"].rstrip("\n"))
+            elif c["binary"]:
+                rows.append(f"Binary: {side_sizes(c)}")
+            elif c.get("old", {}).get("mode") != c.get("new", {}).get("mode") and \
+                    "old" in c and "new" in c:
+                rows.append(f"mode {c['old']['mode']:o} -> {c['new']['mode']:o}")
+    out(args, "\n".join(rows) or None, res)
+    return 0
+
+
+def side_sizes(c: dict) -> str:
+    def one(side: str) -> str:
+        d = c.get(side)
+        return "(none)" if d is None else f"{d['size']} bytes xxh3 {d.get('xxh3', '-')}"
+    return f"{one('old')} -> {one('new')}"
+
+
+def do_show(args) -> int:
+    layer, sep, path = args.spec.partition(":")
+    if not sep or not layer.strip().isdigit():
+        raise CowfsError(f"show takes ID:PATH, not {args.spec!r}", errors.USAGE)
+    res = call(args, "show", layer=int(layer), path=path, offset=0)
+    if res["kind"] == "file":
+        import base64
+        if args.json:
+            out(args, None, res | {"data": None})
+            return 0
+        sink = sys.stdout.buffer
+        offset = 0
+        while True:
+            data = base64.b64decode(res["data"])
+            sink.write(data)
+            offset += len(data)
+            if not data or offset >= res["size"]:
+                break
+            res = call(args, "show", layer=int(layer), path=path, offset=offset)
+        sink.flush()
+    elif res["kind"] == "dir":
+        out(args, "\n".join(e + ("/" if False else "") for e in res["entries"]) or None, res)
+    elif res["kind"] == "symlink":
+        out(args, res["target"], res)
+    else:
+        out(args, f"{res['kind']} mode {res['mode']:o}", res)
+    return 0
+
+
+def do_restore(args) -> int:
+    from .api import Workspace
+    ws = Workspace.attach(args.path)
+    done = ws.restore(args.paths, args.layer)
+    out(args, f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
+              + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
+        {"restored": done})
+    return 0
 
 
 def do_gc(args) -> int:
@@ -588,7 +701,8 @@ COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
-    "check": do_check, "gc": do_gc,
+    "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
+    "restore": do_restore,
 }
 
 

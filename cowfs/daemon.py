@@ -35,6 +35,7 @@ from .capture import Recorder
 from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
+from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
@@ -668,6 +669,40 @@ class Daemon:
         top = self.store.top()
         since = top.id if since is None else since
         return {"since": since, "changes": self.stack.changes_since(since)}
+
+    # -- reading the past (cowfs/past.py) ---------------------------------------------
+
+    def _history(self, layer: int | None) -> History:
+        """The history since *layer* (default: the open layer) was opened,
+        kept while the store does not change."""
+        top = self.store.top()
+        layer = top.id if layer is None else layer
+        key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
+        cached = getattr(self, "_history_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, History(self.store, self.stack.resolver, layer, self.hidden))
+            self._history_cache = cached
+        return cached[1]
+
+    async def op_show(self, layer: int | None = None, path: str = "", offset: int = 0,
+                      size: int = SHOW_PAGE, missing_ok: bool = False) -> dict:
+        """What *path* was when *layer* was opened: its status, and a page of
+        its bytes (base64), its symlink target or its directory entries."""
+        await self._flush()
+        h = self._history(layer)
+        obj = h.need(wpath(path)) if not missing_ok else h.object_at(wpath(path))
+        if obj is None:
+            return {"path": path, "kind": None, "layer": h.layer}
+        return describe_past(h, obj, offset, max(0, min(size, SHOW_PAGE))) | {"layer": h.layer}
+
+    async def op_diff(self, since: int | None = None, paths: list | None = None,
+                      text_limit: int = 8 << 20) -> dict:
+        """Changes since layer *since* was opened, each with both sides'
+        sizes and hashes and, for text, a unified diff."""
+        await self._flush()
+        h = self._history(since)
+        changes = filter_paths(self.stack.changes_since(h.layer), paths or [])
+        return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
 
     async def op_annotate(self, layer: int, run: dict) -> dict:
         """Record a `cowfs run` step on a layer."""

@@ -364,12 +364,12 @@ class Stack:
 
         def fwd(p: bytes, frm: int) -> bytes:
             for a, b, xchg in moves[frm:]:
-                p = _subst(p, a, b) or (_subst(p, b, a) if xchg else None) or p
+                p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
             return p
 
         def back(p: bytes) -> bytes:
             for a, b, xchg in reversed(moves):
-                p = _subst(p, b, a) or (_subst(p, a, b) if xchg else None) or p
+                p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
             return p
 
         start: dict[bytes, int] = {}            # start path -> object there at start
@@ -513,7 +513,7 @@ def _plan_discards(w, layer: Layer) -> None:
                                            "steps": _steps("discard", [layer])}))
 
 
-def _subst(p: bytes, a: bytes, b: bytes) -> bytes | None:
+def subst_prefix(p: bytes, a: bytes, b: bytes) -> bytes | None:
     """*p* with its prefix directory (or itself) *a* replaced by *b*."""
     if p == a:
         return b

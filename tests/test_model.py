@@ -34,6 +34,7 @@ run, errnos seen) after every example.
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import dataclasses
 import errno
@@ -53,8 +54,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from cowfs import treesnap
+import xxhash
+
+from cowfs import control, treesnap
+from cowfs.api import Workspace as Workspace_api
 from cowfs.errors import NOTHING_TO_DO
+from cowfs.mounts import MountRecord
 
 from .conftest import Workspace
 
@@ -448,6 +453,41 @@ class CowfsModel(RuleBasedStateMachine):
             self.stack.pop()
         treesnap.assert_same(live, self.ws.snapshot())
         self.check_log()
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(data=st.data())
+    def show_past(self, data):
+        """`show` reads any layer's start without restoring it: for every
+        name in the pool (and the root), what it gives equals the tree
+        recorded when that layer was opened (what `rollback --to` gives)."""
+        STATS["show_past"] += 1
+        target = self.stack[data.draw(st.integers(0, len(self.stack) - 1), label="index")]
+        rec = MountRecord.load(str(self.ws.path))
+        for rel in ["."] + POOL:
+            info = control.call(rec, "show", layer=target.id, path=rel, missing_ok=True)
+            entry = target.snap.get(os.fsencode(rel) if rel != "." else treesnap.ROOT)
+            where = f"show {target.id}:{rel}"
+            if entry is None:
+                assert info["kind"] is None, (where, info)
+                continue
+            assert (info["kind"], info["mode"], info["uid"], info["gid"]) == \
+                (entry.kind, entry.mode, entry.uid, entry.gid), (where, info, entry)
+            assert info["mtime_ns"] == entry.mtime_ns, (where, info, entry)
+            xattrs = tuple(sorted((base64.b64decode(n), base64.b64decode(v))
+                                  for n, v in info["xattrs"]))
+            assert xattrs == entry.xattrs, (where, xattrs, entry.xattrs)
+            if entry.kind == "file":
+                data_ = b"".join(Workspace_api(rec)._pages(target.id, rel, info))
+                assert (len(data_), xxhash.xxh3_128_hexdigest(data_)) == \
+                    (entry.size, entry.digest), where
+            elif entry.kind == "symlink":
+                assert os.fsencode(info["target"]) == entry.target, where
+            elif entry.kind == "dir":
+                prefix = b"" if rel == "." else os.fsencode(rel) + b"/"
+                names = sorted(p[len(prefix):] for p in target.snap
+                               if p != treesnap.ROOT and p.startswith(prefix)
+                               and b"/" not in p[len(prefix):])
+                assert sorted(os.fsencode(n) for n in info["entries"]) == names, where
 
     @precondition(lambda self: len(self.stack) == 1 and self.stack[0].dirty == 0)
     @rule()

@@ -1,0 +1,364 @@
+"""Reading the past without restoring it: the tree as it was when a layer
+was opened, computed from the live tree and the reverse diffs recorded
+since, changing nothing.
+
+The records since layer T's start, read in the order they were written,
+say which object each path held at T (a name record is written before the
+first change of that name), where that object is now (renames replayed
+forwards; a removed object is in the grave), and what its metadata, bytes
+and xattrs were at T: the first META, CHUNK and XATTRS record of an object
+after T holds its state at T (later layers capture again, from later
+states).  What no record mentions is unchanged since T.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import os
+import stat
+from dataclasses import dataclass, field
+
+import xxhash
+
+from . import backing as B
+from . import schema as S
+from .errors import NOTHING_TO_DO, USAGE, CowfsError
+from .stack import subst_prefix
+from .store import Store
+
+
+class NotThere(CowfsError):
+    """The path did not exist when the layer was opened."""
+
+    code = NOTHING_TO_DO
+
+
+def parent(path: bytes) -> bytes:
+    return path.rpartition(b"/")[0]
+
+
+def _at_t(index: int, attr: str) -> property:
+    return property(lambda self: self.meta[index] if self.meta else getattr(self.now, attr))
+
+
+@dataclass
+class Past:
+    """One object as it was at T."""
+
+    path: bytes                 # its path at T
+    ino: int
+    loc: bytes                  # where it is now: a workspace path or a grave entry
+    now: os.stat_result         # its status now
+    meta: tuple | None = None   # the META record holding its state at T, if any
+    chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    xattrs_blob: bytes | None = None
+
+    # each from the META record when there is one (the state at T), else now
+    mode = _at_t(2, "st_mode")
+    uid = _at_t(3, "st_uid")
+    gid = _at_t(4, "st_gid")
+    size = _at_t(5, "st_size")
+    atime_ns = _at_t(6, "st_atime_ns")
+    mtime_ns = _at_t(7, "st_mtime_ns")
+
+    @property
+    def kind(self) -> int:
+        return stat.S_IFMT(self.mode)
+
+
+class History:
+    """What the records since layer *layer_id* was opened say about that
+    moment (T)."""
+
+    def __init__(self, store: Store, resolver: B.Resolver, layer_id: int,
+                 hidden: bytes | None = None):
+        self.store = store
+        self.r = resolver
+        self.hidden = hidden          # the store's name in the root, when it is there
+        layer = store.get_layer(layer_id)
+        self.layer = layer_id
+        self.moves: list[tuple[bytes, bytes, bool]] = []
+        self.start: dict[bytes, int | None] = {}    # path at T -> object there (None: absent)
+        self.meta: dict[int, tuple] = {}
+        self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
+        self.xattrs: dict[int, bytes] = {}
+        self.graves: dict[int, list[int]] = {}
+        for _, rec in store.records(layer.start, store._next_seq):
+            self._read(rec)
+
+    def _seen(self, path: bytes, ino: int | None) -> None:
+        if S.grave_id(path) is None:
+            self.start.setdefault(self.back(path), ino)
+
+    def _read(self, rec: S.Record) -> None:
+        f = rec.fields
+        if rec.kind in (S.CREATE, S.LINK):
+            self._seen(f[0], None)
+        elif rec.kind == S.GRAVE:
+            self._seen(f[0], f[2])
+            self.graves.setdefault(f[2], []).append(f[1])
+        elif rec.kind == S.RENAME:
+            self._seen(f[0], f[2])
+            self._seen(f[1], None)
+            self.moves.append((f[0], f[1], False))
+        elif rec.kind == S.EXCHANGE:
+            self._seen(f[0], f[2])
+            self._seen(f[1], f[3])
+            self.moves.append((f[0], f[1], True))
+        elif rec.kind == S.META:
+            self._seen(f[0], f[1])
+            self.meta.setdefault(f[1], f)
+        elif rec.kind == S.XATTRS:
+            self.xattrs.setdefault(f[1], f[2])
+        elif rec.kind == S.CHUNK:
+            self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
+
+    def fwd(self, p: bytes) -> bytes:
+        """Where what was at path *p* at T is now (renames replayed)."""
+        for a, b, xchg in self.moves:
+            p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
+        return p
+
+    def back(self, p: bytes) -> bytes:
+        """The path at T of what is at *p* now (as far as the records go)."""
+        for a, b, xchg in reversed(self.moves):
+            p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
+        return p
+
+    def _lstat(self, loc: bytes) -> os.stat_result | None:
+        try:
+            with self.r.at(loc) as (d, n):
+                return B.lstat_at(d, n)
+        except OSError:
+            return None
+
+    def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
+        return Past(path, ino, loc, now, self.meta.get(ino), self.chunks.get(ino, {}),
+                    self.xattrs.get(ino))
+
+    def object_at(self, path: bytes) -> Past | None:
+        """The object at *path* (workspace-relative, b"" the root) at T,
+        or None when there was none."""
+        comps = path.split(b"/") if path else []
+        for i in range(1, len(comps)):          # a directory above made after T
+            if self.start.get(b"/".join(comps[:i]), 0) is None:
+                return None
+        known = path in self.start
+        ino = self.start.get(path)
+        if known and ino is None:
+            return None
+        cur = self.fwd(path)
+        st = self._lstat(cur)
+        if st is not None and (not known or st.st_ino == ino):
+            return self._past(path, st.st_ino, cur, st)
+        if known:
+            for gid in self.graves.get(ino, []):
+                loc = S.grave_loc(gid)
+                st = self._lstat(loc)
+                if st is not None and st.st_ino == ino:
+                    return self._past(path, ino, loc, st)
+            raise CowfsError(f"{S.show_loc(path)}: the object it held when layer "
+                             f"{self.layer} was opened cannot be found", NOTHING_TO_DO)
+        return None
+
+    def need(self, path: bytes) -> Past:
+        """The object at *path* at T; NotThere if there was none."""
+        obj = self.object_at(path)
+        if obj is None:
+            raise NotThere(f"{S.show_loc(path)} did not exist when layer {self.layer} "
+                           "was opened")
+        return obj
+
+    # -- contents -------------------------------------------------------------------
+
+    def read(self, obj: Past, offset: int = 0, size: int | None = None) -> bytes:
+        """The bytes of a regular file at T (live bytes with the recorded
+        pre-image chunks laid over them, cut to the size at T)."""
+        if not stat.S_ISREG(obj.mode):
+            raise CowfsError(f"{S.show_loc(obj.path)} was not a regular file when layer "
+                             f"{self.layer} was opened", NOTHING_TO_DO)
+        end = obj.size if size is None else min(obj.size, offset + size)
+        if offset >= end:
+            return b""
+        with self.r.at(obj.loc) as (d, n):
+            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         dir_fd=d)
+        try:
+            live = os.pread(fd, end - offset, offset)
+        finally:
+            os.close(fd)
+        out = bytearray(live.ljust(end - offset, b"\0"))
+        C = self.store.chunk_size
+        for k in range(offset // C, (end - 1) // C + 1):
+            rec = obj.chunks.get(k)
+            if rec is None:
+                continue
+            length, h = rec
+            data = self.store.chunk(h) if h else bytes(length)
+            if data is None:
+                raise CowfsError(f"{S.show_loc(obj.path)}: its pre-image (chunk {k}) is "
+                                 "missing from the store", NOTHING_TO_DO)
+            lo, hi = max(offset, k * C), min(end, k * C + length)
+            out[lo - offset:hi - offset] = data[lo - k * C:hi - k * C]
+        return bytes(out)
+
+    def readlink(self, obj: Past) -> bytes:
+        with self.r.at(obj.loc) as (d, n):
+            return os.readlink(n, dir_fd=d)
+
+    def xattrs_of(self, obj: Past) -> list[tuple[bytes, bytes]]:
+        if obj.xattrs_blob is not None:
+            return S.decode_xattrs(obj.xattrs_blob)
+        with self.r.at(obj.loc) as (d, n):
+            return B.list_xattrs(*B.xattr_target(d, n))
+
+    def listdir(self, obj: Past) -> list[bytes]:
+        """The names in directory *obj* at T."""
+        if not stat.S_ISDIR(obj.mode):
+            raise CowfsError(f"{S.show_loc(obj.path)} was not a directory when layer "
+                             f"{self.layer} was opened", NOTHING_TO_DO)
+        names: set[bytes] = set()
+        try:
+            with self.r.at(obj.loc) as (d, n):
+                fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=d)
+            try:
+                live = [os.fsencode(x) for x in os.listdir(fd)]
+            finally:
+                os.close(fd)
+        except OSError:
+            live = []
+        here = obj.loc if S.grave_id(obj.loc) is None else None
+        for name in live:
+            if here is None:
+                continue    # a directory removed after T held no live names then
+            now = here + b"/" + name if here else name
+            was = self.back(now)
+            if parent(was) == obj.path:
+                names.add(was.rpartition(b"/")[2])
+        for was, ino in self.start.items():
+            if ino is not None and was and parent(was) == obj.path:
+                names.add(was.rpartition(b"/")[2])
+        return sorted(n for n in names if not (obj.path == b"" and n == self.hidden)
+                      and self.object_at(obj.path + b"/" + n if obj.path else n) is not None)
+
+
+# -- for the control operations ----------------------------------------------------------
+
+SHOW_PAGE = 4 << 20
+KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
+         stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "chardev",
+         stat.S_IFBLK: "blockdev"}
+
+
+def wpath(path: str) -> bytes:
+    """A workspace-relative path from a request (b"" is the root)."""
+    p = os.fsencode(path).strip(b"/")
+    parts = [c for c in p.split(b"/") if c not in (b"", b".")]
+    if b".." in parts:
+        raise CowfsError(f"{path}: paths are relative to the workspace root, without '..'",
+                         USAGE)
+    return b"/".join(parts)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def describe_past(h: History, obj: Past, offset: int = 0, size: int = SHOW_PAGE) -> dict:
+    """The status of *obj* at T and a page of its content."""
+    d = {"path": os.fsdecode(obj.path), "kind": KINDS.get(obj.kind, "unknown"),
+         "mode": obj.mode, "uid": obj.uid, "gid": obj.gid, "size": obj.size,
+         "atime_ns": obj.atime_ns, "mtime_ns": obj.mtime_ns,
+         "xattrs": [[b64(n), b64(v)] for n, v in h.xattrs_of(obj)]}
+    if stat.S_ISREG(obj.mode):
+        d["offset"] = offset
+        d["data"] = b64(h.read(obj, offset, size))
+    elif stat.S_ISDIR(obj.mode):
+        d["entries"] = [os.fsdecode(n) for n in h.listdir(obj)]
+    elif stat.S_ISLNK(obj.mode):
+        d["target"] = os.fsdecode(h.readlink(obj))
+    elif stat.S_ISCHR(obj.mode) or stat.S_ISBLK(obj.mode):
+        d["rdev"] = obj.now.st_rdev
+    return d
+
+
+def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
+    """The changes under any of *paths* (workspace-relative; a directory
+    takes everything below it)."""
+    if not paths:
+        return changes
+    wanted = [os.fsdecode(wpath(p)) for p in paths]
+
+    def under(p: str | None) -> bool:
+        return p is not None and any(w in ("", ".") or p == w or p.startswith(w + "/")
+                                     for w in wanted)
+    return [c for c in changes if under(c["path"]) or under(c.get("from"))]
+
+
+def _side(kind: int, size: int, mode: int, mtime: int, read) -> dict:
+    d = {"kind": KINDS.get(kind, "unknown"), "mode": mode, "size": size, "mtime_ns": mtime}
+    if kind == stat.S_IFREG:
+        hasher = xxhash.xxh3_128()
+        for off in range(0, size, SHOW_PAGE):
+            hasher.update(read(off, SHOW_PAGE))
+        d["xxh3"] = hasher.hexdigest()
+    return d
+
+
+def _is_text(data: bytes) -> bool:
+    if b"\0" in data[:65536]:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def diff_entry(h: History, change: dict, text_limit: int) -> dict:
+    """One change (from Stack.changes_since) with both sides: kind, mode,
+    size, mtime and xxh3 of regular files; for text no larger than
+    *text_limit*, a unified diff and the lines added and removed."""
+    out = dict(change)
+    new_path = os.fsencode(change["path"]) if change["path"] != "." else b""
+    old_path = os.fsencode(change["from"]) if change.get("from") else new_path
+    old = h.object_at(old_path) if change["kind"] != "A" else None
+    new_st = h._lstat(new_path) if change["kind"] != "D" else None
+    old_bytes = new_bytes = None
+    if old is not None:
+        out["old"] = _side(old.kind, old.size, old.mode, old.mtime_ns,
+                           lambda o, n: h.read(old, o, n))
+        if old.kind == stat.S_IFREG and old.size <= text_limit:
+            old_bytes = h.read(old)
+    if new_st is not None:
+        def read_new(o: int, n: int) -> bytes:
+            with h.r.at(new_path) as (d, name):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             dir_fd=d)
+            try:
+                return os.pread(fd, n, o)
+            finally:
+                os.close(fd)
+        out["new"] = _side(stat.S_IFMT(new_st.st_mode), new_st.st_size, new_st.st_mode,
+                           new_st.st_mtime_ns, read_new)
+        if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit:
+            new_bytes = read_new(0, new_st.st_size)
+    present = [(side, data) for side, data in (("old", old_bytes), ("new", new_bytes))
+               if side in out]
+    files = bool(present) and all(out[side]["kind"] == "file" for side, _ in present)
+    if files and all(data is not None and _is_text(data) for _, data in present):
+        a = (old_bytes or b"").decode().splitlines(keepends=True)
+        b = (new_bytes or b"").decode().splitlines(keepends=True)
+        lines = list(difflib.unified_diff(a, b, f"a/{os.fsdecode(old_path)}" if old else
+                                          "/dev/null", f"b/{change['path']}" if new_st
+                                          else "/dev/null"))
+        out["diff"] = "".join(x if x.endswith("\n") else x + "\n\\ No newline at end of file\n"
+                              for x in lines)
+        out["added"] = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
+        out["removed"] = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+        out["binary"] = False
+    else:
+        out["binary"] = any(out.get(s, {}).get("kind") == "file" for s in ("old", "new"))
+    return out

@@ -1,0 +1,153 @@
+"""Reading the past without restoring it (diff, show) and undoing
+selectively (restore, rollback --dry-run), on real mounts.  The property
+that `show` equals what `rollback --to` produces, for every layer and path,
+is checked on generated histories in tests/test_model.py (show_past)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import xxhash
+
+from cowfs import treesnap
+from cowfs.errors import NOTHING_TO_DO
+
+
+def test_diff_text_binary_stat_name_status_and_paths(mounted):
+    ws = mounted
+    (ws / "bin").write_bytes(bytes(range(256)) * 100)
+    ws.commit()
+    layer = ws.checkpoint()
+    subprocess.run(["sed", "-i", "s/alpha/ALPHA/; $a omega", str(ws / "a.txt")], check=True)
+    with open(ws / "bin", "r+b") as f:
+        f.seek(1000)
+        f.write(b"\0\0\0")
+    os.rename(ws / "dir", ws / "moved")
+    (ws / "moved" / "c.txt").write_text("new file\n")
+    os.unlink(ws / "moved" / "b.txt")
+
+    text = ws.cowfs("diff").stdout
+    assert "--- a/a.txt\n+++ b/a.txt\n" in text and "-alpha\n+ALPHA\n+omega\n" in text
+    assert "--- /dev/null\n+++ b/moved/c.txt\n" in text and "+new file\n" in text
+    assert "--- a/dir/b.txt\n+++ /dev/null\n" in text and "-beta\n" in text
+    old_hash = xxhash.xxh3_128_hexdigest(bytes(range(256)) * 100)
+    new_hash = xxhash.xxh3_128_hexdigest((ws / "bin").read_bytes())
+    assert f"Binary: 25600 bytes xxh3 {old_hash} -> 25600 bytes xxh3 {new_hash}" in text
+
+    assert ws.cowfs("diff", "--name-status").stdout.splitlines() == [
+        "M\ta.txt", "M\tbin", "D\tdir/b.txt", "R\tdir -> moved", "A\tmoved/c.txt"]
+    stat_lines = ws.cowfs("diff", "--stat").stdout
+    assert "a.txt" in stat_lines and "+2 -1" in stat_lines and "binary 25600 bytes" in stat_lines
+    only = ws.cowfs("diff", "--name-status", "--", "moved").stdout.splitlines()
+    assert only == ["R\tdir -> moved", "A\tmoved/c.txt"]
+    data = ws.json("diff", str(layer), "--", "a.txt")
+    [entry] = data["changes"]
+    assert entry["old"]["xxh3"] == xxhash.xxh3_128_hexdigest(b"alpha\n")
+    assert entry["new"]["size"] == len("ALPHA\nomega\n") and entry["added"] == 2
+    ws.unmount()                                    # the same offline
+    assert ws.cowfs("diff", "--name-status").stdout.splitlines()[0] == "M\ta.txt"
+
+
+def test_show_reads_any_layer_without_changing_anything(mounted):
+    ws = mounted
+    first = ws.checkpoint("first")
+    (ws / "a.txt").write_text("second version\n")
+    os.symlink("a.txt", ws / "link")
+    second = ws.checkpoint("second")
+    (ws / "a.txt").write_text("third version, longer than the others\n")
+    os.unlink(ws / "link")
+    live = ws.snapshot()
+    assert ws.cowfs("show", f"{first}:a.txt").stdout == "alpha\n"
+    assert ws.cowfs("show", f"{second}:a.txt").stdout == "second version\n"
+    assert ws.cowfs("show", f"{second}:link").stdout == "a.txt\n"
+    assert set(ws.cowfs("show", f"{first}:").stdout.split()) == {"a.txt", "dir"}
+    assert set(ws.cowfs("show", f"{second}:.").stdout.split()) == {"a.txt", "dir", "link"}
+    r = ws.cowfs("show", f"{first}:link", check=False)
+    assert r.returncode == NOTHING_TO_DO and "did not exist when layer" in r.stderr
+    r = ws.cowfs("show", "a.txt", check=False)
+    assert r.returncode == 2 and "ID:PATH" in r.stderr
+    r = ws.cowfs("show", f"{first}:../etc/passwd", check=False)
+    assert r.returncode == 2
+    treesnap.assert_same(live, ws.snapshot())       # nothing changed
+    big = os.urandom(9 << 20)                       # more than one page
+    ws.checkpoint()
+    (ws / "big").write_bytes(big)
+    third = ws.checkpoint()
+    (ws / "big").write_bytes(b"small now")
+    out = subprocess.run([*ws_cowfs(ws), "show", f"{third}:big"], capture_output=True).stdout
+    assert out == big
+
+
+def ws_cowfs(ws) -> list[str]:
+    from .conftest import COWFS
+    return [*COWFS, "-C", str(ws.path)]
+
+
+def test_restore_a_file_and_a_subtree_as_a_change_that_can_be_undone(mounted):
+    ws = mounted
+    (ws / "dir" / "sub").mkdir()
+    (ws / "dir" / "sub" / "deep.txt").write_text("deep\n")
+    os.setxattr(ws / "dir" / "sub" / "deep.txt", "user.tag", b"kept")
+    os.symlink("../b.txt", ws / "dir" / "sub" / "ln")
+    ws.commit()
+    original = ws.snapshot()
+    old = ws.checkpoint("old")
+    (ws / "a.txt").write_text("edited\n")
+    subprocess.run(["rm", "-rf", str(ws / "dir")], check=True)
+    (ws / "keep.txt").write_text("unrelated work\n")
+    ws.checkpoint("newer")
+    (ws / "a.txt").write_text("edited again\n")
+    before_restore = ws.snapshot()
+    ws.checkpoint("restore")
+
+    res = ws.json("restore", "--from", str(old), "dir", "a.txt")
+    assert set(res["restored"]) >= {"dir", "dir/b.txt", "dir/sub", "dir/sub/deep.txt",
+                                    "dir/sub/ln", "a.txt"}
+    now = ws.snapshot()
+    for path in (b"a.txt", b"dir", b"dir/b.txt", b"dir/sub", b"dir/sub/deep.txt",
+                 b"dir/sub/ln"):
+        assert now[path] == original[path], path          # bytes, modes, times, xattrs
+    assert (ws / "keep.txt").read_text() == "unrelated work\n"
+    ws.rollback()                                         # the restore was a change too
+    treesnap.assert_same(before_restore, ws.snapshot())
+
+
+def test_restore_removes_what_did_not_exist(mounted):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "dir" / "new.txt").write_text("made later\n")
+    (ws / "extra").mkdir()
+    ws.cowfs("restore", "--from", str(layer), "dir", "extra")
+    assert not (ws / "extra").exists() and not (ws / "dir" / "new.txt").exists()
+    assert (ws / "dir" / "b.txt").read_text() == "beta\n"
+
+
+def test_dry_run_lists_exactly_what_the_rollback_then_does(mounted):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("changed\n")
+    os.rename(ws / "dir" / "b.txt", ws / "renamed.txt")
+    (ws / "new").mkdir()
+    (ws / "new" / "f").write_text("f\n")
+    os.chmod(ws / "dir", 0o700)
+    before = ws.snapshot()
+    listed = json.loads(ws.cowfs("--json", "rollback", "--dry-run", "--to", str(layer)).stdout)
+    assert ws.snapshot() == before                        # a dry run changes nothing
+    expected_paths = set()
+    for c in listed["changes"]:
+        expected_paths.add(c["path"])
+        if c.get("from"):
+            expected_paths.add(c["from"])
+    ws.rollback(to=layer)
+    after = ws.snapshot()
+    changed = {os.fsdecode(p) for p in set(before) | set(after)
+               if before.get(p) != after.get(p)}
+    # every path the rollback changed was listed (a directory's mtime moves
+    # with its entries, so parents of listed paths count as listed)
+    parents = {os.path.dirname(p) or "." for p in expected_paths}
+    assert changed <= expected_paths | parents, changed - expected_paths
+    assert expected_paths <= changed
+    assert {(c["kind"], c["path"]) for c in listed["changes"]} == {
+        ("M", "a.txt"), ("m", "dir"), ("R", "renamed.txt"), ("A", "new"), ("A", "new/f")}
