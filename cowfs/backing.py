@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 from contextlib import contextmanager
 from typing import Iterator
@@ -23,6 +24,7 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RENAME_WHITEOUT = 4
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 
@@ -47,6 +49,36 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if e not in (errno.EOPNOTSUPP, errno.ENOSYS):
         raise OSError(e, os.strerror(e))
     os.pwrite(fd, bytes(length), offset)
+
+
+def open_noatime(path: bytes, flags: int, dir_fd: int | None = None) -> int:
+    """open() for reading that the daemon does for itself (captures, checks):
+    it must not update the atime as a program's read would.  O_NOATIME is
+    refused (EPERM) on objects the daemon neither owns nor may override;
+    there the read updates the atime as before."""
+    try:
+        return os.open(path, flags | os.O_NOATIME, dir_fd=dir_fd)
+    except PermissionError:
+        return os.open(path, flags, dir_fd=dir_fd)
+
+
+@contextmanager
+def noatime(fd: int) -> Iterator[None]:
+    """Reads through the open file *fd* leave the atime alone for the
+    duration (O_NOATIME set and cleared again), where that is allowed."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_NOATIME:
+        yield
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NOATIME)
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
 def proc(fd: int) -> bytes:

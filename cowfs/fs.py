@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import stat
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -31,6 +32,7 @@ from .undo import Touched
 log = logging.getLogger("cowfs.fs")
 
 TIMEOUT = 300.0
+RELATIME_AGE = 24 * 3600 * 10**9  # relatime updates an atime at least this often
 CAPABILITY = b"security.capability"
 
 
@@ -166,7 +168,8 @@ class CowFS(pyfuse3.Operations):
     # No writeback cache: with it the kernel keeps its own file sizes and
     # mtimes and never takes them back from the daemon, so a process holding
     # a file open would keep seeing pre-rollback sizes.  keep_cache is safe:
-    # a rollback invalidates the pages it changed.
+    # a rollback invalidates the pages it changed (see _keep_cache for when
+    # an open drops them anyway).
     enable_writeback_cache = False
     supports_dot_lookup = True
 
@@ -177,8 +180,11 @@ class CowFS(pyfuse3.Operations):
         self.store = store
         self.rec = recorder
         self.hidden = hidden
+        hst = B.lstat_at(rootfd, hidden) if hidden is not None else None
+        self.hidden_dir = hst is not None and stat.S_ISDIR(hst.st_mode)
         self.on_init = on_init
         self.is_root = os.geteuid() == 0
+        self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
         self.fds = FdCache(fd_cache_size(), self._reopen)
         Node.cache = self.fds
         st = os.stat(rootfd)
@@ -214,7 +220,7 @@ class CowFS(pyfuse3.Operations):
         e.entry_timeout = TIMEOUT
         e.attr_timeout = TIMEOUT
         e.st_mode = st.st_mode
-        e.st_nlink = st.st_nlink - self.grave_links.get(st.st_ino, 0)
+        e.st_nlink = self._nlink(node, st)
         e.st_uid = st.st_uid
         e.st_gid = st.st_gid
         e.st_rdev = st.st_rdev
@@ -225,6 +231,17 @@ class CowFS(pyfuse3.Operations):
         e.st_mtime_ns = st.st_mtime_ns
         e.st_ctime_ns = st.st_ctime_ns
         return e
+
+    def _nlink(self, node: Node, st: os.stat_result) -> int:
+        """The link count as the view has it: names in the grave are gone,
+        a removed directory has none left, and the hidden store is no
+        subdirectory of the root."""
+        buried = self.grave_links.get(st.st_ino, 0)
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_nlink - buried
+        if buried:
+            return 0
+        return st.st_nlink - (node is self.root and self.hidden_dir)
 
     def _lookup(self, parent: Node, name: bytes, count: bool = True
                 ) -> tuple[Node, os.stat_result]:
@@ -360,7 +377,7 @@ class CowFS(pyfuse3.Operations):
             rel = pending.pop()
             try:
                 fd = B.open_dir(self.root.fd, rel)
-                rfd = os.open(B.proc(fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                rfd = B.open_noatime(B.proc(fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 os.close(fd)
             except OSError:
                 continue
@@ -421,12 +438,12 @@ class CowFS(pyfuse3.Operations):
             return
         own = fd is None
         if own:
-            fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
+            fd = B.open_noatime(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if self._unreachable(node, st):
                 return
-            with self.rec.txn() as w:
+            with self.rec.txn() as w, B.noatime(fd):
                 self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st,
                               start, end)
         finally:
@@ -536,13 +553,8 @@ class CowFS(pyfuse3.Operations):
                 or fields.update_atime or fields.update_mtime):
             self._capture_meta(node)
             if fields.update_uid or fields.update_gid:
-                uid = attr.st_uid if fields.update_uid else -1
-                gid = attr.st_gid if fields.update_gid else -1
-                if node.islnk:
-                    os.chown(node.name, uid, gid, dir_fd=node.parent.fd,
-                             follow_symlinks=False)
-                else:
-                    os.chown(B.proc(node.fd), uid, gid)
+                self._chown(node, attr.st_uid if fields.update_uid else -1,
+                            attr.st_gid if fields.update_gid else -1)
             if fields.update_mode and not node.islnk:
                 os.chmod(B.proc(node.fd), stat.S_IMODE(attr.st_mode))
             if fields.update_atime or fields.update_mtime:
@@ -553,9 +565,20 @@ class CowFS(pyfuse3.Operations):
                     os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
                 else:
                     os.utime(B.proc(node.fd), ns=ns)
+        elif not fields.update_size:
+            # A change of nothing but the ctime (chown(f, -1, -1)): ext4
+            # updates the ctime, and so does this no-op chown of the backing
+            # object.  (A ctime needs no capture: it cannot be put back.)
+            self._chown(node, -1, -1)
         st = os.stat(node.fd)
         node.mode = st.st_mode
         return self._attr(node, st)
+
+    def _chown(self, node: Node, uid: int, gid: int) -> None:
+        if node.islnk:
+            os.chown(node.name, uid, gid, dir_fd=node.parent.fd, follow_symlinks=False)
+        else:
+            os.chown(B.proc(node.fd), uid, gid)
 
     @handler
     async def readlink(self, inode, ctx):
@@ -689,8 +712,8 @@ class CowFS(pyfuse3.Operations):
         self._to_grave(parent, name, gid, st.st_ino)
 
     def _is_empty(self, parent: Node, name: bytes) -> bool:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=parent.fd)
+        fd = B.open_noatime(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=parent.fd)
         try:
             with os.scandir(fd) as it:
                 return next(it, None) is None
@@ -740,20 +763,26 @@ class CowFS(pyfuse3.Operations):
                 raise FUSEError(errno.ENOTDIR)
         bury = dst is not None and (stat.S_ISDIR(dst.st_mode)
                                     or not self.rec.obj(dst.st_ino).created)
+        whiteout = flags & B.RENAME_WHITEOUT
         gid = None
         with self.rec.txn() as w:
             self._dir_changes(w, sp, dp)
             if bury:
                 gid = self._bury(w, dp, name_new, dst)
             self.rec.rename(w, src_path, dst_path, sst.st_ino)
+            if whiteout:  # undone first: the whiteout leaves the name free
+                self.rec.create(w, src_path)
         if gid is not None:
             self._to_grave(dp, name_new, gid, dst.st_ino)
         try:
-            B.renameat2(sp.fd, name_old, dp.fd, name_new, 0)
+            B.renameat2(sp.fd, name_old, dp.fd, name_new, whiteout)
         except OSError:
             if gid is not None:
                 self._from_grave(gid, dp, name_new, dst.st_ino)
             raise
+        if whiteout:
+            self._own(sp, name_old, ctx, stat.S_IFCHR)
+            self.rec.note_created(os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False).st_ino)
         if dst is not None and gid is None:
             node = self.by_bino.get(dst.st_ino)
             if node is not None:
@@ -795,7 +824,20 @@ class CowFS(pyfuse3.Operations):
         self.writers += writable
         self.handles[fh] = Handle(node, fd, writable)
         self.fds.pin(node)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=self._keep_cache(fd, flags))
+
+    def _keep_cache(self, fd: int, flags: int) -> bool:
+        """Whether the kernel may keep the file's cached pages for this open.
+        A read the cache answers never reaches the backing file, so it never
+        updates the atime (the kernel leaves FUSE atimes to the daemon).
+        Where the next read would update it (relatime: the atime is not
+        newer than the mtime or ctime, or is a day old), the cache is dropped
+        so that the read comes here, as reads of the native file would."""
+        if self.noatime or flags & os.O_NOATIME or flags & os.O_ACCMODE == os.O_WRONLY:
+            return True
+        st = os.fstat(fd)
+        return (st.st_atime_ns > max(st.st_mtime_ns, st.st_ctime_ns)
+                and time.time_ns() - st.st_atime_ns < RELATIME_AGE)
 
     @handler
     async def open(self, inode, flags, ctx):
@@ -848,7 +890,15 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def opendir(self, inode, ctx):
-        node = self._node(inode)
+        # The names are read by the first readdir (and again after a
+        # rewind), not here: opening a directory does not read it, nor
+        # update its atime.
+        fh = self.next_fh
+        self.next_fh += 1
+        self.handles[fh] = DirHandle(self._node(inode), [])
+        return fh
+
+    def _list(self, node: Node) -> list[bytes]:
         fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             names = [os.fsencode(n) for n in os.listdir(fd)]
@@ -856,14 +906,13 @@ class CowFS(pyfuse3.Operations):
             os.close(fd)
         if node is self.root and self.hidden is not None:
             names = [n for n in names if n != self.hidden]
-        fh = self.next_fh
-        self.next_fh += 1
-        self.handles[fh] = DirHandle(node, [b".", b".."] + names)
-        return fh
+        return [b".", b".."] + names
 
     @handler
     async def readdir(self, fh, start_id, token):
         dh = self.handles[fh]
+        if start_id == 0:
+            dh.names = self._list(dh.node)
         names = dh.names
         for i in range(start_id, len(names)):
             name = names[i]
