@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
-from .mounts import MountRecord, find_mount, is_cowfs_mount, pid_alive
+from .mounts import MountRecord, find_mount, is_cowfs_mount, mount_table, pid_alive
 from .policy import RUN_SCOPES, Policy, Where
 
 
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
     s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
                    help="the layer, then only these paths (relative to the workspace root)")
+
+    s = cmd("view", "mount the tree as it was when layer ID was opened, read-only, at DIR "
+                    "('cowfs unmount DIR' ends it)")
+    s.add_argument("layer", type=int, metavar="ID")
+    s.add_argument("dir", metavar="DIR")
 
     s = cmd("restore", "put PATHs (files or subtrees) back as they were when layer ID was "
                        "opened, as a new change of the open layer")
@@ -240,7 +246,31 @@ def mount_options(args) -> dict:
             "max_layers": args.max_layers, "accept_drift": args.accept_drift}
 
 
+def do_view(args) -> int:
+    res = call(args, "view", layer=args.layer, mountpoint=os.path.abspath(args.dir))
+    out(args, f"layer {args.layer} as it was opened is at {res['mountpoint']} (read-only; "
+              f"'cowfs unmount {args.dir}' ends it)", res)
+    return 0
+
+
+def unmount_view(path: str) -> bool:
+    """`cowfs unmount DIR` of a view: unmount it (its process then ends)."""
+    from .view import FSTYPE
+    if mount_table().get(path) != FSTYPE:
+        return False
+    r = subprocess.run(["umount", path] if os.geteuid() == 0 else ["fusermount3", "-u", path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CowfsError(f"cannot unmount the view at {path}: {r.stderr.strip()}",
+                         errors.ALREADY_MOUNTED)
+    return True
+
+
 def do_unmount(args) -> int:
+    target = os.path.realpath(args.target or args.path)
+    if unmount_view(target):
+        out(args, f"unmounted the view at {target}", {"unmounted": target})
+        return 0
     rec = find_mount(args.target or args.path)
     control.call(rec, "unmount", lazy=args.lazy)
     deadline = time.monotonic() + 60
@@ -285,7 +315,8 @@ def call(args, op: str, **kw) -> dict:
         return result
 
 
-OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc", "diff", "show"}
+OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc", "diff", "show",
+               "view"}
 
 
 def do_checkpoint(args) -> int:
@@ -702,7 +733,7 @@ COMMANDS = {
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
-    "restore": do_restore,
+    "restore": do_restore, "view": do_view,
 }
 
 

@@ -704,6 +704,14 @@ class Daemon:
         changes = filter_paths(self.stack.changes_since(h.layer), paths or [])
         return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
 
+    async def op_view(self, layer: int, mountpoint: str) -> dict:
+        """`cowfs view`: mount the tree as it was when *layer* was opened,
+        read-only, at *mountpoint*, in a process of its own."""
+        self.store.get_layer(layer)
+        await self._flush()
+        return await trio.to_thread.run_sync(
+            start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
+
     async def op_annotate(self, layer: int, run: dict) -> dict:
         """Record a `cowfs run` step on a layer."""
         required = {"command": str, "outcome": str, "exit_status": int}
@@ -757,6 +765,26 @@ class Daemon:
 def step_failures(record: dict | None) -> list[str]:
     """The failed provider steps of a closed pending record, by name."""
     return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
+
+
+def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
+               hidden: bytes | None, timeout: float = 60) -> dict:
+    """Start the view process (cowfs/view.py) with the workspace root and
+    the store as open fds; return once its mount is live."""
+    mp = os.path.abspath(mountpoint)
+    if not os.path.isdir(mp):
+        raise BadWorkspace(f"view mount point {mountpoint} is not a directory")
+    root = os.open(B.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    store = os.open(B.proc(store_dirfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        args = ["--root-fd", str(root), "--store-fd", str(store), "--layer", str(layer)]
+        if hidden:
+            args += ["--hidden", os.fsdecode(hidden)]
+        return start_and_wait("cowfs.view", args + [mp], (root, store), timeout,
+                              f"mounting the view at {mp}")
+    finally:
+        os.close(root)
+        os.close(store)
 
 
 def offline(workspace: str, store: str | None, op: str, **args) -> dict:
@@ -840,19 +868,28 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
           timeout: float = 120, **options) -> dict:
     """Start a daemon for *workspace* in its own session and wait until the
     mount is live; return its report (warnings, pid) or raise its error."""
-    r, w = os.pipe()
-    cmd = [sys.executable, "-m", "cowfs.daemon", "--ready-fd", str(w)]
+    args = []
     if store:
-        cmd += ["--store", os.path.abspath(store)]
+        args += ["--store", os.path.abspath(store)]
     for name, value in options.items():
         if value is True:
-            cmd.append(f"--{name.replace('_', '-')}")
+            args.append(f"--{name.replace('_', '-')}")
         elif value is not None and value is not False:
-            cmd += [f"--{name.replace('_', '-')}", str(value)]
-    cmd.append(os.path.abspath(workspace))
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    args.append(os.path.abspath(workspace))
     if mountpoint:
-        cmd.append(os.path.abspath(mountpoint))
-    proc = subprocess.Popen(cmd, pass_fds=(w,), start_new_session=True,
+        args.append(os.path.abspath(mountpoint))
+    return start_and_wait("cowfs.daemon", args, (), timeout, f"mounting {workspace}")
+
+
+def start_and_wait(module: str, args: list[str], pass_fds: tuple, timeout: float,
+                   what: str) -> dict:
+    """Start ``python -m module --ready-fd N args...`` in its own session
+    and wait for the one JSON line it reports on N once its mount is live
+    (or failed); return it, or raise the error it reported."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
+                            pass_fds=(w, *pass_fds), start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     os.close(w)
@@ -869,13 +906,29 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
     finally:
         os.close(r)
     if not buf:
-        raise CowfsError(f"the cowfs daemon exited ({proc.poll()}) without mounting "
-                         f"{workspace}", errors.DAEMON_ERROR)
+        raise CowfsError(f"the {module} process exited ({proc.poll()}) without "
+                         f"{what}", errors.DAEMON_ERROR)
     msg = json.loads(buf)
     if not msg.get("ok"):
         proc.wait()
         raise errors.from_dict(msg)
     return msg
+
+
+def detach(ready_fd: int) -> Callable[[dict], None]:
+    """For a process started by start_and_wait: stdio to /dev/null, and the
+    function that reports (once) on *ready_fd*."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+
+    def report(msg: dict) -> None:
+        try:
+            os.write(ready_fd, json.dumps(msg).encode() + b"\n")
+            os.close(ready_fd)
+        except OSError:
+            pass
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -888,18 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
-
-    def report(msg: dict) -> None:
-        try:
-            os.write(a.ready_fd, json.dumps(msg).encode() + b"\n")
-            os.close(a.ready_fd)
-        except OSError:
-            pass
-
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    return serve(a.workspace, a.mountpoint, a.store, report, foreground=False,
+    return serve(a.workspace, a.mountpoint, a.store, detach(a.ready_fd), foreground=False,
                  accept_drift=a.accept_drift,
                  **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 

@@ -84,6 +84,8 @@ class History:
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
+        self.link_paths: list[tuple[bytes, int]] = []   # (path, moves before it)
+        self._links: dict[int, int] | None = None
         for _, rec in store.records(layer.start, store._next_seq):
             self._read(rec)
 
@@ -95,6 +97,8 @@ class History:
         f = rec.fields
         if rec.kind in (S.CREATE, S.LINK):
             self._seen(f[0], None)
+            if rec.kind == S.LINK:
+                self.link_paths.append((f[0], len(self.moves)))
         elif rec.kind == S.GRAVE:
             self._seen(f[0], f[2])
             self.graves.setdefault(f[2], []).append(f[1])
@@ -114,9 +118,21 @@ class History:
         elif rec.kind == S.CHUNK:
             self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
 
-    def fwd(self, p: bytes) -> bytes:
-        """Where what was at path *p* at T is now (renames replayed)."""
-        for a, b, xchg in self.moves:
+    @property
+    def links(self) -> dict[int, int]:
+        """Object -> hard links made to it since T (that still exist)."""
+        if self._links is None:
+            self._links = {}
+            for path, frm in self.link_paths:
+                st = self._lstat(self.fwd(path, frm))
+                if st is not None:
+                    self._links[st.st_ino] = self._links.get(st.st_ino, 0) + 1
+        return self._links
+
+    def fwd(self, p: bytes, frm: int = 0) -> bytes:
+        """Where what was at path *p* at T (or after the first *frm* moves)
+        is now (renames replayed)."""
+        for a, b, xchg in self.moves[frm:]:
             p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
         return p
 

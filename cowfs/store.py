@@ -167,10 +167,12 @@ class Store:
 
     @classmethod
     def open(cls, path: str, workspace: str, *, create: bool = True,
-             chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False) -> "Store":
+             chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False,
+             locked: bool = True) -> "Store":
         """Open (and with *create*, initialise) the store at *path* for the
         workspace root *workspace*; lock it exclusively.  *readonly*: an
-        existing store, opened so that nothing in it can be written."""
+        existing store, opened so that nothing in it can be written; and
+        without *locked*, beside the process that holds it (a view)."""
         create = create and not readonly
         ws_st = os.stat(workspace)
         if not os.path.isdir(path):
@@ -195,7 +197,8 @@ class Store:
             lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
                               dir_fd=dirfd)
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if locked or not readonly:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise AlreadyMounted(
                     f"store {path} is in use by another cowfs process "

@@ -172,5 +172,5 @@ def pytest_sessionfinish(session, exitstatus):
     for line in open("/proc/self/mountinfo"):
         left, _, right = line.partition(" - ")
         mp = left.split(" ")[4]
-        if right.startswith("fuse.cowfs ") and mp.startswith(base + "/"):
+        if right.startswith(("fuse.cowfs ", "fuse.cowfs-view ")) and mp.startswith(base + "/"):
             subprocess.run(["umount", "-l", mp], capture_output=True)

@@ -59,7 +59,7 @@ import xxhash
 from cowfs import control, treesnap
 from cowfs.api import Workspace as Workspace_api
 from cowfs.errors import NOTHING_TO_DO
-from cowfs.mounts import MountRecord
+from cowfs.mounts import MountRecord, mount_table
 
 from .conftest import Workspace
 
@@ -488,6 +488,29 @@ class CowfsModel(RuleBasedStateMachine):
                                if p != treesnap.ROOT and p.startswith(prefix)
                                and b"/" not in p[len(prefix):])
                 assert sorted(os.fsencode(n) for n in info["entries"]) == names, where
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(data=st.data())
+    def view_past(self, data):
+        """`view ID DIR` mounts the tree as it was when layer ID was opened:
+        exactly what was recorded then (what `rollback --to ID` gives),
+        mtimes and hard links included; writing there fails with EROFS."""
+        STATS["view_past"] += 1
+        target = self.stack[data.draw(st.integers(0, len(self.stack) - 1), label="index")]
+        where = tempfile.mkdtemp(dir=self.tmp, prefix="view-")
+        self.ws.cowfs("view", str(target.id), where)
+        try:
+            treesnap.assert_same(target.snap, treesnap.snapshot(where))
+            try:
+                open(os.path.join(where, "new-file"), "w")
+            except OSError as e:
+                assert e.errno == errno.EROFS
+            else:
+                raise AssertionError("a view accepted a write")
+        finally:
+            r = self.ws.cowfs("unmount", where, check=False)
+            if r.returncode != 0 or where in mount_table():
+                subprocess.run(["umount", "-l", where], capture_output=True)
 
     @precondition(lambda self: len(self.stack) == 1 and self.stack[0].dirty == 0)
     @rule()

@@ -5,6 +5,8 @@ is checked on generated histories in tests/test_model.py (show_past)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -13,6 +15,8 @@ import xxhash
 
 from cowfs import treesnap
 from cowfs.errors import NOTHING_TO_DO
+from cowfs.mounts import mount_table
+from cowfs.view import FSTYPE as VIEW_FSTYPE
 
 
 def test_diff_text_binary_stat_name_status_and_paths(mounted):
@@ -151,3 +155,61 @@ def test_dry_run_lists_exactly_what_the_rollback_then_does(mounted):
     assert expected_paths <= changed
     assert {(c["kind"], c["path"]) for c in listed["changes"]} == {
         ("M", "a.txt"), ("m", "dir"), ("R", "renamed.txt"), ("A", "new"), ("A", "new/f")}
+
+
+@contextlib.contextmanager
+def view_of(ws, layer: int, where):
+    """`cowfs view LAYER WHERE`, always unmounted afterwards."""
+    where.mkdir()
+    ws.cowfs("view", str(layer), where)
+    try:
+        yield where
+    finally:
+        if mount_table().get(str(where)) == VIEW_FSTYPE:
+            r = ws.cowfs("unmount", where, check=False)
+            if r.returncode != 0 or str(where) in mount_table():
+                subprocess.run(["umount", "-l", str(where)], capture_output=True)
+        assert str(where) not in mount_table()
+
+
+def test_view_is_the_past_read_only_and_ends_with_its_layer(mounted, tmp_path):
+    ws = mounted
+    os.link(ws / "a.txt", ws / "dir" / "hard")
+    os.setxattr(ws / "a.txt", "user.k", b"v")
+    layer = ws.checkpoint("viewed")
+    then = ws.snapshot()
+    (ws / "a.txt").write_text("changed after\n")
+    subprocess.run(["rm", "-rf", str(ws / "dir")], check=True)
+    (ws / "new").mkdir()
+    with view_of(ws, layer, tmp_path / "view") as v:
+        treesnap.assert_same(then, treesnap.snapshot(v))      # mtimes, links, xattrs
+        for attempt in (lambda: open(v / "x", "w"), lambda: (v / "a.txt").write_text("no"),
+                        lambda: os.mkdir(v / "d2"), lambda: os.unlink(v / "a.txt")):
+            try:
+                attempt()
+            except OSError as e:
+                assert e.errno == errno.EROFS
+            else:
+                raise AssertionError("the view took a write")
+        (ws / "a.txt").write_text("changed again, while viewed\n")   # captured first
+        assert (v / "a.txt").read_text() == "alpha\n"
+        assert ws.cowfs("unmount", v).returncode == 0
+        assert str(v) not in mount_table()
+    with view_of(ws, layer, tmp_path / "view2") as v:
+        ws.rollback(to=layer)                                 # its layer is gone
+        try:
+            os.stat(v / "a.txt")
+        except OSError as e:
+            assert e.errno == errno.ESTALE
+        else:
+            raise AssertionError("a view outlived its layer")
+
+
+def test_view_of_an_unmounted_workspace(mounted, tmp_path):
+    ws = mounted
+    layer = ws.checkpoint()
+    then = ws.snapshot()
+    (ws / "a.txt").write_text("later\n")
+    ws.unmount()
+    with view_of(ws, layer, tmp_path / "view") as v:
+        treesnap.assert_same(then, treesnap.snapshot(v))

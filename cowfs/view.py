@@ -1,0 +1,293 @@
+"""`cowfs view ID DIR`: a read-only mount at DIR of the whole tree as it was
+when layer ID was opened, computed like `show` (cowfs/past.py) from the live
+tree and the reverse diffs, changing nothing.
+
+A view runs in a process of its own (pyfuse3 serves one mount per
+process), started by the workspace's daemon (or, for a workspace that is
+not mounted, by the CLI) with the workspace root and the store passed as
+open directory fds: the backing directory may be hidden under the
+workspace's own mount.  It reads the store as a second LMDB reader, without
+the store's lock, and follows it: a change made in the workspace after the
+view was mounted is captured first (the daemon commits a pre-image before
+it changes a file), and the view reads again whenever the journal grew
+while it read, so it keeps showing the past.  It lasts while its layer
+does: once that layer is rolled back or merged, its start cannot be
+computed any more and every access fails with ESTALE.  `cowfs unmount DIR`
+ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import stat
+import sys
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from . import backing as B
+from . import schema as S
+from .errors import CowfsError
+from .past import History, Past
+from .store import Store
+
+log = logging.getLogger("cowfs.view")
+FSTYPE = "fuse.cowfs-view"
+TIMEOUT = 1.0      # the past does not change, but the view must notice its end
+
+
+class View(pyfuse3.Operations):
+    supports_dot_lookup = False
+
+    def __init__(self, store: Store, rootfd: int, layer: int, hidden: bytes | None,
+                 on_init=None):
+        super().__init__()
+        self.store = store
+        self.rootfd = rootfd
+        self.resolver = B.Resolver(rootfd, store.grave_fd)
+        self.layer = layer
+        self.hidden = hidden
+        self.on_init = on_init
+        self.h: History | None = None
+        self.seen = None
+        self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
+        self.inos: dict[int, int] = {}            # backing ino at T -> view inode
+        self.next_ino = pyfuse3.ROOT_INODE + 1
+        self.dirs: dict[int, list[bytes]] = {}
+        self.files: dict[int, bytes] = {}
+        self.next_fh = 1
+
+    def init(self) -> None:
+        if self.on_init is not None:
+            self.on_init()
+
+    # -- following the store -------------------------------------------------------
+
+    def _state(self) -> tuple:
+        with self.store.env.begin(db=self.store.db_meta) as txn:
+            seq = S.from_u64(txn.get(S.K_NEXT_SEQ))
+        with self.store.env.begin(db=self.store.db_layers) as txn:
+            layers = tuple(S.from_u64(k) for k, _ in txn.cursor())
+        return seq, layers
+
+    def history(self) -> History:
+        state = self._state()
+        if state != self.seen or self.h is None:
+            if self.layer not in state[1]:
+                raise FUSEError(errno.ESTALE)
+            self.store._next_seq = state[0]
+            self.store.forget_layer_cache()
+            self.h = History(self.store, self.resolver, self.layer, self.hidden)
+            self.seen = state
+        return self.h
+
+    def past(self, path: bytes) -> Past:
+        obj = self.history().object_at(path)
+        if obj is None:
+            raise FUSEError(errno.ENOENT)
+        return obj
+
+    # -- attributes ------------------------------------------------------------------
+
+    def _ino(self, obj: Past) -> int:
+        if obj.path == b"":
+            return pyfuse3.ROOT_INODE
+        ino = self.inos.get(obj.ino)
+        if ino is None:
+            ino = self.inos[obj.ino] = self.next_ino
+            self.next_ino += 1
+        self.paths.setdefault(ino, obj.path)
+        return ino
+
+    def _attr(self, obj: Past) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = self._ino(obj)
+        e.generation = 0
+        e.entry_timeout = e.attr_timeout = TIMEOUT
+        e.st_mode = obj.mode
+        e.st_nlink = self.nlink(obj)
+        e.st_uid, e.st_gid = obj.uid, obj.gid
+        e.st_rdev = obj.now.st_rdev
+        e.st_size = obj.size if not stat.S_ISDIR(obj.mode) else obj.now.st_size
+        e.st_blksize = obj.now.st_blksize
+        e.st_blocks = (obj.size + 511) // 512 if stat.S_ISREG(obj.mode) else obj.now.st_blocks
+        e.st_atime_ns, e.st_mtime_ns = obj.atime_ns, obj.mtime_ns
+        e.st_ctime_ns = obj.now.st_ctime_ns
+        return e
+
+    def nlink(self, obj: Past) -> int:
+        """Names the object had at T: its names now (the grave's excluded),
+        plus those removed since T, minus those linked since T."""
+        if stat.S_ISDIR(obj.mode):
+            return 2
+        h = self.history()
+        buried = self.store.grave_counts().get(obj.ino, 0)
+        removed = len(h.graves.get(obj.ino, []))
+        linked = h.links.get(obj.ino, 0)
+        return max(1, obj.now.st_nlink - buried + removed - linked)
+
+    def _path(self, inode: int) -> bytes:
+        try:
+            return self.paths[inode]
+        except KeyError:
+            raise FUSEError(errno.ESTALE) from None
+
+    # -- operations --------------------------------------------------------------------
+
+    async def getattr(self, inode, ctx=None):
+        return self._attr(self.past(self._path(inode)))
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = self._path(parent_inode)
+        if name in (b".", b".."):
+            raise FUSEError(errno.ENOENT)
+        if parent == b"" and name == self.hidden:
+            raise FUSEError(errno.ENOENT)
+        obj = self.past(parent + b"/" + name if parent else name)
+        if obj.path != (parent + b"/" + name if parent else name):
+            raise FUSEError(errno.ENOENT)
+        ino = self._ino(obj)
+        self.paths[ino] = obj.path         # the name it was reached by
+        return self._attr(obj)
+
+    async def forget(self, inode_list):
+        pass
+
+    async def opendir(self, inode, ctx):
+        obj = self.past(self._path(inode))
+        if not stat.S_ISDIR(obj.mode):
+            raise FUSEError(errno.ENOTDIR)
+        fh = self.next_fh
+        self.next_fh += 1
+        self.dirs[fh] = [obj.path]
+        return fh
+
+    async def readdir(self, fh, start_id, token):
+        path = self.dirs[fh][0]
+        h = self.history()
+        here = h.need(path)
+        names = [b".", b".."] + h.listdir(here)
+        for i in range(start_id, len(names)):
+            if names[i] in (b".", b".."):
+                up = h.need(path.rpartition(b"/")[0]) if names[i] == b".." and path else here
+                if not pyfuse3.readdir_reply(token, names[i], self._attr(up), i + 1):
+                    return
+                continue
+            child = path + b"/" + names[i] if path else names[i]
+            obj = h.object_at(child)
+            if obj is None:
+                continue
+            attr = self._attr(obj)
+            self.paths[attr.st_ino] = child
+            if not pyfuse3.readdir_reply(token, names[i], attr, i + 1):
+                return
+
+    async def releasedir(self, fh):
+        self.dirs.pop(fh, None)
+
+    async def open(self, inode, flags, ctx):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise FUSEError(errno.EROFS)
+        obj = self.past(self._path(inode))
+        if stat.S_ISDIR(obj.mode):
+            raise FUSEError(errno.EISDIR)
+        fh = self.next_fh
+        self.next_fh += 1
+        self.files[fh] = obj.path
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        path = self.files[fh]
+        while True:
+            h = self.history()
+            state = self.seen
+            try:
+                data = h.read(h.need(path), off, size)
+            except CowfsError:
+                raise FUSEError(errno.EIO) from None
+            # A change captured meanwhile has its pre-image in the store by
+            # now: read again with it.
+            if self._state() == state:
+                return data
+
+    async def release(self, fh):
+        self.files.pop(fh, None)
+
+    async def readlink(self, inode, ctx):
+        h = self.history()
+        return h.readlink(h.need(self._path(inode)))
+
+    async def listxattr(self, inode, ctx):
+        h = self.history()
+        return [n for n, _ in h.xattrs_of(h.need(self._path(inode)))]
+
+    async def getxattr(self, inode, name, ctx):
+        h = self.history()
+        for n, v in h.xattrs_of(h.need(self._path(inode))):
+            if n == name:
+                return v
+        raise FUSEError(errno.ENODATA)
+
+    async def access(self, inode, mode, ctx):
+        if mode & os.W_OK:
+            raise FUSEError(errno.EROFS)
+
+    async def statfs(self, ctx):
+        sv = os.fstatvfs(self.rootfd)
+        out = pyfuse3.StatvfsData()
+        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+            setattr(out, attr, getattr(sv, attr))
+        return out
+
+
+def serve(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
+          hidden: bytes | None, report) -> int:
+    ws_path = os.readlink(f"/proc/self/fd/{rootfd}")
+    try:
+        store = Store.open(f"/proc/self/fd/{store_dirfd}", f"/proc/self/fd/{rootfd}",
+                           readonly=True, locked=False)
+        store.get_layer(layer)
+    except CowfsError as e:
+        report({"ok": False, **e.to_dict()})
+        return e.code
+    fs = View(store, rootfd, layer, hidden,
+              on_init=lambda: report({"ok": True, "pid": os.getpid(),
+                                      "mountpoint": mountpoint, "layer": layer}))
+    options = {"ro", "default_permissions", f"fsname=cowfs-view:{ws_path}@{layer}",
+               "subtype=cowfs-view"}
+    if os.geteuid() == 0:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(fs, mountpoint, options)
+    except (OSError, RuntimeError) as e:
+        report({"ok": False, "code": 9, "error": f"cannot mount the view at {mountpoint}: {e}"})
+        return 9
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        pyfuse3.close(unmount=True)
+        store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cowfs-view")
+    p.add_argument("--root-fd", type=int, required=True)
+    p.add_argument("--store-fd", type=int, required=True)
+    p.add_argument("--ready-fd", type=int, required=True)
+    p.add_argument("--hidden", default="")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("mountpoint")
+    a = p.parse_args(argv)
+    from .daemon import detach
+    return serve(a.root_fd, a.store_fd, a.layer, a.mountpoint,
+                 os.fsencode(a.hidden) or None, detach(a.ready_fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
