@@ -43,10 +43,11 @@ class Change:
     path: str
     kind: str
     source: str | None = None
+    who: dict | None = None     # the process that first made it: pid, uid, cmd
 
     @classmethod
     def from_dict(cls, d: dict) -> "Change":
-        return cls(d["path"], d["kind"], d.get("from"))
+        return cls(d["path"], d["kind"], d.get("from"), d.get("who"))
 
     def __str__(self) -> str:
         return f"R {self.source} -> {self.path}" if self.kind == "R" else f"{self.kind} {self.path}"

@@ -27,9 +27,10 @@ Loc = Callable[[], bytes]
 class Obj:
     """What the open layer holds for one object."""
 
-    __slots__ = ("created", "meta", "s0", "xattrs", "chunks")
+    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "attributed")
 
     def __init__(self) -> None:
+        self.attributed = False
         self.created = False
         self.meta = False
         self.s0 = 0
@@ -45,8 +46,11 @@ class Recorder:
         self.layer = 0
         self.objs: dict[int, Obj] = {}
         self.fresh = False
-        self._pending_created: list[int] = []
+        self._pending_created: list[tuple[int, tuple | None]] = []
         self._saved: dict[int, tuple] = {}
+        self.who: tuple[int, int] | None = None     # (pid, uid) of the request
+        self._writers: dict[tuple, int] = {}        # (pid, start time) -> writer id
+        self._procs: dict[tuple, dict] = {}         # (pid, start time) -> pid, uid, cmd
         self.reset(fresh=False)
 
     def reset(self, fresh: bool) -> None:
@@ -123,13 +127,16 @@ class Recorder:
         try:
             with self.store.write() as w:
                 if self._pending_created:
-                    for ino in self._pending_created:
+                    for ino, who in self._pending_created:
                         w.index_put(self.layer, ino, S.IDX_CREATED, 0)
+                        if who is not None:
+                            w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
         except BaseException:
-            for ino, (meta, s0, xattrs, chunks) in self._saved.items():
+            for ino, (meta, s0, xattrs, chunks, attributed) in self._saved.items():
                 o = self.objs[ino]
-                o.meta, o.s0, o.xattrs, o.chunks = meta, s0, xattrs, chunks
+                o.meta, o.s0, o.xattrs, o.chunks, o.attributed = meta, s0, xattrs, chunks, \
+                    attributed
             raise
         finally:
             self._saved = {}
@@ -137,13 +144,18 @@ class Recorder:
 
     def _changing(self, ino: int, o: Obj) -> None:
         if ino not in self._saved:
-            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks))
+            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks), o.attributed)
 
     def flush(self) -> None:
-        """Write index entries still held in memory (before a layer switch)."""
+        """Write index entries still held in memory (before a layer switch).
+        Best effort: without them (a full store), later changes of those new
+        objects are merely captured needlessly, and they are not attributed."""
         if self._pending_created:
-            with self.txn():
-                pass
+            try:
+                with self.txn():
+                    pass
+            except OSError:
+                self._pending_created = []
 
     def note_created(self, ino: int) -> None:
         """*ino* was created in this layer: nothing of it needs capturing.
@@ -152,7 +164,49 @@ class Recorder:
         o = self.obj(ino)
         if not o.created:
             o.created = True
-            self._pending_created.append(ino)
+            o.attributed = True
+            self._pending_created.append(
+                (ino, self._process(self.who) if self.who is not None else None))
+
+    # -- attribution ----------------------------------------------------------------
+
+    def attribute(self, w: Writer, ino: int) -> None:
+        """The process making the current request is the first to change
+        *ino* in this layer, unless one was recorded already."""
+        o = self.obj(ino)
+        if o.attributed or self.who is None:
+            return
+        self._changing(ino, o)
+        w.who_put(self.layer, ino, self._writer(w, self._process(self.who)))
+        o.attributed = True
+
+    def _process(self, who: tuple[int, int]) -> tuple[tuple, dict]:
+        """(pid, start time) and {pid, uid, cmd} of the requesting process,
+        read from /proc while its request is being served (once per
+        process: a short-lived one is gone soon after)."""
+        pid, uid = who
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                key = (pid, int(f.read().rsplit(b")", 1)[1].split()[19]))
+        except (OSError, IndexError, ValueError):
+            key = (pid, 0)
+        info = self._procs.get(key)
+        if info is None:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = [os.fsdecode(a) for a in f.read().split(b"\0") if a]
+            except OSError:
+                cmd = []
+            info = self._procs[key] = {"pid": pid, "uid": uid, "cmd": cmd}
+        return key, info
+
+    def _writer(self, w: Writer, process: tuple[tuple, dict]) -> int:
+        """The writer id of a process, registered in the store on first use."""
+        key, info = process
+        wid = self._writers.get(key)
+        if wid is None:
+            wid = self._writers[key] = w.new_writer(info)
+        return wid
 
     # -- name records -------------------------------------------------------------
 
@@ -163,14 +217,18 @@ class Recorder:
         w.append(S.encode_record(S.LINK, path))
 
     def grave(self, w: Writer, path: bytes, ino: int) -> int:
+        self.attribute(w, ino)
         gid = w.new_grave(ino)
         w.append(S.encode_record(S.GRAVE, path, gid, ino))
         return gid
 
     def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
+        self.attribute(w, ino)
         w.append(S.encode_record(S.RENAME, src, dst, ino))
 
     def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
+        self.attribute(w, ino_a)
+        self.attribute(w, ino_b)
         w.append(S.encode_record(S.EXCHANGE, a, b, ino_a, ino_b))
 
     # -- object records -------------------------------------------------------------
@@ -181,6 +239,7 @@ class Recorder:
         if o.created or o.meta:
             return o
         self._changing(ino, o)
+        self.attribute(w, ino)
         seq = w.append(S.encode_record(
             S.META, loc(), ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
             st.st_atime_ns, st.st_mtime_ns))
@@ -195,6 +254,7 @@ class Recorder:
         if o.created or o.xattrs:
             return
         self._changing(ino, o)
+        self.attribute(w, ino)
         seq = w.append(S.encode_record(S.XATTRS, loc(), ino, S.encode_xattrs(pairs())))
         w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
         o.xattrs = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -119,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = s.add_mutually_exclusive_group()
     fmt.add_argument("--stat", action="store_true", help="lines added and removed per file")
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
+    s.add_argument("--who", action="store_true",
+                   help="with --name-status: the process that first made each change")
     s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
                    help="the layer, then only these paths (relative to the workspace root)")
 
@@ -187,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name")
-    cmd("status", "list the open layer's changes")
+    s = cmd("status", "list the open layer's changes")
+    s.add_argument("--who", action="store_true",
+                   help="with the process (pid, uid, command line) that first made each")
     cmd("gc", "free store space nothing needs (unused chunks, grave files no record holds); "
               "mounted or not")
     s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
@@ -355,9 +360,18 @@ def format_change(c: dict) -> str:
     return f"{c['kind']} {c['path']}"
 
 
+def format_who(c: dict) -> str:
+    """The process that first made a change, for --who."""
+    w = c.get("who")
+    if not w:
+        return "(unknown)"
+    return f"pid {w.get('pid')} uid {w.get('uid')}: {shlex.join(w.get('cmd') or ['?'])}"
+
+
 def do_status(args) -> int:
     res = call(args, "status")
-    lines = [format_change(c) for c in res["changes"]]
+    lines = [format_change(c) + (f"\t{format_who(c)}" if args.who else "")
+             for c in res["changes"]]
     u = res["usage"]
     lines.append(f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
                  + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
@@ -397,7 +411,7 @@ def do_diff(args) -> int:
     for c in res["changes"]:
         name = format_change(c)
         if args.name_status:
-            rows.append(name.replace(" ", "\t", 1))
+            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if args.who else ""))
         elif args.stat:
             counts = (f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])

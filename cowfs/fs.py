@@ -77,12 +77,13 @@ class Node:
 
 
 class Handle:
-    __slots__ = ("node", "fd", "writable")
+    __slots__ = ("node", "fd", "writable", "who")
 
-    def __init__(self, node: Node, fd: int, writable: bool):
+    def __init__(self, node: Node, fd: int, writable: bool, who: tuple[int, int] | None):
         self.node = node
         self.fd = fd
         self.writable = writable
+        self.who = who          # the process that opened it (writes carry no caller)
 
 
 class FdCache:
@@ -151,6 +152,9 @@ def handler(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
+        # who is asking: captures made for this request are attributed to it
+        ctx = args[-1] if args and isinstance(args[-1], pyfuse3.RequestContext) else None
+        args[0].rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         try:
             return await fn(*args, **kw)
         except FUSEError:
@@ -633,6 +637,7 @@ class CowFS(pyfuse3.Operations):
         with self.rec.txn() as w:
             self._dir_changes(w, parent)
             self.rec.link(w, self._child(parent, new_name))
+            self.rec.attribute(w, node.bino)
         if node.islnk:
             os.link(node.name, new_name, src_dir_fd=node.parent.fd, dst_dir_fd=parent.fd,
                     follow_symlinks=False)
@@ -822,7 +827,7 @@ class CowFS(pyfuse3.Operations):
         self.next_fh += 1
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         self.writers += writable
-        self.handles[fh] = Handle(node, fd, writable)
+        self.handles[fh] = Handle(node, fd, writable, self.rec.who)
         self.fds.pin(node)
         return pyfuse3.FileInfo(fh=fh, keep_cache=self._keep_cache(fd, flags))
 
@@ -860,6 +865,7 @@ class CowFS(pyfuse3.Operations):
         h = self.handles[fh]
         node = h.node
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
+            self.rec.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
         return os.pwrite(h.fd, buf, off)
 

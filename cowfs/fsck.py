@@ -122,6 +122,7 @@ class Report:
     drop_chunks: set[bytes] = field(default_factory=set)
     drop_records: list[int] = field(default_factory=list)
     drop_index: list[bytes] = field(default_factory=list)
+    drop_who: list[bytes] = field(default_factory=list)
     drop_graves: list[int] = field(default_factory=list)
     drop_grave_files: list[str] = field(default_factory=list)
 
@@ -287,6 +288,16 @@ def check(store: Store, hashes: bool = True) -> Report:
         if stale:
             rep.problems.append(Problem(f"{stale} index entries point at no record of their "
                                         "layer", repairable=True))
+        if store.db_who is not None:
+            cur = txn.cursor(db=store.db_who)
+            ok = cur.first()
+            while ok:
+                if S.from_u64(cur.key()[:8]) not in ids:
+                    rep.drop_who.append(bytes(cur.key()))
+                ok = cur.next()
+            if rep.drop_who:
+                rep.problems.append(Problem(f"{len(rep.drop_who)} attributions belong to no "
+                                            "layer", repairable=True))
     return rep
 
 
@@ -316,6 +327,8 @@ def repair(store: Store, rep: Report) -> list[str]:
             w.delete_record(seq)
         for key in rep.drop_index:
             w.txn.delete(key, db=store.db_index)
+        for key in rep.drop_who:
+            w.txn.delete(key, db=store.db_who)
         for gid in rep.drop_graves:
             w.txn.delete(S.u64(gid), db=store.db_graves)
     if rep.fix_refs:
@@ -324,8 +337,8 @@ def repair(store: Store, rep: Report) -> list[str]:
         done.append(f"removed {len(rep.drop_chunks)} chunks no record uses")
     if rep.drop_records:
         done.append(f"removed {len(rep.drop_records)} records outside every layer")
-    if rep.drop_index:
-        done.append(f"removed {len(rep.drop_index)} stale index entries")
+    if rep.drop_index or rep.drop_who:
+        done.append(f"removed {len(rep.drop_index) + len(rep.drop_who)} stale index entries")
     for gid in rep.drop_graves:
         rep.drop_grave_files.append(str(gid))
     for name in rep.drop_grave_files:

@@ -51,6 +51,11 @@ Databases
 ``refs``     16-byte digest -> u64 number of journal records using it.
 ``graves``   u64 grave id -> u64 backing inode number of the object that was
              moved into ``STORE/grave/<id>`` (whole-file pre-images).
+``who``      u64 layer + u64 ino -> u64 writer id: the process that first
+             changed that object in that layer (kept by merges: the lower
+             layer's entry wins, it is older).
+``writers``  u64 writer id -> JSON {"pid", "uid", "cmd": [argv...]}, one per
+             process seen changing something (``next_writer`` in meta).
 """
 
 from __future__ import annotations
@@ -69,7 +74,10 @@ DB_INDEX = b"index"
 DB_CHUNKS = b"chunks"
 DB_REFS = b"refs"
 DB_GRAVES = b"graves"
-ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES)
+DB_WHO = b"who"
+DB_WRITERS = b"writers"
+ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES,
+           DB_WHO, DB_WRITERS)
 
 K_FORMAT = b"format"
 K_WORKSPACE = b"workspace"
@@ -81,6 +89,7 @@ K_PENDING = b"pending"
 K_STATE = b"state"
 K_LIMITS = b"limits"
 K_DRIFT = b"drift"
+K_NEXT_WRITER = b"next_writer"
 
 _U64 = struct.Struct(">Q")
 

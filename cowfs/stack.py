@@ -201,6 +201,7 @@ class Stack:
                     w.delete_record(S.from_u64(val))
                 elif not lower_has:
                     txn.put(lower, val, db=st.db_index)
+            self._move_who(w, top.id, below.id)
             for key in ("runs", "postmortems", "drift"):
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
@@ -227,11 +228,39 @@ class Stack:
         return freed
 
     def _drop_index(self, w, layer_id: int) -> None:
+        """Forget what a dropped layer captured and who did it."""
         prefix = S.index_prefix(layer_id)
-        cur = w.txn.cursor(db=self.store.db_index)
+        for db in (self.store.db_index, self.store.db_who):
+            cur = w.txn.cursor(db=db)
+            ok = cur.set_range(prefix)
+            while ok and cur.key().startswith(prefix):
+                ok = cur.delete()
+
+    def _move_who(self, w, upper: int, lower: int) -> None:
+        """A merge keeps who first changed each object: the lower layer's
+        entry if it has one (it is older), else the upper layer's."""
+        prefix = S.u64(upper)
+        cur = w.txn.cursor(db=self.store.db_who)
+        moves = []
         ok = cur.set_range(prefix)
         while ok and cur.key().startswith(prefix):
+            moves.append((bytes(cur.key()[8:]), bytes(cur.value())))
             ok = cur.delete()
+        for ino, writer in moves:
+            key = S.u64(lower) + ino
+            if w.txn.get(key, db=self.store.db_who) is None:
+                w.txn.put(key, writer, db=self.store.db_who)
+
+    def attribute(self, changes: list[dict], since: int) -> list[dict]:
+        """Each change with who first made it ("who": pid, uid, cmd), from
+        the layers since *since*; the internal "ino" is dropped."""
+        layers = [layer.id for layer in self.store.layers() if layer.id >= since]
+        for c in changes:
+            ino = c.pop("ino", None)
+            who = self.store.who(layers, ino) if ino is not None else None
+            if who is not None:
+                c["who"] = who
+        return changes
 
     def sweep_graves(self) -> int:
         """Remove grave entries no record refers to (left by a crash during a
@@ -335,7 +364,7 @@ class Stack:
         for layer in self.store.layers():
             d = layer.to_dict()
             recs = self.store.layer_records(layer.id)
-            d["changes"] = len(self._changes(recs))
+            d["changes"] = len(self._changes(recs))    # (counted, not attributed)
             d["records"] = len(recs)
             d["bytes"] = self.store.layer_bytes(layer.id)
             out.append(d)
@@ -345,13 +374,14 @@ class Stack:
         top = self.store.top()
         layer_id = top.id if layer_id is None else layer_id
         recs = self.store.layer_records(layer_id)
-        return {"id": layer_id, "changes": self._changes(recs)}
+        return {"id": layer_id, "changes": self.attribute(self._changes(recs), layer_id)}
 
     def changes_since(self, layer_id: int) -> list[dict]:
         """Net changes since layer *layer_id* was opened (what a rollback
         --to it would undo)."""
         layer = self.store.get_layer(layer_id)
-        return self._changes(list(self.store.records(layer.start, self.store._next_seq)))
+        return self.attribute(
+            self._changes(list(self.store.records(layer.start, self.store._next_seq))), layer_id)
 
     def _changes(self, recs: list[tuple[int, S.Record]]) -> list[dict]:
         """Net changes of a layer, like ``git status --short``: A added,
@@ -431,21 +461,22 @@ class Stack:
                 present.add(was)
                 kind = self._modified(was, st, meta.get(was), content, xattrs)
                 if cur != sp:
-                    out[cur] = {"path": cur, "kind": "R", "from": sp}
+                    out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
                 elif kind and sp:
-                    out[cur] = {"path": cur, "kind": kind}
+                    out[cur] = {"path": cur, "kind": kind, "ino": was}
                 continue
             st = now(sp)
             if st is None:
-                out.setdefault(sp, {"path": sp, "kind": "D"})
+                out.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
             else:
                 out[sp] = {"path": sp, "kind": "M" if self._type_of(
-                    was, meta, graves) in (None, stat.S_IFMT(st.st_mode)) else "T"}
+                    was, meta, graves) in (None, stat.S_IFMT(st.st_mode)) else "T",
+                    "ino": st.st_ino}
         for path, frm in created.items():
             cur = fwd(path, frm)
             st = now(cur)
             if st is not None and st.st_ino not in present and cur not in out:
-                out[cur] = {"path": cur, "kind": "A"}
+                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
         result = []
         for path in sorted(out):
             c = out[path]

@@ -129,6 +129,21 @@ class Writer:
         self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
         return gid
 
+    def who_put(self, layer: int, ino: int, writer: int) -> None:
+        """Attribute *ino*'s changes in *layer* to *writer*, unless it is
+        attributed already (the first writer wins)."""
+        key = S.u64(layer) + S.u64(ino)
+        if self.txn.get(key, db=self.store.db_who) is None:
+            self.txn.put(key, S.u64(writer), db=self.store.db_who)
+
+    def new_writer(self, info: dict) -> int:
+        meta = self.store.db_meta
+        raw = self.txn.get(S.K_NEXT_WRITER, db=meta)
+        wid = S.from_u64(raw) if raw else 1
+        self.txn.put(S.K_NEXT_WRITER, S.u64(wid + 1), db=meta)
+        self.txn.put(S.u64(wid), S.to_json(info), db=self.store.db_writers)
+        return wid
+
     def set_meta(self, key: bytes, value: bytes | None) -> None:
         if value is None:
             self.txn.delete(key, db=self.store.db_meta)
@@ -149,10 +164,15 @@ class Store:
         try:
             (self.db_meta, self.db_layers, self.db_journal, self.db_index, self.db_chunks,
              self.db_refs, self.db_graves) = [env.open_db(name, create=not readonly)
-                                              for name in S.ALL_DBS]
+                                              for name in S.ALL_DBS[:7]]
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
+        try:    # attribution (newer than the rest: absent from older stores read-only)
+            self.db_who, self.db_writers = [env.open_db(name, create=not readonly)
+                                            for name in (S.DB_WHO, S.DB_WRITERS)]
+        except lmdb.Error:
+            self.db_who = self.db_writers = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
@@ -504,6 +524,19 @@ class Store:
                 ino = S.from_u64(v)
                 counts[ino] = counts.get(ino, 0) + 1
         return counts
+
+    def who(self, layers: list[int], ino: int) -> dict | None:
+        """The writer that first changed *ino* in the lowest of *layers*
+        that has it, with its id."""
+        if self.db_who is None:
+            return None
+        with self.env.begin() as txn:
+            for layer in sorted(layers):
+                wid = txn.get(S.u64(layer) + S.u64(ino), db=self.db_who)
+                if wid is not None:
+                    info = txn.get(wid, db=self.db_writers)
+                    return (S.from_json(info) if info else {}) | {"id": S.from_u64(wid)}
+        return None
 
     def chunk(self, h: bytes) -> bytes | None:
         with self.env.begin(db=self.db_chunks) as txn:

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import subprocess
+import sys
 
 import xxhash
 
@@ -213,3 +214,25 @@ def test_view_of_an_unmounted_workspace(mounted, tmp_path):
     ws.unmount()
     with view_of(ws, layer, tmp_path / "view") as v:
         treesnap.assert_same(then, treesnap.snapshot(v))
+
+
+def test_changes_are_attributed_to_the_process_that_first_made_them(mounted):
+    ws = mounted
+    ws.checkpoint("two programs")
+    subprocess.run(["sed", "-i", "s/alpha/ALPHA/", "a.txt"], cwd=ws.path, check=True)
+    script = "open('made.py', 'w').write('x = 1\\n'); open('a.txt', 'a').write('more\\n')"
+    subprocess.run([sys.executable, "-c", script], cwd=ws.path, check=True)
+    os.mkdir(ws / "by-the-test")
+    changes = {c["path"]: c["who"] for c in ws.status()}
+    assert changes["a.txt"]["cmd"][:2] == ["sed", "-i"]          # the first to change it
+    assert changes["made.py"]["cmd"][1:3] == ["-c", script]
+    assert changes["by-the-test"]["pid"] == os.getpid()
+    assert all(w["uid"] == os.getuid() for w in changes.values())
+    assert "\tpid " in ws.cowfs("status", "--who").stdout and "sed -i" in \
+        ws.cowfs("status", "--who").stdout
+    names = ws.cowfs("diff", "--name-status", "--who").stdout
+    assert any(line.startswith("M\ta.txt\tpid ") and "sed" in line for line in names.splitlines())
+    ws.checkpoint("later")
+    subprocess.run(["touch", "a.txt"], cwd=ws.path, check=True)
+    ws.commit()                                     # merged: the older entry wins
+    assert {c["path"]: c["who"]["cmd"][0] for c in ws.status()}["a.txt"] == "sed"

@@ -44,7 +44,9 @@ def test_a_successful_step_is_committed_and_recorded(mounted):
     assert len(ws.log()) == 1                    # merged into the base layer
     result = __import__("json").loads(r.stdout.splitlines()[-1])
     assert result["outcome"] == "committed" and result["exit_status"] == 0
-    assert {"path": "app", "kind": "A", "source": None} in result["changes"]
+    [app] = [c for c in result["changes"] if c["path"] == "app"]
+    assert (app["kind"], app["source"]) == ("A", None)
+    assert os.path.basename(app["who"]["cmd"][0]) == "ld"    # gcc's linker made it
     text = ws.cowfs("log").stdout
     assert "run committed (exit 0" in text and "gcc main.c -o app" in text
 
