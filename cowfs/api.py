@@ -309,6 +309,8 @@ class Workspace:
                                  "everything, use rollback", USAGE)
             self._restore_parents(rel, layer, done)
             self._restore(rel, layer, done)
+        self._call("audit_note", event="restore",
+                   fields={"paths": list(paths), "from": layer, "restored": done[:1000]})
         return done
 
     def _abs(self, rel: str) -> str:

@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
                    help="the layer, then only these paths (relative to the workspace root)")
 
+    s = cmd("audit", "the audit log: mounts, checkpoints, commits, rollbacks, restores and "
+                     "every change kept or undone (kept through commits)")
+    s.add_argument("--since", type=int, metavar="ID", help="from layer ID's checkpoint on")
+    s.add_argument("--jsonl", action="store_true", help="one JSON event per line")
+    s.add_argument("--prune", type=float, metavar="DAYS",
+                   help="remove events older than DAYS instead (audit retention is "
+                        "separate from undo data)")
+
     s = cmd("view", "mount the tree as it was when layer ID was opened, read-only, at DIR "
                     "('cowfs unmount DIR' ends it)")
     s.add_argument("layer", type=int, metavar="ID")
@@ -251,6 +259,39 @@ def mount_options(args) -> dict:
             "max_layers": args.max_layers, "accept_drift": args.accept_drift}
 
 
+def do_audit(args) -> int:
+    if args.prune is not None:
+        res = call(args, "audit_prune", days=args.prune)
+        out(args, f"pruned {res['pruned']} audit events", res)
+        return 0
+    after, first = 0, True
+    while True:
+        kw = {"since_layer": args.since} if first and args.since is not None else {}
+        events = call(args, "audit", after=after, **kw)["events"]
+        first = False
+        if not events:
+            return 0
+        for e in events:
+            if args.jsonl or args.json:
+                print(json.dumps(e))
+            else:
+                print(format_event(e))
+        after = events[-1]["n"]
+        if args.since is not None:
+            args.since = None   # the rest follows in order
+
+
+def format_event(e: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+    kind = e["event"]
+    if kind == "change":
+        what = format_change(e) + (" (undone)" if e.get("undone") else "")
+        who = f"  [{format_who(e)}]" if e.get("who") else ""
+        return f"{when}  {'':>10}  {what}{who}"
+    detail = {k: v for k, v in e.items() if k not in ("n", "time", "event")}
+    return f"{when}  {kind:>10}  " + " ".join(f"{k}={v}" for k, v in detail.items())
+
+
 def do_view(args) -> int:
     res = call(args, "view", layer=args.layer, mountpoint=os.path.abspath(args.dir))
     out(args, f"layer {args.layer} as it was opened is at {res['mountpoint']} (read-only; "
@@ -321,7 +362,7 @@ def call(args, op: str, **kw) -> dict:
 
 
 OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc", "diff", "show",
-               "view"}
+               "view", "audit", "audit_prune"}
 
 
 def do_checkpoint(args) -> int:
@@ -747,7 +788,7 @@ COMMANDS = {
     "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
-    "restore": do_restore, "view": do_view,
+    "restore": do_restore, "view": do_view, "audit": do_audit,
 }
 
 
@@ -763,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cowfs: interrupted", file=sys.stderr)
         return errors.INTERRUPTED
+    except BrokenPipeError:      # the reader went away (cowfs audit | head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:
         name = os.fsdecode(e.filename) + ": " if e.filename else ""
         print(f"cowfs: {name}{e.strerror or e}", file=sys.stderr)

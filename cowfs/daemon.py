@@ -36,6 +36,8 @@ from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
+
+AUDIT_HASH_LIMIT = 64 << 20
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
@@ -222,7 +224,7 @@ class Daemon:
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
             self.warnings.append(f"accepted drift of {len(drift)} paths (recorded in the log): "
                                  + ", ".join(drift[:10]))
-        self.store.set_meta_json(S.K_DRIFT, None)
+        # (no write: the first change captured makes the record stale)
 
     def record_fingerprint(self) -> None:
         """At a clean unmount: what the layers' paths look like now."""
@@ -252,7 +254,12 @@ class Daemon:
             options.add("allow_other")
         self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
                                   os.getpid(), socket_path(self.mountpoint))
-        self.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
+        try:    # informational (a full disk must not keep the workspace from mounting)
+            self.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
+        except OSError:
+            pass
+        self.store.audit("mount", layer=self.store.top().id, mountpoint=self.mountpoint,
+                         warnings=self.warnings)
         pyfuse3.init(self.fs, self.mountpoint, options)
 
     def run(self) -> None:
@@ -268,7 +275,11 @@ class Daemon:
                 pyfuse3.close(unmount=False)
             self.record.remove()
             self.record_fingerprint()
-            self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+            self.store.audit("unmount", layer=self.store.top().id)
+            try:
+                self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+            except OSError:
+                pass
             self.store.close()
             log.info("unmounted %s", self.mountpoint)
 
@@ -461,6 +472,8 @@ class Daemon:
                              "nothing was taken" + "".join(leftovers),
                              errors.DAEMON_ERROR) from None
         info = self.store.get_layer(layer.id).to_dict()
+        self.store.audit("checkpoint", layer=layer.id, message=message,
+                         snapshots=[t["provider"] for t in taken])
         merged = await self._enforce_max_layers()
         if merged:
             info["merged"] = merged
@@ -589,7 +602,11 @@ class Daemon:
     async def op_commit(self) -> dict:
         await self._flush()
         await self._finish_leftover()
+        kept = self._audit_changes(self.store.top().id, hashes=True)
         info = self.stack.commit()
+        self.store.audit_many([{"event": "commit", "layer": info["committed"],
+                                "into": info["into"], "changes": len(kept)}]
+                              + [c | {"layer": info["committed"]} for c in kept])
         self.recorder.reset(fresh=info["into"] is None)
         freed = info.pop("freed", [])
         if self.fs is not None:
@@ -608,6 +625,7 @@ class Daemon:
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
         self.stack.plan_rollback(to)
+        undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
         record, report, _ = await self._carry_out()
@@ -619,6 +637,9 @@ class Daemon:
         # (kept with the layer the workspace is back at)
         result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
         failures = report.failures + step_failures(record)
+        self.store.audit_many([{"event": "rollback", "layer": result["top"],
+                                "dropped": result["dropped"], "failures": failures}]
+                              + [c | {"undone": True} for c in undone])
         if failures:
             raise errors.PartialFailure(
                 "rollback finished with failures:\n  " + "\n  ".join(failures))
@@ -711,6 +732,55 @@ class Daemon:
         await self._flush()
         return await trio.to_thread.run_sync(
             start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
+
+    def _audit_changes(self, since: int, hashes: bool) -> list[dict]:
+        """Change events for what changed since layer *since* opened: path,
+        kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
+        up to AUDIT_HASH_LIMIT; larger ones get sizes only)."""
+        try:
+            if not hashes:
+                return [{"event": "change", **c} for c in self.stack.changes_since(since)]
+            h = History(self.store, self.stack.resolver, since, self.hidden)
+            out = []
+            for c in self.stack.changes_since(since):
+                d = diff_entry(h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT)
+                out.append({"event": "change", "path": d["path"], "kind": d["kind"],
+                            "from": d.get("from"), "who": d.get("who"),
+                            "before": d.get("old"), "after": d.get("new")})
+            return out
+        except Exception:
+            log.exception("audit: could not list the changes of layer %s", since)
+            return []
+
+    async def op_audit(self, after: int = 0, since_layer: int | None = None,
+                       limit: int = 10000) -> dict:
+        """Audit events after number *after* (or from layer *since_layer*'s
+        checkpoint on), at most *limit*."""
+        events = []
+        started = since_layer is None
+        for e in self.store.audit_events(after):
+            if not started:
+                started = e.get("event") == "checkpoint" and e.get("layer") == since_layer \
+                    or (e.get("layer") or 0) >= since_layer
+                if not started:
+                    continue
+            events.append(e)
+            if len(events) >= limit:
+                break
+        return {"events": events}
+
+    async def op_audit_prune(self, days: float) -> dict:
+        """Drop audit events older than *days* (the audit's own retention)."""
+        if days < 0:
+            raise CowfsError("bad request: days must not be negative", errors.USAGE)
+        return {"pruned": self.store.prune_audit(time.time() - days * 86400)}
+
+    async def op_audit_note(self, event: str, fields: dict) -> dict:
+        """An event a client carried out through the mount (restore)."""
+        if event not in ("restore",) or len(json.dumps(fields)) > 1 << 20:
+            raise CowfsError("bad request: unknown audit event", errors.USAGE)
+        self.store.audit(event, layer=self.store.top().id, **fields)
+        return {}
 
     async def op_annotate(self, layer: int, run: dict) -> dict:
         """Record a `cowfs run` step on a layer."""

@@ -313,9 +313,9 @@ def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
     return [c for c in changes if under(c["path"]) or under(c.get("from"))]
 
 
-def _side(kind: int, size: int, mode: int, mtime: int, read) -> dict:
+def _side(kind: int, size: int, mode: int, mtime: int, read, hash_limit: int) -> dict:
     d = {"kind": KINDS.get(kind, "unknown"), "mode": mode, "size": size, "mtime_ns": mtime}
-    if kind == stat.S_IFREG:
+    if kind == stat.S_IFREG and size <= hash_limit:
         hasher = xxhash.xxh3_128()
         for off in range(0, size, SHOW_PAGE):
             hasher.update(read(off, SHOW_PAGE))
@@ -333,7 +333,8 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
-def diff_entry(h: History, change: dict, text_limit: int) -> dict:
+def diff_entry(h: History, change: dict, text_limit: int,
+               hash_limit: int = 1 << 62) -> dict:
     """One change (from Stack.changes_since) with both sides: kind, mode,
     size, mtime and xxh3 of regular files; for text no larger than
     *text_limit*, a unified diff and the lines added and removed."""
@@ -345,7 +346,7 @@ def diff_entry(h: History, change: dict, text_limit: int) -> dict:
     old_bytes = new_bytes = None
     if old is not None:
         out["old"] = _side(old.kind, old.size, old.mode, old.mtime_ns,
-                           lambda o, n: h.read(old, o, n))
+                           lambda o, n: h.read(old, o, n), hash_limit)
         if old.kind == stat.S_IFREG and old.size <= text_limit:
             old_bytes = h.read(old)
     if new_st is not None:
@@ -358,7 +359,7 @@ def diff_entry(h: History, change: dict, text_limit: int) -> dict:
             finally:
                 os.close(fd)
         out["new"] = _side(stat.S_IFMT(new_st.st_mode), new_st.st_size, new_st.st_mode,
-                           new_st.st_mtime_ns, read_new)
+                           new_st.st_mtime_ns, read_new, hash_limit)
         if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit:
             new_bytes = read_new(0, new_st.st_size)
     present = [(side, data) for side, data in (("old", old_bytes), ("new", new_bytes))

@@ -30,10 +30,12 @@ Databases
              ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
-             ``drift``       JSON  written at a clean unmount: workspace path ->
-                                   [size, mtime_ns, ctime_ns, ino] (null:
-                                   absent) of every path the layers changed;
-                                   compared (and cleared) by the next mount
+             ``drift``       JSON  written at a clean unmount: {"seq", "layers":
+                                   the store's state then, "paths": workspace
+                                   path -> [size, mtime_ns, ctime_ns, ino] (null:
+                                   absent) of every path the layers changed};
+                                   compared by the next mount while the store
+                                   is still in that state
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
              "message": str}.  The stack is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
@@ -56,6 +58,11 @@ Databases
              layer's entry wins, it is older).
 ``writers``  u64 writer id -> JSON {"pid", "uid", "cmd": [argv...]}, one per
              process seen changing something (``next_writer`` in meta).
+``audit``    u64 event number -> JSON event {"time", "event", "layer", ...}:
+             mount, unmount, checkpoint, commit, rollback, restore, redo and
+             every kept or undone change.  Independent of the layers: kept
+             through commits and rollbacks until pruned (``cowfs audit
+             --prune DAYS``).
 """
 
 from __future__ import annotations
@@ -76,8 +83,9 @@ DB_REFS = b"refs"
 DB_GRAVES = b"graves"
 DB_WHO = b"who"
 DB_WRITERS = b"writers"
+DB_AUDIT = b"audit"
 ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES,
-           DB_WHO, DB_WRITERS)
+           DB_WHO, DB_WRITERS, DB_AUDIT)
 
 K_FORMAT = b"format"
 K_WORKSPACE = b"workspace"

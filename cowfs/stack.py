@@ -132,18 +132,17 @@ class Stack:
 
     # -- drift: changes made while not mounted ---------------------------------------
 
-    def fingerprint(self) -> dict[str, list | None]:
-        """Path -> [size, mtime_ns, ctime_ns, ino] (None: absent) of every
-        path the layers changed, as it is now (taken at unmount)."""
+    def fingerprint(self) -> dict:
+        """What every path the layers changed looks like now (taken at
+        unmount): {"seq", "layers": the store's state it belongs to,
+        "paths": path -> [size, mtime_ns, ctime_ns, ino] or None (absent)}."""
         layers = self.store.layers()
-        if not layers:
-            return {}
-        out = {}
-        for change in self.changes_since(layers[0].id):
+        out: dict[str, list | None] = {}
+        for change in self.changes_since(layers[0].id) if layers else []:
             for path in (change["path"], change.get("from")):
                 if path is not None:
                     out[path] = self._stat(os.fsencode(path))
-        return out
+        return {"seq": self.store._next_seq, "layers": [x.id for x in layers], "paths": out}
 
     def _stat(self, path: bytes) -> list | None:
         try:
@@ -153,9 +152,14 @@ class Stack:
             return ["unreachable"]    # a component is gone or no directory
         return None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
-    def drift(self, recorded: dict[str, list | None]) -> list[str]:
-        """The recorded paths that are not as they were at unmount."""
-        return sorted(path for path, was in recorded.items()
+    def drift(self, recorded: dict) -> list[str]:
+        """The recorded paths that are not as they were at unmount.  A
+        record the store has moved on from (a mount since then that did
+        not end cleanly) describes nothing any more."""
+        if recorded.get("seq") != self.store._next_seq or \
+                recorded.get("layers") != [x.id for x in self.store.layers()]:
+            return []
+        return sorted(path for path, was in recorded.get("paths", {}).items()
                       if self._stat(os.fsencode(path)) != was)
 
     def usage(self) -> dict:

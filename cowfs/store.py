@@ -24,6 +24,7 @@ from .errors import AlreadyMounted, StoreError
 
 MAP_SIZE = 64 << 30
 RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
+AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 DEFAULT_CHUNK_SIZE = 64 << 10
 
 
@@ -168,11 +169,12 @@ class Store:
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
-        try:    # attribution (newer than the rest: absent from older stores read-only)
-            self.db_who, self.db_writers = [env.open_db(name, create=not readonly)
-                                            for name in (S.DB_WHO, S.DB_WRITERS)]
+        try:    # attribution, audit (newer: absent from older stores opened read-only)
+            self.db_who, self.db_writers, self.db_audit = [
+                env.open_db(name, create=not readonly)
+                for name in (S.DB_WHO, S.DB_WRITERS, S.DB_AUDIT)]
         except lmdb.Error:
-            self.db_who = self.db_writers = None
+            self.db_who = self.db_writers = self.db_audit = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
@@ -524,6 +526,59 @@ class Store:
                 ino = S.from_u64(v)
                 counts[ino] = counts.get(ino, 0) + 1
         return counts
+
+    # -- the audit log ------------------------------------------------------------
+
+    def audit(self, event: str, **fields) -> None:
+        """Append an event (best effort: a full store loses the event, not
+        the operation)."""
+        self.audit_many([{"event": event, **fields}])
+
+    def audit_many(self, events: list[dict]) -> None:
+        if not events or self.db_audit is None or self.low_on_space():
+            return
+        now = time.time()
+        try:
+            with self.write() as w:
+                cur = w.txn.cursor(db=self.db_audit)
+                n = S.from_u64(cur.key()) + 1 if cur.last() else 1
+                for e in events:
+                    w.txn.put(S.u64(n), S.to_json({"n": n, "time": now, **e}),
+                              db=self.db_audit)
+                    n += 1
+        except OSError:
+            pass
+
+    def audit_events(self, after: int = 0) -> Iterator[dict]:
+        if self.db_audit is None:
+            return
+        with self.env.begin(db=self.db_audit) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(S.u64(after + 1))
+            while ok:
+                yield S.from_json(cur.value())
+                ok = cur.next()
+
+    def low_on_space(self) -> bool:
+        """Less than AUDIT_RESERVE free where the store is: the audit log
+        stops growing, so that what undo needs (a rollback writes too) is
+        not used up by it."""
+        try:
+            sv = os.statvfs(f"/proc/self/fd/{self.dirfd}")
+        except OSError:
+            return False
+        return sv.f_bavail * sv.f_frsize < AUDIT_RESERVE
+
+    def prune_audit(self, before: float) -> int:
+        """Drop audit events older than *before* (unix time)."""
+        dropped = 0
+        with self.write() as w:
+            cur = w.txn.cursor(db=self.db_audit)
+            cur.first()
+            while cur.key() and S.from_json(cur.value())["time"] < before:
+                cur.delete()        # (moves to the next; past the last, the key is empty)
+                dropped += 1
+        return dropped
 
     def who(self, layers: list[int], ino: int) -> dict | None:
         """The writer that first changed *ino* in the lowest of *layers*

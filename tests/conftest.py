@@ -132,6 +132,11 @@ class Workspace:
                 if " ERROR " in line or "Traceback" in line]
 
 
+def plain(changes: list[dict]) -> list[dict]:
+    """Changes without who made them (for comparing paths and kinds)."""
+    return [{k: v for k, v in c.items() if k != "who"} for c in changes]
+
+
 @contextlib.contextmanager
 def managed_workspace(path: Path) -> Iterator[Workspace]:
     """A new, empty workspace directory that is always unmounted (and its

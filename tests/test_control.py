@@ -30,7 +30,7 @@ from cowfs import control, treesnap
 from cowfs.errors import NOT_MOUNTED, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
-from .conftest import COWFS, Workspace, managed_workspace
+from .conftest import COWFS, Workspace, managed_workspace, plain
 
 MiB = 1 << 20
 OTHER_UID = 1234
@@ -135,7 +135,7 @@ def assert_mount_works(ws: Workspace, pid: int) -> None:
     assert probe.read_bytes() == data
     with open(ws / "a.txt", "a") as f:
         f.write("appended\n")
-    assert {"path": "health-probe.bin", "kind": "A"} in ws.status()
+    assert {"path": "health-probe.bin", "kind": "A"} in plain(ws.status())
     assert ws.log()[-1]["id"] == layer
     for cmd in (["log"], ["status"]):  # the human forms must not crash either
         r = ws.cowfs(*cmd, check=False)
@@ -450,7 +450,7 @@ def test_stalled_clients_do_not_block_others_and_are_closed(mounted):
         assert took < 5, f"a checkpoint took {took:.1f} s while clients stalled"
         t = time.monotonic()
         (ws / "during-stall").write_text("x\n")
-        assert ws.status() == [{"path": "during-stall", "kind": "A"}]
+        assert plain(ws.status()) == [{"path": "during-stall", "kind": "A"}]
         for _ in range(10):
             control.call(rec, "ping", timeout=5)
         took = time.monotonic() - t
@@ -551,7 +551,7 @@ def test_fifty_concurrent_clients_are_all_answered_correctly(mounted):
     assert {layer["id"]: layer["message"] for layer in log[len(before_ids):]} == by_id
     # since the burst began: exactly the files the clients created
     net = control.call(rec, "changes", since=first)["changes"]
-    assert sorted(net, key=lambda c: c["path"]) == sorted(
+    assert sorted(plain(net), key=lambda c: c["path"]) == sorted(
         ({"path": f"from-client-{i}", "kind": "A"} for i in range(n)), key=lambda c: c["path"])
     assert ws.daemon_pid() == pid
     ws.rollback(to=first)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import plain
+
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "cowfs@.service"
 INSTALLED_COWFS = "/usr/local/bin/cowfs"
@@ -189,7 +191,7 @@ def test_exec_start_notifies_ready_when_mounted_and_unmounts_on_sigterm(
         assert ls.returncode == 0, ls.stderr
         assert ls.stdout.split() == ["before.txt"]  # the store stays hidden
         (workspace / "during.txt").write_text("written through the mount\n")
-        assert workspace.status() == [{"path": "during.txt", "kind": "A"}]
+        assert plain(workspace.status()) == [{"path": "during.txt", "kind": "A"}]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0, logs.read_text(errors="replace")
