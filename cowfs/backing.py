@@ -12,6 +12,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import stat
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -185,3 +186,21 @@ def set_all_xattrs(path: bytes, follow: bool, pairs: list[tuple[bytes, bytes]]) 
             os.removexattr(path, n, follow_symlinks=follow)
     for n, v in want.items():
         os.setxattr(path, n, v, follow_symlinks=follow)
+
+
+def remove_tree_at(dirfd: int, name: bytes) -> None:
+    """Remove *name* in *dirfd* and everything below it, never following
+    symlinks."""
+    st = lstat_at(dirfd, name)
+    if st is None:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dirfd)
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+    try:
+        for child in os.listdir(fd):
+            remove_tree_at(fd, os.fsencode(child))
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -27,10 +28,11 @@ Loc = Callable[[], bytes]
 class Obj:
     """What the open layer holds for one object."""
 
-    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "attributed")
+    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "attributed", "pinned")
 
     def __init__(self) -> None:
         self.attributed = False
+        self.pinned = False
         self.created = False
         self.meta = False
         self.s0 = 0
@@ -49,6 +51,7 @@ class Recorder:
         self._pending_created: list[tuple[int, tuple | None]] = []
         self._saved: dict[int, tuple] = {}
         self.who: tuple[int, int] | None = None     # (pid, uid) of the request
+        self.ignore = None                          # IgnoreRules, when there are any
         self._writers: dict[tuple, int] = {}        # (pid, start time) -> writer id
         self._procs: dict[tuple, dict] = {}         # (pid, start time) -> pid, uid, cmd
         self.reset(fresh=False)
@@ -82,6 +85,8 @@ class Recorder:
                 _, _, kind, chunk = S.split_index_key(cur.key())
                 if kind == S.IDX_CREATED:
                     o.created = True
+                elif kind == S.IDX_PINNED:
+                    o.pinned = True
                 elif kind == S.IDX_META:
                     raw = txn.get(cur.value(), db=self.store.db_journal)
                     rec = S.decode_or_damaged(raw or b"")
@@ -133,10 +138,10 @@ class Recorder:
                             w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
         except BaseException:
-            for ino, (meta, s0, xattrs, chunks, attributed) in self._saved.items():
+            for ino, saved in self._saved.items():
                 o = self.objs[ino]
-                o.meta, o.s0, o.xattrs, o.chunks, o.attributed = meta, s0, xattrs, chunks, \
-                    attributed
+                (o.meta, o.s0, o.xattrs, o.chunks, o.attributed, o.pinned,
+                 o.created) = saved
             raise
         finally:
             self._saved = {}
@@ -144,7 +149,8 @@ class Recorder:
 
     def _changing(self, ino: int, o: Obj) -> None:
         if ino not in self._saved:
-            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks), o.attributed)
+            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks), o.attributed,
+                                o.pinned, o.created)
 
     def flush(self) -> None:
         """Write index entries still held in memory (before a layer switch).
@@ -167,6 +173,31 @@ class Recorder:
             o.attributed = True
             self._pending_created.append(
                 (ino, self._process(self.who) if self.who is not None else None))
+
+    # -- capture filters (cowfs/ignore.py) -------------------------------------------
+
+    def ignored(self, path: bytes, is_dir: bool, ino: int | None = None) -> bool:
+        """Whether a change of *path* (of object *ino*) goes uncaptured: the
+        path matches, and the object was not seen at a captured path in
+        this layer."""
+        if self.ignore is None or not self.ignore.matches(path, is_dir):
+            return False
+        return ino is None or not self.obj(ino).pinned
+
+    def _skip(self, ino: int, o: Obj, loc: Loc, is_dir: bool) -> bool:
+        """An object first changed at an ignored path is treated as new in
+        this layer: nothing of it is captured."""
+        if self.ignore is not None and not o.pinned and self.ignore.matches(loc(), is_dir):
+            o.created = True
+            return True
+        return False
+
+    def pin(self, w: Writer, ino: int) -> None:
+        o = self.obj(ino)
+        if not o.pinned and self.ignore is not None:
+            self._changing(ino, o)
+            w.index_put(self.layer, ino, S.IDX_PINNED, 0)
+            o.pinned = True
 
     # -- attribution ----------------------------------------------------------------
 
@@ -224,6 +255,8 @@ class Recorder:
 
     def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
         self.attribute(w, ino)
+        if not self.obj(ino).created:
+            self.pin(w, ino)     # captured here: wherever it goes now, it stays so
         w.append(S.encode_record(S.RENAME, src, dst, ino))
 
     def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
@@ -238,6 +271,8 @@ class Recorder:
         o = self.obj(ino)
         if o.created or o.meta:
             return o
+        if self._skip(ino, o, loc, stat.S_ISDIR(st.st_mode)):
+            return o
         self._changing(ino, o)
         self.attribute(w, ino)
         seq = w.append(S.encode_record(
@@ -249,9 +284,9 @@ class Recorder:
         return o
 
     def xattrs(self, w: Writer, ino: int, loc: Loc,
-               pairs: Callable[[], list[tuple[bytes, bytes]]]) -> None:
+               pairs: Callable[[], list[tuple[bytes, bytes]]], is_dir: bool = False) -> None:
         o = self.obj(ino)
-        if o.created or o.xattrs:
+        if o.created or o.xattrs or self._skip(ino, o, loc, is_dir):
             return
         self._changing(ino, o)
         self.attribute(w, ino)

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-layers", type=parse_count, metavar="N",
                    help="most layers above the base (0: no limit); past it the oldest are "
                         "merged into the base, so undo back to the base is kept")
+    s.add_argument("--ignore", action="append", metavar="PATTERN",
+                   help="do not capture changes under paths matching PATTERN (gitignore "
+                        "syntax, like .cowfsignore; repeatable; kept for later mounts; "
+                        "--ignore '' clears)")
     s.add_argument("--accept-drift", action="store_true",
                    help="mount even though paths the layers changed were changed while "
                         "not mounted (recorded in the log)")
@@ -256,7 +260,8 @@ def do_mount(args) -> int:
 
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
-            "max_layers": args.max_layers, "accept_drift": args.accept_drift}
+            "max_layers": args.max_layers, "accept_drift": args.accept_drift,
+            "ignore": args.ignore}
 
 
 def do_audit(args) -> int:

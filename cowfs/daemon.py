@@ -35,6 +35,7 @@ from .capture import Recorder
 from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
+from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 
 AUDIT_HASH_LIMIT = 64 << 20
@@ -134,13 +135,14 @@ class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
                  store: str | None = None, chunk_size: int | None = None,
                  max_store: int | None = None, max_layers: int | None = None,
-                 accept_drift: bool = False):
+                 accept_drift: bool = False, ignore: list[str] | None = None):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
         self.limits = {"max_store": max_store, "max_layers": max_layers}
         self.accept_drift = accept_drift
+        self.ignore_patterns = ignore     # None: the store's, as the last mount set them
         self.owner = os.geteuid()
         self.warnings: list[str] = []
         self.lock = trio.Lock()
@@ -202,8 +204,13 @@ class Daemon:
             self.warnings += self._resume_checkpoint(pending)
         elif pending is not None:
             self.warnings += trio.run(self._resume)
+        if create and self.ignore_patterns is not None:
+            self.store.set_meta_json(S.K_IGNORE, self.ignore_patterns)
+        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(S.K_IGNORE) or [])
+        self.stack.ignored = self.rules.matches
         self.stack.resume()
         self.recorder = Recorder(self.store)
+        self.recorder.ignore = self.rules
 
     def _check_drift(self) -> None:
         """Paths the layers changed that were changed again while the
@@ -942,7 +949,10 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
     if store:
         args += ["--store", os.path.abspath(store)]
     for name, value in options.items():
-        if value is True:
+        if isinstance(value, list):
+            for item in value:
+                args += [f"--{name.replace('_', '-')}", item]
+        elif value is True:
             args.append(f"--{name.replace('_', '-')}")
         elif value is not None and value is not False:
             args += [f"--{name.replace('_', '-')}", str(value)]
@@ -1008,11 +1018,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in MOUNT_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--accept-drift", action="store_true")
+    p.add_argument("--ignore", action="append")
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
     return serve(a.workspace, a.mountpoint, a.store, detach(a.ready_fd), foreground=False,
-                 accept_drift=a.accept_drift,
+                 accept_drift=a.accept_drift, ignore=a.ignore,
                  **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 
 

@@ -467,7 +467,8 @@ class CowFS(pyfuse3.Operations):
             return
         with self.rec.txn() as w:
             self.rec.xattrs(w, node.bino, functools.partial(self._loc, node),
-                            lambda: B.list_xattrs(*self._xpath(node)))
+                            lambda: B.list_xattrs(*self._xpath(node)),
+                            stat.S_ISDIR(node.mode))
 
     def _own(self, parent: Node, name: bytes, ctx, mode: int, fd: int | None = None) -> None:
         """Give a new object the caller's uid and gid (or the directory's gid
@@ -496,9 +497,10 @@ class CowFS(pyfuse3.Operations):
         if B.lstat_at(parent.fd, name) is not None:
             raise FUSEError(errno.EEXIST)
         self.rec.obj(parent.bino)
-        with self.rec.txn() as w:
-            self._dir_changes(w, parent)
-            self.rec.create(w, self._child(parent, name))
+        if not self.rec.ignored(self._child(parent, name), stat.S_ISDIR(mode)):
+            with self.rec.txn() as w:
+                self._dir_changes(w, parent)
+                self.rec.create(w, self._child(parent, name))
         make()
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
@@ -658,9 +660,10 @@ class CowFS(pyfuse3.Operations):
             return fi, self._attr(node, os.stat(node.fd))
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
-        with self.rec.txn() as w:
-            self._dir_changes(w, parent)
-            self.rec.create(w, self._child(parent, name))
+        if not self.rec.ignored(self._child(parent, name), False):
+            with self.rec.txn() as w:
+                self._dir_changes(w, parent)
+                self.rec.create(w, self._child(parent, name))
         fd = os.open(name, self._open_flags(flags) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                      stat.S_IMODE(mode), dir_fd=parent.fd)
         try:
@@ -696,6 +699,18 @@ class CowFS(pyfuse3.Operations):
         if not want_dir and isdir:
             raise FUSEError(errno.EISDIR)
         self.rec.obj(parent.bino)
+        if self.rec.ignored(self._child(parent, name), isdir, st.st_ino):
+            # Not captured: removed for real, the parent's times are left.
+            if isdir:
+                os.rmdir(name, dir_fd=parent.fd)
+            else:
+                os.unlink(name, dir_fd=parent.fd)
+            node = self.by_bino.get(st.st_ino)
+            if node is not None:
+                self._remove_link(node, parent, name)
+            if isdir or st.st_nlink == 1:
+                self._orphan(st.st_ino)
+            return
         if not isdir and self.rec.obj(st.st_ino).created:
             # Nothing to keep.  (Directories always go to the grave, even
             # new ones: earlier records may name paths inside them, and those
@@ -766,17 +781,22 @@ class CowFS(pyfuse3.Operations):
                     raise FUSEError(errno.ENOTEMPTY)
             elif stat.S_ISDIR(sst.st_mode):
                 raise FUSEError(errno.ENOTDIR)
-        bury = dst is not None and (stat.S_ISDIR(dst.st_mode)
-                                    or not self.rec.obj(dst.st_ino).created)
+        isdir = stat.S_ISDIR(sst.st_mode)
+        dst_ignored = dst is not None and self.rec.ignored(dst_path, isdir, dst.st_ino)
+        quiet = not flags & B.RENAME_WHITEOUT and self.rec.ignored(
+            src_path, isdir, sst.st_ino) and self.rec.ignored(dst_path, isdir)
+        bury = dst is not None and not dst_ignored and (stat.S_ISDIR(dst.st_mode)
+                                                        or not self.rec.obj(dst.st_ino).created)
         whiteout = flags & B.RENAME_WHITEOUT
         gid = None
         with self.rec.txn() as w:
-            self._dir_changes(w, sp, dp)
-            if bury:
-                gid = self._bury(w, dp, name_new, dst)
-            self.rec.rename(w, src_path, dst_path, sst.st_ino)
-            if whiteout:  # undone first: the whiteout leaves the name free
-                self.rec.create(w, src_path)
+            if not quiet:      # (within ignored paths: nothing is recorded)
+                self._dir_changes(w, sp, dp)
+                if bury:
+                    gid = self._bury(w, dp, name_new, dst)
+                self.rec.rename(w, src_path, dst_path, sst.st_ino)
+                if whiteout:  # undone first: the whiteout leaves the name free
+                    self.rec.create(w, src_path)
         if gid is not None:
             self._to_grave(dp, name_new, gid, dst.st_ino)
         try:

@@ -280,7 +280,7 @@ def check(store: Store, hashes: bool = True) -> Report:
             lid = S.split_index_key(key)[0]
             seq = S.from_u64(cur.value())
             kind = S.split_index_key(key)[2]
-            if lid not in ids or (kind != S.IDX_CREATED and
+            if lid not in ids or (kind not in (S.IDX_CREATED, S.IDX_PINNED) and
                                   (seq not in seqs or layer_of(starts, seq) != lid)):
                 rep.drop_index.append(key)
                 stale += 1
@@ -312,7 +312,6 @@ def grave_names(store: Store) -> list[str]:
 def repair(store: Store, rep: Report) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
     files are removed after it commits); return what was done."""
-    from .stack import remove_tree_at
     done = []
     with store.write() as w:
         for h, n in rep.fix_refs.items():
@@ -343,7 +342,7 @@ def repair(store: Store, rep: Report) -> list[str]:
         rep.drop_grave_files.append(str(gid))
     for name in rep.drop_grave_files:
         try:
-            remove_tree_at(store.grave_fd, os.fsencode(name))
+            B.remove_tree_at(store.grave_fd, os.fsencode(name))
         except FileNotFoundError:
             pass
     if rep.drop_graves or rep.drop_grave_files:

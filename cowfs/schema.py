@@ -30,6 +30,7 @@ Databases
              ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
+             ``ignore``      JSON  the mount's --ignore patterns (a list)
              ``drift``       JSON  written at a clean unmount: {"seq", "layers":
                                    the store's state then, "paths": workspace
                                    path -> [size, mtime_ns, ctime_ns, ino] (null:
@@ -98,6 +99,7 @@ K_STATE = b"state"
 K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
+K_IGNORE = b"ignore"
 
 _U64 = struct.Struct(">Q")
 
@@ -124,6 +126,7 @@ IDX_CREATED = b"N"
 IDX_META = b"M"
 IDX_XATTRS = b"X"
 IDX_CHUNK = b"C"
+IDX_PINNED = b"P"   # (value 0) seen at a captured path: never ignored in this layer
 
 
 def index_prefix(layer: int, ino: int | None = None) -> bytes:

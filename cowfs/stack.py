@@ -34,6 +34,7 @@ class Stack:
     def __init__(self, store: Store, resolver: B.Resolver):
         self.store = store
         self.resolver = resolver
+        self.ignored = None   # the capture filter ((path, is_dir) -> bool), if any
 
     # -- basics -----------------------------------------------------------------
 
@@ -200,7 +201,7 @@ class Stack:
                         S.index_key(below.id, ino, S.IDX_CREATED), db=st.db_index) is not None
                 lower = S.index_key(below.id, ino, kind, chunk)
                 lower_has = txn.get(lower, db=st.db_index) is not None
-                if kind != S.IDX_CREATED and (created_below[ino] or lower_has):
+                if kind not in FLAGS and (created_below[ino] or lower_has):
                     # The lower layer already restores this (it is older).
                     w.delete_record(S.from_u64(val))
                 elif not lower_has:
@@ -228,7 +229,7 @@ class Stack:
             _plan_discards(w, base)
         st.forget_layer_cache()
         for gid in graves:
-            remove_tree_at(st.grave_fd, str(gid).encode())
+            B.remove_tree_at(st.grave_fd, str(gid).encode())
         return freed
 
     def _drop_index(self, w, layer_id: int) -> None:
@@ -280,7 +281,7 @@ class Stack:
                     and txn.get(S.u64(int(n)), db=self.store.db_graves) is not None}
         for n in names:
             if n not in live:
-                remove_tree_at(self.store.grave_fd, os.fsencode(n))
+                B.remove_tree_at(self.store.grave_fd, os.fsencode(n))
                 removed += 1
         return removed
 
@@ -324,7 +325,7 @@ class Stack:
         st = self.store
         report = RollbackReport()
         layers = [layer for layer in st.layers() if layer.id >= to]
-        undo = Undoer(st, self.resolver, report.touched)
+        undo = Undoer(st, self.resolver, report.touched, self.ignored)
         if layers:
             records = list(st.records(layers[0].start, st._next_seq, reverse=True))
             # An object with a corrupt or missing pre-image is skipped as a
@@ -514,6 +515,8 @@ class Stack:
         return None
 
 
+FLAGS = (S.IDX_CREATED, S.IDX_PINNED)   # index entries that name no record
+
 # -- the pending record's steps ------------------------------------------------------
 
 FINISHED = ("done", "failed")
@@ -555,21 +558,3 @@ def subst_prefix(p: bytes, a: bytes, b: bytes) -> bytes | None:
     if p.startswith(a + b"/"):
         return b + p[len(a):]
     return None
-
-
-def remove_tree_at(dirfd: int, name: bytes) -> None:
-    """Remove *name* in *dirfd* and everything below it, never following
-    symlinks."""
-    st = B.lstat_at(dirfd, name)
-    if st is None:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dirfd)
-        return
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
-    try:
-        for child in os.listdir(fd):
-            remove_tree_at(fd, os.fsencode(child))
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dirfd)

@@ -8,6 +8,7 @@ resolved relative to directory fds without following symlinks.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass, field
@@ -36,10 +37,12 @@ class Touched:
 
 
 class Undoer:
-    def __init__(self, store: Store, resolver: B.Resolver, touched: Touched | None = None):
+    def __init__(self, store: Store, resolver: B.Resolver, touched: Touched | None = None,
+                 ignored=None):
         self.store = store
         self.r = resolver
         self.touched = touched if touched is not None else Touched()
+        self.ignored = ignored    # (path, is_dir) -> bool: the capture filter, if any
 
     def apply(self, rec: S.Record) -> None:
         handler = _HANDLERS[rec.kind]
@@ -53,12 +56,34 @@ class Undoer:
             if st is None:
                 return
             if stat.S_ISDIR(st.st_mode):
-                os.rmdir(n, dir_fd=d)
+                try:
+                    os.rmdir(n, dir_fd=d)
+                except OSError as e:
+                    # A directory made in the layer goes with what was made
+                    # in it at ignored paths (never captured), and only that.
+                    if e.errno != errno.ENOTEMPTY or not self._only_ignored(d, n, path):
+                        raise
+                    B.remove_tree_at(d, n)
             else:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
         self.touched.entry(path)
+
+    def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
+        if self.ignored is None:
+            return False
+        fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+        try:
+            for entry in os.scandir(fd):
+                child = path + b"/" + os.fsencode(entry.name)
+                is_dir = entry.is_dir(follow_symlinks=False)
+                if not self.ignored(child, is_dir) and not (
+                        is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)):
+                    return False
+        finally:
+            os.close(fd)
+        return True
 
     def _create(self, path: bytes) -> None:
         self._remove(path)

@@ -1,0 +1,68 @@
+"""Capture filters: `.cowfsignore` in the workspace root (gitignore syntax,
+read with pathspec's GitIgnoreSpec) plus the mount's `--ignore PATTERN`s.
+
+Changes under a matching path are not captured and cost nothing: status and
+diff do not show them, and a rollback leaves them as they are.  What is
+matched is the path an object has when it is first changed in a layer; an
+object that a layer saw at a path that does not match stays captured
+wherever it moves (the filter never hides a change of a path it does not
+match).  `.cowfsignore` itself is always captured.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pathspec
+
+from . import backing as B
+
+NAME = b".cowfsignore"
+MAX_SIZE = 1 << 20
+RECHECK = 1.0   # seconds between looks at .cowfsignore
+
+
+class IgnoreRules:
+    def __init__(self, rootfd: int, extra: list[str]):
+        self.rootfd = rootfd
+        self.extra = list(extra)
+        self.spec: pathspec.GitIgnoreSpec | None = None
+        self._seen: tuple | None = None
+        self._checked = 0.0
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < RECHECK:
+            return
+        self._checked = now
+        st = B.lstat_at(self.rootfd, NAME)
+        seen = None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if seen == self._seen and not force:
+            return
+        self._seen = seen
+        lines = list(self.extra)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SIZE:
+            try:
+                fd = os.open(NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                             dir_fd=self.rootfd)
+                try:
+                    lines += os.read(fd, MAX_SIZE).decode("utf-8", "replace").splitlines()
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+        self.spec = pathspec.GitIgnoreSpec.from_lines(lines) if any(
+            line.strip() and not line.lstrip().startswith("#") for line in lines) else None
+
+    def matches(self, path: bytes, is_dir: bool) -> bool:
+        """Whether changes of the object at *path* (workspace-relative) go
+        uncaptured."""
+        if not path or path == NAME or path.startswith(b"\0"):
+            return False
+        self.refresh()
+        if self.spec is None:
+            return False
+        return self.spec.match_file(os.fsdecode(path) + ("/" if is_dir else ""))
