@@ -260,11 +260,11 @@ class Stack:
         """Each change with who first made it ("who": pid, uid, cmd), from
         the layers since *since*; the internal "ino" is dropped."""
         layers = [layer.id for layer in self.store.layers() if layer.id >= since]
-        for c in changes:
-            ino = c.pop("ino", None)
-            who = self.store.who(layers, ino) if ino is not None else None
-            if who is not None:
-                c["who"] = who
+        inos = [c.pop("ino", None) for c in changes]
+        found = self.store.who(layers, [i for i in inos if i is not None])
+        for c, ino in zip(changes, inos):
+            if ino in found:
+                c["who"] = dict(found[ino])
         return changes
 
     def sweep_graves(self) -> int:

@@ -580,18 +580,25 @@ class Store:
                 dropped += 1
         return dropped
 
-    def who(self, layers: list[int], ino: int) -> dict | None:
-        """The writer that first changed *ino* in the lowest of *layers*
-        that has it, with its id."""
+    def who(self, layers: list[int], inos: list[int]) -> dict[int, dict]:
+        """For each of *inos*, the writer that first changed it in the
+        lowest of *layers* that has it (with its id); one transaction."""
+        out: dict[int, dict] = {}
         if self.db_who is None:
-            return None
+            return out
+        writers: dict[bytes, dict] = {}
         with self.env.begin() as txn:
-            for layer in sorted(layers):
-                wid = txn.get(S.u64(layer) + S.u64(ino), db=self.db_who)
-                if wid is not None:
-                    info = txn.get(wid, db=self.db_writers)
-                    return (S.from_json(info) if info else {}) | {"id": S.from_u64(wid)}
-        return None
+            for ino in inos:
+                for layer in sorted(layers):
+                    wid = txn.get(S.u64(layer) + S.u64(ino), db=self.db_who)
+                    if wid is not None:
+                        if wid not in writers:
+                            info = txn.get(wid, db=self.db_writers)
+                            writers[wid] = (S.from_json(info) if info else {}) | {
+                                "id": S.from_u64(wid)}
+                        out[ino] = writers[wid]
+                        break
+        return out
 
     def chunk(self, h: bytes) -> bytes | None:
         with self.env.begin(db=self.db_chunks) as txn:
