@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not capture changes under paths matching PATTERN (gitignore "
                         "syntax, like .cowfsignore; repeatable; kept for later mounts; "
                         "--ignore '' clears)")
+    s.add_argument("--audit", choices=("hashes", "changes", "events"),
+                   help="what the audit log records of each kept change: its path, kind, "
+                        "writer and both sides' xxh3 (hashes, the default; costs a read of "
+                        "each changed file at commit), the same without hashes (changes), "
+                        "or only the stack events (events); kept for later mounts")
     s.add_argument("--accept-drift", action="store_true",
                    help="mount even though paths the layers changed were changed while "
                         "not mounted (recorded in the log)")
@@ -261,7 +266,7 @@ def do_mount(args) -> int:
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
             "max_layers": args.max_layers, "accept_drift": args.accept_drift,
-            "ignore": args.ignore}
+            "ignore": args.ignore, "audit": args.audit}
 
 
 def do_audit(args) -> int:

@@ -37,12 +37,13 @@ from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, Not
 from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
-
-AUDIT_HASH_LIMIT = 64 << 20
 from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
+
+AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
+AUDIT_LEVELS = ("hashes", "changes", "events")
 
 log = logging.getLogger("cowfs.daemon")
 
@@ -135,12 +136,13 @@ class Daemon:
     def __init__(self, workspace: str, mountpoint: str | None = None,
                  store: str | None = None, chunk_size: int | None = None,
                  max_store: int | None = None, max_layers: int | None = None,
-                 accept_drift: bool = False, ignore: list[str] | None = None):
+                 accept_drift: bool = False, ignore: list[str] | None = None,
+                 audit: str | None = None):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
-        self.limits = {"max_store": max_store, "max_layers": max_layers}
+        self.limits = {"max_store": max_store, "max_layers": max_layers, "audit": audit}
         self.accept_drift = accept_drift
         self.ignore_patterns = ignore     # None: the store's, as the last mount set them
         self.owner = os.geteuid()
@@ -609,7 +611,7 @@ class Daemon:
     async def op_commit(self) -> dict:
         await self._flush()
         await self._finish_leftover()
-        kept = self._audit_changes(self.store.top().id, hashes=True)
+        kept = self._audit_changes(self.store.top().id, hashes=self._audit_level() == "hashes")
         info = self.stack.commit()
         self.store.audit_many([{"event": "commit", "layer": info["committed"],
                                 "into": info["into"], "changes": len(kept)}]
@@ -740,10 +742,16 @@ class Daemon:
         return await trio.to_thread.run_sync(
             start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
 
+    def _audit_level(self) -> str:
+        return self.store.limits().get("audit") or "hashes"
+
     def _audit_changes(self, since: int, hashes: bool) -> list[dict]:
         """Change events for what changed since layer *since* opened: path,
         kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
-        up to AUDIT_HASH_LIMIT; larger ones get sizes only)."""
+        up to AUDIT_HASH_LIMIT; larger ones get sizes only).  None at audit
+        level "events"."""
+        if self._audit_level() == "events":
+            return []
         try:
             if not hashes:
                 return [{"event": "change", **c} for c in self.stack.changes_since(since)]
@@ -1019,11 +1027,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--accept-drift", action="store_true")
     p.add_argument("--ignore", action="append")
+    p.add_argument("--audit", choices=AUDIT_LEVELS)
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
     return serve(a.workspace, a.mountpoint, a.store, detach(a.ready_fd), foreground=False,
-                 accept_drift=a.accept_drift, ignore=a.ignore,
+                 accept_drift=a.accept_drift, ignore=a.ignore, audit=a.audit,
                  **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 
 

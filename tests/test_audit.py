@@ -64,3 +64,26 @@ def test_restore_is_audited_and_retention_is_separate(mounted):
     assert events(ws) == []
     ws.checkpoint()                                                  # logging goes on
     assert [e["event"] for e in events(ws)] == ["checkpoint"]
+
+
+def test_audit_level_is_a_mount_option_kept_in_the_store(workspace):
+    ws = workspace
+    (ws / "f").write_text("one\n")
+    ws.mount("--audit", "changes")
+    ws.checkpoint()
+    (ws / "f").write_text("two\n")
+    ws.commit()
+    [change] = [e for e in events(ws) if e["event"] == "change"]
+    assert change["path"] == "f" and "before" not in change and "who" in change
+    ws.unmount()
+    ws.mount("--audit", "events")
+    ws.checkpoint()
+    (ws / "f").write_text("three\n")
+    ws.commit()
+    ws.unmount()
+    ws.mount()                                      # kept
+    ws.checkpoint()
+    (ws / "f").write_text("four\n")
+    ws.commit()
+    assert len([e for e in events(ws) if e["event"] == "change"]) == 1
+    assert [e["event"] for e in events(ws)].count("commit") == 3
