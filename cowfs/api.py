@@ -190,7 +190,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _set_attrs(path: str, info: dict, xattrs: bool) -> None:
+def _set_attrs(path: str, info: dict) -> None:
     """Owner, mode, xattrs and times of *path* as *info* (op show) gives
     them; times last, so nothing after them moves them."""
     link = info["kind"] == "symlink"
@@ -198,7 +198,7 @@ def _set_attrs(path: str, info: dict, xattrs: bool) -> None:
         os.chown(path, info["uid"], info["gid"], follow_symlinks=False)
     if not link:
         os.chmod(path, stat.S_IMODE(info["mode"]))
-    if xattrs and not link:
+    if not link:
         wanted = {base64.b64decode(n): base64.b64decode(v) for n, v in info["xattrs"]}
         for name in os.listxattr(path, follow_symlinks=False):
             if os.fsencode(name) not in wanted:
@@ -332,7 +332,7 @@ class Workspace:
             if st is not None:
                 _remove(self._abs(d))
             os.mkdir(self._abs(d), 0o700)
-            _set_attrs(self._abs(d), info, xattrs=True)
+            _set_attrs(self._abs(d), info)
             done.append(d)
 
     def _restore(self, rel: str, layer: int | None, done: list[str]) -> None:
@@ -376,7 +376,7 @@ class Workspace:
                 os.mknod(target, info["mode"], info["rdev"])
         else:
             raise CowfsError(f"{rel}: a {kind} cannot be restored", USAGE)
-        _set_attrs(target, info, xattrs=True)
+        _set_attrs(target, info)
         done.append(rel)
 
     def top(self) -> int:

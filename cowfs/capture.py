@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -54,6 +55,7 @@ class Recorder:
         self.ignore = None                          # IgnoreRules, when there are any
         self._writers: dict[tuple, int] = {}        # (pid, start time) -> writer id
         self._procs: dict[tuple, dict] = {}         # (pid, start time) -> pid, uid, cmd
+        self._recent: dict[int, tuple] = {}         # pid -> (until, its _process answer)
         self.reset(fresh=False)
 
     def reset(self, fresh: bool) -> None:
@@ -176,10 +178,10 @@ class Recorder:
 
     # -- capture filters (cowfs/ignore.py) -------------------------------------------
 
-    def ignored(self, path: bytes, is_dir: bool, ino: int | None = None) -> bool:
-        """Whether a change of *path* (of object *ino*) goes uncaptured: the
-        path matches, and the object was not seen at a captured path in
-        this layer."""
+    def ignored(self, path: bytes | Loc, is_dir: bool, ino: int | None = None) -> bool:
+        """Whether a change of *path* (or of the path a function gives; of
+        object *ino*) goes uncaptured: the path matches, and the object was
+        not seen at a captured path in this layer."""
         if self.ignore is None or not self.ignore.matches(path, is_dir):
             return False
         return ino is None or not self.obj(ino).pinned
@@ -216,6 +218,10 @@ class Recorder:
         read from /proc while its request is being served (once per
         process: a short-lived one is gone soon after)."""
         pid, uid = who
+        now = time.monotonic()
+        recent = self._recent.get(pid)
+        if recent is not None and recent[0] > now:   # (no pid is reused within a second)
+            return recent[1]
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 key = (pid, int(f.read().rsplit(b")", 1)[1].split()[19]))
@@ -229,6 +235,7 @@ class Recorder:
             except OSError:
                 cmd = []
             info = self._procs[key] = {"pid": pid, "uid": uid, "cmd": cmd}
+        self._recent[pid] = (now + 1.0, (key, info))
         return key, info
 
     def _writer(self, w: Writer, process: tuple[tuple, dict]) -> int:

@@ -511,7 +511,7 @@ def do_show(args) -> int:
             res = call(args, "show", layer=int(layer), path=path, offset=offset)
         sink.flush()
     elif res["kind"] == "dir":
-        out(args, "\n".join(e + ("/" if False else "") for e in res["entries"]) or None, res)
+        out(args, "\n".join(res["entries"]) or None, res)
     elif res["kind"] == "symlink":
         out(args, res["target"], res)
     else:

@@ -152,6 +152,7 @@ class Daemon:
         self.unmounted_by_request = False
         self.recovering = False
         self.fs: CowFS | None = None
+        self._history_cache: tuple | None = None   # (store state, History) for show/diff
 
     # -- setting up ---------------------------------------------------------------
 
@@ -708,7 +709,7 @@ class Daemon:
         top = self.store.top()
         layer = top.id if layer is None else layer
         key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
-        cached = getattr(self, "_history_cache", None)
+        cached = self._history_cache
         if cached is None or cached[0] != key:
             cached = (key, History(self.store, self.stack.resolver, layer, self.hidden))
             self._history_cache = cached

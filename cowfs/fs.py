@@ -497,7 +497,8 @@ class CowFS(pyfuse3.Operations):
         if B.lstat_at(parent.fd, name) is not None:
             raise FUSEError(errno.EEXIST)
         self.rec.obj(parent.bino)
-        if not self.rec.ignored(self._child(parent, name), stat.S_ISDIR(mode)):
+        if not self.rec.ignored(functools.partial(self._child, parent, name),
+                                stat.S_ISDIR(mode)):
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
                 self.rec.create(w, self._child(parent, name))
@@ -660,7 +661,7 @@ class CowFS(pyfuse3.Operations):
             return fi, self._attr(node, os.stat(node.fd))
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
-        if not self.rec.ignored(self._child(parent, name), False):
+        if not self.rec.ignored(functools.partial(self._child, parent, name), False):
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
                 self.rec.create(w, self._child(parent, name))
@@ -699,7 +700,7 @@ class CowFS(pyfuse3.Operations):
         if not want_dir and isdir:
             raise FUSEError(errno.EISDIR)
         self.rec.obj(parent.bino)
-        if self.rec.ignored(self._child(parent, name), isdir, st.st_ino):
+        if self.rec.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
             # Not captured: removed for real, the parent's times are left.
             if isdir:
                 os.rmdir(name, dir_fd=parent.fd)
@@ -783,8 +784,11 @@ class CowFS(pyfuse3.Operations):
                 raise FUSEError(errno.ENOTDIR)
         isdir = stat.S_ISDIR(sst.st_mode)
         dst_ignored = dst is not None and self.rec.ignored(dst_path, isdir, dst.st_ino)
+        # Within ignored paths nothing is recorded, unless the object replaced
+        # was seen at a captured path (it is kept, as any captured object).
         quiet = not flags & B.RENAME_WHITEOUT and self.rec.ignored(
-            src_path, isdir, sst.st_ino) and self.rec.ignored(dst_path, isdir)
+            src_path, isdir, sst.st_ino) and (dst_ignored if dst is not None
+                                              else self.rec.ignored(dst_path, isdir))
         bury = dst is not None and not dst_ignored and (stat.S_ISDIR(dst.st_mode)
                                                         or not self.rec.obj(dst.st_ino).created)
         whiteout = flags & B.RENAME_WHITEOUT

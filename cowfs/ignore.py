@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from typing import Callable
 
 import pathspec
 
@@ -57,12 +58,15 @@ class IgnoreRules:
         self.spec = pathspec.GitIgnoreSpec.from_lines(lines) if any(
             line.strip() and not line.lstrip().startswith("#") for line in lines) else None
 
-    def matches(self, path: bytes, is_dir: bool) -> bool:
-        """Whether changes of the object at *path* (workspace-relative) go
+    def matches(self, path: bytes | Callable[[], bytes], is_dir: bool) -> bool:
+        """Whether changes of the object at *path* (workspace-relative; or
+        a function giving it, called only when there are patterns) go
         uncaptured."""
-        if not path or path == NAME or path.startswith(b"\0"):
-            return False
         self.refresh()
         if self.spec is None:
+            return False
+        if callable(path):
+            path = path()
+        if not path or path == NAME or path.startswith(b"\0"):
             return False
         return self.spec.match_file(os.fsdecode(path) + ("/" if is_dir else ""))

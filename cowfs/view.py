@@ -30,6 +30,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from . import backing as B
+from . import errors
 from . import schema as S
 from .errors import CowfsError
 from .past import History, Past
@@ -265,8 +266,9 @@ def serve(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
     try:
         pyfuse3.init(fs, mountpoint, options)
     except (OSError, RuntimeError) as e:
-        report({"ok": False, "code": 9, "error": f"cannot mount the view at {mountpoint}: {e}"})
-        return 9
+        report({"ok": False, "code": errors.DAEMON_ERROR,
+                "error": f"cannot mount the view at {mountpoint}: {e}"})
+        return errors.DAEMON_ERROR
     try:
         trio.run(pyfuse3.main)
     finally:

@@ -76,12 +76,17 @@ def test_compileall_caches_cost_nothing_and_survive_rollback(workspace):
     assert sorted(os.listdir(pkg / "__pycache__")) == caches       # left as they are
 
 
-def test_a_tracked_file_moved_into_an_ignored_path_stays_captured(workspace):
-    ws = workspace
+def with_scratch(ws):
+    """An ignored scratch/ directory and a captured data.txt, mounted."""
     (ws / ".cowfsignore").write_text("scratch/\n")
     (ws / "scratch").mkdir()
     (ws / "data.txt").write_text("precious\n")
     ws.mount()
+    return ws
+
+
+def test_a_tracked_file_moved_into_an_ignored_path_stays_captured(workspace):
+    ws = with_scratch(workspace)
     before = ws.snapshot(exclude=(b".cowfs", b"scratch"))
     ws.checkpoint()
     os.rename(ws / "data.txt", ws / "scratch" / "data.txt")
@@ -130,3 +135,13 @@ def test_ignored_files_that_existed_are_not_kept_and_ignore_option(workspace):
     ws.mount("--ignore", "")                            # and can be cleared
     (ws / "other.tmp").write_text("x\n")
     assert [c["path"] for c in plain(ws.status())] == ["other.tmp"]
+
+
+def test_an_ignored_file_renamed_over_a_captured_one_does_not_lose_it(workspace):
+    ws = with_scratch(workspace)
+    ws.checkpoint()
+    os.rename(ws / "data.txt", ws / "scratch" / "data.txt")   # captured: stays so
+    (ws / "scratch" / "tmp").write_text("scratch work\n")
+    os.rename(ws / "scratch" / "tmp", ws / "scratch" / "data.txt")
+    ws.rollback()
+    assert (ws / "data.txt").read_text() == "precious\n"
