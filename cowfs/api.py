@@ -78,6 +78,13 @@ class RollbackResult:
 
 
 @dataclass
+class RedoResult:
+    restored: list[int]     # the layers brought back
+    applied: int
+    top: int
+
+
+@dataclass
 class CommitResult:
     committed: int
     into: int | None
@@ -251,14 +258,21 @@ class Workspace:
         return self._call("checkpoint", message=message, providers=list(providers),
                           containers=list(containers), vms=list(vms))["id"]
 
-    def rollback(self, to: int | None = None, dry_run: bool = False
+    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True
                  ) -> RollbackResult | list[Change]:
         """Undo the top layer, or every layer down to and including *to*.
-        With *dry_run*, change nothing and return what would be undone."""
+        With *dry_run*, change nothing and return what would be undone.
+        Without *keep_redo*, nothing is kept for `redo` (faster)."""
         if dry_run:
             return self.changes(since=to)
-        r = self._call("rollback", to=to)
+        r = self._call("rollback", to=to, keep_redo=keep_redo)
         return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
+
+    def redo(self) -> RedoResult:
+        """Undo the last rollback, exactly, if nothing changed since; else
+        raise (exit code 12: why not; 1: there was none) changing nothing."""
+        r = self._call("redo")
+        return RedoResult(r["restored"], r["applied"], r["top"])
 
     def commit(self) -> CommitResult:
         """Merge the top layer into the one below (the base: make permanent)."""

@@ -144,6 +144,15 @@ class Resolver:
         finally:
             os.close(fd)
 
+    def lstat(self, loc: bytes) -> os.stat_result | None:
+        """What is at *loc*; None when nothing is (or a component of its
+        path is gone)."""
+        try:
+            with self.at(loc) as (d, n):
+                return lstat_at(d, n)
+        except OSError:
+            return None
+
 
 def lstat_at(dirfd: int, name: bytes) -> os.stat_result | None:
     try:

@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--to", type=int, metavar="ID")
     s.add_argument("--dry-run", action="store_true",
                    help="list what the rollback would change (path and kind); change nothing")
+    s.add_argument("--no-redo", action="store_true",
+                   help="keep nothing for `cowfs redo` (faster; frees the undo data at once)")
+
+    cmd("redo", "undo the last rollback: bring its layers and files back exactly, as long "
+                "as nothing changed since (otherwise say why not and change nothing)")
 
     s = cmd("diff", "changes since layer ID was opened (default: the open layer), with "
                     "their content: unified diff for text, sizes and xxh3 for binary")
@@ -371,7 +376,7 @@ def call(args, op: str, **kw) -> dict:
         return result
 
 
-OFFLINE_OPS = {"status", "log", "rollback", "commit", "changes", "gc", "diff", "show",
+OFFLINE_OPS = {"status", "log", "rollback", "commit", "redo", "changes", "gc", "diff", "show",
                "view", "audit", "audit_prune"}
 
 
@@ -387,11 +392,30 @@ def do_rollback(args) -> int:
         res = call(args, "changes", since=args.to)
         out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
         return 0
-    res = call(args, "rollback", to=args.to)
+    res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
               f"({res['applied']} steps); open layer is {res['top']}", res)
     return 0
+
+
+def do_redo(args) -> int:
+    res = call(args, "redo")
+    restored = ", ".join(map(str, res["restored"]))
+    out(args, f"redid: layer{'s' if len(res['restored']) > 1 else ''} {restored} back "
+              f"({res['applied']} steps); open layer is {res['top']}", res)
+    return 0
+
+
+def redo_line(info: dict | None) -> list[str]:
+    """What status and log say about undoing the last rollback."""
+    if not info:
+        return []
+    from .redo import layers_text
+    what = f"# the rollback of {layers_text(info['layers'])}"
+    if info["available"]:
+        return [f"{what} can be undone: cowfs redo"]
+    return [f"{what} cannot be redone: {info['why']}"]
 
 
 def do_commit(args) -> int:
@@ -429,6 +453,7 @@ def do_status(args) -> int:
                  + f"; store {human_size(u['bytes'])}"
                  + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
                  + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)")
+    lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
     return 0
 
@@ -555,6 +580,7 @@ def do_log(args) -> int:
                 status += f", verify exit {run['verify_status']}"
             rows.append(f"{'':>39}run {run.get('outcome')} ({status}, {run.get('duration')} s): "
                         f"{run.get('command')}")
+    rows += redo_line(res.get("redo"))
     out(args, "\n".join(rows), res["layers"])
     return 0
 
@@ -795,7 +821,7 @@ def do_doctor(args) -> int:
 
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
-    "rollback": do_rollback, "commit": do_commit, "status": do_status, "log": do_log,
+    "rollback": do_rollback, "redo": do_redo, "commit": do_commit, "status": do_status, "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
     "restore": do_restore, "view": do_view, "audit": do_audit,

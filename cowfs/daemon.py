@@ -31,6 +31,7 @@ from . import backing as B
 from . import schema as S
 from . import errors
 from . import fsck
+from . import redo
 from .capture import Recorder
 from .control import MAX_REQUEST, encode
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
@@ -230,6 +231,8 @@ class Daemon:
                         f"were changed while the workspace was not mounted: {shown}; a "
                         "rollback would mix both; mount with --accept-drift to go on anyway")
         if drift:
+            self.stack.discard_redo("the workspace was changed while not mounted "
+                                    "(mounted with --accept-drift)")
             top = self.stack.ensure_base()
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
             self.warnings.append(f"accepted drift of {len(drift)} paths (recorded in the log): "
@@ -258,6 +261,8 @@ class Daemon:
     def mount(self, on_ready: Callable[[], None]) -> None:
         self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
                         on_init=on_ready)
+        self.stack.on_freed = self.fs.after_commit
+        self._arm_redo()
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}
         if os.geteuid() == 0:
@@ -571,19 +576,38 @@ class Daemon:
             return None, None, []
         ran = await self._provider_steps("restore")
         report = None
-        if files_left(self.stack.pending()):
+        pending = self.stack.pending()
+        if files_left(pending):
             before = self.store.top()
             try:
-                report = self.stack.roll_back_files()
+                report = self.stack.apply_files()
             finally:
                 if self.fs is not None:
+                    # a rollback of every layer opens a fresh base: memory
+                    # knows all it holds (nothing); a redo's layers are known
+                    # from the store
                     top = self.store.top()
-                    self.recorder.reset(fresh=top is not None and before is not None
-                                        and top.id > before.id)
+                    self.recorder.reset(fresh=pending["op"] == "rollback" and top is not None
+                                        and before is not None and top.id > before.id)
             if self.fs is not None:
                 await self._invalidate(*self.fs.after_undo(report.touched))
         ran += await self._provider_steps("discard")
-        return self.stack.finish(), report, ran
+        record = self.stack.finish()
+        self._arm_redo()
+        return record, report, ran
+
+    def _arm_redo(self) -> None:
+        """While the last rollback can be redone, the first change in the
+        mount ends that (and frees what was kept for it)."""
+        if self.fs is not None:
+            available = (redo.summary(self.store) or {}).get("available")
+            self.fs.on_change = self._changed_after_rollback if available else None
+
+    def _changed_after_rollback(self, what: str) -> None:
+        try:
+            self.stack.discard_redo(f"the workspace changed after it (a {what})")
+        except OSError:
+            log.exception("could not free what was kept for a redo")
 
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (at mount, before
@@ -630,11 +654,11 @@ class Daemon:
             info["warnings"] = failures
         return info
 
-    async def op_rollback(self, to: int | None = None) -> dict:
+    async def op_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
         await self._flush()
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
-        self.stack.plan_rollback(to)
+        self.stack.plan_rollback(to, keep_redo=keep_redo)
         undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
@@ -653,6 +677,23 @@ class Daemon:
         if failures:
             raise errors.PartialFailure(
                 "rollback finished with failures:\n  " + "\n  ".join(failures))
+        return result
+
+    async def op_redo(self) -> dict:
+        """Undo the last rollback, exactly, if nothing changed since;
+        otherwise say why not and change nothing."""
+        await self._flush()
+        await self._finish_leftover()
+        st = self.stack.plan_redo()
+        _, report, _ = await self._carry_out()
+        result = report.to_dict()
+        redone = self._audit_changes(st["to"], hashes=False)
+        self.store.audit_many([{"event": "redo", "layer": result["top"],
+                                "restored": result["restored"], "failures": report.failures}]
+                              + [c | {"redone": True} for c in redone])
+        if report.failures:
+            raise errors.PartialFailure(
+                "redo finished with failures:\n  " + "\n  ".join(report.failures))
         return result
 
     async def op_provider_add(self, name: str, type: str, capture: str = "",
@@ -684,7 +725,8 @@ class Daemon:
 
     async def op_status(self) -> dict:
         await self._flush()
-        return self.stack.status() | {"usage": self.stack.usage()}
+        return self.stack.status() | {"usage": self.stack.usage(),
+                                      "redo": redo.summary(self.store)}
 
     async def op_gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -830,7 +872,7 @@ class Daemon:
 
     async def op_log(self) -> dict:
         await self._flush()
-        return {"layers": self.stack.log()}
+        return {"layers": self.stack.log(), "redo": redo.summary(self.store)}
 
     async def op_unmount(self, lazy: bool = False) -> dict:
         await self._flush()
@@ -880,7 +922,7 @@ def offline(workspace: str, store: str | None, op: str, **args) -> dict:
     daemon = Daemon(workspace, store=store)
     daemon.open_offline()
     try:
-        if op in ("rollback", "commit"):
+        if op in ("rollback", "commit", "redo"):
             recorded = daemon.store.get_meta_json(S.K_DRIFT)
             drift = daemon.stack.drift(recorded) if recorded else []
             if drift:
@@ -889,7 +931,7 @@ def offline(workspace: str, store: str | None, op: str, **args) -> dict:
         try:
             result = trio.run(functools.partial(getattr(daemon, "op_" + op), **args))
         finally:  # what a rollback or commit changed (also when it partly failed)
-            if op in ("rollback", "commit") and daemon.store.get_meta_json(S.K_DRIFT):
+            if op in ("rollback", "commit", "redo") and daemon.store.get_meta_json(S.K_DRIFT):
                 daemon.record_fingerprint()
     finally:
         daemon.close_offline()

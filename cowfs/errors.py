@@ -15,6 +15,7 @@ NO_FUSE = 8
 DAEMON_ERROR = 9
 PARTIAL = 10
 DRIFT = 11
+REFUSED = 12
 INTERRUPTED = 130
 
 
@@ -66,6 +67,11 @@ class PartialFailure(CowfsError):
 
 class Drift(CowfsError):
     code = DRIFT
+
+
+class Refused(CowfsError):
+    """A redo that cannot undo the last rollback exactly (changed since)."""
+    code = REFUSED
 
 
 def from_dict(d: dict) -> CowfsError:

@@ -187,6 +187,8 @@ class CowFS(pyfuse3.Operations):
         hst = B.lstat_at(rootfd, hidden) if hidden is not None else None
         self.hidden_dir = hst is not None and stat.S_ISDIR(hst.st_mode)
         self.on_init = on_init
+        # called (once) at the first change after a rollback that can be redone
+        self.on_change: Callable[[str], None] | None = None
         self.is_root = os.geteuid() == 0
         self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
         self.fds = FdCache(fd_cache_size(), self._reopen)
@@ -541,6 +543,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if self.on_change is not None:
+            self._changing("setattr")
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
         if fields.update_size:
@@ -608,6 +612,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if self.on_change is not None:
+            self._changing("mknod")
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
         return self._new_object(parent, name,
@@ -616,6 +622,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def mkdir(self, parent_inode, name, mode, ctx):
+        if self.on_change is not None:
+            self._changing("mkdir")
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
         return self._new_object(parent, name,
@@ -624,6 +632,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def symlink(self, parent_inode, name, target, ctx):
+        if self.on_change is not None:
+            self._changing("symlink")
         parent = self._node(parent_inode)
         return self._new_object(parent, name,
                                 lambda: os.symlink(target, name, dir_fd=parent.fd),
@@ -631,6 +641,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
+        if self.on_change is not None:
+            self._changing("link")
         node = self._node(inode)
         parent = self._node(new_parent_inode)
         self._check_name(parent, new_name)
@@ -651,6 +663,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
+        if self.on_change is not None:
+            self._changing("create")
         parent = self._node(parent_inode)
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
@@ -743,15 +757,21 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
+        if self.on_change is not None:
+            self._changing("unlink")
         self._remove(self._node(parent_inode), name, want_dir=False)
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
+        if self.on_change is not None:
+            self._changing("rmdir")
         self._remove(self._node(parent_inode), name, want_dir=True)
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
                      flags, ctx):
+        if self.on_change is not None:
+            self._changing("rename")
         sp = self._node(parent_inode_old)
         dp = self._node(parent_inode_new)
         self._check_name(sp, name_old)
@@ -871,6 +891,8 @@ class CowFS(pyfuse3.Operations):
     @handler
     async def open(self, inode, flags, ctx):
         node = self._node(inode)
+        if flags & os.O_TRUNC and self.on_change is not None:
+            self._changing("open with O_TRUNC")
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._capture_data(node, None, 0, 1 << 63)
         fl = self._open_flags(flags)
@@ -886,6 +908,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def write(self, fh, off, buf):
+        if self.on_change is not None:
+            self._changing("write")
         h = self.handles[fh]
         node = h.node
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
@@ -1000,6 +1024,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def setxattr(self, inode, name, value, ctx):
+        if self.on_change is not None:
+            self._changing("setxattr")
         node = self._node(inode)
         self._capture_xattrs(node)
         self._capture_meta(node)
@@ -1010,6 +1036,8 @@ class CowFS(pyfuse3.Operations):
 
     @handler
     async def removexattr(self, inode, name, ctx):
+        if self.on_change is not None:
+            self._changing("removexattr")
         node = self._node(inode)
         path, follow = self._xpath(node)
         os.getxattr(path, name, follow_symlinks=follow)  # ENODATA: nothing to remove or record
@@ -1020,6 +1048,12 @@ class CowFS(pyfuse3.Operations):
 
     # -- after a rollback ---------------------------------------------------------------
 
+    def _changing(self, what: str) -> None:
+        """The first change since a rollback that can be redone: it can no
+        longer be (see ``redo``)."""
+        on_change, self.on_change = self.on_change, None
+        on_change(what)
+
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
@@ -1029,6 +1063,10 @@ class CowFS(pyfuse3.Operations):
         for bino, loc in touched.moves:
             node = self.by_bino.get(bino)
             if node is None:
+                continue
+            gid = S.grave_id(loc)
+            if gid is not None:     # kept for a redo
+                self._add_link(node, self.grave, str(gid).encode())
                 continue
             parent_path, name = B.split(loc)
             parent = self._dir_node(parent_path)

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import backing as B
+from . import redo
 from . import schema as S
 from .store import Store, digest
 
@@ -125,6 +126,7 @@ class Report:
     drop_who: list[bytes] = field(default_factory=list)
     drop_graves: list[int] = field(default_factory=list)
     drop_grave_files: list[str] = field(default_factory=list)
+    drop_redo: bool = False
 
     def to_dict(self) -> dict:
         return {"ok": not self.problems, "chunks": self.chunks, "records": self.records,
@@ -187,6 +189,24 @@ def check(store: Store, hashes: bool = True) -> Report:
             elif rec.kind == S.GRAVE:
                 graved[rec.fields[1]] = (owner, show(loc))
             ok = cur.next()
+
+        # what the last rollback kept for a redo uses chunks and grave entries too
+        redo_damaged = 0
+        for kind, rec in redo.references(store, txn):
+            if rec.kind == S.DAMAGED:
+                redo_damaged += 1
+                continue
+            what = f"{show(rec.fields[0])} (kept for a redo)"
+            if rec.kind == S.CHUNK and rec.fields[4]:
+                uses.setdefault(rec.fields[4], []).append((None, what))
+            held = redo.held_grave(kind, rec)
+            if held is not None and (kind == S.REDO_INVERSE or
+                                     txn.get(S.u64(held[0]), db=store.db_graves) is not None):
+                graved[held[0]] = (None, what)
+        if redo_damaged:
+            rep.problems.append(Problem(f"{redo_damaged} records kept for a redo are damaged "
+                                        "(repair discards them: no redo)", repairable=True))
+            rep.drop_redo = True
 
         owners = owners_of(store, txn, set(damaged))
         for seq, owner in damaged.items():
@@ -313,6 +333,10 @@ def repair(store: Store, rep: Report) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
     files are removed after it commits); return what was done."""
     done = []
+    if rep.drop_redo:
+        redo.discard(store, "its records were damaged (discarded by cowfs check --repair)")
+        done.append("discarded what was kept for a redo")
+        rep = check(store, hashes=False)     # (reference counts without it)
     with store.write() as w:
         for h, n in rep.fix_refs.items():
             if n is None:

@@ -124,7 +124,7 @@ class History:
         if self._links is None:
             self._links = {}
             for path, frm in self.link_paths:
-                st = self._lstat(self.fwd(path, frm))
+                st = self.r.lstat(self.fwd(path, frm))
                 if st is not None:
                     self._links[st.st_ino] = self._links.get(st.st_ino, 0) + 1
         return self._links
@@ -142,13 +142,6 @@ class History:
             p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
         return p
 
-    def _lstat(self, loc: bytes) -> os.stat_result | None:
-        try:
-            with self.r.at(loc) as (d, n):
-                return B.lstat_at(d, n)
-        except OSError:
-            return None
-
     def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
         return Past(path, ino, loc, now, self.meta.get(ino), self.chunks.get(ino, {}),
                     self.xattrs.get(ino))
@@ -165,13 +158,13 @@ class History:
         if known and ino is None:
             return None
         cur = self.fwd(path)
-        st = self._lstat(cur)
+        st = self.r.lstat(cur)
         if st is not None and (not known or st.st_ino == ino):
             return self._past(path, st.st_ino, cur, st)
         if known:
             for gid in self.graves.get(ino, []):
                 loc = S.grave_loc(gid)
-                st = self._lstat(loc)
+                st = self.r.lstat(loc)
                 if st is not None and st.st_ino == ino:
                     return self._past(path, ino, loc, st)
             raise CowfsError(f"{S.show_loc(path)}: the object it held when layer "
@@ -342,7 +335,7 @@ def diff_entry(h: History, change: dict, text_limit: int,
     new_path = os.fsencode(change["path"]) if change["path"] != "." else b""
     old_path = os.fsencode(change["from"]) if change.get("from") else new_path
     old = h.object_at(old_path) if change["kind"] != "A" else None
-    new_st = h._lstat(new_path) if change["kind"] != "D" else None
+    new_st = h.r.lstat(new_path) if change["kind"] != "D" else None
     old_bytes = new_bytes = None
     if old is not None:
         out["old"] = _side(old.kind, old.size, old.mode, old.mtime_ns,

@@ -15,8 +15,9 @@ Databases
              ``next_grave``  u64   next grave id
              ``pending``     JSON  the group operation under way, resumed
                                    by the next mount if a crash interrupts it:
-                                   ``{"op": "rollback", "to": ID}`` or
-                                   ``{"op": "commit", "layer": ID}``, plus
+                                   ``{"op": "rollback", "to": ID}``,
+                                   ``{"op": "commit", "layer": ID}`` or
+                                   ``{"op": "redo"}``, plus
                                    ``"files"``: bool, the file part is done,
                                    and ``"steps"``: the provider steps, in
                                    order, each ``{"do": "restore"|"discard",
@@ -64,6 +65,22 @@ Databases
              every kept or undone change.  Independent of the layers: kept
              through commits and rollbacks until pruned (``cowfs audit
              --prune DAYS``).
+``redo``     what the last rollback kept so that ``cowfs redo`` can undo it
+             (see ``redo``), keyed by a one-byte kind:
+             ``state``             JSON {"state": "building" | "ready" |
+                                   "redoing" | "unavailable" | "gone", "why",
+                                   "to", "dropped": [ids], "kept": [ids left],
+                                   "fresh": id of the base the rollback opened
+                                   or null, "seq", "time", "fingerprint"}
+             ``L`` + u64 layer     a dropped layer's row, as it was
+             ``r`` + u64 seq       a dropped layer's journal record, verbatim
+                                   (its chunk references are still counted)
+             ``v`` + u64 seq + u8  the inverse of the undo step of record seq:
+                                   records in the journal's format that put
+                                   back what that step changed (a removed
+                                   object was moved to the grave instead)
+             ``i`` + index key     a dropped layer's index entry
+             ``w`` + who key       a dropped layer's attribution
 """
 
 from __future__ import annotations
@@ -85,8 +102,9 @@ DB_GRAVES = b"graves"
 DB_WHO = b"who"
 DB_WRITERS = b"writers"
 DB_AUDIT = b"audit"
+DB_REDO = b"redo"
 ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES,
-           DB_WHO, DB_WRITERS, DB_AUDIT)
+           DB_WHO, DB_WRITERS, DB_AUDIT, DB_REDO)
 
 K_FORMAT = b"format"
 K_WORKSPACE = b"workspace"
@@ -100,6 +118,14 @@ K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_IGNORE = b"ignore"
+
+# keys of the redo database
+K_REDO_STATE = b"state"
+REDO_LAYER = b"L"
+REDO_RECORD = b"r"
+REDO_INVERSE = b"v"
+REDO_INDEX = b"i"
+REDO_WHO = b"w"
 
 _U64 = struct.Struct(">Q")
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import backing as B
 from . import fsck
+from . import redo
 from . import schema as S
 from .errors import NothingToDo, UnknownLayer
 from .store import Layer, Store
@@ -24,10 +26,12 @@ class RollbackReport:
     failures: list[str] = field(default_factory=list)
     touched: Touched = field(default_factory=Touched)
     top: int = 0
+    restored: list[int] = field(default_factory=list)   # (a redo)
 
     def to_dict(self) -> dict:
-        return {"dropped": self.dropped, "applied": self.applied,
-                "failures": self.failures, "top": self.top}
+        d = {"dropped": self.dropped, "applied": self.applied,
+             "failures": self.failures, "top": self.top}
+        return d | {"restored": self.restored} if self.restored else d
 
 
 class Stack:
@@ -35,6 +39,8 @@ class Stack:
         self.store = store
         self.resolver = resolver
         self.ignored = None   # the capture filter ((path, is_dir) -> bool), if any
+        # told the inodes of objects a discarded redo held in the grave
+        self.on_freed: Callable[[list[int]], None] | None = None
 
     # -- basics -----------------------------------------------------------------
 
@@ -49,7 +55,15 @@ class Stack:
                     None) is None
 
     def checkpoint(self, message: str = "") -> Layer:
+        self.discard_redo("a checkpoint was taken after it")
         return self.store.push_layer(message)
+
+    def discard_redo(self, reason: str) -> None:
+        """What the last rollback kept for a redo is no longer needed (see
+        ``redo``): free it, noting *reason*."""
+        freed = redo.discard(self.store, reason)
+        if freed and self.on_freed is not None:
+            self.on_freed(freed)
 
     def resume(self) -> RollbackReport | None:
         """Finish the file part of a stack operation that was interrupted by
@@ -60,9 +74,12 @@ class Stack:
         report = None
         if pending is not None:
             if files_left(pending):
-                report = self.roll_back_files()
+                report = self.apply_files()
             if not steps_left(pending):
                 self.finish()
+        if self.pending() is None and redo.complete(self.store):
+            # a crash between the end of a rollback's files and its fingerprint
+            self._seal_redo(redo.Keeper(self.store, self.resolver), self.ensure_base().id)
         self.sweep_graves()
         self.ensure_base()
         return report
@@ -112,6 +129,7 @@ class Stack:
     def commit(self) -> dict:
         """Merge the top layer into the one below; committing the base layer
         makes its changes permanent and opens a fresh base layer."""
+        self.discard_redo("a commit was made after it")
         layers = self.store.layers()
         top = layers[-1]
         if len(layers) == 1:
@@ -287,11 +305,13 @@ class Stack:
 
     # -- rollback -------------------------------------------------------------------
 
-    def plan_rollback(self, to: int | None = None) -> dict:
+    def plan_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
         layers' snapshots (top layer first, last taken first), the files,
-        then the discards of those snapshots.  Nothing is changed yet."""
+        then the discards of those snapshots.  Nothing is changed yet but
+        freeing what an earlier rollback kept for a redo.  *keep_redo*: keep
+        what a redo of this one needs (impossible with provider snapshots)."""
         layers = self.store.layers()
         top = layers[-1]
         if to is None:
@@ -304,19 +324,70 @@ class Stack:
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
         pending = {"op": "rollback", "to": to, "files": False,
                    "steps": _steps("restore", dropping) + _steps("discard", dropping)}
-        self.store.set_meta_json(S.K_PENDING, pending)
+        self.discard_redo("another rollback was made")
+        why = None
+        if not keep_redo:
+            why = "it was made with --no-redo"
+        elif any(layer.snapshots for layer in dropping):
+            why = ("it restored provider snapshots, and the state of those containers or "
+                   "VMs before it was not kept")
+        try:
+            with self.store.write() as w:
+                w.set_meta(S.K_PENDING, S.to_json(pending))
+                redo.begin(w, to, sorted(layer.id for layer in dropping),
+                           [layer.id for layer in layers if layer.id < to], why)
+        except OSError:
+            # a full disk: the rollback itself must still be possible
+            self.store.set_meta_json(S.K_PENDING, pending)
         return pending
 
-    def roll_back_files(self) -> RollbackReport:
-        """The file part of the pending rollback (resumable)."""
-        return self._rollback_to(self.pending()["to"])
+    def _give_up_redo(self, keeper: redo.Keeper | None, e: Exception) -> None:
+        """Go on with the rollback without keeping what a redo needs; the
+        record the keeper held is deleted like the others."""
+        reason = f"what a redo needs could not be kept ({getattr(e, 'strerror', None) or e})"
+        try:
+            self.discard_redo(reason)
+        except OSError:
+            redo.mark_unavailable(self.store, reason)   # the next discard frees it
+        if keeper is not None and keeper.held is not None:
+            with self.store.write() as w:
+                w.delete_record(keeper.held[0])
+        return None
+
+    def apply_files(self) -> RollbackReport:
+        """The file part of the pending rollback or redo (resumable)."""
+        pending = self.pending()
+        if pending["op"] == "redo":
+            return self._redo()
+        return self._rollback_to(pending["to"])
+
+    def plan_redo(self) -> dict:
+        """Check that the last rollback can be undone now and write the
+        pending record of its redo."""
+        st = redo.check(self.store, self.resolver)
+        redo.start(self.store)
+        return st
+
+    def _redo(self) -> RollbackReport:
+        st = self.store
+        report = RollbackReport()
+        undo = Undoer(st, self.resolver, report.touched, self.ignored)
+        report.applied = redo.apply(st, undo, report.failures, describe)
+        with st.write() as w:
+            report.restored = redo.restore(w)
+            pending = _pending_in(w)
+            pending["files"] = True
+            w.set_meta(S.K_PENDING, S.to_json(pending))
+        st.forget_layer_cache()
+        report.top = self.ensure_base().id
+        return report
 
     def rollback(self, to: int | None = None) -> RollbackReport:
         """A rollback of the files alone, for layers without provider
         snapshots.  (Provider steps, were there any, would stay pending for
         the daemon, which carries out groups with snapshots.)"""
         self.plan_rollback(to)
-        report = self.roll_back_files()
+        report = self.apply_files()
         if not steps_left(self.pending()):
             self.finish()
         return report
@@ -326,6 +397,7 @@ class Stack:
         report = RollbackReport()
         layers = [layer for layer in st.layers() if layer.id >= to]
         undo = Undoer(st, self.resolver, report.touched, self.ignored)
+        keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         if layers:
             records = list(st.records(layers[0].start, st._next_seq, reverse=True))
             # An object with a corrupt or missing pre-image is skipped as a
@@ -344,23 +416,61 @@ class Stack:
                             reported.add(ino)
                             report.failures.append(unrestorable[ino])
                     else:
-                        undo.apply(rec)
+                        keep = None
+                        if keeper is not None:
+                            try:
+                                keep = keeper.before(seq, rec)
+                            except Exception as e:
+                                # no room to keep it (or no way): the rollback goes on
+                                keeper = self._give_up_redo(keeper, e)
+                        undo.apply(rec, keep)
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
                     report.failures.append(f"{describe(rec)}: {e}")
-                with st.write() as w:
-                    w.delete_record(seq)
-        with st.write() as w:
-            for layer in layers:
-                self._drop_index(w, layer.id)
-                w.txn.delete(S.u64(layer.id), db=st.db_layers)
-            pending = _pending_in(w)
-            pending["files"] = True
-            w.set_meta(S.K_PENDING, S.to_json(pending))
+                if keeper is not None:
+                    try:
+                        keeper.hold(seq, rec)
+                    except OSError as e:     # (a full disk: deleting still works)
+                        keeper = self._give_up_redo(keeper, e)
+                if keeper is None:
+                    with st.write() as w:
+                        w.delete_record(seq)
+        try:
+            if keeper is not None:
+                keeper.flush()
+            self._drop_layers(layers, keeper)
+        except OSError as e:
+            if keeper is None:
+                raise
+            keeper = self._give_up_redo(keeper, e)
+            self._drop_layers(layers, None)
         st.forget_layer_cache()
         report.dropped = [layer.id for layer in layers]
         report.top = self.ensure_base().id
+        if keeper is not None:
+            self._seal_redo(keeper, report.top)
         return report
+
+    def _seal_redo(self, keeper: redo.Keeper, top: int) -> None:
+        try:
+            keeper.seal(top)
+        except OSError as e:
+            self._give_up_redo(None, e)
+
+    def _drop_layers(self, layers: list[Layer], keeper: redo.Keeper | None) -> None:
+        """Drop the rolled-back layers (kept for a redo, with a keeper) and
+        mark the pending rollback's file part done, in one transaction."""
+        st = self.store
+        with st.write() as w:
+            for layer in layers:
+                if keeper is not None:
+                    keeper.keep_layer(w, layer.id)
+                else:
+                    self._drop_index(w, layer.id)
+                    w.txn.delete(S.u64(layer.id), db=st.db_layers)
+            pending = _pending_in(w)
+            pending["files"] = True
+            w.set_meta(S.K_PENDING, S.to_json(pending))
 
     # -- views ------------------------------------------------------------------------
 
@@ -532,7 +642,7 @@ def _steps(do: str, layers: list[Layer]) -> list[dict]:
 
 def files_left(pending: dict) -> bool:
     """Whether the pending record's file part is still to be done."""
-    return pending.get("op") == "rollback" and not pending.get("files")
+    return pending.get("op") in ("rollback", "redo") and not pending.get("files")
 
 
 def steps_left(pending: dict) -> list[dict]:

@@ -175,6 +175,10 @@ class Store:
                 for name in (S.DB_WHO, S.DB_WRITERS, S.DB_AUDIT)]
         except lmdb.Error:
             self.db_who = self.db_writers = self.db_audit = None
+        try:    # what the last rollback kept for redo (newer, likewise)
+            self.db_redo = env.open_db(S.DB_REDO, create=not readonly)
+        except lmdb.Error:
+            self.db_redo = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
@@ -486,7 +490,9 @@ class Store:
         def count(txn) -> int:
             pages = 0
             for db in (self.db_meta, self.db_layers, self.db_journal, self.db_index,
-                       self.db_chunks, self.db_refs, self.db_graves):
+                       self.db_chunks, self.db_refs, self.db_graves, self.db_redo):
+                if db is None:
+                    continue
                 st = txn.stat(db)
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
             return pages * st["psize"]

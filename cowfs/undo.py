@@ -44,7 +44,12 @@ class Undoer:
         self.touched = touched if touched is not None else Touched()
         self.ignored = ignored    # (path, is_dir) -> bool: the capture filter, if any
 
-    def apply(self, rec: S.Record) -> None:
+    def apply(self, rec: S.Record, keep: int | None = None) -> None:
+        """Apply one undo record.  *keep*: move the object a CREATE or LINK
+        step removes into grave entry *keep* instead (kept for a redo)."""
+        if keep is not None and rec.kind in (S.CREATE, S.LINK):
+            self._keep(rec.fields[0], keep)
+            return
         handler = _HANDLERS[rec.kind]
         handler(self, *rec.fields)
 
@@ -70,12 +75,28 @@ class Undoer:
             self.touched.removed.append(st.st_ino)
         self.touched.entry(path)
 
+    def _keep(self, path: bytes, gid: int) -> None:
+        """Remove what was created at *path* by moving it into the grave:
+        a directory only when it holds nothing but ignored paths, as
+        `_remove` would."""
+        with self.r.at(path) as (d, n):
+            st = B.lstat_at(d, n)
+            if st is None:
+                return
+            if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
+                raise OSError(errno.ENOTEMPTY, "directory not empty")
+            B.renameat2(d, n, self.store.grave_fd, str(gid).encode(), B.RENAME_NOREPLACE)
+        self.touched.entry(path)
+        self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
+
     def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
-        if self.ignored is None:
-            return False
+        """Whether directory *n* holds nothing but ignored paths (true when
+        it is empty)."""
         fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
         try:
             for entry in os.scandir(fd):
+                if self.ignored is None:
+                    return False
                 child = path + b"/" + os.fsencode(entry.name)
                 is_dir = entry.is_dir(follow_symlinks=False)
                 if not self.ignored(child, is_dir) and not (

@@ -1,6 +1,8 @@
 """Crash trials: concurrent writers, kill -9 of the daemon at a random
-moment (while programs write, in the middle of a rollback, in the middle
-of a commit), mount again, roll back to the checkpoint, compare trees.
+moment (while programs write, in the middle of a rollback, of a commit or
+of a redo), mount again, roll back to the checkpoint, compare trees.  A
+rollback (interrupted or not) must also be redone exactly: the tree as it
+was before it, and the checkpoint's layer rolling back exactly again.
 
     python -m tests.crashsoak --trials 100 [--seed S] [--writers 4] [--keep-failed]
 
@@ -28,7 +30,7 @@ from cowfs import treesnap
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
 
 COWFS = [sys.executable, "-m", "cowfs"]
-MOMENTS = ("writing", "rollback", "commit")
+MOMENTS = ("writing", "rollback", "commit", "redo")
 CHUNK = 64 << 10
 
 
@@ -187,7 +189,11 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
                 cowfs("-C", ws, "checkpoint", "-m", "upper")
             start_writers(ws, 1, seed, rnd.randrange(500, 3000), "bulk")[0].wait()
             stop(procs)
-            op = ["rollback", "--to", str(layer)] if moment == "rollback" else ["commit"]
+            before = treesnap.snapshot(ws)
+            op = {"rollback": ["rollback", "--to", str(layer)], "commit": ["commit"],
+                  "redo": ["redo"]}[moment]
+            if moment == "redo":
+                cowfs("-C", ws, "rollback", "--to", layer)
             bg = subprocess.Popen([*COWFS, "-C", str(ws), *op], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
             time.sleep(rnd.uniform(0.1, 0.5))
@@ -198,11 +204,22 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
         mounted = json.loads(cowfs("--json", "mount", ws).stdout)
         finished = "; ".join(w for w in mounted.get("warnings", []) if "interrupted" in w)
         layers = [entry["id"] for entry in json.loads(cowfs("--json", "-C", ws, "log").stdout)]
+        if moment == "redo" and layer not in layers:
+            cowfs("-C", ws, "redo")                   # (killed before the redo began)
+            layers.append(layer)
+        diff = []
+        if moment in ("rollback", "redo"):
+            if moment == "rollback" and layer not in layers:
+                # the rollback (finished by the mount) is redone exactly
+                diff = treesnap.compare(expected, treesnap.snapshot(ws))
+                cowfs("-C", ws, "redo")
+                layers.append(layer)
+            diff += treesnap.compare(before, treesnap.snapshot(ws))
         if layer in layers:
             cowfs("-C", ws, "rollback", "--to", layer)
-        elif moment != "rollback":
+        else:
             return Trial(n, moment, False, finished, f"layer {layer} vanished: {layers}")
-        diff = treesnap.compare(expected, treesnap.snapshot(ws))
+        diff += treesnap.compare(expected, treesnap.snapshot(ws))
         return Trial(n, moment, not diff, finished, "; ".join(diff[:5]))
     finally:
         stop(procs)
@@ -249,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     exact = sum(t.exact for t in results)
     resumed = sum(bool(t.interrupted) for t in results)
     print(f"crashsoak: {exact}/{len(results)} exact ({resumed} trials resumed an interrupted "
-          f"rollback or commit at the next mount), {time.monotonic() - t0:.0f} s, seed {seed}")
+          f"rollback, commit or redo at the next mount), {time.monotonic() - t0:.0f} s, seed {seed}")
     return 0 if exact == len(results) == args.trials else 1
 
 

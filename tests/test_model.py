@@ -18,7 +18,12 @@ The stack commands are checked against a model stack of
 * ``commit`` must leave the live tree unchanged; the top entry is dropped
   (its changes now belong to the layer below), and committing the base layer
   makes the current tree the new base state;
-* unmount + mount must change nothing (neither the tree nor the stack).
+* unmount + mount must change nothing (neither the tree nor the stack);
+* ``redo`` right after a rollback (even across a remount) must bring back
+  the tree as it was before the rollback, mtimes included, and the stack
+  (the same layer ids, each still rolling back to its own snapshot); after a
+  checkpoint, commit or visible change it must refuse and change nothing;
+  after an operation that changed nothing visible it may do either, exactly.
 
 "nothing to roll back" (exit code 1) must come exactly when only an empty
 base layer exists.  The model knows whether a layer is empty from the shadow:
@@ -58,7 +63,7 @@ import xxhash
 
 from cowfs import control, treesnap
 from cowfs.api import Workspace as Workspace_api
-from cowfs.errors import NOTHING_TO_DO
+from cowfs.errors import NOTHING_TO_DO, REFUSED
 from cowfs.mounts import MountRecord, mount_table
 
 from .conftest import Workspace
@@ -154,6 +159,20 @@ class Layer:
     dirty: int = 0
 
 
+@dataclass
+class Redo:
+    """What a redo of the last rollback must bring back: the stack and the
+    shadow before it, and the tree; *touched*: a file operation ran since
+    (it may have ended the chance to redo), *changed*: a visible one (it
+    must have)."""
+
+    stack: list
+    shadow: str
+    live: treesnap.Snapshot
+    touched: bool = False
+    changed: bool = False
+
+
 class CowfsModel(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -163,6 +182,7 @@ class CowfsModel(RuleBasedStateMachine):
         self.shadow = os.path.join(self.tmp, "shadow")
         self.copies = 0
         self.stack: list[Layer] = []
+        self.redo_model: Redo | None = None
         self.ws.path.mkdir()
 
     @initialize()
@@ -234,12 +254,17 @@ class CowfsModel(RuleBasedStateMachine):
         got = outcome(fn, str(self.ws.path))
         assert got == expected, \
             f"{name}: the native filesystem gives {expected}, the cowfs mount {got}"
+        if self.redo_model is not None:
+            self.redo_model.touched = True
         if expected[0] == "error":
             STATS[f"errno {expected[1]}"] += 1
             return
         changed = bool(treesnap.compare(before, treesnap.snapshot(self.shadow)))
         top = self.stack[-1]
         top.dirty = max(top.dirty, 2 if changed else 1)
+        if self.redo_model is not None:
+            self.redo_model.touched = True
+            self.redo_model.changed |= changed
 
     # -- file operations ---------------------------------------------------------
 
@@ -369,13 +394,14 @@ class CowfsModel(RuleBasedStateMachine):
     def checkpoint(self):
         STATS["checkpoint"] += 1
         snap = self.ws.snapshot()
+        self.forget_redo()
         layer_id = self.ws.checkpoint("model")
         assert layer_id not in self.ids()
         self.stack.append(Layer(layer_id, snap, self.save_shadow()))
 
     @precondition(can_roll_back)
-    @rule()
-    def rollback(self):
+    @rule(then_redo=st.booleans())
+    def rollback(self, then_redo):
         top = self.stack[-1]
         if len(self.stack) == 1 and top.dirty == 1:
             # Only changes nobody can see: the base layer may be empty or not.
@@ -386,48 +412,104 @@ class CowfsModel(RuleBasedStateMachine):
                 treesnap.assert_same(top.snap, self.ws.snapshot())
                 top.dirty = 0
                 return
+            self.expect_redo(len(self.stack) - 1)
             assert r.returncode == 0, r.stderr
             res = json.loads(r.stdout)
         else:
+            self.expect_redo(len(self.stack) - 1)
             res = self.ws.rollback()
         STATS["rollback"] += 1
         assert res["dropped"] == [top.id], (res, self.ids())
         assert not res["failures"], res["failures"]
         treesnap.assert_same(top.snap, self.ws.snapshot())
         self.restore_to(len(self.stack) - 1, res["top"])
+        if then_redo:
+            self.redo()
 
     @precondition(can_roll_back)
-    @rule(data=st.data())
-    def rollback_to(self, data):
+    @rule(data=st.data(), then_redo=st.booleans())
+    def rollback_to(self, data, then_redo):
         STATS["rollback_to"] += 1
         i = data.draw(st.integers(0, len(self.stack) - 1), label="index")
         target = self.stack[i]
+        self.expect_redo(i)
         res = self.ws.rollback(to=target.id)
         assert res["dropped"] == self.ids()[i:], (res, self.ids())
         assert not res["failures"], res["failures"]
         treesnap.assert_same(target.snap, self.ws.snapshot())
         self.restore_to(i, res["top"])
+        if then_redo:
+            self.redo()
 
     def restore_to(self, i: int, top_id: int) -> None:
-        """Model of a rollback down to and including stack[i]."""
+        """Model of a rollback down to and including stack[i] (the dropped
+        layers' shadows are kept by the redo model)."""
         target = self.stack[i]
         replace_tree(target.shadow, self.shadow)
-        for layer in self.stack[i + 1:]:
-            self.drop(layer)
         del self.stack[i + 1:]
         if i == 0:
             # A fresh base layer opens, on the very same tree.
             self.stack = [Layer(top_id, target.snap, target.shadow)]
         else:
             self.stack.pop()
-            self.drop(target)
         assert top_id == self.stack[-1].id
+        self.check_log()
+
+    def expect_redo(self, i: int) -> None:
+        """Before a rollback down to stack[i]: what its redo must bring back."""
+        self.forget_redo()
+        live = self.ws.snapshot()
+        self.redo_model = Redo([dataclasses.replace(layer) for layer in self.stack],
+                               self.save_shadow(), live)
+
+    def forget_redo(self) -> None:
+        """The last rollback can no longer be redone: drop the shadows only
+        its model held."""
+        if self.redo_model is None:
+            return
+        in_use = {layer.shadow for layer in self.stack}
+        for layer in self.redo_model.stack:
+            if layer.shadow not in in_use:
+                self.drop(layer)
+        shutil.rmtree(self.redo_model.shadow, ignore_errors=True)
+        self.redo_model = None
+
+    @rule()
+    def redo(self):
+        """Undo the last rollback: exact when nothing changed since, refused
+        (changing nothing) when something did."""
+        live = self.ws.snapshot()
+        model = self.redo_model
+        r = self.ws.cowfs("--json", "redo", check=False)
+        if r.returncode != 0:
+            STATS["redo refused"] += 1
+            assert r.returncode in (NOTHING_TO_DO, REFUSED), (r.returncode, r.stderr)
+            assert model is None or model.touched, \
+                f"redo refused right after a rollback: {r.stderr}"
+            treesnap.assert_same(live, self.ws.snapshot())
+            self.check_log()
+            self.forget_redo()
+            return
+        assert model is not None, f"redo without a rollback to undo: {r.stdout}"
+        assert not model.changed, "redo went ahead although the workspace changed since"
+        STATS["redo"] += 1
+        res = json.loads(r.stdout)
+        assert not res["failures"], res["failures"]
+        treesnap.assert_same(model.live, self.ws.snapshot())
+        # the stack is back as it was: every layer rolls back to its snapshot
+        # (the layers below the rollback's are the same, with their shadows)
+        self.stack = model.stack
+        replace_tree(model.shadow, self.shadow)
+        shutil.rmtree(model.shadow, ignore_errors=True)
+        self.redo_model = None
+        assert res["top"] == self.stack[-1].id, (res, self.ids())
         self.check_log()
 
     @rule()
     def commit(self):
         live = self.ws.snapshot()
         top = self.stack[-1]
+        self.forget_redo()
         if len(self.stack) == 1:
             r = self.ws.cowfs("--json", "commit", check=False)
             if top.dirty == 0 or (top.dirty == 1 and r.returncode == NOTHING_TO_DO):

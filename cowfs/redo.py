@@ -1,0 +1,573 @@
+"""Redo: undoing the last rollback.
+
+While a rollback applies the undo records of the layers it drops, it keeps
+what a redo needs in the ``redo`` database (layout in ``schema``):
+
+* before each undo step, the step's *inverse*: records in the journal's own
+  format that put back what the step is about to change — the bytes it
+  overwrites or truncates away, the attributes and times it resets
+  (including those of the directories whose entries it changes), the
+  xattrs it replaces; an object the step removes (created in a dropped
+  layer) is moved into the grave instead of being deleted, so it keeps its
+  inode and content;
+* the dropped layers themselves: rows, journal records, index entries and
+  attributions are moved there instead of being deleted.
+
+``redo`` applies the inverses in the opposite order — each one exact, so the
+tree returns to what it was before the rollback, with the same objects (inode
+numbers), which the layers' records name — and then moves the layers back:
+they can be inspected, rolled back or committed as before.
+
+A redo is possible only while nothing has changed since the rollback.  In
+the mount the first change (a write, a new name, an attribute — even at an
+ignored path), a checkpoint, a commit or another rollback discards what was
+kept (freeing its space) and leaves a note saying why.  A workspace that
+was not mounted is checked against a fingerprint of every location the
+redo would touch, taken when the rollback ended; any difference refuses the
+redo before anything is changed.  A rollback that restored provider
+snapshots keeps nothing: the containers' and VMs' state before it was not
+taken.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import stat
+import time
+
+from . import backing as B
+from . import schema as S
+from .errors import NothingToDo, Refused
+from .store import Store, Writer
+
+BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
+REDO_PRINT = b"f"     # + location: its fingerprint when the rollback ended
+
+
+def _u8(i: int) -> bytes:
+    return bytes((i,))
+
+
+def state(store: Store) -> dict | None:
+    if store.db_redo is None:
+        return None
+    with store.env.begin(db=store.db_redo) as txn:
+        raw = txn.get(S.K_REDO_STATE)
+    return S.from_json(raw) if raw is not None else None
+
+
+def _put_state(w: Writer, st: dict) -> None:
+    w.txn.put(S.K_REDO_STATE, S.to_json(st), db=w.store.db_redo)
+
+
+def summary(store: Store) -> dict | None:
+    """What `status` and `log` say about redo: None when no rollback left a
+    note, else {"available", "layers", "why"}."""
+    st = state(store)
+    if st is None or st["state"] in (BUILDING, REDOING):
+        return None
+    return {"available": st["state"] == READY, "layers": st["dropped"], "why": st.get("why", "")}
+
+
+def begin(w: Writer, to: int, dropping: list[int], kept: list[int],
+          why: str | None = None) -> None:
+    """In the transaction that plans a rollback: start keeping what a redo
+    needs, or (*why*) record why nothing is kept.  Whatever an earlier
+    rollback kept must have been discarded already."""
+    _put_state(w, {"state": BUILDING if why is None else UNAVAILABLE, "why": why or "",
+                   "to": to, "dropped": dropping, "kept": kept, "fresh": None,
+                   "seq": w.store._next_seq, "time": time.time()})
+
+
+def mark_unavailable(store: Store, reason: str) -> None:
+    """When even discarding failed (a full disk): at least never build on,
+    or seal, what is kept (best effort; the next discard frees it)."""
+    st = state(store)
+    if st is None:
+        return
+    try:
+        with store.write() as w:
+            st.update(state=UNAVAILABLE, why=reason)
+            _put_state(w, st)
+    except OSError:
+        pass
+
+
+def complete(store: Store) -> bool:
+    """A rollback's keeping that ended (every dropped layer moved here)
+    but was not sealed: a crash came in between."""
+    st = state(store)
+    if st is None or st["state"] != BUILDING:
+        return False
+    with store.env.begin(db=store.db_redo) as txn:
+        return all(txn.get(S.REDO_LAYER + S.u64(i)) is not None for i in st["dropped"])
+
+
+def building(store: Store, to: int) -> bool:
+    st = state(store)
+    return st is not None and st["state"] == BUILDING and st["to"] == to
+
+
+def _scan(txn, db, prefix: bytes):
+    cur = txn.cursor(db=db)
+    ok = cur.set_range(prefix)
+    while ok and cur.key().startswith(prefix):
+        yield bytes(cur.key()), bytes(cur.value())
+        ok = cur.next()
+
+
+def discard(store: Store, reason: str) -> list[int]:
+    """Drop what the last rollback kept (it can no longer be redone, for
+    *reason*), keeping a note of why; returns the inodes of the objects
+    it held in the grave (gone now)."""
+    st = state(store)
+    if st is None:
+        return []
+    if st["state"] in (UNAVAILABLE, GONE):
+        with store.env.begin() as txn:
+            if txn.stat(store.db_redo)["entries"] <= 1:
+                return []            # nothing but the note
+        reason = st["why"]
+    graves: list[int] = []
+    freed: list[int] = []
+    with store.write() as w:
+        txn = w.txn
+        keys = []
+        for key, val in _scan(txn, store.db_redo, b""):
+            keys.append(key)
+            kind = key[:1]
+            if kind not in (S.REDO_RECORD, S.REDO_INVERSE):
+                continue
+            rec = S.decode_or_damaged(val)
+            if rec.kind == S.CHUNK and rec.fields[4]:
+                w.deref(rec.fields[4])
+            held = held_grave(kind, rec)
+            if held is not None and txn.get(S.u64(held[0]), db=store.db_graves) is not None:
+                txn.delete(S.u64(held[0]), db=store.db_graves)
+                graves.append(held[0])
+                freed.append(held[1])
+        for key in keys:
+            txn.delete(key, db=store.db_redo)
+        _put_state(w, {"state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
+                       "why": reason, "to": st["to"], "dropped": st["dropped"],
+                       "kept": st["kept"], "fresh": st.get("fresh"), "seq": st["seq"],
+                       "time": st["time"]})
+    for gid in graves:
+        B.remove_tree_at(store.grave_fd, str(gid).encode())
+    return freed
+
+
+# -- keeping, during a rollback ---------------------------------------------------------
+
+def _rec(kind: int, *fields) -> S.Record:
+    return S.Record(kind, fields)
+
+
+def _meta(loc: bytes, st: os.stat_result) -> S.Record:
+    return _rec(S.META, loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
+                           st.st_size, st.st_atime_ns, st.st_mtime_ns)
+
+
+class Keeper:
+    """Keeps, step by step, what a redo of the rollback under way needs.
+
+    For each record the rollback takes: `before` its undo step, `hold`
+    after it.  A held record leaves the journal in the transaction that
+    keeps the next step's inverse (one transaction per step, as without
+    keeping); `flush` writes the last.  Until then it is still in the
+    journal, and a resumed rollback applies it again (steps are idempotent)
+    without taking its inverse again."""
+
+    def __init__(self, store: Store, resolver: B.Resolver):
+        self.store = store
+        self.r = resolver
+        self.C = store.chunk_size
+        self.held: tuple[int, S.Record] | None = None
+        with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
+            self.kept = {S.from_u64(k[1:9]) for k, _ in _scan(txn, store.db_redo,
+                                                               S.REDO_INVERSE)}
+        # the inverses in the rollback's order, while this process took them all
+        self.groups: list[list[S.Record]] | None = [] if not self.kept else None
+
+    def before(self, seq: int, rec: S.Record) -> int | None:
+        """Keep the inverse of *rec*'s undo step, unless it is kept already.
+        Returns the grave id the step must move the object it removes to
+        (CREATE, LINK), if any."""
+        key = S.REDO_INVERSE + S.u64(seq)
+        if seq in self.kept:
+            with self.store.env.begin(db=self.store.db_redo) as txn:
+                first = txn.get(key + _u8(0))
+            inverses = [S.decode_record(first)] if first is not None else []
+        else:
+            with self.store.write() as w:
+                self._keep_held(w)
+                group = self._inverse(w, rec)
+                for i, inv in enumerate(group):
+                    w.txn.put(key + _u8(i), S.encode_record(inv.kind, *inv.fields),
+                              db=self.store.db_redo)
+            self.held = None
+            self.kept.add(seq)
+            if self.groups is not None and group:
+                self.groups.append(group)
+            inverses = group[:1]
+        if rec.kind in (S.CREATE, S.LINK) and inverses:
+            return S.grave_id(inverses[0].fields[1])
+        return None
+
+    def hold(self, seq: int, rec: S.Record) -> None:
+        """After *rec*'s undo step (applied, failed or skipped)."""
+        if self.held is not None:
+            self.flush()
+        self.held = (seq, rec)
+
+    def flush(self) -> None:
+        if self.held is not None:
+            with self.store.write() as w:
+                self._keep_held(w)
+            self.held = None
+
+    def _keep_held(self, w: Writer) -> None:
+        """Move the held record out of the journal into the redo database."""
+        if self.held is None:
+            return
+        seq, rec = self.held
+        st = self.store
+        raw = w.txn.get(S.u64(seq), db=st.db_journal)
+        if raw is None:
+            return
+        w.txn.put(S.REDO_RECORD + S.u64(seq), raw, db=st.db_redo)
+        w.txn.delete(S.u64(seq), db=st.db_journal)
+        if rec.kind in (S.CREATE, S.LINK):
+            inv = w.txn.get(S.REDO_INVERSE + S.u64(seq) + _u8(0), db=st.db_redo)
+            if inv is None:
+                return
+            gid = S.grave_id(S.decode_record(inv).fields[1])
+            if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
+                # the step failed: nothing was moved, nothing to put back
+                for key, _ in list(_scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
+                    w.txn.delete(key, db=st.db_redo)
+                w.txn.delete(S.u64(gid), db=st.db_graves)
+        elif rec.kind == S.GRAVE and \
+                B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
+            w.txn.delete(S.u64(rec.fields[1]), db=st.db_graves)   # put back
+
+    def keep_layer(self, w: Writer, layer_id: int) -> None:
+        """Move a dropped layer's row, index entries and attributions."""
+        st = self.store
+        prefix = S.index_prefix(layer_id)
+        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
+            for key, val in list(_scan(w.txn, db, prefix)):
+                w.txn.put(kind + key, val, db=st.db_redo)
+                w.txn.delete(key, db=db)
+        row = w.txn.get(S.u64(layer_id), db=st.db_layers)
+        if row is not None:
+            w.txn.put(S.REDO_LAYER + S.u64(layer_id), row, db=st.db_redo)
+            w.txn.delete(S.u64(layer_id), db=st.db_layers)
+
+    def seal(self, top: int) -> None:
+        """The rollback is done (*top*: the layer open now): take the
+        fingerprint of every location a redo would touch."""
+        st = state(self.store)
+        locs = touched_locations(self.groups if self.groups is not None
+                                 else [[rec for _, rec in group] for _, group in
+                                       _inverse_groups(self.store, reverse=True)])
+        with self.store.write() as w:
+            for loc in locs:
+                w.txn.put(REDO_PRINT + loc, S.to_json(fingerprint(self.r, loc)),
+                          db=self.store.db_redo)
+            st["state"] = READY
+            st["fresh"] = None if top in st["kept"] else top
+            _put_state(w, st)
+
+    # -- inverses -------------------------------------------------------------------
+
+    def _parents(self, *paths: bytes) -> list[S.Record]:
+        """The attributes (times) of the directories holding *paths*, which
+        a change of their entries touches."""
+        out, seen = [], set()
+        for p in paths:
+            if S.grave_id(p) is not None or not p:
+                continue
+            parent = B.split(p)[0]
+            if parent in seen:
+                continue
+            seen.add(parent)
+            st = self.r.lstat(parent)
+            if st is not None:
+                out.append(_meta(parent, st))
+        return out
+
+    def _bytes(self, w: Writer, d: int, name: bytes, loc: bytes, ino: int, index: int,
+               end: int, length: int | None = None) -> S.Record:
+        """A CHUNK record holding chunk *index* of the object as it is now
+        (up to *length* bytes of it, never past *end*, its size)."""
+        off = index * self.C
+        n = max(0, min(self.C if length is None else length, end - off))
+        data = b""
+        if n:
+            fd = B.open_noatime(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                dir_fd=d)
+            try:
+                data = os.pread(fd, n, off)
+            finally:
+                os.close(fd)
+        h = b"" if data == bytes(len(data)) else w.put_chunk(data)
+        return _rec(S.CHUNK, loc, ino, index, len(data), h)
+
+    @staticmethod
+    def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Record]:
+        pairs = B.list_xattrs(*B.xattr_target(d, n))
+        return [_rec(S.XATTRS, loc, ino, S.encode_xattrs(pairs))] \
+            if pairs or always else []
+
+    def _inverse(self, w: Writer, rec: S.Record) -> list[S.Record]:
+        """Records that undo *rec*'s undo step, in the order a redo applies
+        them; taken before the step."""
+        k, f = rec.kind, rec.fields
+        if k in (S.CREATE, S.LINK):
+            st = self.r.lstat(f[0])
+            if st is None:
+                return []
+            gid = w.new_grave(st.st_ino)
+            return [_rec(S.RENAME, f[0], S.grave_loc(gid), st.st_ino),
+                    *self._parents(f[0])]
+        if k == S.GRAVE:
+            return [_rec(S.RENAME, S.grave_loc(f[1]), f[0], f[2]), *self._parents(f[0])]
+        if k == S.RENAME:
+            return [_rec(S.RENAME, f[1], f[0], f[2]), *self._parents(f[0], f[1])]
+        if k == S.EXCHANGE:
+            return [_rec(S.EXCHANGE, f[0], f[1], f[3], f[2]),
+                    *self._parents(f[0], f[1])]
+        if k not in (S.META, S.XATTRS, S.CHUNK):
+            return []
+        loc, ino = f[0], f[1]
+        try:
+            with self.r.at(loc) as (d, n):
+                st = B.lstat_at(d, n)
+                if st is None or st.st_ino != ino:
+                    return []       # the step cannot apply either; it is reported
+                if k == S.XATTRS:
+                    return self._xattrs(d, n, loc, ino)
+                if k == S.CHUNK:
+                    return [self._bytes(w, d, n, loc, ino, f[2], st.st_size, f[3]),
+                            _meta(loc, st)]
+                out = []
+                if stat.S_ISREG(st.st_mode) and st.st_size > f[5]:
+                    # the step truncates: keep what it cuts off
+                    out += [self._bytes(w, d, n, loc, ino, i, st.st_size)
+                            for i in range(f[5] // self.C, (st.st_size - 1) // self.C + 1)]
+                out.append(_meta(loc, st))
+                if (st.st_uid, st.st_gid) != (f[3], f[4]):
+                    # a change of owner drops capabilities
+                    out += self._xattrs(d, n, loc, ino, always=False)
+                return out
+        except FileNotFoundError:
+            return []               # (a path component is gone: likewise)
+
+
+# -- where a redo acts, and whether anything changed there --------------------------------
+
+def _inverse_groups(store: Store, reverse: bool = False):
+    """(seq, [(key, record)...]) of the kept inverses, in seq order."""
+    groups: list[tuple[int, list]] = []
+    with store.env.begin(db=store.db_redo) as txn:
+        for key, val in _scan(txn, store.db_redo, S.REDO_INVERSE):
+            seq = S.from_u64(key[1:9])
+            if not groups or groups[-1][0] != seq:
+                groups.append((seq, []))
+            groups[-1][1].append((key, S.decode_or_damaged(val)))
+    return reversed(groups) if reverse else groups
+
+
+def _locs(rec: S.Record) -> list[bytes]:
+    if rec.kind in (S.RENAME, S.EXCHANGE):
+        return [rec.fields[0], rec.fields[1]]
+    if rec.kind in (S.META, S.XATTRS, S.CHUNK):
+        return [rec.fields[0]]
+    return []
+
+
+class Tracker:
+    """Locations followed through renames: a rename of a directory moves
+    every tracked location below it."""
+
+    def __init__(self) -> None:
+        self.locs: list[bytes] = []     # sorted, unique
+
+    def add(self, loc: bytes) -> None:
+        i = bisect.bisect_left(self.locs, loc)
+        if i == len(self.locs) or self.locs[i] != loc:
+            self.locs.insert(i, loc)
+
+    def _take(self, a: bytes) -> list[bytes]:
+        lo = bisect.bisect_left(self.locs, a)
+        hi = bisect.bisect_left(self.locs, a + b"0")     # b"0" follows b"/"
+        taken = [p for p in self.locs[lo:hi] if p == a or p.startswith(a + b"/")]
+        for p in taken:
+            self.locs.remove(p)
+        return taken
+
+    def move(self, a: bytes, b: bytes, exchange: bool = False) -> None:
+        under_a = self._take(a)
+        under_b = self._take(b) if exchange else []
+        for p in under_a:
+            # (what lies inside a directory moved into the grave is not
+            # followed: the redo brings the directory back first)
+            if p == a or S.grave_id(b) is None:
+                self.add(b + p[len(a):])
+        for p in under_b:
+            self.add(a + p[len(b):])
+
+
+def touched_locations(groups: list[list[S.Record]]) -> list[bytes]:
+    """Every location a redo would act on, as it is named at the end of the
+    rollback.  *groups*: the inverses, in the rollback's order; they name
+    locations as they were when each was taken, so those are followed
+    through the moves of the later undo steps."""
+    tracker = Tracker()
+    for group in groups:
+        for rec in group:
+            for loc in _locs(rec):
+                tracker.add(loc)
+        first = group[0]
+        if first.kind == S.RENAME:        # the undo step moved fields[0] to fields[1]
+            tracker.move(first.fields[0], first.fields[1])
+        elif first.kind == S.EXCHANGE:
+            tracker.move(first.fields[0], first.fields[1], exchange=True)
+        for rec in group:                 # the entries it left, too
+            for loc in _locs(rec):
+                tracker.add(loc)
+    return tracker.locs
+
+
+def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
+    """What is at *loc* (None: nothing); directories by identity and
+    attributes, not times (which entries at ignored paths change)."""
+    try:
+        with resolver.at(loc) as (d, n):
+            st = B.lstat_at(d, n)
+    except OSError:
+        return ["unreachable"]
+    if st is None:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return ["dir", st.st_ino, st.st_mode, st.st_uid, st.st_gid]
+    return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
+            st.st_ctime_ns]
+
+
+def layers_text(ids: list[int]) -> str:
+    return ("layers " if len(ids) > 1 else "layer ") + ", ".join(map(str, ids))
+
+
+def check(store: Store, resolver: B.Resolver) -> dict:
+    """The kept rollback, if a redo can undo it now; else raise NothingToDo
+    (there was none) or Refused (saying why not)."""
+    st = state(store)
+    if st is None or st["state"] in (BUILDING, REDOING):
+        raise NothingToDo("nothing to redo: no rollback since the store was created")
+    what = f"the rollback of {layers_text(st['dropped'])}"
+    if st["state"] != READY:
+        raise Refused(f"cannot redo {what}: {st['why']}")
+    expect = st["kept"] + ([st["fresh"]] if st["fresh"] is not None else [])
+    if store._next_seq != st["seq"] or [x.id for x in store.layers()] != expect:
+        raise Refused(f"cannot redo {what}: the layers changed since")
+    changed = []
+    with store.env.begin(db=store.db_redo) as txn:
+        prints = list(_scan(txn, store.db_redo, REDO_PRINT))
+    for key, val in prints:
+        loc = key[len(REDO_PRINT):]
+        if fingerprint(resolver, loc) != S.from_json(val):
+            changed.append(S.show_loc(loc))
+    if changed:
+        raise Refused(f"cannot redo {what}: {', '.join(changed[:10])}"
+                      + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+                      + " changed since (while not mounted); nothing was changed")
+    return st
+
+
+def start(store: Store) -> None:
+    """In one transaction: mark the redo under way and write its pending
+    record (resumed by the next mount after a crash)."""
+    with store.write() as w:
+        st = S.from_json(w.txn.get(S.K_REDO_STATE, db=store.db_redo))
+        st["state"] = REDOING
+        _put_state(w, st)
+        w.set_meta(S.K_PENDING, S.to_json({"op": "redo", "files": False, "steps": []}))
+
+
+def apply(store: Store, undo, failures: list[str], describe) -> int:
+    """Apply the kept inverses, last kept first (resumable: each group is
+    deleted once applied); returns how many records were applied."""
+    applied = 0
+    for _, group in _inverse_groups(store):
+        for _, rec in group:
+            try:
+                undo.apply(rec)
+                applied += 1
+            except Exception as e:  # report by name, keep going
+                failures.append(f"{describe(rec)}: {e}")
+        with store.write() as w:
+            for key, rec in group:
+                if rec.kind == S.CHUNK and rec.fields[4]:
+                    w.deref(rec.fields[4])
+                elif rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
+                    gid = S.grave_id(rec.fields[1])
+                    if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
+                        w.txn.delete(S.u64(gid), db=store.db_graves)   # out of the grave
+                w.txn.delete(key, db=store.db_redo)
+    return applied
+
+
+def restore(w: Writer) -> list[int]:
+    """In the transaction that ends a redo: the dropped layers come back
+    (and the base a rollback of every layer opened goes); returns their ids."""
+    store = w.store
+    txn = w.txn
+    st = S.from_json(txn.get(S.K_REDO_STATE, db=store.db_redo))
+    fresh = st.get("fresh")
+    if fresh is not None:
+        prefix = S.index_prefix(fresh)
+        for db in (store.db_index, store.db_who):
+            for key, _ in list(_scan(txn, db, prefix)):
+                txn.delete(key, db=db)
+        txn.delete(S.u64(fresh), db=store.db_layers)
+    targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
+               S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
+    restored = []
+    for key, val in list(_scan(txn, store.db_redo, b"")):
+        kind = key[:1]
+        if kind in targets:
+            txn.put(key[1:], val, db=targets[kind])
+            if kind == S.REDO_LAYER:
+                restored.append(S.from_u64(key[1:]))
+            elif kind == S.REDO_RECORD:
+                rec = S.decode_or_damaged(val)
+                if rec.kind == S.GRAVE and \
+                        B.lstat_at(store.grave_fd, str(rec.fields[1]).encode()) is not None:
+                    txn.put(S.u64(rec.fields[1]), S.u64(rec.fields[2]), db=store.db_graves)
+        txn.delete(key, db=store.db_redo)
+    return sorted(restored)
+
+
+# -- for `cowfs check` -------------------------------------------------------------------
+
+def references(store: Store, txn):
+    """(kind, record) of every record the redo database holds: "r" a dropped
+    layer's record, "v" an inverse (their chunks are referenced, and the
+    grave entries they hold are in use)."""
+    if store.db_redo is None:
+        return
+    for key, val in _scan(txn, store.db_redo, b""):
+        if key[:1] in (S.REDO_RECORD, S.REDO_INVERSE):
+            yield key[:1], S.decode_or_damaged(val)
+
+
+def held_grave(kind: bytes, rec: S.Record) -> tuple[int, int] | None:
+    """(grave id, inode) a record of the redo database holds in the grave."""
+    if kind == S.REDO_RECORD and rec.kind == S.GRAVE:
+        return rec.fields[1], rec.fields[2]
+    if kind == S.REDO_INVERSE and rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
+        return S.grave_id(rec.fields[1]), rec.fields[2]
+    return None

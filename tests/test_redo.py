@@ -1,0 +1,262 @@
+"""Redo: undoing the last rollback exactly (the tree with mtimes, xattrs and
+hard links, and the layers themselves), and refusing — changing nothing —
+once anything changed since.  Generated histories are covered by the model
+test (tests/test_model.py: the redo rule, and rollbacks followed at once by
+a redo); kill -9 in the middle of a redo by tests/test_crash.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from cowfs import treesnap
+from cowfs.api import Workspace as ApiWorkspace
+from cowfs.errors import NOTHING_TO_DO, REFUSED
+
+from .conftest import plain
+
+
+def layer_ids(ws) -> list[int]:
+    return [layer["id"] for layer in ws.log()]
+
+
+def change_everything(ws) -> None:
+    """One layer's worth of every kind of change."""
+    with open(ws / "big.bin", "r+b") as f:             # bytes inside chunks
+        f.seek(70_000)
+        f.write(b"X" * 100)
+        f.seek(200_000)
+        f.write(b"\0" * 5000)
+    with open(ws / "grow.txt", "a") as f:              # an append past several chunks
+        f.write("longer now\n" * 20_000)
+    os.truncate(ws / "shrink.bin", 1000)               # a truncation
+    subprocess.run(["sed", "-i", "s/alpha/ALPHA/", str(ws / "a.txt")], check=True)
+    os.chmod(ws / "big.bin", 0o600)
+    os.chown(ws / "grow.txt", 1000, 1000)
+    os.setxattr(ws / "x.txt", "user.k", b"two")
+    os.utime(ws / "x.txt", ns=(1_500_000_000_000_000_000, 1_500_000_000_000_000_000))
+    (ws / "new" / "deep").mkdir(parents=True)          # new directories and files
+    (ws / "new" / "deep" / "f").write_text("made\n")
+    os.rename(ws / "dir", ws / "moved")                # a directory renamed
+    os.link(ws / "moved" / "b.txt", ws / "hard")       # a hard link
+    os.symlink("moved/b.txt", ws / "sym")
+    os.unlink(ws / "gone.txt")                         # a removal
+    os.rename(ws / "x.txt", ws / "moved" / "x2.txt")   # a file moved into the moved dir
+
+
+def prepare(ws) -> None:
+    (ws / "big.bin").write_bytes(os.urandom(300_000))
+    (ws / "grow.txt").write_text("short\n")
+    (ws / "shrink.bin").write_bytes(os.urandom(200_000))
+    (ws / "gone.txt").write_text("to be removed\n")
+    (ws / "x.txt").write_text("x\n")
+    os.setxattr(ws / "x.txt", "user.k", b"one")
+    ws.commit()
+
+
+def test_redo_brings_back_the_tree_and_the_layers_exactly(mounted):
+    ws = mounted
+    prepare(ws)
+    layer = ws.checkpoint("work")
+    start = ws.snapshot()
+    change_everything(ws)
+    before = ws.snapshot()
+    status = plain(ws.status())
+    log = [(x["id"], x["message"], x["changes"], x["records"]) for x in ws.log()]
+    usage = ws.json("status")["usage"]
+
+    assert ws.rollback()["dropped"] == [layer]
+    treesnap.assert_same(start, ws.snapshot())
+    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": ""}
+    assert "can be undone: cowfs redo" in ws.cowfs("status").stdout
+    assert ws.json("check")["ok"]                     # what is kept is consistent
+
+    res = ws.json("redo")
+    assert res["restored"] == [layer] and not res["failures"] and res["top"] == layer
+    treesnap.assert_same(before, ws.snapshot())
+    assert plain(ws.status()) == status
+    assert [(x["id"], x["message"], x["changes"], x["records"]) for x in ws.log()] == log
+    after = ws.json("status")["usage"]                 # nothing kept behind
+    assert after["grave"] == usage["grave"] and after["data"] <= usage["data"] + (64 << 10)
+    assert ws.json("status")["redo"] is None
+    assert ws.json("check")["ok"]
+
+    # the layer is back for real: it rolls back exactly again, and redoes again
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
+    r = ws.cowfs("redo", check=False)                 # only the last rollback, once
+    assert r.returncode == NOTHING_TO_DO and "nothing to redo" in r.stderr
+    ws.unmount()                                      # and the stack persists
+    ws.mount()
+    treesnap.assert_same(before, ws.snapshot())
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+
+
+def test_redo_of_a_rollback_of_several_layers_and_of_the_base(mounted):
+    ws = mounted
+    base = layer_ids(ws)[0]
+    (ws / "one").write_text("1\n")
+    second = ws.checkpoint("two")
+    at_second = ws.snapshot()
+    (ws / "two").write_text("2\n")
+    os.rename(ws / "dir", ws / "dir2")
+    third = ws.checkpoint("three")
+    (ws / "dir2" / "three").write_text("3\n")
+    os.unlink(ws / "one")
+    before = ws.snapshot()
+    ids = layer_ids(ws)
+    assert ids == [base, second, third]
+
+    res = ws.rollback(to=base)                        # every layer: a fresh base opens
+    assert res["dropped"] == ids and res["top"] not in ids
+    api = ApiWorkspace.attach(str(ws.path))           # (the Python API)
+    redone = api.redo()
+    assert redone.restored == ids and redone.top == third
+    treesnap.assert_same(before, ws.snapshot())
+    assert layer_ids(ws) == ids                       # the fresh base is gone again
+    ws.rollback(to=second)
+    treesnap.assert_same(at_second, ws.snapshot())
+    assert ws.json("check")["ok"]
+
+
+def test_redo_is_refused_after_any_change_and_changes_nothing(mounted):
+    ws = mounted
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == NOTHING_TO_DO and "nothing to redo" in r.stderr
+    with open(ws / "a.txt", "a") as f:                # captured by the base layer
+        f.write("in the base layer\n")
+    layer = ws.checkpoint()
+    (ws / "new.txt").write_text("new\n")
+    with open(ws / "a.txt", "a") as f:
+        f.write("in the layer\n")
+    ws.rollback()
+    used = ws.json("status")["usage"]["bytes"]
+    # A write the base layer captured already records nothing new in the
+    # journal, and still ends the chance to redo.
+    with open(ws / "a.txt", "r+") as f:
+        f.write("Z")
+    changed = ws.snapshot()
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED, (r.returncode, r.stderr)
+    assert f"cannot redo the rollback of layer {layer}: the workspace changed after it " \
+           "(a write)" in r.stderr
+    treesnap.assert_same(changed, ws.snapshot())      # nothing changed
+    assert len(layer_ids(ws)) == 1
+    assert ws.json("status")["redo"]["available"] is False
+    assert "cannot be redone: the workspace changed" in ws.cowfs("log").stdout
+    assert ws.json("status")["usage"]["bytes"] < used     # what was kept is freed
+    assert ws.json("check")["ok"]
+
+    ws.checkpoint()                                   # a checkpoint ends it too
+    (ws / "later.txt").write_text("later\n")
+    ws.rollback()
+    ws.checkpoint()
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
+
+    (ws / "more.txt").write_text("more\n")            # and --no-redo keeps nothing
+    ws.cowfs("rollback", "--no-redo")
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "made with --no-redo" in r.stderr
+
+
+def test_redo_after_a_remount_and_offline_and_refused_after_an_offline_edit(mounted):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("edited in the layer\n")
+    (ws / "dir" / "c.txt").write_text("new\n")
+    before = ws.snapshot()
+    ws.rollback()
+    ws.unmount()
+    ws.mount()                                        # a remount changes nothing
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
+
+    ws.unmount()                                      # not mounted at all
+    ws.cowfs("rollback")
+    res = ws.json("redo")
+    assert res["restored"] == [layer] and res["mounted"] is False
+    ws.mount()
+    treesnap.assert_same(before, ws.snapshot())
+    ws.unmount()
+
+    ws.cowfs("rollback")
+    (ws / "a.txt").write_text("edited behind cowfs's back\n")
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "a.txt" in r.stderr and "changed since" in r.stderr
+    assert (ws / "a.txt").read_text() == "edited behind cowfs's back\n"
+    assert not (ws / "dir" / "c.txt").exists()       # nothing was changed
+
+
+def test_a_file_held_open_across_rollback_and_redo(mounted):
+    ws = mounted
+    ws.checkpoint()
+    fd = os.open(ws / "made.txt", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"first\n")
+        before = ws.snapshot()
+        ws.rollback()
+        assert not (ws / "made.txt").exists()
+        ws.json("redo")                               # the very same file comes back
+        treesnap.assert_same(before, ws.snapshot())
+        os.write(fd, b"second\n")                     # and the open fd still writes to it
+        assert (ws / "made.txt").read_bytes() == b"first\nsecond\n"
+        ws.rollback()
+        assert not (ws / "made.txt").exists()
+        os.write(fd, b"third\n")                      # writing to it after the rollback
+        r = ws.cowfs("redo", check=False)             # is a change: no redo
+        assert r.returncode == REFUSED and "(a write)" in r.stderr
+        assert not (ws / "made.txt").exists()
+    finally:
+        os.close(fd)
+    assert ws.json("check")["ok"]
+
+
+def test_redo_brings_back_a_new_package_with_its_ignored_cache(workspace):
+    ws = workspace
+    (ws / ".cowfsignore").write_text("__pycache__/\n")
+    ws.mount()
+    ws.checkpoint()
+    (ws / "pkg").mkdir()
+    (ws / "pkg" / "mod.py").write_text("X = 1\n")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ws / "pkg")], check=True)
+    assert list((ws / "pkg" / "__pycache__").iterdir())
+    before = ws.snapshot()
+    ws.rollback()
+    assert not (ws / "pkg").exists()                  # with what was made in it, ignored
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())       # ... and all of it comes back
+
+
+def test_redo_is_in_the_audit_log(mounted):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("changed\n")
+    ws.rollback()
+    ws.json("redo")
+    events = [json.loads(line) for line in ws.cowfs("audit", "--jsonl").stdout.splitlines()]
+    redo = [e for e in events if e["event"] == "redo"]
+    assert len(redo) == 1 and redo[0]["restored"] == [layer]
+    redone = [e for e in events if e.get("redone")]
+    assert [(e["path"], e["kind"]) for e in redone] == [("a.txt", "M")]
+
+
+def test_a_rollback_with_provider_snapshots_cannot_be_redone(mounted, tmp_path):
+    ws = mounted
+    state = tmp_path / "state"
+    state.write_text("v1\n")
+    ws.cowfs("provider", "add", "cfg", "--capture", f"cp {state} \"$COWFS_STATE_DIR/s\"",
+             "--restore", f"cp \"$COWFS_STATE_DIR/s\" {state}", "--discard", "true")
+    ws.json("checkpoint", "--provider", "cfg")
+    state.write_text("v2\n")
+    (ws / "a.txt").write_text("changed\n")
+    ws.rollback()
+    assert state.read_text() == "v1\n"
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "provider snapshots" in r.stderr
+    assert (ws / "a.txt").read_text() == "alpha\n" and state.read_text() == "v1\n"
