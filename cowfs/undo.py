@@ -73,6 +73,8 @@ class Undoer:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
+        else:
+            self.touched.objects.add(st.st_ino)     # its other names: one link fewer
         self.touched.entry(path)
 
     def _keep(self, path: bytes, gid: int) -> None:
@@ -88,6 +90,7 @@ class Undoer:
             B.renameat2(d, n, self.store.grave_fd, str(gid).encode(), B.RENAME_NOREPLACE)
         self.touched.entry(path)
         self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
+        self.touched.objects.add(st.st_ino)         # (names in the grave are not counted)
 
     def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
         """Whether directory *n* holds nothing but ignored paths (true when
@@ -125,6 +128,7 @@ class Undoer:
             B.renameat2(self.store.grave_fd, g, d, n, B.RENAME_NOREPLACE)
         self.touched.entry(path)
         self.touched.moves.append((ino, path))
+        self.touched.objects.add(ino)               # (names in the grave are not counted)
 
     def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
         with self.r.at(dst) as (dd, dn):
@@ -136,6 +140,8 @@ class Undoer:
         self.touched.entry(src)
         self.touched.entry(dst)
         self.touched.moves.append((ino, src))
+        if S.grave_id(src) is not None or S.grave_id(dst) is not None:
+            self.touched.objects.add(ino)           # (names in the grave are not counted)
 
     def _exchange(self, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
         with self.r.at(a) as (ad, an), self.r.at(b) as (bd, bn):

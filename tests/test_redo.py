@@ -260,3 +260,21 @@ def test_a_rollback_with_provider_snapshots_cannot_be_redone(mounted, tmp_path):
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "provider snapshots" in r.stderr
     assert (ws / "a.txt").read_text() == "alpha\n" and state.read_text() == "v1\n"
+
+
+def test_link_counts_follow_rollback_and_redo(mounted):
+    """Hard links made and removed in a layer: every name shows the right
+    st_nlink at once (the kernel's cached attributes are invalidated)."""
+    ws = mounted
+    os.link(ws / "dir" / "b.txt", ws / "b2")
+    ws.commit()
+    ws.checkpoint()
+    os.link(ws / "a.txt", ws / "a2")                  # a link made in the layer
+    os.unlink(ws / "b2")                              # and one removed
+    counts = {"a.txt": 2, "a2": 2, "dir/b.txt": 1}
+    assert {p: os.stat(ws / p).st_nlink for p in counts} == counts
+    ws.rollback()
+    assert os.stat(ws / "a.txt").st_nlink == 1
+    assert os.stat(ws / "dir" / "b.txt").st_nlink == 2 == os.stat(ws / "b2").st_nlink
+    ws.json("redo")
+    assert {p: os.stat(ws / p).st_nlink for p in counts} == counts
