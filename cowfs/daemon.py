@@ -202,6 +202,9 @@ class Daemon:
         self.registry = Registry(self.store.dirfd, self.mountpoint)
         if create:
             self._check_drift()
+        # An interrupted rollback resumes under the filters its layers were
+        # captured with; a mount's new --ignore patterns apply from then on.
+        self._load_ignore_rules()
         pending = self.stack.pending()
         if pending is not None and pending.get("op") == "checkpoint":
             self.recorder = Recorder(self.store)
@@ -210,11 +213,14 @@ class Daemon:
             self.warnings += trio.run(self._resume)
         if create and self.ignore_patterns is not None:
             self.store.set_meta_json(S.K_IGNORE, self.ignore_patterns)
-        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(S.K_IGNORE) or [])
-        self.stack.ignored = self.rules.matches
+            self._load_ignore_rules()
         self.stack.resume()
         self.recorder = Recorder(self.store)
         self.recorder.ignore = self.rules
+
+    def _load_ignore_rules(self) -> None:
+        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(S.K_IGNORE) or [])
+        self.stack.ignored = self.rules.matches
 
     def _check_drift(self) -> None:
         """Paths the layers changed that were changed again while the
@@ -589,12 +595,12 @@ class Daemon:
                     top = self.store.top()
                     self.recorder.reset(fresh=pending["op"] == "rollback" and top is not None
                                         and before is not None and top.id > before.id)
+                # before anything awaits: the requests held meanwhile come next
+                self._arm_redo()
             if self.fs is not None:
                 await self._invalidate(*self.fs.after_undo(report.touched))
         ran += await self._provider_steps("discard")
-        record = self.stack.finish()
-        self._arm_redo()
-        return record, report, ran
+        return self.stack.finish(), report, ran
 
     def _arm_redo(self) -> None:
         """While the last rollback can be redone, the first change in the
@@ -604,10 +610,7 @@ class Daemon:
             self.fs.on_change = self._changed_after_rollback if available else None
 
     def _changed_after_rollback(self, what: str) -> None:
-        try:
-            self.stack.discard_redo(f"the workspace changed after it (a {what})")
-        except OSError:
-            log.exception("could not free what was kept for a redo")
+        self.stack.discard_redo(f"the workspace changed after it (a {what})", fallback=True)
 
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (at mount, before

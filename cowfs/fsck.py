@@ -194,7 +194,11 @@ def check(store: Store, hashes: bool = True) -> Report:
         redo_damaged = 0
         for kind, rec in redo.references(store, txn):
             if rec.kind == S.DAMAGED:
-                redo_damaged += 1
+                if kind == S.REDO_INVERSE:
+                    redo_damaged += 1
+                else:   # as it was in its layer: a redo brings it back as it is
+                    rep.problems.append(Problem("a record of a rolled-back layer (kept for a "
+                                                "redo) is damaged"))
                 continue
             what = f"{show(rec.fields[0])} (kept for a redo)"
             if rec.kind == S.CHUNK and rec.fields[4]:
@@ -205,7 +209,8 @@ def check(store: Store, hashes: bool = True) -> Report:
                 graved[held[0]] = (None, what)
         if redo_damaged:
             rep.problems.append(Problem(f"{redo_damaged} records kept for a redo are damaged "
-                                        "(repair discards them: no redo)", repairable=True))
+                                        "(repair discards what was kept: no redo)",
+                                        repairable=True))
             rep.drop_redo = True
 
         owners = owners_of(store, txn, set(damaged))

@@ -187,8 +187,8 @@ class Keeper:
         with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
             self.kept = {S.from_u64(k[1:9]) for k, _ in _scan(txn, store.db_redo,
                                                                S.REDO_INVERSE)}
-        # the inverses in the rollback's order, while this process took them all
-        self.groups: list[list[S.Record]] | None = [] if not self.kept else None
+        # seq -> inverses, in the rollback's order, while this process took them all
+        self.groups: dict[int, list[S.Record]] | None = {} if not self.kept else None
 
     def before(self, seq: int, rec: S.Record) -> int | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
@@ -209,7 +209,7 @@ class Keeper:
             self.held = None
             self.kept.add(seq)
             if self.groups is not None and group:
-                self.groups.append(group)
+                self.groups[seq] = group
             inverses = group[:1]
         if rec.kind in (S.CREATE, S.LINK) and inverses:
             return S.grave_id(inverses[0].fields[1])
@@ -248,6 +248,8 @@ class Keeper:
                 for key, _ in list(_scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
                     w.txn.delete(key, db=st.db_redo)
                 w.txn.delete(S.u64(gid), db=st.db_graves)
+                if self.groups is not None:
+                    self.groups.pop(seq, None)
         elif rec.kind == S.GRAVE and \
                 B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
             w.txn.delete(S.u64(rec.fields[1]), db=st.db_graves)   # put back
@@ -269,7 +271,7 @@ class Keeper:
         """The rollback is done (*top*: the layer open now): take the
         fingerprint of every location a redo would touch."""
         st = state(self.store)
-        locs = touched_locations(self.groups if self.groups is not None
+        locs = touched_locations(list(self.groups.values()) if self.groups is not None
                                  else [[rec for _, rec in group] for _, group in
                                        _inverse_groups(self.store, reverse=True)])
         with self.store.write() as w:
@@ -442,8 +444,11 @@ def touched_locations(groups: list[list[S.Record]]) -> list[bytes]:
 
 
 def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
-    """What is at *loc* (None: nothing); directories by identity and
-    attributes, not times (which entries at ignored paths change)."""
+    """What is at *loc* (None: nothing).  The ctime changes with anything
+    done to the object: its content, attributes, xattrs, and for a
+    directory its entries — so something made inside a directory the redo
+    moves (into the grave, say) is noticed, at any depth: every directory
+    in there was put back by the rollback and is fingerprinted too."""
     try:
         with resolver.at(loc) as (d, n):
             st = B.lstat_at(d, n)
@@ -451,8 +456,6 @@ def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
         return ["unreachable"]
     if st is None:
         return None
-    if stat.S_ISDIR(st.st_mode):
-        return ["dir", st.st_ino, st.st_mode, st.st_uid, st.st_gid]
     return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
             st.st_ctime_ns]
 

@@ -5,6 +5,7 @@ an unmounted workspace; the daemon adds flushing and cache invalidation.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -14,9 +15,11 @@ from . import backing as B
 from . import fsck
 from . import redo
 from . import schema as S
-from .errors import NothingToDo, UnknownLayer
+from .errors import NothingToDo, Refused, UnknownLayer
 from .store import Layer, Store
 from .undo import Touched, Undoer, describe
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Stack:
         self.ignored = None   # the capture filter ((path, is_dir) -> bool), if any
         # told the inodes of objects a discarded redo held in the grave
         self.on_freed: Callable[[list[int]], None] | None = None
+        self.redo_blocked: str | None = None   # why, when even noting it failed
 
     # -- basics -----------------------------------------------------------------
 
@@ -58,10 +62,19 @@ class Stack:
         self.discard_redo("a checkpoint was taken after it")
         return self.store.push_layer(message)
 
-    def discard_redo(self, reason: str) -> None:
+    def discard_redo(self, reason: str, fallback: bool = False) -> None:
         """What the last rollback kept for a redo is no longer needed (see
-        ``redo``): free it, noting *reason*."""
-        freed = redo.discard(self.store, reason)
+        ``redo``): free it, noting *reason*.  With *fallback*, a store that
+        cannot take that (full) at least has the redo refused."""
+        try:
+            freed = redo.discard(self.store, reason)
+        except OSError as e:
+            if not fallback:
+                raise
+            log.warning("could not free what was kept for a redo: %s", e)
+            self.redo_blocked = reason
+            redo.mark_unavailable(self.store, reason)
+            return
         if freed and self.on_freed is not None:
             self.on_freed(freed)
 
@@ -129,12 +142,12 @@ class Stack:
     def commit(self) -> dict:
         """Merge the top layer into the one below; committing the base layer
         makes its changes permanent and opens a fresh base layer."""
-        self.discard_redo("a commit was made after it")
         layers = self.store.layers()
         top = layers[-1]
+        if len(layers) == 1 and self.layer_is_empty(top.id):
+            raise NothingToDo("nothing to commit: the base layer has no changes")
+        self.discard_redo("a commit was made after it")
         if len(layers) == 1:
-            if self.layer_is_empty(top.id):
-                raise NothingToDo("nothing to commit: the base layer has no changes")
             freed = self._commit_base(top)
             fresh = self.store.push_layer("base")
             return {"committed": top.id, "into": None, "top": fresh.id, "freed": freed}
@@ -344,11 +357,8 @@ class Stack:
     def _give_up_redo(self, keeper: redo.Keeper | None, e: Exception) -> None:
         """Go on with the rollback without keeping what a redo needs; the
         record the keeper held is deleted like the others."""
-        reason = f"what a redo needs could not be kept ({getattr(e, 'strerror', None) or e})"
-        try:
-            self.discard_redo(reason)
-        except OSError:
-            redo.mark_unavailable(self.store, reason)   # the next discard frees it
+        self.discard_redo(f"what a redo needs could not be kept "
+                          f"({getattr(e, 'strerror', None) or e})", fallback=True)
         if keeper is not None and keeper.held is not None:
             with self.store.write() as w:
                 w.delete_record(keeper.held[0])
@@ -364,6 +374,8 @@ class Stack:
     def plan_redo(self) -> dict:
         """Check that the last rollback can be undone now and write the
         pending record of its redo."""
+        if self.redo_blocked is not None:
+            raise Refused(f"cannot redo the last rollback: {self.redo_blocked}")
         st = redo.check(self.store, self.resolver)
         redo.start(self.store)
         return st

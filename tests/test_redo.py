@@ -278,3 +278,88 @@ def test_link_counts_follow_rollback_and_redo(mounted):
     assert os.stat(ws / "dir" / "b.txt").st_nlink == 2 == os.stat(ws / "b2").st_nlink
     ws.json("redo")
     assert {p: os.stat(ws / p).st_nlink for p in counts} == counts
+
+
+def test_an_offline_change_inside_a_directory_the_redo_would_move_refuses_it(mounted):
+    ws = mounted
+    ws.checkpoint()
+    os.unlink(ws / "dir" / "b.txt")
+    os.rmdir(ws / "dir")                              # the redo moves dir back to the grave
+    ws.rollback()
+    ws.unmount()
+    (ws / "dir" / "new").write_text("important\n")    # made while not mounted
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "dir" in r.stderr and "changed since" in r.stderr
+    assert (ws / "dir" / "new").read_text() == "important\n"
+    os.unlink(ws / "dir" / "new")
+    os.setxattr(ws / "dir", "user.other", b"x")      # so is an attribute of it
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "dir" in r.stderr
+    assert os.getxattr(ws / "dir", "user.other") == b"x"
+
+
+def test_a_refused_commit_leaves_the_redo(mounted):
+    ws = mounted
+    (ws / "new.txt").write_text("new\n")
+    ws.rollback()                                     # the base layer: a fresh one opens
+    r = ws.cowfs("commit", check=False)
+    assert r.returncode == NOTHING_TO_DO
+    ws.json("redo")
+    assert (ws / "new.txt").read_text() == "new\n"
+
+
+def test_writes_racing_the_end_of_a_rollback_end_its_redo(mounted):
+    """Requests held while the rollback runs are served right after it:
+    whatever the timing, redo is refused exactly when an append landed
+    after the rollback (the hook is armed before any request is served)."""
+    ws = mounted
+    with open(ws / "a.txt", "a") as f:                # captured by the base layer:
+        f.write("base\n")                             # appends record nothing new
+    ws.checkpoint()
+    size = os.path.getsize(ws / "a.txt")
+    for i in range(2000):
+        (ws / "dir" / f"f{i}").write_bytes(b"x")
+    before = ws.snapshot()
+    rollback = subprocess.Popen([sys.executable, "-m", "cowfs", "-C", str(ws.path), "rollback"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while rollback.poll() is None:
+        with open(ws / "a.txt", "a") as f:
+            f.write("x")
+    assert rollback.wait() == 0, rollback.stderr.read()
+    after = os.path.getsize(ws / "a.txt")
+    r = ws.cowfs("--json", "redo", check=False)
+    if after > size:        # an append was served after the rollback: no redo
+        assert r.returncode == REFUSED and "(a write)" in r.stderr, (after, size, r.stderr)
+        assert os.path.getsize(ws / "a.txt") == after
+    else:                   # every append went in before it: rolled back, and back
+        assert r.returncode == 0, r.stderr
+        treesnap.assert_same(before, ws.snapshot())
+
+
+def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(workspace):
+    """The next mount finishes an interrupted rollback under the capture
+    filters its layers were captured with (and keeps what a redo needs)."""
+    from cowfs import backing as B
+    from cowfs.stack import Stack
+    from cowfs.store import Store
+    ws = workspace
+    (ws / ".cowfsignore").write_text("__pycache__/\n")
+    ws.mount()
+    ws.checkpoint()
+    (ws / "pkg").mkdir()
+    (ws / "pkg" / "mod.py").write_text("X = 1\n")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ws / "pkg")], check=True)
+    before = ws.snapshot()
+    ws.unmount()
+    # a crash right after the rollback was planned: only its pending record is written
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
+    rootfd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        Stack(store, B.Resolver(rootfd, store.grave_fd)).plan_rollback()
+    finally:
+        store.close()
+        os.close(rootfd)
+    ws.mount()
+    assert not (ws / "pkg").exists()                 # with its ignored cache
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
