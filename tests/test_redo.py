@@ -217,8 +217,9 @@ def test_a_file_held_open_across_rollback_and_redo(mounted):
     assert ws.json("check")["ok"]
 
 
-def test_redo_brings_back_a_new_package_with_its_ignored_cache(workspace):
-    ws = workspace
+def new_package_with_a_cache(ws) -> treesnap.Snapshot:
+    """Mount with __pycache__/ ignored; in a new layer, a package compiled
+    by python (its cache uncaptured).  Returns the tree."""
     (ws / ".cowfsignore").write_text("__pycache__/\n")
     ws.mount()
     ws.checkpoint()
@@ -226,7 +227,12 @@ def test_redo_brings_back_a_new_package_with_its_ignored_cache(workspace):
     (ws / "pkg" / "mod.py").write_text("X = 1\n")
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ws / "pkg")], check=True)
     assert list((ws / "pkg" / "__pycache__").iterdir())
-    before = ws.snapshot()
+    return ws.snapshot()
+
+
+def test_redo_brings_back_a_new_package_with_its_ignored_cache(workspace):
+    ws = workspace
+    before = new_package_with_a_cache(ws)
     ws.rollback()
     assert not (ws / "pkg").exists()                  # with what was made in it, ignored
     ws.json("redo")
@@ -343,13 +349,7 @@ def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(worksp
     from cowfs.stack import Stack
     from cowfs.store import Store
     ws = workspace
-    (ws / ".cowfsignore").write_text("__pycache__/\n")
-    ws.mount()
-    ws.checkpoint()
-    (ws / "pkg").mkdir()
-    (ws / "pkg" / "mod.py").write_text("X = 1\n")
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ws / "pkg")], check=True)
-    before = ws.snapshot()
+    before = new_package_with_a_cache(ws)
     ws.unmount()
     # a crash right after the rollback was planned: only its pending record is written
     store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
