@@ -314,15 +314,18 @@ class Workspace:
         they were when *layer* (default: the open layer) was opened.  The
         restore is made through the mount, so it is a change of the open
         layer like any other (and can itself be rolled back).  Returns the
-        paths it changed."""
+        paths it changed.  Names that were one object then (hard links)
+        within what is restored are linked again; a name is never written
+        through to others it shares its object with now."""
         done: list[str] = []
+        linked: dict[int, str] = {}     # object then -> the first path restored for it
         for path in paths:
             rel = os.fsdecode(wpath(path))
             if not rel:
                 raise CowfsError("restore takes paths inside the workspace; to put back "
                                  "everything, use rollback", USAGE)
             self._restore_parents(rel, layer, done)
-            self._restore(rel, layer, done)
+            self._restore(rel, layer, done, linked)
         self._call("audit_note", event="restore",
                    fields={"paths": list(paths), "from": layer, "restored": done[:1000]})
         return done
@@ -349,7 +352,8 @@ class Workspace:
             _set_attrs(self._abs(d), info)
             done.append(d)
 
-    def _restore(self, rel: str, layer: int | None, done: list[str]) -> None:
+    def _restore(self, rel: str, layer: int | None, done: list[str],
+                 linked: dict[int, str]) -> None:
         target = self._abs(rel)
         info = self._call("show", layer=layer, path=rel, missing_ok=True)
         st = _lstat(target)
@@ -359,8 +363,17 @@ class Workspace:
                 _remove(target)
                 done.append(rel)
             return
-        if st is not None and _KIND_OF.get(stat.S_IFMT(st.st_mode)) != kind:
-            _remove(target)
+        if kind != "dir":
+            first = linked.setdefault(info["object"], rel)
+            if first != rel and _lstat(self._abs(first)) is not None:
+                if st is not None:             # a hard link then: one again
+                    _remove(target)
+                os.link(self._abs(first), target)
+                done.append(rel)
+                return
+        if st is not None and (_KIND_OF.get(stat.S_IFMT(st.st_mode)) != kind or
+                               (kind == "file" and st.st_nlink > 1)):
+            _remove(target)                    # (never written through other names)
             st = None
         if kind == "file":
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -377,7 +390,7 @@ class Workspace:
                 if name not in wanted:
                     _remove(os.path.join(target, name))
             for name in info["entries"]:
-                self._restore(f"{rel}/{name}", layer, done)
+                self._restore(f"{rel}/{name}", layer, done, linked)
         elif kind == "symlink":
             if st is not None:
                 os.unlink(target)

@@ -278,6 +278,7 @@ def b64(data: bytes) -> str:
 def describe_past(h: History, obj: Past, offset: int = 0, size: int = SHOW_PAGE) -> dict:
     """The status of *obj* at T and a page of its content."""
     d = {"path": os.fsdecode(obj.path), "kind": KINDS.get(obj.kind, "unknown"),
+         "object": obj.ino,     # the same for every name of one object (hard links)
          "mode": obj.mode, "uid": obj.uid, "gid": obj.gid, "size": obj.size,
          "atime_ns": obj.atime_ns, "mtime_ns": obj.mtime_ns,
          "xattrs": [[b64(n), b64(v)] for n, v in h.xattrs_of(obj)]}

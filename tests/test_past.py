@@ -236,3 +236,28 @@ def test_changes_are_attributed_to_the_process_that_first_made_them(mounted):
     subprocess.run(["touch", "a.txt"], cwd=ws.path, check=True)
     ws.commit()                                     # merged: the older entry wins
     assert {c["path"]: c["who"]["cmd"][0] for c in ws.status()}["a.txt"] == "sed"
+
+
+def test_restore_links_names_that_were_one_object_and_writes_through_no_other(mounted):
+    ws = mounted
+    (ws / "dir" / "twin").write_text("twin\n")
+    os.link(ws / "dir" / "twin", ws / "dir" / "twin2")          # one object, two names
+    ws.commit()
+    original = ws.snapshot()
+    layer = ws.checkpoint()
+    (ws / "dir" / "twin").write_text("changed through one name\n")
+    os.unlink(ws / "dir" / "twin2")
+    (ws / "dir" / "twin2").write_text("a file of its own now\n")
+    os.link(ws / "a.txt", ws / "alias")                         # a.txt gets a second name
+    with open(ws / "alias", "w") as f:
+        f.write("edited through the alias\n")
+
+    ws.cowfs("restore", "--from", str(layer), "dir", "a.txt")
+    now = ws.snapshot()
+    for path in (b"dir", b"dir/twin", b"dir/twin2", b"a.txt"):
+        assert now[path] == original[path], path                # linked again, as then
+    assert os.stat(ws / "dir" / "twin").st_ino == os.stat(ws / "dir" / "twin2").st_ino
+    assert os.stat(ws / "dir" / "twin").st_nlink == 2
+    # the alias made later keeps its content: restoring a.txt wrote nothing through it
+    assert (ws / "alias").read_text() == "edited through the alias\n"
+    assert os.stat(ws / "alias").st_nlink == 1
