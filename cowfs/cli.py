@@ -497,15 +497,37 @@ def do_diff(args) -> int:
             for side in ("old", "new"):
                 if side in c and c[side]["kind"] != "file":
                     rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
-            if "diff" in c:
+            same = "old" in c and "new" in c and "xxh3" in c["old"] and \
+                c["old"].get("xxh3") == c["new"].get("xxh3")
+            if c.get("diff"):
                 rows.append(c["diff"].rstrip("\n"))
-            elif c["binary"]:
+            elif c["binary"] and not same:
                 rows.append(f"Binary: {side_sizes(c)}")
-            elif c.get("old", {}).get("mode") != c.get("new", {}).get("mode") and \
-                    "old" in c and "new" in c:
-                rows.append(f"mode {c['old']['mode']:o} -> {c['new']['mode']:o}")
+            elif same:
+                rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 "
+                            f"{c['new']['xxh3']})")
+            rows += attribute_changes(c, mtime=same)
     out(args, "\n".join(rows) or None, res)
     return 0
+
+
+def attribute_changes(c: dict, mtime: bool) -> list[str]:
+    """The mode of a changed entry when it differs, and (*mtime*: when the
+    content is back as it was) its mtime."""
+    old, new = c.get("old"), c.get("new")
+    if not old or not new:
+        return []
+    rows = []
+    if old["mode"] != new["mode"]:
+        rows.append(f"mode {old['mode']:o} -> {new['mode']:o}")
+    if mtime and old["mtime_ns"] != new["mtime_ns"]:
+        rows.append(f"mtime {iso_ns(old['mtime_ns'])} -> {iso_ns(new['mtime_ns'])}")
+    return rows
+
+
+def iso_ns(ns: int) -> str:
+    t = time.gmtime(ns // 10**9)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{ns % 10**9:09d}Z"
 
 
 def side_sizes(c: dict) -> str:

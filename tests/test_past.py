@@ -261,3 +261,17 @@ def test_restore_links_names_that_were_one_object_and_writes_through_no_other(mo
     # the alias made later keeps its content: restoring a.txt wrote nothing through it
     assert (ws / "alias").read_text() == "edited through the alias\n"
     assert os.stat(ws / "alias").st_nlink == 1
+
+
+def test_diff_of_content_put_back_says_so_and_shows_what_differs(mounted):
+    ws = mounted
+    os.utime(ws / "a.txt", ns=(10**18, 10**18))
+    ws.commit()
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("changed\n")
+    (ws / "a.txt").write_text("alpha\n")                  # the same bytes again
+    os.chmod(ws / "a.txt", 0o600)
+    text = ws.cowfs("diff", str(layer)).stdout
+    digest = xxhash.xxh3_128_hexdigest(b"alpha\n")
+    assert f"diff --cowfs M a.txt\ncontent unchanged (6 bytes xxh3 {digest})\n" \
+           "mode 100644 -> 100600\nmtime 2001-09-09T01:46:40.000000000Z -> " in text
