@@ -489,7 +489,8 @@ def do_diff(args) -> int:
         if args.name_status:
             rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if args.who else ""))
         elif args.stat:
-            counts = (f"+{c['added']} -{c['removed']}" if "diff" in c else
+            counts = ("content unchanged" if same_content(c) else
+                      f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
             rows.append(f" {name[2:]:<50} | {counts}")
         else:
@@ -497,8 +498,7 @@ def do_diff(args) -> int:
             for side in ("old", "new"):
                 if side in c and c[side]["kind"] != "file":
                     rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
-            same = "old" in c and "new" in c and "xxh3" in c["old"] and \
-                c["old"].get("xxh3") == c["new"].get("xxh3")
+            same = same_content(c)
             if c.get("diff"):
                 rows.append(c["diff"].rstrip("\n"))
             elif c["binary"] and not same:
@@ -509,6 +509,12 @@ def do_diff(args) -> int:
             rows += attribute_changes(c, mtime=same)
     out(args, "\n".join(rows) or None, res)
     return 0
+
+
+def same_content(c: dict) -> bool:
+    """A file whose bytes are back as they were (both sides hashed, equal)."""
+    return "old" in c and "new" in c and "xxh3" in c["old"] and \
+        c["old"].get("xxh3") == c["new"].get("xxh3")
 
 
 def attribute_changes(c: dict, mtime: bool) -> list[str]:
