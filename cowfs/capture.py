@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from . import schema as S
-from .store import Store, Writer
+from .store import Store, Writer, scan
 
 Loc = Callable[[], bytes]
 
@@ -79,18 +79,15 @@ class Recorder:
         return o
 
     def _load(self, ino: int, o: Obj) -> None:
-        prefix = S.index_prefix(self.layer, ino)
         with self.store.read() as txn:
-            cur = txn.cursor(db=self.store.db_index)
-            ok = cur.set_range(prefix)
-            while ok and cur.key().startswith(prefix):
-                _, _, kind, chunk = S.split_index_key(cur.key())
+            for key, value in scan(txn, self.store.db_index, S.index_prefix(self.layer, ino)):
+                _, _, kind, chunk = S.split_index_key(key)
                 if kind == S.IDX_CREATED:
                     o.created = True
                 elif kind == S.IDX_PINNED:
                     o.pinned = True
                 elif kind == S.IDX_META:
-                    raw = txn.get(cur.value(), db=self.store.db_journal)
+                    raw = txn.get(value, db=self.store.db_journal)
                     rec = S.decode_or_damaged(raw or b"")
                     o.meta = True
                     # a damaged record: the object cannot be restored anyway
@@ -99,7 +96,6 @@ class Recorder:
                     o.xattrs = True
                 elif kind == S.IDX_CHUNK:
                     o.chunks.add(chunk)
-                ok = cur.next()
 
     def is_created(self, ino: int) -> bool:
         return self.obj(ino).created
@@ -282,9 +278,7 @@ class Recorder:
             return o
         self._changing(ino, o)
         self.attribute(w, ino)
-        seq = w.append(S.encode_record(
-            S.META, loc(), ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
-            st.st_atime_ns, st.st_mtime_ns))
+        seq = w.append(S.encode_record(S.META, *S.meta_fields(loc(), st)))
         w.index_put(self.layer, ino, S.IDX_META, seq)
         o.meta = True
         o.s0 = st.st_size

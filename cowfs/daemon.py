@@ -869,7 +869,7 @@ class Daemon:
         """`cowfs check --repair`: check, repair what can be repaired without
         inventing data, check again (with the handlers waiting throughout)."""
         await self._flush()
-        done = fsck.repair(self.store, fsck.check(self.store))
+        done = fsck.repair(self.store, fsck.check(self.store), self.stack.discard_redo)
         self.recorder.reset(fresh=False)
         return {"repaired": done, **fsck.check(self.store).to_dict()}
 
@@ -918,6 +918,9 @@ def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
         os.close(store)
 
 
+TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
+
+
 def offline(workspace: str, store: str | None, op: str, **args) -> dict:
     """Run control operation *op* on the store of an unmounted workspace;
     the result carries the warnings of opening it (a resumed rollback, a
@@ -925,7 +928,7 @@ def offline(workspace: str, store: str | None, op: str, **args) -> dict:
     daemon = Daemon(workspace, store=store)
     daemon.open_offline()
     try:
-        if op in ("rollback", "commit", "redo"):
+        if op in TREE_OPS:
             recorded = daemon.store.get_meta_json(S.K_DRIFT)
             drift = daemon.stack.drift(recorded) if recorded else []
             if drift:
@@ -934,7 +937,7 @@ def offline(workspace: str, store: str | None, op: str, **args) -> dict:
         try:
             result = trio.run(functools.partial(getattr(daemon, "op_" + op), **args))
         finally:  # what a rollback or commit changed (also when it partly failed)
-            if op in ("rollback", "commit", "redo") and daemon.store.get_meta_json(S.K_DRIFT):
+            if op in TREE_OPS and daemon.store.get_meta_json(S.K_DRIFT):
                 daemon.record_fingerprint()
     finally:
         daemon.close_offline()

@@ -146,16 +146,22 @@ class DirHandle:
         self.names = names
 
 
-def handler(fn: Callable) -> Callable:
+def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
     """Map OSError to its errno and anything unexpected to EIO: an exception
-    other than FUSEError escaping a handler would kill the mount."""
+    other than FUSEError escaping a handler would kill the mount.  With
+    *changes*: the request changes the workspace (see ``CowFS._changing``)."""
+    if fn is None:
+        return functools.partial(handler, changes=changes)
 
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
+        fs = args[0]
         # who is asking: captures made for this request are attributed to it
         ctx = args[-1] if args and isinstance(args[-1], pyfuse3.RequestContext) else None
-        args[0].rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
+        fs.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         try:
+            if changes and fs.on_change is not None:
+                fs._changing(fn.__name__)
             return await fn(*args, **kw)
         except FUSEError:
             raise
@@ -541,10 +547,8 @@ class CowFS(pyfuse3.Operations):
         node = self._node(inode)
         return self._attr(node, os.stat(node.fd))
 
-    @handler
+    @handler(changes=True)
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if self.on_change is not None:
-            self._changing("setattr")
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
         if fields.update_size:
@@ -610,39 +614,31 @@ class CowFS(pyfuse3.Operations):
 
     # -- creating names ----------------------------------------------------------------
 
-    @handler
+    @handler(changes=True)
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        if self.on_change is not None:
-            self._changing("mknod")
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
         return self._new_object(parent, name,
                                 lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd),
                                 ctx, mode)
 
-    @handler
+    @handler(changes=True)
     async def mkdir(self, parent_inode, name, mode, ctx):
-        if self.on_change is not None:
-            self._changing("mkdir")
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
         return self._new_object(parent, name,
                                 lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd),
                                 ctx, mode)
 
-    @handler
+    @handler(changes=True)
     async def symlink(self, parent_inode, name, target, ctx):
-        if self.on_change is not None:
-            self._changing("symlink")
         parent = self._node(parent_inode)
         return self._new_object(parent, name,
                                 lambda: os.symlink(target, name, dir_fd=parent.fd),
                                 ctx, stat.S_IFLNK | 0o777)
 
-    @handler
+    @handler(changes=True)
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        if self.on_change is not None:
-            self._changing("link")
         node = self._node(inode)
         parent = self._node(new_parent_inode)
         self._check_name(parent, new_name)
@@ -661,10 +657,8 @@ class CowFS(pyfuse3.Operations):
         node, st = self._lookup(parent, new_name)
         return self._attr(node, st)
 
-    @handler
+    @handler(changes=True)
     async def create(self, parent_inode, name, mode, flags, ctx):
-        if self.on_change is not None:
-            self._changing("create")
         parent = self._node(parent_inode)
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
@@ -755,23 +749,17 @@ class CowFS(pyfuse3.Operations):
         finally:
             os.close(fd)
 
-    @handler
+    @handler(changes=True)
     async def unlink(self, parent_inode, name, ctx):
-        if self.on_change is not None:
-            self._changing("unlink")
         self._remove(self._node(parent_inode), name, want_dir=False)
 
-    @handler
+    @handler(changes=True)
     async def rmdir(self, parent_inode, name, ctx):
-        if self.on_change is not None:
-            self._changing("rmdir")
         self._remove(self._node(parent_inode), name, want_dir=True)
 
-    @handler
+    @handler(changes=True)
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
                      flags, ctx):
-        if self.on_change is not None:
-            self._changing("rename")
         sp = self._node(parent_inode_old)
         dp = self._node(parent_inode_new)
         self._check_name(sp, name_old)
@@ -906,10 +894,8 @@ class CowFS(pyfuse3.Operations):
     async def read(self, fh, off, size):
         return os.pread(self.handles[fh].fd, size, off)
 
-    @handler
+    @handler(changes=True)
     async def write(self, fh, off, buf):
-        if self.on_change is not None:
-            self._changing("write")
         h = self.handles[fh]
         node = h.node
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
@@ -1022,10 +1008,8 @@ class CowFS(pyfuse3.Operations):
         path, follow = self._xpath(self._node(inode))
         return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
 
-    @handler
+    @handler(changes=True)
     async def setxattr(self, inode, name, value, ctx):
-        if self.on_change is not None:
-            self._changing("setxattr")
         node = self._node(inode)
         self._capture_xattrs(node)
         self._capture_meta(node)
@@ -1034,10 +1018,8 @@ class CowFS(pyfuse3.Operations):
         if name == CAPABILITY:
             node.nocap = False
 
-    @handler
+    @handler(changes=True)
     async def removexattr(self, inode, name, ctx):
-        if self.on_change is not None:
-            self._changing("removexattr")
         node = self._node(inode)
         path, follow = self._xpath(node)
         os.getxattr(path, name, follow_symlinks=follow)  # ENODATA: nothing to remove or record

@@ -21,6 +21,7 @@ repaired; a rollback skips the object it belongs to and reports it.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -334,12 +335,15 @@ def grave_names(store: Store) -> list[str]:
         os.close(fd)
 
 
-def repair(store: Store, rep: Report) -> list[str]:
+def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
-    files are removed after it commits); return what was done."""
+    files are removed after it commits); return what was done.
+    *discard_redo*: how to drop a damaged redo (Stack.discard_redo, which
+    tells the mount; default: directly)."""
     done = []
     if rep.drop_redo:
-        redo.discard(store, "its records were damaged (discarded by cowfs check --repair)")
+        (discard_redo or functools.partial(redo.discard, store))(
+            "its records were damaged (discarded by cowfs check --repair)")
         done.append("discarded what was kept for a redo")
         rep = check(store, hashes=False)     # (reference counts without it)
     with store.write() as w:

@@ -24,7 +24,7 @@ import xxhash
 from . import backing as B
 from . import schema as S
 from .errors import NOTHING_TO_DO, USAGE, CowfsError
-from .stack import subst_prefix
+from .stack import Moves
 from .store import Store
 
 
@@ -78,7 +78,7 @@ class History:
         self.hidden = hidden          # the store's name in the root, when it is there
         layer = store.get_layer(layer_id)
         self.layer = layer_id
-        self.moves: list[tuple[bytes, bytes, bool]] = []
+        self.moves = Moves()
         self.start: dict[bytes, int | None] = {}    # path at T -> object there (None: absent)
         self.meta: dict[int, tuple] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
@@ -132,15 +132,11 @@ class History:
     def fwd(self, p: bytes, frm: int = 0) -> bytes:
         """Where what was at path *p* at T (or after the first *frm* moves)
         is now (renames replayed)."""
-        for a, b, xchg in self.moves[frm:]:
-            p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
-        return p
+        return self.moves.fwd(p, frm)
 
     def back(self, p: bytes) -> bytes:
         """The path at T of what is at *p* now (as far as the records go)."""
-        for a, b, xchg in reversed(self.moves):
-            p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
-        return p
+        return self.moves.back(p)
 
     def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
         return Past(path, ino, loc, now, self.meta.get(ino), self.chunks.get(ino, {}),

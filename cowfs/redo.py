@@ -39,7 +39,7 @@ import time
 from . import backing as B
 from . import schema as S
 from .errors import NothingToDo, Refused
-from .store import Store, Writer
+from .store import Store, Writer, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 REDO_PRINT = b"f"     # + location: its fingerprint when the rollback ended
@@ -109,14 +109,6 @@ def building(store: Store, to: int) -> bool:
     return st is not None and st["state"] == BUILDING and st["to"] == to
 
 
-def _scan(txn, db, prefix: bytes):
-    cur = txn.cursor(db=db)
-    ok = cur.set_range(prefix)
-    while ok and cur.key().startswith(prefix):
-        yield bytes(cur.key()), bytes(cur.value())
-        ok = cur.next()
-
-
 def discard(store: Store, reason: str) -> list[int]:
     """Drop what the last rollback kept (it can no longer be redone, for
     *reason*), keeping a note of why; returns the inodes of the objects
@@ -134,7 +126,7 @@ def discard(store: Store, reason: str) -> list[int]:
     with store.write() as w:
         txn = w.txn
         keys = []
-        for key, val in _scan(txn, store.db_redo, b""):
+        for key, val in scan(txn, store.db_redo, b""):
             keys.append(key)
             kind = key[:1]
             if kind not in (S.REDO_RECORD, S.REDO_INVERSE):
@@ -165,8 +157,7 @@ def _rec(kind: int, *fields) -> S.Record:
 
 
 def _meta(loc: bytes, st: os.stat_result) -> S.Record:
-    return _rec(S.META, loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid,
-                           st.st_size, st.st_atime_ns, st.st_mtime_ns)
+    return S.Record(S.META, S.meta_fields(loc, st))
 
 
 class Keeper:
@@ -185,7 +176,7 @@ class Keeper:
         self.C = store.chunk_size
         self.held: tuple[int, S.Record] | None = None
         with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
-            self.kept = {S.from_u64(k[1:9]) for k, _ in _scan(txn, store.db_redo,
+            self.kept = {S.from_u64(k[1:9]) for k, _ in scan(txn, store.db_redo,
                                                                S.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
         self.groups: dict[int, list[S.Record]] | None = {} if not self.kept else None
@@ -245,7 +236,7 @@ class Keeper:
             gid = S.grave_id(S.decode_record(inv).fields[1])
             if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
                 # the step failed: nothing was moved, nothing to put back
-                for key, _ in list(_scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
+                for key, _ in list(scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
                     w.txn.delete(key, db=st.db_redo)
                 w.txn.delete(S.u64(gid), db=st.db_graves)
                 if self.groups is not None:
@@ -259,7 +250,7 @@ class Keeper:
         st = self.store
         prefix = S.index_prefix(layer_id)
         for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
-            for key, val in list(_scan(w.txn, db, prefix)):
+            for key, val in list(scan(w.txn, db, prefix)):
                 w.txn.put(kind + key, val, db=st.db_redo)
                 w.txn.delete(key, db=db)
         row = w.txn.get(S.u64(layer_id), db=st.db_layers)
@@ -374,7 +365,7 @@ def _inverse_groups(store: Store, reverse: bool = False):
     """(seq, [(key, record)...]) of the kept inverses, in seq order."""
     groups: list[tuple[int, list]] = []
     with store.env.begin(db=store.db_redo) as txn:
-        for key, val in _scan(txn, store.db_redo, S.REDO_INVERSE):
+        for key, val in scan(txn, store.db_redo, S.REDO_INVERSE):
             seq = S.from_u64(key[1:9])
             if not groups or groups[-1][0] != seq:
                 groups.append((seq, []))
@@ -478,7 +469,7 @@ def check(store: Store, resolver: B.Resolver) -> dict:
         raise Refused(f"cannot redo {what}: the layers changed since")
     changed = []
     with store.env.begin(db=store.db_redo) as txn:
-        prints = list(_scan(txn, store.db_redo, REDO_PRINT))
+        prints = list(scan(txn, store.db_redo, REDO_PRINT))
     for key, val in prints:
         loc = key[len(REDO_PRINT):]
         if fingerprint(resolver, loc) != S.from_json(val):
@@ -529,17 +520,12 @@ def restore(w: Writer) -> list[int]:
     store = w.store
     txn = w.txn
     st = S.from_json(txn.get(S.K_REDO_STATE, db=store.db_redo))
-    fresh = st.get("fresh")
-    if fresh is not None:
-        prefix = S.index_prefix(fresh)
-        for db in (store.db_index, store.db_who):
-            for key, _ in list(_scan(txn, db, prefix)):
-                txn.delete(key, db=db)
-        txn.delete(S.u64(fresh), db=store.db_layers)
+    if st.get("fresh") is not None:
+        w.drop_layer(st["fresh"])
     targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
                S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
     restored = []
-    for key, val in list(_scan(txn, store.db_redo, b"")):
+    for key, val in list(scan(txn, store.db_redo, b"")):
         kind = key[:1]
         if kind in targets:
             txn.put(key[1:], val, db=targets[kind])
@@ -562,7 +548,7 @@ def references(store: Store, txn):
     grave entries they hold are in use)."""
     if store.db_redo is None:
         return
-    for key, val in _scan(txn, store.db_redo, b""):
+    for key, val in scan(txn, store.db_redo, b""):
         if key[:1] in (S.REDO_RECORD, S.REDO_INVERSE):
             yield key[:1], S.decode_or_damaged(val)
 

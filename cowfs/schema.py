@@ -216,6 +216,12 @@ KIND_NAMES = {
 }
 
 
+def meta_fields(loc: bytes, st: os.stat_result) -> tuple:
+    """The fields of a META record of the object *st* describes, at *loc*."""
+    return (loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
+            st.st_atime_ns, st.st_mtime_ns)
+
+
 class Record(NamedTuple):
     kind: int
     fields: tuple

@@ -16,7 +16,7 @@ from . import fsck
 from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
-from .store import Layer, Store
+from .store import Layer, Store, scan
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class Stack:
         --repair` without asking, minus what needs judgement)."""
         before = self.usage()["bytes"]
         rep = fsck.check(self.store, hashes=False)
-        done = fsck.repair(self.store, rep)
+        done = fsck.repair(self.store, rep, self.discard_redo)
         after = self.usage()["bytes"]
         return {"done": done, "freed_bytes": max(0, before - after), "bytes": after,
                 "problems": [str(p) for p in fsck.check(self.store, hashes=False).problems]}
@@ -216,13 +216,7 @@ class Stack:
         st = self.store
         with st.write() as w:
             txn = w.txn
-            prefix = S.index_prefix(top.id)
-            cur = txn.cursor(db=st.db_index)
-            moves = []
-            ok = cur.set_range(prefix)
-            while ok and cur.key().startswith(prefix):
-                moves.append((cur.key(), cur.value()))
-                ok = cur.next()
+            moves = list(scan(txn, st.db_index, S.index_prefix(top.id)))
             created_below: dict[int, bool] = {}
             for key, val in moves:
                 _, ino, kind, chunk = S.split_index_key(key)
@@ -255,37 +249,22 @@ class Stack:
                     graves.append(rec.fields[1])
                     freed.append(rec.fields[2])
                 w.delete_record(seq)
-            self._drop_index(w, base.id)
-            w.txn.delete(S.u64(base.id), db=st.db_layers)
+            w.drop_layer(base.id)
             _plan_discards(w, base)
         st.forget_layer_cache()
         for gid in graves:
             B.remove_tree_at(st.grave_fd, str(gid).encode())
         return freed
 
-    def _drop_index(self, w, layer_id: int) -> None:
-        """Forget what a dropped layer captured and who did it."""
-        prefix = S.index_prefix(layer_id)
-        for db in (self.store.db_index, self.store.db_who):
-            cur = w.txn.cursor(db=db)
-            ok = cur.set_range(prefix)
-            while ok and cur.key().startswith(prefix):
-                ok = cur.delete()
-
     def _move_who(self, w, upper: int, lower: int) -> None:
         """A merge keeps who first changed each object: the lower layer's
         entry if it has one (it is older), else the upper layer's."""
-        prefix = S.u64(upper)
-        cur = w.txn.cursor(db=self.store.db_who)
-        moves = []
-        ok = cur.set_range(prefix)
-        while ok and cur.key().startswith(prefix):
-            moves.append((bytes(cur.key()[8:]), bytes(cur.value())))
-            ok = cur.delete()
-        for ino, writer in moves:
-            key = S.u64(lower) + ino
-            if w.txn.get(key, db=self.store.db_who) is None:
-                w.txn.put(key, writer, db=self.store.db_who)
+        db = self.store.db_who
+        for key, writer in list(scan(w.txn, db, S.u64(upper))):
+            w.txn.delete(key, db=db)
+            lower_key = S.u64(lower) + key[8:]
+            if w.txn.get(lower_key, db=db) is None:
+                w.txn.put(lower_key, writer, db=db)
 
     def attribute(self, changes: list[dict], since: int) -> list[dict]:
         """Each change with who first made it ("who": pid, uid, cmd), from
@@ -478,8 +457,7 @@ class Stack:
                 if keeper is not None:
                     keeper.keep_layer(w, layer.id)
                 else:
-                    self._drop_index(w, layer.id)
-                    w.txn.delete(S.u64(layer.id), db=st.db_layers)
+                    w.drop_layer(layer.id)
             pending = _pending_in(w)
             pending["files"] = True
             w.set_meta(S.K_PENDING, S.to_json(pending))
@@ -517,17 +495,8 @@ class Stack:
         Records name paths as they were when written; renames (of the object
         or of a directory above it) are replayed to map those paths to the
         layer's start and to now."""
-        moves: list[tuple[bytes, bytes, bool]] = []   # (a, b, is_exchange) in order
-
-        def fwd(p: bytes, frm: int) -> bytes:
-            for a, b, xchg in moves[frm:]:
-                p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
-            return p
-
-        def back(p: bytes) -> bytes:
-            for a, b, xchg in reversed(moves):
-                p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
-            return p
+        moves = Moves()
+        fwd, back = moves.fwd, moves.back
 
         start: dict[bytes, int] = {}            # start path -> object there at start
         created: dict[bytes, int] = {}          # record path -> moves index after it
@@ -671,6 +640,23 @@ def _plan_discards(w, layer: Layer) -> None:
     if layer.snapshots:
         w.set_meta(S.K_PENDING, S.to_json({"op": "commit", "layer": layer.id, "files": True,
                                            "steps": _steps("discard", [layer])}))
+
+
+class Moves(list):
+    """The renames and exchanges records name, (a, b, is_exchange) in
+    order; paths are mapped through them."""
+
+    def fwd(self, p: bytes, frm: int = 0) -> bytes:
+        """Where what was at *p* before move *frm* (the first: 0) is now."""
+        for a, b, xchg in self[frm:]:
+            p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
+        return p
+
+    def back(self, p: bytes) -> bytes:
+        """Where what is at *p* now was before the first move."""
+        for a, b, xchg in reversed(self):
+            p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
+        return p
 
 
 def subst_prefix(p: bytes, a: bytes, b: bytes) -> bytes | None:

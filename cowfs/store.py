@@ -50,6 +50,16 @@ def digest(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def scan(txn: lmdb.Transaction, db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of every entry of *db* whose key starts with *prefix*.
+    Collect them (list()) before writing to *db* in the same transaction."""
+    cur = txn.cursor(db=db)
+    ok = cur.set_range(prefix)
+    while ok and cur.key().startswith(prefix):
+        yield bytes(cur.key()), bytes(cur.value())
+        ok = cur.next()
+
+
 class Writer:
     """One write transaction; records, chunks and index entries written
     through it become durable (against a process crash) together."""
@@ -129,6 +139,13 @@ class Writer:
         self.txn.put(S.K_NEXT_GRAVE, S.u64(self.store._next_grave), db=self.store.db_meta)
         self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
         return gid
+
+    def drop_layer(self, layer_id: int) -> None:
+        """Delete a layer's row, what it captured (index) and who did it."""
+        for db in (self.store.db_index, self.store.db_who):
+            for key, _ in list(scan(self.txn, db, S.index_prefix(layer_id))):
+                self.txn.delete(key, db=db)
+        self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
 
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is

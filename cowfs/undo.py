@@ -97,14 +97,15 @@ class Undoer:
         it is empty)."""
         fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
         try:
-            for entry in os.scandir(fd):
-                if self.ignored is None:
-                    return False
-                child = path + b"/" + os.fsencode(entry.name)
-                is_dir = entry.is_dir(follow_symlinks=False)
-                if not self.ignored(child, is_dir) and not (
-                        is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)):
-                    return False
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if self.ignored is None:
+                        return False
+                    child = path + b"/" + os.fsencode(entry.name)
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    if not self.ignored(child, is_dir) and not (
+                            is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)):
+                        return False
         finally:
             os.close(fd)
         return True
