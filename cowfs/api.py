@@ -25,10 +25,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from . import backing as B
 from . import control
 from .errors import USAGE, CowfsError
 from .mounts import MountRecord, find_mount, pid_alive
-from .past import wpath
+from .past import KINDS, wpath
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 
 Command = Sequence[str] | str
@@ -177,9 +178,17 @@ def execute(cmd: Command, cwd: str) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-_KIND_OF = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
-            stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "chardev",
-            stat.S_IFBLK: "blockdev"}
+def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
+    """The bytes of the file a `show` answer (*first*) describes, page by
+    page; *more(offset)* asks for the page at *offset*."""
+    res, offset = first, 0
+    while True:
+        data = base64.b64decode(res["data"])
+        yield data
+        offset += len(data)
+        if not data or offset >= res["size"]:
+            return
+        res = more(offset)
 
 
 def _lstat(path: str) -> os.stat_result | None:
@@ -205,13 +214,8 @@ def _set_attrs(path: str, info: dict) -> None:
         os.chown(path, info["uid"], info["gid"], follow_symlinks=False)
     if not link:
         os.chmod(path, stat.S_IMODE(info["mode"]))
-    if not link:
-        wanted = {base64.b64decode(n): base64.b64decode(v) for n, v in info["xattrs"]}
-        for name in os.listxattr(path, follow_symlinks=False):
-            if os.fsencode(name) not in wanted:
-                os.removexattr(path, name, follow_symlinks=False)
-        for name, value in wanted.items():
-            os.setxattr(path, name, value, follow_symlinks=False)
+        B.set_all_xattrs(os.fsencode(path), False, [
+            (base64.b64decode(n), base64.b64decode(v)) for n, v in info["xattrs"]])
     os.utime(path, ns=(info["atime_ns"], info["mtime_ns"]), follow_symlinks=False)
 
 
@@ -300,14 +304,8 @@ class Workspace:
         res = first or self._call("show", layer=layer, path=path)
         if res["kind"] != "file":
             raise CowfsError(f"{path} was a {res['kind']}, not a file, then", USAGE)
-        offset = 0
-        while True:
-            data = base64.b64decode(res["data"])
-            yield data
-            offset += len(data)
-            if not data or offset >= res["size"]:
-                return
-            res = self._call("show", layer=layer, path=path, offset=offset)
+        return show_pages(res, lambda offset: self._call("show", layer=layer, path=path,
+                                                         offset=offset))
 
     def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
         """Put *paths* (files or whole subtrees, workspace-relative) back as
@@ -371,7 +369,7 @@ class Workspace:
                 os.link(self._abs(first), target)
                 done.append(rel)
                 return
-        if st is not None and (_KIND_OF.get(stat.S_IFMT(st.st_mode)) != kind or
+        if st is not None and (KINDS.get(stat.S_IFMT(st.st_mode)) != kind or
                                (kind == "file" and st.st_nlink > 1)):
             _remove(target)                    # (never written through other names)
             st = None

@@ -549,19 +549,14 @@ def do_show(args) -> int:
         raise CowfsError(f"show takes ID:PATH, not {args.spec!r}", errors.USAGE)
     res = call(args, "show", layer=int(layer), path=path, offset=0)
     if res["kind"] == "file":
-        import base64
         if args.json:
             out(args, None, res | {"data": None})
             return 0
+        from .api import show_pages
         sink = sys.stdout.buffer
-        offset = 0
-        while True:
-            data = base64.b64decode(res["data"])
+        for data in show_pages(res, lambda offset: call(args, "show", layer=int(layer),
+                                                       path=path, offset=offset)):
             sink.write(data)
-            offset += len(data)
-            if not data or offset >= res["size"]:
-                break
-            res = call(args, "show", layer=int(layer), path=path, offset=offset)
         sink.flush()
     elif res["kind"] == "dir":
         out(args, "\n".join(res["entries"]) or None, res)

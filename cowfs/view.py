@@ -55,6 +55,7 @@ class View(pyfuse3.Operations):
         self.on_init = on_init
         self.h: History | None = None
         self.seen = None
+        self._graves: tuple = (None, {})          # (grave state, grave_counts())
         self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
         self.inos: dict[int, int] = {}            # backing ino at T -> view inode
         self.next_ino = pyfuse3.ROOT_INODE + 1
@@ -126,10 +127,20 @@ class View(pyfuse3.Operations):
         if stat.S_ISDIR(obj.mode):
             return 2
         h = self.history()
-        buried = self.store.grave_counts().get(obj.ino, 0)
+        buried = self._grave_counts().get(obj.ino, 0)
         removed = len(h.graves.get(obj.ino, []))
         linked = h.links.get(obj.ino, 0)
         return max(1, obj.now.st_nlink - buried + removed - linked)
+
+    def _grave_counts(self) -> dict[int, int]:
+        """The store's grave_counts(), read again only when the grave's
+        entries change (not on every getattr): their number, or a new one."""
+        with self.store.env.begin() as txn:
+            key = (txn.stat(self.store.db_graves)["entries"],
+                   txn.get(S.K_NEXT_GRAVE, db=self.store.db_meta))
+        if self._graves[0] != key:
+            self._graves = (key, self.store.grave_counts())
+        return self._graves[1]
 
     def _path(self, inode: int) -> bytes:
         try:
