@@ -363,3 +363,33 @@ def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(worksp
     assert not (ws / "pkg").exists()                 # with its ignored cache
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mounted):
+    """The store as a crash leaves it between the end of the rollback's files
+    and the fingerprint of what a redo touches: the next mount takes it."""
+    import lmdb
+    from cowfs import redo
+    from cowfs import schema as S
+    ws = mounted
+    ws.checkpoint()
+    (ws / "a.txt").write_text("edited\n")
+    (ws / "dir" / "new").write_text("new\n")
+    before = ws.snapshot()
+    ws.rollback()
+    ws.unmount()
+    env = lmdb.open(str(ws / ".cowfs" / "db"), max_dbs=len(S.ALL_DBS) + 2, subdir=True)
+    try:
+        db = env.open_db(S.DB_REDO)
+        with env.begin(write=True, db=db) as txn:
+            state = S.from_json(txn.get(S.K_REDO_STATE))
+            assert state["state"] == redo.READY
+            for key in [k for k, _ in txn.cursor() if k.startswith(redo.REDO_PRINT)]:
+                txn.delete(key)
+            txn.put(S.K_REDO_STATE, S.to_json(state | {"state": redo.BUILDING, "fresh": None}))
+    finally:
+        env.close()
+    ws.mount()
+    assert ws.json("status")["redo"]["available"] is True
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
