@@ -30,6 +30,28 @@ FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
 
 PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# The daemon creates objects for its callers with exactly the mode the kernel
+# hands it (the caller's umask already applied): its own umask must not be
+# applied a second time, so a mounted daemon runs under umask 0.  Commands it
+# runs for the user get back the umask it was started with.
+_user_umask: int | None = None
+
+
+def clear_umask() -> None:
+    """Run under umask 0 from now on (the mount daemon)."""
+    global _user_umask
+    if _user_umask is None:
+        _user_umask = os.umask(0)
+
+
+def user_umask() -> int:
+    """The umask this process was started with."""
+    if _user_umask is not None:
+        return _user_umask
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -281,6 +281,7 @@ class Daemon:
             pass
         self.store.audit("mount", layer=self.store.top().id, mountpoint=self.mountpoint,
                          warnings=self.warnings)
+        B.clear_umask()   # new objects get the caller's mode, not ours on top
         pyfuse3.init(self.fs, self.mountpoint, options)
 
     def run(self) -> None:

@@ -105,7 +105,8 @@ class MountRecord:
     def save(self) -> None:
         path = record_path(self.mountpoint)
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+                  "w") as f:
             json.dump(self.__dict__, f)
         os.replace(tmp, path)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import tomli_w
 
+from . import backing as B
 from .errors import CowfsError, USAGE
 
 CONFIG = "cowfs.toml"
@@ -98,7 +99,8 @@ def run_sh(provider: str, what: str, cmd: str, ctx: Context, check: bool = True,
     env = dict(os.environ, COWFS_PROVIDER=provider, COWFS_LAYER=str(ctx.layer),
                COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir, **extra)
     r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, errors="replace")
+                       capture_output=True, text=True, errors="replace",
+                       umask=B.user_umask())
     if not check:
         return r.stdout + r.stderr + (f"\n(exit {r.returncode})" if r.returncode else "")
     if r.returncode != 0:
@@ -339,7 +341,8 @@ class Registry:
 
     def _save(self, data: dict) -> None:
         path = os.path.join(self.base, CONFIG)
-        with open(path + ".tmp", "wb") as f:
+        with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                          0o600), "wb") as f:
             tomli_w.dump(data, f)
             f.flush()
             os.fsync(f.fileno())

@@ -686,6 +686,65 @@ def test_concurrent_appends_lose_and_tear_nothing(roots, where, size, count):
     assert all(seen[w] == list(range(count)) for w in seen)  # each writer's in order
 
 
+# -- creation modes: the caller's umask, never the daemon's ------------------------
+
+CALLER_UMASKS = (0o000, 0o002, 0o022, 0o077)
+
+
+def _make_objects(prefix: str) -> None:
+    """Create one object of each kind with the widest modes a program asks
+    for, in the current directory."""
+    import socket
+    os.close(os.open(f"{prefix}file", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o666))
+    os.close(os.open(f"{prefix}exe", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o777))
+    os.mkdir(f"{prefix}dir", 0o777)
+    os.mkdir(f"{prefix}sticky", 0o1777)
+    os.mkfifo(f"{prefix}fifo", 0o666)
+    os.mknod(f"{prefix}node", 0o644 | stat.S_IFREG)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(f"{prefix}sock")
+    os.symlink("target", f"{prefix}link")
+
+
+def _modes(d: Path) -> dict[str, int]:
+    return {p.name: os.lstat(p).st_mode for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("daemon_umask", [0o022, 0o077], ids=["daemon022", "daemon077"])
+def test_creation_modes_follow_the_callers_umask(tmp_path, daemon_umask):
+    """Objects get exactly the mode asked for minus the caller's umask,
+    whatever umask the daemon was started under; native ext4 agrees."""
+    native = tmp_path / "native"
+    native.mkdir()
+    with managed_workspace(tmp_path / "ws") as ws:
+        old = os.umask(daemon_umask)
+        try:
+            ws.mount()
+        finally:
+            os.umask(old)
+        ws.checkpoint("modes")
+
+        def make_all(d: Path) -> None:
+            for mask in CALLER_UMASKS:
+                def make(mask=mask):
+                    os.umask(mask)
+                    os.chdir(d)
+                    _make_objects(f"u{mask:03o}-")
+                pid = in_child(make, f"umask {mask:03o}")
+                assert os.waitpid(pid, 0)[1] == 0
+
+        make_all(native)
+        make_all(ws.path)
+        got = {n: m for n, m in _modes(ws.path).items() if n != ".cowfs"}
+        assert got == _modes(native)
+        # (and underneath, where the daemon made them)
+        assert {n: m for n, m in _modes(backing_dir(ws)).items() if n != ".cowfs"} == got
+        assert stat.S_IMODE(got["u000-file"]) == 0o666
+        assert stat.S_IMODE(got["u002-dir"]) == 0o775
+        ws.rollback()
+        assert not [n for n in os.listdir(ws.path) if n.startswith("u")]
+
+
 # -- last: undoing it all ------------------------------------------------------------------
 
 
@@ -695,3 +754,4 @@ def test_rollback_undoes_every_case(roots):
     (roots.ws / "new" / "one-more").write_text("so that there is a change")
     roots.ws.rollback()
     treesnap.assert_same(roots.at_mount, roots.ws.snapshot())
+

@@ -5,7 +5,9 @@ whose provider work the next mount finishes, each step once."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -53,6 +55,21 @@ def test_checkpoint_with_a_provider_restores_files_and_state_together(mounted, d
     treesnap.assert_same(before, ws.snapshot())
     # the dropped layer's snapshot was discarded
     assert (db.parent / "discarded").read_text().split() == [str(layer["id"])]
+
+
+def test_provider_commands_run_under_the_users_umask(workspace, db):
+    """The daemon creates objects under umask 0 (the caller's mode is already
+    masked); the commands it runs for the user get the umask it was started
+    with."""
+    old = os.umask(0o027)
+    try:
+        workspace.mount()
+    finally:
+        os.umask(old)
+    made = db.parent / "made-by-capture"
+    add_db_provider(workspace, db, capture=f'touch "{made}"')
+    workspace.json("checkpoint", "--provider", "db")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o640
 
 
 def test_rollback_to_restores_every_dropped_snapshot_last_first(mounted, db):
