@@ -16,7 +16,7 @@ from . import fsck
 from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
-from .store import Layer, Store, scan
+from .store import Layer, Store, digest, scan
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Stack:
         # told the inodes of objects a discarded redo held in the grave
         self.on_freed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None   # why, when even noting it failed
+        self.same = Sameness(store, resolver)
 
     # -- basics -----------------------------------------------------------------
 
@@ -500,9 +501,11 @@ class Stack:
 
         start: dict[bytes, int] = {}            # start path -> object there at start
         created: dict[bytes, int] = {}          # record path -> moves index after it
-        meta: dict[int, tuple] = {}
-        content: set[int] = set()
-        xattrs: set[int] = set()
+        # what each object was at the start: the oldest record of each kind
+        # wins (a range of several layers holds one per layer)
+        meta: dict[int, tuple[int, tuple]] = {}           # ino -> (seq, META fields)
+        chunks: dict[int, dict[int, tuple[int, bytes]]] = {}  # ino -> index -> (length, digest)
+        xattrs: dict[int, bytes] = {}                     # ino -> xattrs blob
         graves: dict[int, int] = {}
 
         def seen(path: bytes, ino: int | None) -> None:
@@ -515,7 +518,7 @@ class Stack:
             else:
                 start.setdefault(sp, ino)
 
-        for _, r in recs:
+        for seq, r in recs:
             f = r.fields
             if r.kind in (S.CREATE, S.LINK):
                 seen(f[0], None)
@@ -533,11 +536,11 @@ class Stack:
                 moves.append((f[0], f[1], True))
             elif r.kind == S.META:
                 seen(f[0], f[1])
-                meta[f[1]] = f
+                meta.setdefault(f[1], (seq, f))
             elif r.kind == S.CHUNK:
-                content.add(f[1])
+                chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
             elif r.kind == S.XATTRS:
-                xattrs.add(f[1])
+                xattrs.setdefault(f[1], f[2])
 
         def now(path: bytes) -> os.stat_result | None:
             try:
@@ -548,6 +551,7 @@ class Stack:
 
         out: dict[bytes, dict] = {}
         present: set[int] = set()
+        stands_in: set[bytes] = set()     # start paths where a new object replaced the old
         for sp, was in start.items():
             if was is None:
                 continue
@@ -555,23 +559,28 @@ class Stack:
             st = now(cur)
             if st is not None and st.st_ino == was:
                 present.add(was)
-                kind = self._modified(was, st, meta.get(was), content, xattrs)
                 if cur != sp:
                     out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
-                elif kind and sp:
-                    out[cur] = {"path": cur, "kind": kind, "ino": was}
+                elif sp:
+                    kind = self.same.modified(cur, st, meta.get(was), chunks.get(was),
+                                              xattrs.get(was))
+                    if kind:
+                        out[cur] = {"path": cur, "kind": kind, "ino": was}
                 continue
             st = now(sp)
             if st is None:
                 out.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
-            else:
-                out[sp] = {"path": sp, "kind": "M" if self._type_of(
-                    was, meta, graves) in (None, stat.S_IFMT(st.st_mode)) else "T",
-                    "ino": st.st_ino}
+                continue
+            m = meta.get(was)
+            kind = self.same.replaced(sp, st, graves.get(was), m and m[1], xattrs.get(was))
+            stands_in.add(sp)
+            if kind:
+                out[sp] = {"path": sp, "kind": kind, "ino": st.st_ino}
         for path, frm in created.items():
             cur = fwd(path, frm)
             st = now(cur)
-            if st is not None and st.st_ino not in present and cur not in out:
+            if st is not None and st.st_ino not in present and cur not in out \
+                    and cur not in stands_in:
                 out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
         result = []
         for path in sorted(out):
@@ -581,29 +590,6 @@ class Stack:
                 c["from"] = os.fsdecode(c["from"])
             result.append(c)
         return result
-
-    def _type_of(self, ino: int, meta: dict, graves: dict) -> int | None:
-        """The file type an object had at the layer's start, if known."""
-        if ino in meta:
-            return stat.S_IFMT(meta[ino][2])
-        if ino in graves:
-            st = B.lstat_at(self.store.grave_fd, str(graves[ino]).encode())
-            return stat.S_IFMT(st.st_mode) if st is not None else None
-        return None
-
-    @staticmethod
-    def _modified(ino, st, m, content, xattrs) -> str | None:
-        if ino in content or (m is not None and stat.S_ISREG(st.st_mode) and m[5] != st.st_size):
-            return "M"
-        if ino in xattrs:
-            return "m"
-        if m is None:
-            return None
-        if (m[2], m[3], m[4]) != (st.st_mode, st.st_uid, st.st_gid):
-            return "m"
-        if not stat.S_ISDIR(st.st_mode) and m[7] != st.st_mtime_ns:
-            return "m"
-        return None
 
 
 FLAGS = (S.IDX_CREATED, S.IDX_PINNED)   # index entries that name no record
@@ -666,3 +652,129 @@ def subst_prefix(p: bytes, a: bytes, b: bytes) -> bytes | None:
     if p.startswith(a + b"/"):
         return b + p[len(a):]
     return None
+
+
+class Sameness:
+    """Whether an object is as it was when a layer was opened: its bytes
+    (compared with the captured pre-images, or with the whole object the
+    layer removed), mode, owner, xattrs and mtime.  A path whose whole state
+    is back as it was is no change; equal bytes with other attributes is an
+    attribute change.  What was read is remembered while the object's ctime,
+    size and mtime stay (every change of its bytes moves its ctime)."""
+
+    CACHE = 100_000
+
+    def __init__(self, store: Store, resolver: B.Resolver):
+        self.store = store
+        self.resolver = resolver
+        self.cache: dict[tuple, bool] = {}
+
+    def modified(self, path: bytes, st: os.stat_result, meta: tuple[int, tuple] | None,
+                 chunks: dict[int, tuple[int, bytes]] | None, xattrs: bytes | None
+                 ) -> str | None:
+        """M, m or None for the object at *path* (*st*), which was there at
+        the start: *meta* (seq, fields), *chunks* and *xattrs* are the
+        oldest records the range holds of it."""
+        m = meta[1] if meta is not None else None
+        if stat.S_ISREG(st.st_mode) and (chunks or (m is not None and m[5] != st.st_size)):
+            if m is None or m[5] != st.st_size or not self._cached(
+                    ("c", meta[0], st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                    lambda: self._chunks_back(path, chunks or {})):
+                return "M"
+        if xattrs is not None and self._xattrs_now(path) != S.decode_xattrs(xattrs):
+            return "m"
+        if m is None:
+            return None
+        return "m" if self._attrs_differ(st, m[2], m[3], m[4], m[7]) else None
+
+    def replaced(self, path: bytes, st: os.stat_result, gid: int | None,
+                 meta: tuple | None, xattrs: bytes | None) -> str | None:
+        """T, M, m or None for *path*, where another object (*st*) now stands
+        in for the one the layer removed into grave *gid*."""
+        old = B.lstat_at(self.store.grave_fd, str(gid).encode()) if gid is not None else None
+        if old is None:
+            return "M"
+        mode = meta[2] if meta is not None else old.st_mode
+        if stat.S_IFMT(mode) != stat.S_IFMT(st.st_mode):
+            return "T"
+        gloc = S.grave_loc(gid)
+        if stat.S_ISREG(mode):
+            if old.st_size != st.st_size or not self._cached(
+                    ("g", gid, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                    lambda: self._same_file(gloc, path)):
+                return "M"
+        elif stat.S_ISLNK(mode):
+            if self._readlink(gloc) != self._readlink(path):
+                return "M"
+        elif not stat.S_ISDIR(mode) and old.st_rdev != st.st_rdev:
+            return "M"
+        was = S.decode_xattrs(xattrs) if xattrs is not None else self._xattrs_now(gloc)
+        if was != self._xattrs_now(path):
+            return "m"
+        if meta is not None:
+            differ = self._attrs_differ(st, meta[2], meta[3], meta[4], meta[7])
+        else:
+            differ = self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid,
+                                        old.st_mtime_ns)
+        return "m" if differ else None
+
+    @staticmethod
+    def _attrs_differ(st: os.stat_result, mode: int, uid: int, gid: int, mtime: int) -> bool:
+        if (mode, uid, gid) != (st.st_mode, st.st_uid, st.st_gid):
+            return True
+        return not stat.S_ISDIR(st.st_mode) and mtime != st.st_mtime_ns
+
+    def _cached(self, key: tuple, compute: Callable[[], bool]) -> bool:
+        found = self.cache.get(key)
+        if found is None:
+            if len(self.cache) >= self.CACHE:
+                self.cache.clear()
+            try:
+                found = self.cache[key] = compute()
+            except OSError:
+                return False
+        return found
+
+    def _open(self, loc: bytes) -> int:
+        with self.resolver.at(loc) as (d, n):
+            return B.open_noatime(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+
+    def _chunks_back(self, path: bytes, chunks: dict[int, tuple[int, bytes]]) -> bool:
+        """Whether every captured chunk of the file holds its pre-image again."""
+        fd = self._open(path)
+        try:
+            size = self.store.chunk_size
+            for index, (length, h) in chunks.items():
+                data = os.pread(fd, length, index * size)
+                if len(data) != length or (digest(data) != h if h else data.count(0) != length):
+                    return False
+            return True
+        finally:
+            os.close(fd)
+
+    def _same_file(self, a: bytes, b: bytes) -> bool:
+        fa, fb = self._open(a), self._open(b)
+        try:
+            while True:
+                x, y = os.read(fa, 1 << 20), os.read(fb, 1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+        finally:
+            os.close(fa)
+            os.close(fb)
+
+    def _readlink(self, loc: bytes) -> bytes | None:
+        try:
+            with self.resolver.at(loc) as (d, n):
+                return os.readlink(n, dir_fd=d)
+        except OSError:
+            return None
+
+    def _xattrs_now(self, loc: bytes) -> list[tuple[bytes, bytes]] | None:
+        try:
+            with self.resolver.at(loc) as (d, n):
+                return sorted(B.list_xattrs(*B.xattr_target(d, n)))
+        except OSError:
+            return None

@@ -273,7 +273,7 @@ def test_diff_of_content_put_back_says_so_and_shows_what_differs(mounted):
     os.chmod(ws / "a.txt", 0o600)
     text = ws.cowfs("diff", str(layer)).stdout
     digest = xxhash.xxh3_128_hexdigest(b"alpha\n")
-    assert f"diff --cowfs M a.txt\ncontent unchanged (6 bytes xxh3 {digest})\n" \
+    assert f"diff --cowfs m a.txt\ncontent unchanged (6 bytes xxh3 {digest})\n" \
            "mode 100644 -> 100600\nmtime 2001-09-09T01:46:40.000000000Z -> " in text
     assert ws.cowfs("diff", "--stat", str(layer)).stdout.split("|")[1].strip() == \
         "content unchanged"

@@ -81,13 +81,29 @@ def test_ctrl_c_reaches_the_command_and_the_step_is_rolled_back(mounted):
                              "echo started > marker; sleep 60"],
                             start_new_session=True, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
-    while not (ws / "marker").exists() and time.monotonic() < deadline:
+    # (until the command runs: a shell that gets SIGINT before it starts
+    # `sleep` may go on to start it)
+    while not (ws / "marker").exists() or not _session_runs(proc.pid, "sleep"):
+        assert time.monotonic() < deadline
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert "rolled back" in err
     treesnap.assert_same(before, ws.snapshot())
+
+
+def _session_runs(sid: int, name: str) -> bool:
+    """Whether a process named *name* runs in session *sid*."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                comm, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if comm.split("(", 1)[1] == name and int(rest.split()[3]) == sid:
+            return True
+    return False
 
 
 def _run_on_a_terminal(args: list[str], answer: bytes | None = None,

@@ -1,0 +1,109 @@
+"""What counts as a change: `status`, `diff`, `rollback --dry-run` and
+`run`'s summary list a path only when its state differs from its state at
+the layer's start -- bytes, type, mode, owner, xattrs, mtime, symlink
+target -- however many times it changed in between.  Equal bytes with other
+attributes is an attribute change (``m``), not ``M``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from cowfs import treesnap
+
+
+def kinds(ws, *args) -> dict[str, str]:
+    return {c["path"]: c["kind"] for c in ws.json(*args)["changes"]}
+
+
+def test_a_restored_subtree_is_no_change(mounted):
+    ws = mounted
+    (ws / "dir" / "sub").mkdir()
+    for i in range(20):
+        (ws / "dir" / "sub" / f"f{i}.txt").write_text(f"file {i}\n" * (i + 1))
+    os.setxattr(ws / "dir" / "sub" / "f1.txt", "user.tag", b"kept")
+    os.symlink("f1.txt", ws / "dir" / "sub" / "ln")
+    ws.commit()
+    start = ws.snapshot()
+    layer = ws.checkpoint("edit")
+    for i in range(0, 20, 2):
+        (ws / "dir" / "sub" / f"f{i}.txt").write_text("edited\n")
+    os.chmod(ws / "dir" / "sub" / "f3.txt", 0o600)
+    os.removexattr(ws / "dir" / "sub" / "f1.txt", "user.tag")
+    os.unlink(ws / "dir" / "sub" / "ln")
+    os.symlink("elsewhere", ws / "dir" / "sub" / "ln")
+    assert len(kinds(ws, "status")) > 10
+    ws.cowfs("restore", "--from", str(layer), "dir")
+    treesnap.assert_same(start, ws.snapshot())
+    assert kinds(ws, "status") == {}
+    assert ws.json("diff")["changes"] == []
+    assert ws.json("rollback", "--dry-run")["changes"] == []
+
+
+def test_equal_bytes_with_new_times_is_an_attribute_change(mounted):
+    ws = mounted
+    (ws / "same.txt").write_text("one\ntwo\n")
+    (ws / "edited.txt").write_text("one\ntwo\n")
+    ws.commit()
+    ws.checkpoint()
+    # sed -i writes a new file and renames it over the old one, even when
+    # nothing matched: same bytes, same mode, a new mtime
+    subprocess.run(["sed", "-i", "s/nomatch/x/", str(ws / "same.txt")], check=True)
+    subprocess.run(["sed", "-i", "s/one/ONE/", str(ws / "edited.txt")], check=True)
+    # written in place with the same bytes again
+    (ws / "a.txt").write_text("changed\n")
+    (ws / "a.txt").write_text("alpha\n")
+    assert kinds(ws, "status") == {"same.txt": "m", "edited.txt": "M", "a.txt": "m"}
+
+
+def test_a_path_whose_whole_state_is_back_is_no_change(mounted):
+    ws = mounted
+    st = os.stat(ws / "a.txt")
+    (ws / "big").write_bytes(os.urandom(300_000))
+    ws.commit()
+    big = (ws / "big").read_bytes()
+    bst = os.stat(ws / "big")
+    ws.checkpoint()
+    # bytes in place, then back, with the times put back too
+    (ws / "a.txt").write_text("changed\n")
+    (ws / "a.txt").write_text("alpha\n")
+    os.utime(ws / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
+    with open(ws / "big", "r+b") as f:                # chunks in the middle, and a tail
+        f.seek(100_000)
+        f.write(b"x" * 70_000)
+        f.truncate(250_000)
+        f.seek(100_000)
+        f.write(big[100_000:])
+    os.utime(ws / "big", ns=(bst.st_atime_ns, bst.st_mtime_ns))
+    # mode and xattrs there and back
+    os.chmod(ws / "dir" / "b.txt", 0o600)
+    os.chmod(ws / "dir" / "b.txt", 0o644)
+    os.setxattr(ws / "dir", "user.x", b"1")
+    os.removexattr(ws / "dir", "user.x")
+    # removed and made again exactly as it was
+    bt = os.stat(ws / "dir" / "b.txt")
+    os.unlink(ws / "dir" / "b.txt")
+    (ws / "dir" / "b.txt").write_text("beta\n")
+    os.utime(ws / "dir" / "b.txt", ns=(bt.st_atime_ns, bt.st_mtime_ns))
+    assert kinds(ws, "status") == {}
+    # one byte different is a modification, even with the same size and times
+    with open(ws / "big", "r+b") as f:
+        f.seek(200_000)
+        f.write(b"!" if big[200_000:200_001] != b"!" else b"?")
+    os.utime(ws / "big", ns=(bst.st_atime_ns, bst.st_mtime_ns))
+    assert kinds(ws, "status") == {"big": "M"}
+
+
+def test_changes_since_an_older_layer_compare_with_that_layers_start(mounted):
+    ws = mounted
+    first = ws.checkpoint("one")
+    os.chmod(ws / "a.txt", 0o600)
+    (ws / "dir" / "b.txt").write_text("beta 2\n")
+    ws.checkpoint("two")
+    os.chmod(ws / "a.txt", 0o644)                       # back as it was before "one"
+    (ws / "dir" / "b.txt").write_text("beta 3\n")
+    since_first = {c["path"]: c["kind"] for c in ws.json("diff", str(first))["changes"]}
+    assert since_first == {"dir/b.txt": "M"}
+    assert kinds(ws, "status") == {"a.txt": "m", "dir/b.txt": "M"}
+    assert {c["path"] for c in ws.json("rollback", "--dry-run", "--to", str(first))
+            ["changes"]} == {"dir/b.txt"}
