@@ -16,7 +16,7 @@ import time
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
-from .mounts import MountRecord, find_mount, is_cowfs_mount, mount_table, pid_alive
+from .mounts import MountRecord, find_mount, is_cowfs_mount, mount_table, not_owner, pid_alive
 from .policy import RUN_SCOPES, Policy, Where
 
 
@@ -351,6 +351,9 @@ def locate_unmounted(path: str) -> tuple[str, str | None]:
             return rec.workspace, rec.store
         if is_cowfs_mount(p) or os.path.isdir(os.path.join(p, ".cowfs", "db")):
             return p, None
+        store = os.path.join(p, ".cowfs")
+        if os.path.isdir(store) and not os.access(store, os.X_OK):
+            raise not_owner(f"the cowfs store {store}", os.stat(store).st_uid)
         if p == "/":
             raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
                              f".cowfs store); give the store with --store DIR")

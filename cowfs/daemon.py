@@ -39,7 +39,7 @@ from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
-from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
+from .mounts import MountRecord, is_cowfs_mount, not_owner, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 
@@ -402,8 +402,8 @@ class Daemon:
                                              struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
             if uid not in (0, self.owner):
-                await stream.send_all(encode({"ok": False, "code": errors.DAEMON_ERROR,
-                                              "error": "permission denied"}))
+                e = not_owner(f"the cowfs workspace mounted at {self.mountpoint}", self.owner)
+                await stream.send_all(encode({"ok": False, **e.to_dict()}))
                 return
             buf = bytearray()
             with trio.move_on_after(30):

@@ -16,6 +16,7 @@ DAEMON_ERROR = 9
 PARTIAL = 10
 DRIFT = 11
 REFUSED = 12
+NOT_OWNER = 13
 INTERRUPTED = 130
 
 
@@ -72,6 +73,11 @@ class Drift(CowfsError):
 class Refused(CowfsError):
     """A redo that cannot undo the last rollback exactly (changed since)."""
     code = REFUSED
+
+
+class NotOwner(CowfsError):
+    """The workspace was mounted (or its store made) by another user."""
+    code = NOT_OWNER
 
 
 def from_dict(d: dict) -> CowfsError:

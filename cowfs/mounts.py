@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import NotMounted
+from .errors import NotMounted, NotOwner
 
 FSTYPE = "fuse.cowfs"
 
@@ -29,6 +29,14 @@ def runtime_dir() -> str:
         if os.lstat(base).st_uid != os.geteuid():
             raise PermissionError(f"{base} is not owned by this user")
     return base
+
+
+def runtime_dirs_of(uid: int) -> list[str]:
+    """Where a daemon run by *uid* may have its runtime directory (for root,
+    which may control every user's workspace)."""
+    if uid == 0:
+        return ["/run/cowfs"]
+    return [f"/run/user/{uid}/cowfs", f"/tmp/cowfs-{uid}"]
 
 
 def _key(mountpoint: str) -> str:
@@ -55,15 +63,36 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mount_table() -> dict[str, str]:
-    """Mount point -> filesystem type, the last mount at a point winning."""
+def _mountinfo() -> dict[str, list[str]]:
+    """Mount point -> the fields after the separator of its mountinfo line
+    (type, source, super options), the last mount at a point winning."""
     table = {}
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
-            mp = _unescape(left.split(" ")[4])
-            table[mp] = right.split(" ")[0]
+            table[_unescape(left.split(" ")[4])] = right.split(" ")
     return table
+
+
+def mount_table() -> dict[str, str]:
+    """Mount point -> filesystem type, the last mount at a point winning."""
+    return {mp: fields[0] for mp, fields in _mountinfo().items()}
+
+
+def mount_owner(path: str) -> int | None:
+    """The uid that mounted the FUSE filesystem at *path* (its user_id)."""
+    fields = _mountinfo().get(path)
+    if fields is None or len(fields) < 3:
+        return None
+    for opt in fields[2].strip().split(","):
+        if opt.startswith("user_id="):
+            return int(opt[len("user_id="):])
+    return None
+
+
+def not_owner(what: str, uid: int) -> NotOwner:
+    return NotOwner(f"{what} belongs to another user (uid {uid}); only that user or root "
+                    "may control it")
 
 
 def is_cowfs_mount(path: str) -> bool:
@@ -94,13 +123,18 @@ class MountRecord:
     socket: str
 
     @classmethod
-    def load(cls, mountpoint: str) -> "MountRecord | None":
-        try:
-            with open(record_path(mountpoint)) as f:
-                d = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return cls(**d)
+    def load(cls, mountpoint: str, dirs: list[str] | None = None) -> "MountRecord | None":
+        """The record of the daemon serving *mountpoint*, from this user's
+        runtime directory (or the first of *dirs* that has one)."""
+        paths = [os.path.join(d, _key(mountpoint) + ".json") for d in dirs] if dirs \
+            else [record_path(mountpoint)]
+        for path in paths:
+            try:
+                with open(path) as f:
+                    return cls(**json.load(f))
+            except (OSError, ValueError, TypeError):
+                continue
+        return None
 
     def save(self) -> None:
         path = record_path(self.mountpoint)
@@ -134,6 +168,11 @@ def find_mount(path: str) -> MountRecord:
     while True:
         if table.get(p) == FSTYPE:
             rec = MountRecord.load(p)
+            owner = mount_owner(p) if rec is None else None
+            if owner is not None and owner != os.geteuid():
+                if os.geteuid() != 0:
+                    raise not_owner(f"the cowfs workspace mounted at {p}", owner)
+                rec = MountRecord.load(p, runtime_dirs_of(owner))
             if rec is None or not pid_alive(rec.pid):
                 raise NotMounted(f"{p}: the cowfs daemon of this mount is gone; "
                                  f"run 'cowfs mount {rec.workspace if rec else p}' to recover it")

@@ -21,6 +21,7 @@ import xxhash
 
 from . import schema as S
 from .errors import AlreadyMounted, StoreError
+from .mounts import not_owner
 
 MAP_SIZE = 64 << 30
 RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
@@ -228,6 +229,8 @@ class Store:
             # workspace: keep the directory's times as they were.
             os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
         st = os.stat(path)
+        if st.st_uid != os.geteuid() and os.geteuid() != 0:
+            raise not_owner(f"the cowfs store {path}", st.st_uid)
         if st.st_mode & 0o777 != 0o700 and not readonly:
             os.chmod(path, 0o700)
         if st.st_dev != ws_st.st_dev:

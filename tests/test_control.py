@@ -19,6 +19,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from cowfs import control, treesnap
-from cowfs.errors import NOT_MOUNTED, UNKNOWN_LAYER, USAGE
+from cowfs.errors import NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
 from .conftest import COWFS, Workspace, managed_workspace, plain
@@ -694,7 +695,8 @@ def test_another_user_is_refused(mounted):
     for req, item in zip(requests, items):
         assert "connect_errno" not in item, (req, item)   # it did reach the daemon
         resp = parse_answer(item["data"].encode("latin-1"))
-        assert resp is None or (not resp["ok"] and "permission denied" in resp["error"]), \
+        assert resp is None or (not resp["ok"] and resp["code"] == NOT_OWNER
+                                and "belongs to another user (uid 0)" in resp["error"]), \
             (req, item)
     assert any(item["data"] for item in items), "no refusal was ever answered"
     why = daemon_alive(ws, pid)
@@ -702,6 +704,70 @@ def test_another_user_is_refused(mounted):
     assert stack_state(rec) == state
     treesnap.assert_same(tree, ws.snapshot())
     assert_mount_works(ws, pid)
+
+
+def cli_as_other_user(cwd: Path, args: list[str], uid: int = OTHER_UID) -> tuple[int, str, str]:
+    """The cowfs command's main() run by *uid* in a forked child whose
+    working directory is *cwd* (the interpreter itself lives where other
+    users cannot read, so the child runs the code already loaded here):
+    (exit code, stdout, stderr)."""
+    import io
+    from cowfs import cli, daemon  # noqa: F401  (loaded before the child needs them)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            os.close(r)
+            os.chdir(cwd)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out, err = io.StringIO(), io.StringIO()
+            sys.stdout, sys.stderr = out, err
+            code = cli.main(args)
+            os.write(w, json.dumps([code, out.getvalue(), err.getvalue()]).encode())
+        except BaseException as e:
+            os.write(w, json.dumps([-1, "", repr(e)]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        buf = f.read()
+    os.waitpid(child, 0)
+    return tuple(json.loads(buf))
+
+
+@pytest.fixture
+def reachable():
+    """A workspace in a directory other users can reach (tmp_path's are not)."""
+    base = Path(tempfile.mkdtemp(prefix="cowfs-test-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            (ws / "a.txt").write_text("alpha\n")
+            ws.mount()
+            yield ws
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_another_users_commands_say_whose_workspace_it_is(reachable):
+    """Not "the daemon is gone; run cowfs mount": the workspace belongs to
+    someone else, with its own exit code -- mounted or not."""
+    ws = reachable
+    os.chmod(ws.path, 0o755)
+    tree = ws.snapshot()
+    for args in (["status"], ["-C", ".", "rollback"], ["--json", "log"], ["checkpoint"]):
+        code, out, err = cli_as_other_user(ws.path, args)
+        assert code == NOT_OWNER, (args, code, out, err)
+        assert f"mounted at {ws.path} belongs to another user (uid 0); only that user or " \
+               "root may control it" in err, err
+        assert "cowfs mount" not in err
+    assert json.loads(cli_as_other_user(ws.path, ["--json", "status"])[1])["code"] == NOT_OWNER
+    ws.unmount()
+    code, _, err = cli_as_other_user(ws.path, ["status"])
+    assert code == NOT_OWNER and "store" in err and "belongs to another user (uid 0)" in err, err
+    treesnap.assert_same(tree, ws.snapshot())
 
 
 # -- 6. two workspaces -----------------------------------------------------------------------------
