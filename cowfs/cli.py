@@ -6,12 +6,16 @@ Exit codes are listed in ``errors`` and documented in README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import Iterator
 
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
@@ -362,9 +366,13 @@ def locate_unmounted(path: str) -> tuple[str, str | None]:
 
 def call(args, op: str, **kw) -> dict:
     """Ask the daemon of the workspace at -C PATH; when it is not mounted
-    (and for status, log, rollback, commit), operate on its store directly."""
+    (and for status, log, rollback, commit), operate on its store directly.
+    An operation that changes the tree or the store cannot stop half-way:
+    a first Ctrl-C says so and waits for it, a second stops waiting (the
+    daemon finishes it; offline, the next command on the workspace does)."""
+    what = LONG_OPS.get(op)
     try:
-        return control.call(find_mount(args.path), op, **kw)
+        rec = find_mount(args.path)
     except NotMounted:
         if op not in OFFLINE_OPS:
             raise
@@ -373,10 +381,56 @@ def call(args, op: str, **kw) -> dict:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
             workspace, store = locate_unmounted(args.path)
-        result = offline(workspace, store, op, **kw)
+        with finishing(what, "the next cowfs command on this workspace finishes it"):
+            result = offline(workspace, store, op, **kw)
         for warning in result["warnings"]:
             print(f"cowfs: warning: {warning}", file=sys.stderr)
         return result
+    if what is None:
+        return control.call(rec, op, **kw)
+    said: list[bool] = []
+
+    def waiting() -> None:
+        said.append(True)
+        print(f"cowfs: the {what} goes on in the daemon (it cannot stop half-way); waiting "
+              "for it to finish -- Ctrl-C again to stop waiting", file=sys.stderr)
+    try:
+        return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
+    except KeyboardInterrupt:
+        if not said:
+            raise
+        raise CowfsError(f"stopped waiting; the {what} goes on in the daemon ('cowfs status' "
+                         "shows the workspace once it is done)", errors.INTERRUPTED) from None
+
+
+# operations that change the tree or the store and must not stop half-way
+LONG_OPS = {"rollback": "rollback", "redo": "redo", "commit": "commit", "gc": "gc"}
+
+
+@contextlib.contextmanager
+def finishing(what: str | None, later: str) -> Iterator[None]:
+    """Run an operation in this process that must not stop half-way: a
+    first Ctrl-C says so and it goes on; a second stops it (*later* says
+    what then finishes it)."""
+    if what is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    said: list[bool] = []
+
+    def interrupted(signum, frame) -> None:
+        if said:
+            raise KeyboardInterrupt
+        said.append(True)
+        print(f"cowfs: finishing the {what} first (it cannot stop half-way) -- Ctrl-C again "
+              "to stop it", file=sys.stderr)
+    old = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise CowfsError(f"stopped in the middle of the {what}; {later}",
+                         errors.INTERRUPTED) from None
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 OFFLINE_OPS = {"status", "log", "rollback", "commit", "redo", "changes", "gc", "diff", "show",

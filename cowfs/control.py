@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+from typing import Callable
 
 from . import errors
 from .mounts import MountRecord
@@ -17,9 +18,12 @@ def encode(obj: dict) -> bytes:
     return json.dumps(obj).encode() + b"\n"
 
 
-def call(rec: MountRecord, op: str, timeout: float | None = 600.0, **args) -> dict:
+def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
+         on_interrupt: Callable[[], None] | None = None, **args) -> dict:
     """Send one request to the daemon of *rec*; return its result or raise
-    the CowfsError it answered with."""
+    the CowfsError it answered with.  *on_interrupt*: a first Ctrl-C once
+    the request is sent calls it and goes on waiting for the answer (the
+    daemon carries the operation out anyway); a second one is raised."""
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(rec.socket)  # blocking: waits while the daemon's backlog is full
@@ -31,7 +35,14 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0, **args) -> di
         s.sendall(encode({"op": op, **args}))
         buf = bytearray()
         while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
+            try:
+                chunk = s.recv(65536)
+            except KeyboardInterrupt:
+                if on_interrupt is None:
+                    raise
+                on_interrupt, then = None, on_interrupt
+                then()
+                continue
             if not chunk:
                 break
             buf += chunk

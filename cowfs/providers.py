@@ -100,7 +100,7 @@ def run_sh(provider: str, what: str, cmd: str, ctx: Context, check: bool = True,
                COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir, **extra)
     r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, errors="replace",
-                       umask=B.user_umask())
+                       umask=B.user_umask(), start_new_session=True)  # (not hit by a Ctrl-C)
     if not check:
         return r.stdout + r.stderr + (f"\n(exit {r.returncode})" if r.returncode else "")
     if r.returncode != 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import stat
 import subprocess
 import time
@@ -18,7 +19,7 @@ from cowfs import Workspace, treesnap
 from cowfs.errors import DAEMON_ERROR, PARTIAL, USAGE
 from cowfs.mounts import pid_alive
 
-from .conftest import run
+from .conftest import COWFS, run
 
 
 def sql(db, statement: str) -> str:
@@ -339,3 +340,94 @@ def test_a_checkpoint_killed_while_capturing_leaves_nothing_behind(mounted, tmp_
     ws.mount()
     ws.rollback()                                              # still undoable
     assert (ws / "a.txt").read_text() == "alpha\n"
+
+
+def _stderr_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
+    """Read *proc*'s stderr until *text* appears (or it ends)."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while text not in seen and time.monotonic() < deadline:
+        if sel.select(0.1):
+            chunk = os.read(proc.stderr.fileno(), 4096).decode()
+            if not chunk:
+                break
+            seen += chunk
+    sel.close()
+    return seen
+
+
+def _blocking_rollback(ws, tmp_path, *cowfs_args):
+    """A layer with a provider whose restore waits for a file to appear, and
+    a `cowfs rollback` started on it, held in that restore."""
+    gate, started = tmp_path / "gate", tmp_path / "restoring"
+    ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
+             f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
+    ws.json("checkpoint", "--provider", "slow")
+    (ws / "a.txt").write_text("changed\n")
+    proc = subprocess.Popen([*COWFS, *cowfs_args, "-C", str(ws.path), "rollback"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    return proc, gate
+
+
+def test_ctrl_c_during_a_rollback_waits_for_it_and_says_so(mounted, tmp_path):
+    ws = mounted
+    before = ws.snapshot()
+    proc, gate = _blocking_rollback(ws, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    said = _stderr_until(proc, "Ctrl-C again")
+    assert "the rollback goes on in the daemon" in said and proc.poll() is None
+    gate.touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, said + err.decode()
+    assert b"rolled back layer" in out
+    treesnap.assert_same(before, ws.snapshot())
+
+
+def test_a_second_ctrl_c_stops_waiting_and_the_daemon_finishes(mounted, tmp_path):
+    ws = mounted
+    before = ws.snapshot()
+    proc, gate = _blocking_rollback(ws, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    _stderr_until(proc, "Ctrl-C again")
+    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "stopped waiting; the rollback goes on in the daemon" in err.decode()
+    gate.touch()
+    deadline = time.monotonic() + 60
+    while len(ws.log()) > 1:             # (the daemon answers once it is done)
+        assert time.monotonic() < deadline
+    treesnap.assert_same(before, ws.snapshot())
+
+
+def test_ctrl_c_during_an_offline_rollback_finishes_it_first(mounted, tmp_path):
+    ws = mounted
+    before = ws.snapshot()
+    gate, started = tmp_path / "gate", tmp_path / "restoring"
+    ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
+             f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
+    ws.json("checkpoint", "--provider", "slow")
+    (ws / "a.txt").write_text("changed\n")
+    ws.unmount()
+    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    said = _stderr_until(proc, "Ctrl-C again")
+    assert "finishing the rollback first" in said
+    gate.touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, said + err.decode()
+    treesnap.assert_same(before, ws.snapshot())
