@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 from . import backing as B
 from . import control
-from .errors import USAGE, CowfsError
+from .errors import USAGE, CowfsError, NothingToDo
 from .mounts import MountRecord, find_mount, pid_alive
 from .past import KINDS, wpath
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
@@ -113,6 +113,7 @@ class RunResult:
     reasons: list[str] = field(default_factory=list)
     uncaptured: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    error: str | None = None    # why the command (or verifier) could not be started
 
     @property
     def ok(self) -> bool:
@@ -160,22 +161,27 @@ def command_line(cmd: Command) -> str:
     return cmd if isinstance(cmd, str) else shlex.join(cmd)
 
 
-def execute(cmd: Command, cwd: str) -> int:
+def execute(cmd: Command, cwd: str) -> tuple[int, str | None]:
     """Run *cmd* (an argument list, or a shell string) with the terminal
     passed through.  Ctrl-C goes to the command (the caller ignores it while
-    the command runs).  Returns the exit status, 128 + N for signal N."""
+    the command runs).  Returns the exit status, 128 + N for signal N, and
+    why it could not be started (as a shell says it: 127 not found, 126 not
+    executable), if it could not."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         rc = proc.wait()
     except FileNotFoundError:
-        return 127
-    except PermissionError:
-        return 126
+        if not os.path.isdir(cwd):
+            return 127, f"the working directory {cwd} does not exist"
+        return 127, f"{cmd[0] if not isinstance(cmd, str) else cmd}: command not found"
+    except PermissionError as e:
+        return 126, f"{cmd[0] if not isinstance(cmd, str) else cmd}: cannot run it " \
+                    f"({e.strerror.lower()})"
     finally:
         signal.signal(signal.SIGINT, old)
-    return 128 - rc if rc < 0 else rc
+    return (128 - rc if rc < 0 else rc), None
 
 
 def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
@@ -317,11 +323,17 @@ class Workspace:
         through to others it shares its object with now."""
         done: list[str] = []
         linked: dict[int, str] = {}     # object then -> the first path restored for it
-        for path in paths:
-            rel = os.fsdecode(wpath(path))
-            if not rel:
-                raise CowfsError("restore takes paths inside the workspace; to put back "
-                                 "everything, use rollback", USAGE)
+        rels = [os.fsdecode(wpath(path)) for path in paths]
+        if not all(rels):
+            raise CowfsError("restore takes paths inside the workspace; to put back "
+                             "everything, use rollback", USAGE)
+        for rel in rels:                # every path names something, then or now
+            if _lstat(self._abs(rel)) is None:
+                info = self._call("show", layer=layer, path=rel, missing_ok=True)
+                if info["kind"] is None:
+                    raise NothingToDo(f"{rel}: no such path, now or when layer "
+                                      f"{info['layer']} was opened; nothing restored")
+        for rel in rels:
             self._restore_parents(rel, layer, done)
             self._restore(rel, layer, done, linked)
         self._call("audit_note", event="restore",
@@ -514,14 +526,15 @@ class Workspace:
             layer = self.top()
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
-        rc = execute(cmd, cwd)
-        vrc = execute(verify, cwd) if verify is not None and rc == 0 else None
+        rc, error = execute(cmd, cwd)
+        vrc, verror = execute(verify, cwd) if verify is not None and rc == 0 else (None, None)
         duration = round(time.monotonic() - t0, 3)
         result = RunResult(line, cwd, layer, rc, verify and command_line(verify), vrc,
                            duration, "", self.changes(since=layer) if plan.checkpoint else [],
                            started, plan.verdict.scope if scope == "auto" else scope,
                            plan.providers + plan.containers + plan.vms,
-                           plan.verdict.reasons, watch.changes(), list(plan.warnings))
+                           plan.verdict.reasons, watch.changes(), list(plan.warnings),
+                           error or (verror and f"the verifier: {verror}"))
         for name, lines in result.uncaptured.items():
             shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
             result.warnings.append(f"container {name} changed outside the workspace and this "
@@ -558,7 +571,7 @@ class Workspace:
             self.rollback(to=layer)
             raise
         if verify is not None:
-            rc = execute(verify, cwd or self._default_cwd())
+            rc, _ = execute(verify, cwd or self._default_cwd())
             if rc != 0:
                 self.rollback(to=layer)
                 raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "

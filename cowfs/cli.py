@@ -22,6 +22,7 @@ from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import MountRecord, find_mount, is_cowfs_mount, mount_table, not_owner, pid_alive
 from .policy import RUN_SCOPES, Policy, Where
+from .text import count
 
 
 class Parser(argparse.ArgumentParser):
@@ -452,7 +453,7 @@ def do_rollback(args) -> int:
     res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
-              f"({res['applied']} steps); open layer is {res['top']}", res)
+              f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)
     return 0
 
 
@@ -460,7 +461,7 @@ def do_redo(args) -> int:
     res = call(args, "redo")
     restored = ", ".join(map(str, res["restored"]))
     out(args, f"redid: layer{'s' if len(res['restored']) > 1 else ''} {restored} back "
-              f"({res['applied']} steps); open layer is {res['top']}", res)
+              f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)
     return 0
 
 
@@ -648,7 +649,7 @@ def do_log(args) -> int:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
         for d in layer.get("drift", []):
-            rows.append(f"{'':>39}drift accepted at mount ({len(d['paths'])} paths changed "
+            rows.append(f"{'':>39}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
                         f"while not mounted): {', '.join(d['paths'][:5])}")
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
@@ -771,7 +772,7 @@ def do_run(args) -> int:
                   file=sys.stderr)
         elif not shown:
             print(summary(result.changes), file=sys.stderr)
-        why = ("" if result.ok else
+        why = ("" if result.ok else f" ({result.error})" if result.error else
                f" (the command exited {result.exit_status})" if result.exit_status else
                f" (the verifier exited {result.verify_status})")
         print(f"cowfs: {result.outcome}{why}", file=sys.stderr)
@@ -865,9 +866,9 @@ def do_check(args) -> int:
             store.close()
 
     res = control.call(rec, "check", full=True) if rec else offline_check(False)
-    lines = [f"checked {res['chunks']} chunks ({res['bytes_checked']} bytes), "
-             f"{res['records']} records, {res['graves']} removed objects: "
-             + ("consistent" if res["ok"] else f"{len(res['problems'])} problems")]
+    lines = [f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
+             f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}: "
+             + ("consistent" if res["ok"] else count(len(res["problems"]), "problem"))]
     lines += [f"  {p['text']}" for p in res["problems"]]
     if args.repair and not res["ok"]:
         fixable = [p for p in res["problems"] if p["repairable"]]
@@ -888,7 +889,7 @@ def do_check(args) -> int:
             res = control.call(rec, "repair") if rec else offline_check(True)
             lines += [f"repaired: {d}" for d in res["repaired"]]
             lines.append("now " + ("consistent" if res["ok"] else
-                                   f"{len(res['problems'])} problems remain:"))
+                                   f"{count(len(res['problems']), 'problem')} remain:"))
             lines += [f"  {p['text']}" for p in res["problems"]]
     out(args, "\n".join(lines), res)
     return 0 if res["ok"] else errors.STORE_ERROR

@@ -42,6 +42,7 @@ from .providers import Registry
 from .mounts import MountRecord, is_cowfs_mount, not_owner, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
+from .text import count
 
 AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
@@ -241,7 +242,7 @@ class Daemon:
                                     "(mounted with --accept-drift)")
             top = self.stack.ensure_base()
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
-            self.warnings.append(f"accepted drift of {len(drift)} paths (recorded in the log): "
+            self.warnings.append(f"accepted drift of {count(len(drift), 'path')} (recorded in the log): "
                                  + ", ".join(drift[:10]))
         # (no write: the first change captured makes the record stale)
 
@@ -611,7 +612,7 @@ class Daemon:
             self.fs.on_change = self._changed_after_rollback if available else None
 
     def _changed_after_rollback(self, what: str) -> None:
-        self.stack.discard_redo(f"the workspace changed after it (a {what})", fallback=True)
+        self.stack.discard_redo(f"the workspace changed after it: {what}", fallback=True)
 
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (at mount, before
@@ -620,7 +621,7 @@ class Daemon:
         record, report, ran = await self._carry_out()
         warnings = []
         if report is not None:
-            warnings.append(f"finished an interrupted {op} ({report.applied} steps"
+            warnings.append(f"finished an interrupted {op} ({count(report.applied, 'step')}"
                             + (f", {len(report.failures)} failed" if report.failures else "")
                             + ")")
             warnings += report.failures
@@ -818,6 +819,9 @@ class Daemon:
                        limit: int = 10000) -> dict:
         """Audit events after number *after* (or from layer *since_layer*'s
         checkpoint on), at most *limit*."""
+        if since_layer is not None and not self.store.layer_existed(since_layer):
+            raise errors.UnknownLayer(f"no layer {since_layer} (layers so far: 1 to "
+                                      f"{self.store.last_layer_id()})")
         events = []
         started = since_layer is None
         for e in self.store.audit_events(after):

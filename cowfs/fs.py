@@ -161,7 +161,7 @@ def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
         fs.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         try:
             if changes and fs.on_change is not None:
-                fs._changing(fn.__name__)
+                fs._changing(fn.__name__, args[1:])
             return await fn(*args, **kw)
         except FUSEError:
             raise
@@ -172,6 +172,16 @@ def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
             raise FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+# the first change after a rollback, as `status` says why it cannot be redone
+CHANGES = {"write": "a write to {}", "create": "{} was created", "mknod": "{} was created",
+           "mkdir": "{} was created", "symlink": "{} was created", "link": "{} was created",
+           "unlink": "{} was removed", "rmdir": "{} was removed", "rename": "{} was renamed",
+           "setattr": "the attributes of {} were changed",
+           "setxattr": "the xattrs of {} were changed",
+           "removexattr": "the xattrs of {} were changed", "truncate": "{} was truncated"}
+NAMING = ("create", "mknod", "mkdir", "symlink", "unlink", "rmdir", "rename")
 
 
 class CowFS(pyfuse3.Operations):
@@ -880,7 +890,7 @@ class CowFS(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         node = self._node(inode)
         if flags & os.O_TRUNC and self.on_change is not None:
-            self._changing("open with O_TRUNC")
+            self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._capture_data(node, None, 0, 1 << 63)
         fl = self._open_flags(flags)
@@ -1030,11 +1040,28 @@ class CowFS(pyfuse3.Operations):
 
     # -- after a rollback ---------------------------------------------------------------
 
-    def _changing(self, what: str) -> None:
+    def _changing(self, op: str, args: tuple) -> None:
         """The first change since a rollback that can be redone: it can no
-        longer be (see ``redo``)."""
+        longer be (see ``redo``); *op* and its *args* say what it was."""
         on_change, self.on_change = self.on_change, None
-        on_change(what)
+        on_change(self._describe(op, args))
+
+    def _describe(self, op: str, args: tuple) -> str:
+        """What request *op* (with its handler's *args*) changes, in words."""
+        try:
+            if op == "write":
+                path = self._path(self.handles[args[0]].node)
+            elif op == "link":
+                path = self._child(self._node(args[1]), args[2])
+            elif op in NAMING:
+                path = self._child(self._node(args[0]), args[1])
+            else:
+                path = self._path(self._node(args[0]))
+        except (OSError, FUSEError, KeyError, IndexError):
+            return CHANGES.get(op, op).format("a file")
+        if S.grave_id(path) is not None:
+            return CHANGES.get(op, op).format("a removed file held open")
+        return CHANGES.get(op, op).format(os.fsdecode(path) or ".")
 
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return

@@ -29,6 +29,7 @@ from . import backing as B
 from . import redo
 from . import schema as S
 from .store import Store, digest
+from .text import count
 
 
 @dataclass
@@ -209,7 +210,8 @@ def check(store: Store, hashes: bool = True) -> Report:
                                      txn.get(S.u64(held[0]), db=store.db_graves) is not None):
                 graved[held[0]] = (None, what)
         if redo_damaged:
-            rep.problems.append(Problem(f"{redo_damaged} records kept for a redo are damaged "
+            rep.problems.append(Problem(f"{count(redo_damaged, 'record')} kept for a redo "
+                                        f"{'is' if redo_damaged == 1 else 'are'} damaged "
                                         "(repair discards what was kept: no redo)",
                                         repairable=True))
             rep.drop_redo = True
@@ -366,9 +368,9 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     if rep.fix_refs:
         done.append(f"set {len(rep.fix_refs)} reference counts to the records that use them")
     if rep.drop_chunks:
-        done.append(f"removed {len(rep.drop_chunks)} chunks no record uses")
+        done.append(f"removed {count(len(rep.drop_chunks), 'chunk')} no record uses")
     if rep.drop_records:
-        done.append(f"removed {len(rep.drop_records)} records outside every layer")
+        done.append(f"removed {count(len(rep.drop_records), 'record')} outside every layer")
     if rep.drop_index or rep.drop_who:
         done.append(f"removed {len(rep.drop_index) + len(rep.drop_who)} stale index entries")
     for gid in rep.drop_graves:

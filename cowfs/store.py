@@ -458,6 +458,13 @@ class Store:
                     ok = cur.next()
         return iter(items)
 
+    def layer_existed(self, layer_id: int) -> bool:
+        """Whether *layer_id* was ever given to a layer of this store."""
+        return 1 <= layer_id < self._next_layer
+
+    def last_layer_id(self) -> int:
+        return self._next_layer - 1
+
     def layer_records(self, layer_id: int) -> list[tuple[int, S.Record]]:
         layer = self.get_layer(layer_id)
         return list(self.records(layer.start, self.layer_end(layer_id)))

@@ -9,6 +9,8 @@ import subprocess
 
 import xxhash
 
+from cowfs.errors import UNKNOWN_LAYER
+
 
 def events(ws, *args) -> list[dict]:
     return [json.loads(line) for line in ws.cowfs("audit", "--jsonl", *args).stdout.splitlines()]
@@ -87,3 +89,14 @@ def test_audit_level_is_a_mount_option_kept_in_the_store(workspace):
     ws.commit()
     assert len([e for e in events(ws) if e["event"] == "change"]) == 1
     assert [e["event"] for e in events(ws)].count("commit") == 3
+
+
+def test_audit_since_a_layer_that_never_was_is_an_error(mounted):
+    ws = mounted
+    gone = ws.checkpoint("rolled back")
+    (ws / "a.txt").write_text("x\n")
+    ws.rollback()
+    r = ws.cowfs("audit", "--since", "99", check=False)
+    assert r.returncode == UNKNOWN_LAYER and "no layer 99" in r.stderr, r.stderr
+    # a layer that existed once still starts the log at its checkpoint
+    assert events(ws, "--since", str(gone))[0]["event"] == "checkpoint"

@@ -129,6 +129,20 @@ def test_restore_removes_what_did_not_exist(mounted):
     assert (ws / "dir" / "b.txt").read_text() == "beta\n"
 
 
+def test_restore_of_a_path_that_names_nothing_is_an_error(mounted):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("edited\n")
+    before = ws.snapshot()
+    r = ws.cowfs("restore", "--from", str(layer), "a.txt", "no/such/file", check=False)
+    assert r.returncode == NOTHING_TO_DO
+    assert f"no/such/file: no such path, now or when layer {layer} was opened; nothing " \
+           "restored" in r.stderr
+    treesnap.assert_same(before, ws.snapshot())       # not even a.txt
+    r = ws.cowfs("--json", "restore", "typo", check=False)
+    assert r.returncode == NOTHING_TO_DO and json.loads(r.stdout)["code"] == NOTHING_TO_DO
+
+
 def test_dry_run_lists_exactly_what_the_rollback_then_does(mounted):
     ws = mounted
     layer = ws.checkpoint()

@@ -143,8 +143,8 @@ def test_redo_is_refused_after_any_change_and_changes_nothing(mounted):
     changed = ws.snapshot()
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED, (r.returncode, r.stderr)
-    assert f"cannot redo the rollback of layer {layer}: the workspace changed after it " \
-           "(a write)" in r.stderr
+    assert f"cannot redo the rollback of layer {layer}: the workspace changed after it: " \
+           "a write to a.txt" in r.stderr
     treesnap.assert_same(changed, ws.snapshot())      # nothing changed
     assert len(layer_ids(ws)) == 1
     assert ws.json("status")["redo"]["available"] is False
@@ -210,7 +210,7 @@ def test_a_file_held_open_across_rollback_and_redo(mounted):
         assert not (ws / "made.txt").exists()
         os.write(fd, b"third\n")                      # writing to it after the rollback
         r = ws.cowfs("redo", check=False)             # is a change: no redo
-        assert r.returncode == REFUSED and "(a write)" in r.stderr
+        assert r.returncode == REFUSED and "after it: a write to a removed file held open" in r.stderr
         assert not (ws / "made.txt").exists()
     finally:
         os.close(fd)
@@ -335,7 +335,7 @@ def test_writes_racing_the_end_of_a_rollback_end_its_redo(mounted):
     after = os.path.getsize(ws / "a.txt")
     r = ws.cowfs("--json", "redo", check=False)
     if after > size:        # an append was served after the rollback: no redo
-        assert r.returncode == REFUSED and "(a write)" in r.stderr, (after, size, r.stderr)
+        assert r.returncode == REFUSED and "after it: a write to a.txt" in r.stderr, (after, size, r.stderr)
         assert os.path.getsize(ws / "a.txt") == after
     else:                   # every append went in before it: rolled back, and back
         assert r.returncode == 0, r.stderr

@@ -3,6 +3,7 @@ through real mounts and real programs."""
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -194,6 +195,23 @@ def test_run_needs_a_command(mounted):
 
 
 # -- the Python API ----------------------------------------------------------------
+
+
+def test_a_command_that_cannot_be_started_says_why(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    r = ws.cowfs("run", "--", "no-such-command-here", "arg", check=False)
+    assert r.returncode == 127
+    assert "cowfs: rolled back (no-such-command-here: command not found)" in r.stderr
+    (ws / "script").write_text("#!/bin/sh\necho hi\n")    # not executable
+    ws.commit()
+    before = ws.snapshot()
+    r = ws.cowfs("run", "--", "./script", check=False)
+    assert r.returncode == 126
+    assert "./script: cannot run it (permission denied)" in r.stderr
+    r = ws.cowfs("--json", "run", "--", "no-such-command-here", check=False)
+    assert json.loads(r.stdout)["error"] == "no-such-command-here: command not found"
+    treesnap.assert_same(before, ws.snapshot())
 
 
 def test_api_step_commits_on_success(mounted):
