@@ -24,7 +24,7 @@ import xxhash
 from . import backing as B
 from . import schema as S
 from .errors import NOTHING_TO_DO, USAGE, CowfsError
-from .stack import Moves
+from .journal import Reading
 from .store import Store
 
 
@@ -78,69 +78,36 @@ class History:
         self.hidden = hidden          # the store's name in the root, when it is there
         layer = store.get_layer(layer_id)
         self.layer = layer_id
-        self.moves = Moves()
-        self.start: dict[bytes, int | None] = {}    # path at T -> object there (None: absent)
-        self.meta: dict[int, tuple] = {}
-        self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
-        self.xattrs: dict[int, bytes] = {}
-        self.graves: dict[int, list[int]] = {}
-        self.link_paths: list[tuple[bytes, int]] = []   # (path, moves before it)
+        self.j = Reading(store.records(layer.start, store._next_seq))
+        self.start = self.j.start     # path at T -> object there (None: absent)
+        self.graves = self.j.graves
         self._links: dict[int, int] | None = None
-        for _, rec in store.records(layer.start, store._next_seq):
-            self._read(rec)
-
-    def _seen(self, path: bytes, ino: int | None) -> None:
-        if S.grave_id(path) is None:
-            self.start.setdefault(self.back(path), ino)
-
-    def _read(self, rec: S.Record) -> None:
-        f = rec.fields
-        if rec.kind in (S.CREATE, S.LINK):
-            self._seen(f[0], None)
-            if rec.kind == S.LINK:
-                self.link_paths.append((f[0], len(self.moves)))
-        elif rec.kind == S.GRAVE:
-            self._seen(f[0], f[2])
-            self.graves.setdefault(f[2], []).append(f[1])
-        elif rec.kind == S.RENAME:
-            self._seen(f[0], f[2])
-            self._seen(f[1], None)
-            self.moves.append((f[0], f[1], False))
-        elif rec.kind == S.EXCHANGE:
-            self._seen(f[0], f[2])
-            self._seen(f[1], f[3])
-            self.moves.append((f[0], f[1], True))
-        elif rec.kind == S.META:
-            self._seen(f[0], f[1])
-            self.meta.setdefault(f[1], f)
-        elif rec.kind == S.XATTRS:
-            self.xattrs.setdefault(f[1], f[2])
-        elif rec.kind == S.CHUNK:
-            self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
 
     @property
     def links(self) -> dict[int, int]:
         """Object -> hard links made to it since T (that still exist)."""
         if self._links is None:
             self._links = {}
-            for path, frm in self.link_paths:
-                st = self.r.lstat(self.fwd(path, frm))
+            for slot in self.j.linked:
+                where = self.j.names.where(slot)
+                st = self.r.lstat(where) if where is not None else None
                 if st is not None:
                     self._links[st.st_ino] = self._links.get(st.st_ino, 0) + 1
         return self._links
 
-    def fwd(self, p: bytes, frm: int = 0) -> bytes:
-        """Where what was at path *p* at T (or after the first *frm* moves)
-        is now (renames replayed)."""
-        return self.moves.fwd(p, frm)
+    def fwd(self, p: bytes) -> bytes | None:
+        """Where what was at path *p* at T is now (None: removed, or moved
+        with a directory that was)."""
+        return self.j.names.now(p)
 
-    def back(self, p: bytes) -> bytes:
-        """The path at T of what is at *p* now (as far as the records go)."""
-        return self.moves.back(p)
+    def back(self, p: bytes) -> bytes | None:
+        """The path at T of what is at *p* now (None: made since)."""
+        return self.j.names.back(p)
 
     def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
-        return Past(path, ino, loc, now, self.meta.get(ino), self.chunks.get(ino, {}),
-                    self.xattrs.get(ino))
+        meta = self.j.meta.get(ino)
+        return Past(path, ino, loc, now, meta and meta[1], self.j.chunks.get(ino, {}),
+                    self.j.xattrs.get(ino))
 
     def object_at(self, path: bytes) -> Past | None:
         """The object at *path* (workspace-relative, b"" the root) at T,
@@ -154,7 +121,7 @@ class History:
         if known and ino is None:
             return None
         cur = self.fwd(path)
-        st = self.r.lstat(cur)
+        st = self.r.lstat(cur) if cur is not None else None
         if st is not None and (not known or st.st_ino == ino):
             return self._past(path, st.st_ino, cur, st)
         if known:
@@ -240,7 +207,7 @@ class History:
                 continue    # a directory removed after T held no live names then
             now = here + b"/" + name if here else name
             was = self.back(now)
-            if parent(was) == obj.path:
+            if was is not None and was and parent(was) == obj.path:
                 names.add(was.rpartition(b"/")[2])
         for was, ino in self.start.items():
             if ino is not None and was and parent(was) == obj.path:

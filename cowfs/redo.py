@@ -31,13 +31,13 @@ taken.
 
 from __future__ import annotations
 
-import bisect
 import os
 import stat
 import time
 
 from . import backing as B
 from . import schema as S
+from .journal import Names, Slot
 from .errors import NothingToDo, Refused
 from .store import Store, Writer, scan
 
@@ -381,57 +381,26 @@ def _locs(rec: S.Record) -> list[bytes]:
     return []
 
 
-class Tracker:
-    """Locations followed through renames: a rename of a directory moves
-    every tracked location below it."""
-
-    def __init__(self) -> None:
-        self.locs: list[bytes] = []     # sorted, unique
-
-    def add(self, loc: bytes) -> None:
-        i = bisect.bisect_left(self.locs, loc)
-        if i == len(self.locs) or self.locs[i] != loc:
-            self.locs.insert(i, loc)
-
-    def _take(self, a: bytes) -> list[bytes]:
-        lo = bisect.bisect_left(self.locs, a)
-        hi = bisect.bisect_left(self.locs, a + b"0")     # b"0" follows b"/"
-        taken = [p for p in self.locs[lo:hi] if p == a or p.startswith(a + b"/")]
-        for p in taken:
-            self.locs.remove(p)
-        return taken
-
-    def move(self, a: bytes, b: bytes, exchange: bool = False) -> None:
-        under_a = self._take(a)
-        under_b = self._take(b) if exchange else []
-        for p in under_a:
-            # (what lies inside a directory moved into the grave is not
-            # followed: the redo brings the directory back first)
-            if p == a or S.grave_id(b) is None:
-                self.add(b + p[len(a):])
-        for p in under_b:
-            self.add(a + p[len(b):])
-
-
 def touched_locations(groups: list[list[S.Record]]) -> list[bytes]:
     """Every location a redo would act on, as it is named at the end of the
     rollback.  *groups*: the inverses, in the rollback's order; they name
     locations as they were when each was taken, so those are followed
-    through the moves of the later undo steps."""
-    tracker = Tracker()
+    through the moves of the later undo steps (a directory moved moves what
+    is below it; what lies inside a directory moved into the grave is not
+    followed: the redo brings the directory back first)."""
+    names = Names()
+    followed: list[Slot] = []
     for group in groups:
-        for rec in group:
-            for loc in _locs(rec):
-                tracker.add(loc)
+        followed += [names.slot(loc) for rec in group for loc in _locs(rec)]
         first = group[0]
         if first.kind == S.RENAME:        # the undo step moved fields[0] to fields[1]
-            tracker.move(first.fields[0], first.fields[1])
+            names.move(first.fields[0], first.fields[1])
+            if S.grave_id(first.fields[1]) is not None:
+                names.prune(first.fields[1])
         elif first.kind == S.EXCHANGE:
-            tracker.move(first.fields[0], first.fields[1], exchange=True)
-        for rec in group:                 # the entries it left, too
-            for loc in _locs(rec):
-                tracker.add(loc)
-    return tracker.locs
+            names.exchange(first.fields[0], first.fields[1])
+        followed += [names.slot(loc) for rec in group for loc in _locs(rec)]  # what it left
+    return sorted({loc for loc in map(names.where, followed) if loc is not None})
 
 
 def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:

@@ -9,13 +9,14 @@ import logging
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from . import backing as B
 from . import fsck
 from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
+from .journal import Reading
 from .store import Layer, Store, digest, scan
 from .undo import Touched, Undoer, describe
 
@@ -489,81 +490,33 @@ class Stack:
         return self.attribute(
             self._changes(list(self.store.records(layer.start, self.store._next_seq))), layer_id)
 
-    def _changes(self, recs: list[tuple[int, S.Record]]) -> list[dict]:
+    def _changes(self, recs: Iterable[tuple[int, S.Record]]) -> list[dict]:
         """Net changes of a layer, like ``git status --short``: A added,
         D deleted, M modified, T type changed, R renamed, m attributes only.
 
-        Records name paths as they were when written; renames (of the object
-        or of a directory above it) are replayed to map those paths to the
-        layer's start and to now."""
-        moves = Moves()
-        fwd, back = moves.fwd, moves.back
+        Records name paths as they were when written; ``journal.Reading``
+        maps them to the layer's start and to now, in one pass."""
+        j = Reading(recs)
+        names = j.names
 
-        start: dict[bytes, int] = {}            # start path -> object there at start
-        created: dict[bytes, int] = {}          # record path -> moves index after it
-        # what each object was at the start: the oldest record of each kind
-        # wins (a range of several layers holds one per layer)
-        meta: dict[int, tuple[int, tuple]] = {}           # ino -> (seq, META fields)
-        chunks: dict[int, dict[int, tuple[int, bytes]]] = {}  # ino -> index -> (length, digest)
-        xattrs: dict[int, bytes] = {}                     # ino -> xattrs blob
-        graves: dict[int, int] = {}
-
-        def seen(path: bytes, ino: int | None) -> None:
-            if S.grave_id(path) is not None:
-                return
-            sp = back(path)
-            if ino is None:
-                created.setdefault(path, len(moves))
-                start.setdefault(sp, None)
-            else:
-                start.setdefault(sp, ino)
-
-        for seq, r in recs:
-            f = r.fields
-            if r.kind in (S.CREATE, S.LINK):
-                seen(f[0], None)
-            elif r.kind == S.GRAVE:
-                seen(f[0], f[2])
-                graves.setdefault(f[2], f[1])
-            elif r.kind == S.RENAME:
-                seen(f[0], f[2])
-                seen(f[1], None)
-                moves.append((f[0], f[1], False))
-                created[f[1]] = len(moves)
-            elif r.kind == S.EXCHANGE:
-                seen(f[0], f[2])
-                seen(f[1], f[3])
-                moves.append((f[0], f[1], True))
-            elif r.kind == S.META:
-                seen(f[0], f[1])
-                meta.setdefault(f[1], (seq, f))
-            elif r.kind == S.CHUNK:
-                chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
-            elif r.kind == S.XATTRS:
-                xattrs.setdefault(f[1], f[2])
-
-        def now(path: bytes) -> os.stat_result | None:
-            try:
-                with self.resolver.at(path) as (d, n):
-                    return B.lstat_at(d, n)
-            except OSError:
-                return None
+        def now(path: bytes | None) -> os.stat_result | None:
+            return self.resolver.lstat(path) if path is not None else None
 
         out: dict[bytes, dict] = {}
         present: set[int] = set()
         stands_in: set[bytes] = set()     # start paths where a new object replaced the old
-        for sp, was in start.items():
+        for sp, was in j.start.items():
             if was is None:
                 continue
-            cur = fwd(sp, 0)
+            cur = names.now(sp)
             st = now(cur)
             if st is not None and st.st_ino == was:
                 present.add(was)
                 if cur != sp:
                     out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
                 elif sp:
-                    kind = self.same.modified(cur, st, meta.get(was), chunks.get(was),
-                                              xattrs.get(was))
+                    kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
+                                              j.xattrs.get(was))
                     if kind:
                         out[cur] = {"path": cur, "kind": kind, "ino": was}
                 continue
@@ -571,16 +524,19 @@ class Stack:
             if st is None:
                 out.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
                 continue
-            m = meta.get(was)
-            kind = self.same.replaced(sp, st, graves.get(was), m and m[1], xattrs.get(was))
+            m = j.meta.get(was)
+            gids = j.graves.get(was)
+            kind = self.same.replaced(sp, st, gids[0] if gids else None, m and m[1],
+                                      j.xattrs.get(was))
             stands_in.add(sp)
             if kind:
                 out[sp] = {"path": sp, "kind": kind, "ino": st.st_ino}
-        for path, frm in created.items():
-            cur = fwd(path, frm)
+        for slot in j.created:
+            cur = names.where(slot)
+            if cur is None or cur in out or cur in stands_in:
+                continue
             st = now(cur)
-            if st is not None and st.st_ino not in present and cur not in out \
-                    and cur not in stands_in:
+            if st is not None and st.st_ino not in present:
                 out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
         result = []
         for path in sorted(out):
@@ -626,32 +582,6 @@ def _plan_discards(w, layer: Layer) -> None:
     if layer.snapshots:
         w.set_meta(S.K_PENDING, S.to_json({"op": "commit", "layer": layer.id, "files": True,
                                            "steps": _steps("discard", [layer])}))
-
-
-class Moves(list):
-    """The renames and exchanges records name, (a, b, is_exchange) in
-    order; paths are mapped through them."""
-
-    def fwd(self, p: bytes, frm: int = 0) -> bytes:
-        """Where what was at *p* before move *frm* (the first: 0) is now."""
-        for a, b, xchg in self[frm:]:
-            p = subst_prefix(p, a, b) or (subst_prefix(p, b, a) if xchg else None) or p
-        return p
-
-    def back(self, p: bytes) -> bytes:
-        """Where what is at *p* now was before the first move."""
-        for a, b, xchg in reversed(self):
-            p = subst_prefix(p, b, a) or (subst_prefix(p, a, b) if xchg else None) or p
-        return p
-
-
-def subst_prefix(p: bytes, a: bytes, b: bytes) -> bytes | None:
-    """*p* with its prefix directory (or itself) *a* replaced by *b*."""
-    if p == a:
-        return b
-    if p.startswith(a + b"/"):
-        return b + p[len(a):]
-    return None
 
 
 class Sameness:

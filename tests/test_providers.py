@@ -359,15 +359,18 @@ def _stderr_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> str
     return seen
 
 
-def _blocking_rollback(ws, tmp_path, *cowfs_args):
+def _blocking_rollback(ws, tmp_path, offline: bool = False):
     """A layer with a provider whose restore waits for a file to appear, and
-    a `cowfs rollback` started on it, held in that restore."""
+    a `cowfs rollback` started on it (*offline*: unmounted first), held in
+    that restore."""
     gate, started = tmp_path / "gate", tmp_path / "restoring"
     ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
              f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
     ws.json("checkpoint", "--provider", "slow")
     (ws / "a.txt").write_text("changed\n")
-    proc = subprocess.Popen([*COWFS, *cowfs_args, "-C", str(ws.path), "rollback"],
+    if offline:
+        ws.unmount()
+    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + 60
@@ -411,19 +414,7 @@ def test_a_second_ctrl_c_stops_waiting_and_the_daemon_finishes(mounted, tmp_path
 def test_ctrl_c_during_an_offline_rollback_finishes_it_first(mounted, tmp_path):
     ws = mounted
     before = ws.snapshot()
-    gate, started = tmp_path / "gate", tmp_path / "restoring"
-    ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
-             f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
-    ws.json("checkpoint", "--provider", "slow")
-    (ws / "a.txt").write_text("changed\n")
-    ws.unmount()
-    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"],
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not started.exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.02)
+    proc, gate = _blocking_rollback(ws, tmp_path, offline=True)
     os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
     said = _stderr_until(proc, "Ctrl-C again")
     assert "finishing the rollback first" in said

@@ -1,0 +1,211 @@
+"""Reading the journal: what the records since a layer was opened (time T)
+say about T, in one pass, in time linear in the records.
+
+Records name paths as they were when each was written.  To map those to
+paths at T and to paths now, the reader keeps a tree of *name slots*
+(``Names``): a slot is the place an object occupies in the directory tree,
+and a rename moves the slot (with everything below it) instead of being
+replayed on every path later -- so each record costs a walk down its own
+path, whatever the number of renames before it.  A slot knows the path at T
+of what it holds (its origin), or that it was made after T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from . import schema as S
+
+
+class Slot:
+    """A place in the tree (see ``Names``)."""
+
+    __slots__ = ("name", "parent", "children", "origin", "vacated")
+
+    def __init__(self, name: bytes, parent: "Slot | None", origin: bytes | None):
+        self.name = name
+        self.parent = parent
+        self.origin = origin                  # the path at T of what is here, if it was
+        self.children: dict[bytes, Slot] = {}
+        self.vacated: set[bytes] | None = None  # names whose holder at T has left
+
+
+def parent_of(path: bytes) -> bytes:
+    return path.rpartition(b"/")[0]
+
+
+class Names:
+    """The directory tree as far as the journal has named it, followed
+    through renames, exchanges and removals in record order.
+
+    ``slot(path)`` is the slot at *path* as the tree stands now (made on
+    first use: an untouched name holds what it held at T, unless the object
+    that had that name at T has left it -- then what is there was made
+    after T).  ``move``/``exchange``/``remove`` change the tree as the
+    recorded operations did.  ``where(slot)`` is the slot's path now;
+    ``now(path_at_T)`` where the object that was at that path at T is now.
+    Each costs a walk along one path.
+    """
+
+    def __init__(self) -> None:
+        self.root = Slot(b"", None, b"")
+        self.by_origin: dict[bytes, Slot] = {b"": self.root}
+
+    def slot(self, path: bytes) -> Slot:
+        s = self.root
+        if not path:
+            return s
+        for name in path.split(b"/"):
+            child = s.children.get(name)
+            if child is None:
+                origin = None
+                if s.origin is not None and not (s.vacated and name in s.vacated):
+                    origin = s.origin + b"/" + name if s.origin else name
+                child = s.children[name] = Slot(name, s, origin)
+                if origin is not None:
+                    self.by_origin[origin] = child
+            s = child
+        return s
+
+    def back(self, path: bytes) -> bytes | None:
+        """The path at T of what is at *path* now (None: made after T)."""
+        return self.slot(path).origin
+
+    def detach(self, path: bytes) -> Slot:
+        """Take the slot at *path* (and what is below it) out of the tree."""
+        s = self.slot(path)
+        p = s.parent
+        if p is not None:
+            del p.children[s.name]
+            if p.vacated is None:
+                p.vacated = set()
+            p.vacated.add(s.name)
+            s.parent = None
+        return s
+
+    def attach(self, s: Slot, path: bytes) -> None:
+        """Put slot *s* at *path*; whatever was there is replaced."""
+        parent_path, _, name = path.rpartition(b"/")
+        p = self.slot(parent_path)
+        old = p.children.get(name)
+        if old is not None:
+            old.parent = None
+        elif p.origin is not None:
+            if p.vacated is None:
+                p.vacated = set()
+            p.vacated.add(name)          # (nothing there now comes from T)
+        p.children[name] = s
+        s.parent, s.name = p, name
+
+    def move(self, a: bytes, b: bytes) -> None:
+        if a != b:
+            self.attach(self.detach(a), b)
+
+    def exchange(self, a: bytes, b: bytes) -> None:
+        sa, sb = self.detach(a), self.detach(b)
+        self.attach(sa, b)
+        self.attach(sb, a)
+
+    def prune(self, path: bytes) -> None:
+        """Take everything below *path* out of the tree."""
+        s = self.slot(path)
+        for child in s.children.values():
+            child.parent = None
+        s.children.clear()
+
+    def remove(self, path: bytes) -> None:
+        """The object at *path* left the tree (into the grave)."""
+        self.detach(path)
+
+    def where(self, s: Slot) -> bytes | None:
+        """The path of slot *s* now; None once it has left the tree."""
+        parts = []
+        while s.parent is not None:
+            parts.append(s.name)
+            s = s.parent
+        if s is not self.root:              # it, or a directory above it, was taken out
+            return None
+        return b"/".join(reversed(parts))
+
+    def now(self, path: bytes) -> bytes | None:
+        """Where the object that was at *path* at T is now (None: it left
+        the tree, or a directory above it did)."""
+        rest: list[bytes] = []
+        p = path
+        while True:
+            s = self.by_origin.get(p)
+            if s is not None:
+                here = self.where(s)
+                if here is None:
+                    return None
+                tail = b"/".join(reversed(rest))
+                return (here + b"/" + tail if here else tail) if rest else here
+            p, _, name = p.rpartition(b"/")
+            rest.append(name)
+
+
+class Reading:
+    """What the records since T say, read once in order:
+
+    * ``start``: path at T -> the object (backing inode) there at T, or None
+      where the records show nothing was;
+    * ``created``: slots where objects were made after T (follow them with
+      ``names.where``);
+    * ``linked``: slots where hard links were made after T;
+    * ``meta`` (ino -> (seq, META fields)), ``chunks`` (ino -> chunk index ->
+      (length, digest)), ``xattrs`` (ino -> blob): the first record of each
+      after T, which holds the object's state at T;
+    * ``graves``: ino -> the grave ids it was moved into, in order.
+    """
+
+    def __init__(self, records: Iterable[tuple[int, S.Record]]):
+        self.names = Names()
+        self.start: dict[bytes, int | None] = {}
+        self.created: list[Slot] = []
+        self.linked: list[Slot] = []
+        self.meta: dict[int, tuple[int, tuple]] = {}
+        self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
+        self.xattrs: dict[int, bytes] = {}
+        self.graves: dict[int, list[int]] = {}
+        for seq, rec in records:
+            self._read(seq, rec)
+
+    def _seen(self, path: bytes, ino: int | None) -> Slot | None:
+        """*path* (as named when the record was written) held *ino* just
+        before (None: nothing); note what that says about T."""
+        if S.grave_id(path) is not None:
+            return None
+        s = self.names.slot(path)
+        if s.origin is not None:
+            self.start.setdefault(s.origin, ino)
+        return s
+
+    def _read(self, seq: int, rec: S.Record) -> None:
+        f = rec.fields
+        kind = rec.kind
+        if kind == S.CREATE or kind == S.LINK:
+            s = self._seen(f[0], None)
+            if s is not None:
+                self.created.append(s)
+                if kind == S.LINK:
+                    self.linked.append(s)
+        elif kind == S.GRAVE:
+            if self._seen(f[0], f[2]) is not None:
+                self.names.remove(f[0])
+            self.graves.setdefault(f[2], []).append(f[1])
+        elif kind == S.RENAME:
+            self._seen(f[0], f[2])
+            self._seen(f[1], None)
+            self.names.move(f[0], f[1])
+            self.created.append(self.names.slot(f[1]))
+        elif kind == S.EXCHANGE:
+            self._seen(f[0], f[2])
+            self._seen(f[1], f[3])
+            self.names.exchange(f[0], f[1])
+        elif kind == S.META:
+            self._seen(f[0], f[1])
+            self.meta.setdefault(f[1], (seq, f))
+        elif kind == S.CHUNK:
+            self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
+        elif kind == S.XATTRS:
+            self.xattrs.setdefault(f[1], f[2])
