@@ -628,15 +628,13 @@ def summary(changes: list, limit: int = 10) -> str:
 def ask(question: str, choices: str, timeout: float) -> str | None:
     """Ask on the controlling terminal; None without one or without an
     answer in time."""
-    import select
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         os.write(tty, question.encode())
-        ready, _, _ = select.select([tty], [], [], timeout)
-        if not ready:
+        if not control.wait_readable(tty, timeout):
             os.write(tty, b"\n")
             return None
         answer = os.read(tty, 1024).decode(errors="replace").strip().lower()

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import resource
-import select
 import signal
 import socket
 import struct
@@ -33,15 +32,16 @@ from . import errors
 from . import fsck
 from . import redo
 from .capture import Recorder
-from .control import MAX_REQUEST, encode
+from .control import MAX_REQUEST, encode, wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
-from .mounts import MountRecord, is_cowfs_mount, pid_alive, socket_path
+from .mounts import MountRecord, is_cowfs_mount, mount_table, pid_alive, socket_path
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
+from .view import FSTYPE as VIEW_FSTYPE
 
 AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
@@ -442,7 +442,9 @@ class Daemon:
             try:
                 await stream.send_all(encode(resp))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+                if op.__name__ == "op_view" and resp["ok"]:
+                    # the client is gone (Ctrl-C): a view nobody was told of goes
+                    await trio.to_thread.run_sync(clear_view, resp["result"]["mountpoint"])
 
     async def op_ping(self) -> dict:
         return {"pid": os.getpid(), "workspace": self.workspace,
@@ -785,6 +787,8 @@ class Daemon:
         read-only, at *mountpoint*, in a process of its own."""
         self.store.get_layer(layer)
         await self._flush()
+        if self.fs is None:   # offline, in the command itself: Ctrl-C must reach the wait
+            return start_view(self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
         return await trio.to_thread.run_sync(
             start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
 
@@ -898,11 +902,24 @@ def step_failures(record: dict | None) -> list[str]:
     return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
 
 
+VIEW_MODULE = "cowfs.view"
+VIEW_TIMEOUT = 60.0
+
+
 def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
-               hidden: bytes | None, timeout: float = 60) -> dict:
+               hidden: bytes | None) -> dict:
     """Start the view process (cowfs/view.py) with the workspace root and
-    the store as open fds; return once its mount is live."""
-    mp = os.path.abspath(mountpoint)
+    the store as open fds; return once its mount is live.  A directory
+    that is a mount point already is refused; if the start fails in any
+    way, nothing of the view is left (process or mount)."""
+    mp = os.path.realpath(mountpoint)
+    there = mount_table().get(mp)
+    if there == VIEW_FSTYPE:
+        raise AlreadyMounted(f"a cowfs view is already mounted at {mp}; 'cowfs unmount {mp}' "
+                             "ends it")
+    if there is not None:
+        raise AlreadyMounted(f"{mp} is already a mount point ({there}); a view needs a "
+                             "directory of its own")
     if not os.path.isdir(mp):
         raise BadWorkspace(f"view mount point {mountpoint} is not a directory")
     root = os.open(B.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -911,11 +928,37 @@ def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
         args = ["--root-fd", str(root), "--store-fd", str(store), "--layer", str(layer)]
         if hidden:
             args += ["--hidden", os.fsdecode(hidden)]
-        return start_and_wait("cowfs.view", args + [mp], (root, store), timeout,
-                              f"mounting the view at {mp}")
+        return start_and_wait(VIEW_MODULE, args + [mp], (root, store), VIEW_TIMEOUT,
+                              f"mounting the view at {mp}",
+                              abandon=functools.partial(abandon_view, mp))
     finally:
         os.close(root)
         os.close(store)
+
+
+def abandon_view(mountpoint: str, proc: subprocess.Popen) -> None:
+    """A view process whose start failed: kill it and clear the mount it
+    may have left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    clear_view(mountpoint)
+
+
+def clear_view(mountpoint: str) -> None:
+    """Detach the view mounted at *mountpoint* (its process, if it still
+    runs, ends once nothing uses the mount).  start_view made sure nothing
+    else was mounted there."""
+    for _ in range(8):
+        if mount_table().get(mountpoint) != VIEW_FSTYPE:
+            return
+        try:
+            kernel_unmount(mountpoint, lazy=True)
+        except OSError as e:
+            log.error("cannot clear the view at %s: %s", mountpoint, e.strerror)
+            return
 
 
 TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
@@ -1020,35 +1063,63 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
 
 
 def start_and_wait(module: str, args: list[str], pass_fds: tuple, timeout: float,
-                   what: str) -> dict:
+                   what: str, abandon: Callable[[subprocess.Popen], None] | None = None
+                   ) -> dict:
     """Start ``python -m module --ready-fd N args...`` in its own session
     and wait for the one JSON line it reports on N once its mount is live
-    (or failed); return it, or raise the error it reported."""
+    (or failed); return it, or raise the error it reported.  If waiting
+    fails (no report in time, an unreadable one, an interrupt), *abandon*
+    is called with the process and must leave nothing of it behind."""
     r, w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
-                            pass_fds=(w, *pass_fds), start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    os.close(w)
-    buf = b""
-    deadline = time.monotonic() + timeout
     try:
-        while not buf.endswith(b"\n") and time.monotonic() < deadline:
-            ready, _, _ = select.select([r], [], [], 0.5)
-            if ready:
-                chunk = os.read(r, 65536)
-                if not chunk:
-                    break
-                buf += chunk
+        proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
+                                pass_fds=(w, *pass_fds), start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        msg = read_report(r, proc, timeout, f"the {module} process (pid {proc.pid})", what)
+    except BaseException:
+        if abandon is not None:
+            abandon(proc)
+        raise
     finally:
         os.close(r)
-    if not buf:
-        raise CowfsError(f"the {module} process exited ({proc.poll()}) without "
-                         f"{what}", errors.DAEMON_ERROR)
-    msg = json.loads(buf)
     if not msg.get("ok"):
         proc.wait()
         raise errors.from_dict(msg)
+    return msg
+
+
+def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what: str) -> dict:
+    """The one JSON object *proc* writes on *fd*, within *timeout* seconds."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not buf.endswith(b"\n"):
+        if not wait_readable(fd, deadline - time.monotonic()):
+            raise CowfsError(f"{who} did not report within {timeout:.0f} s while {what}",
+                             errors.DAEMON_ERROR)
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+    if not buf:
+        try:
+            status = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = "still running"
+        raise CowfsError(f"{who} exited ({status}) without {what}", errors.DAEMON_ERROR)
+    try:
+        msg = json.loads(buf)
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict):
+        raise CowfsError(f"{who} sent an unreadable report while {what}: {buf[:60]!r}",
+                         errors.DAEMON_ERROR)
     return msg
 
 

@@ -55,15 +55,31 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mount_table() -> dict[str, str]:
-    """Mount point -> filesystem type, the last mount at a point winning."""
-    table = {}
+@dataclass
+class Mount:
+    """One line of /proc/self/mountinfo."""
+    id: int
+    dev: str            # "major:minor" of its superblock
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def mounts() -> list[Mount]:
+    """The mount table, in mount order."""
+    out = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
-            mp = _unescape(left.split(" ")[4])
-            table[mp] = right.split(" ")[0]
-    return table
+            fields, rest = left.split(" "), right.split(" ")
+            out.append(Mount(int(fields[0]), fields[2], _unescape(fields[4]), rest[0],
+                             _unescape(rest[1])))
+    return out
+
+
+def mount_table() -> dict[str, str]:
+    """Mount point -> filesystem type, the last mount at a point winning."""
+    return {m.mountpoint: m.fstype for m in mounts()}
 
 
 def is_cowfs_mount(path: str) -> bool:

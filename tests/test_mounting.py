@@ -1,0 +1,95 @@
+"""Where and when mounts and views may be made and unmounted, on real
+mounts: `view` beside a daemon that holds thousands of files, a second view
+on the same directory, a view that fails to start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cowfs.errors import ALREADY_MOUNTED, DAEMON_ERROR
+from cowfs.mounts import mounts, pid_alive
+
+from .conftest import view_processes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mounts_at(path: Path) -> list[str]:
+    """The filesystem types mounted at *path*, bottom first."""
+    return [m.fstype for m in mounts() if m.mountpoint == str(path)]
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr
+
+
+def gone(pid: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not pid_alive(pid)
+
+
+# -- views ------------------------------------------------------------------------------------
+
+
+def test_view_beside_a_daemon_holding_thousands_of_fds_and_a_second_view_refused(
+        mounted, view_dir):
+    ws = mounted
+    layer = ws.checkpoint("before the many")
+    (ws / "many").mkdir()
+    for i in range(3000):
+        (ws / "many" / f"f{i}").write_text(f"{i}\n")
+    subprocess.run("cat many/* > /dev/null", shell=True, cwd=ws.path, check=True)
+    fds = len(os.listdir(f"/proc/{ws.daemon_pid()}/fd"))
+    assert fds > 1100, f"the daemon holds only {fds} fds: select() would still work"
+
+    ws.cowfs("view", layer, view_dir)
+    assert sorted(os.listdir(view_dir)) == ["a.txt", "dir"]
+    assert (view_dir / "dir" / "b.txt").read_text() == "beta\n"
+
+    r = ws.cowfs("view", layer, view_dir, check=False)
+    assert r.returncode == ALREADY_MOUNTED
+    assert f"a cowfs view is already mounted at {view_dir}" in one_line(r)
+    assert mounts_at(view_dir) == ["fuse.cowfs-view"]
+    r = ws.cowfs("view", layer, ws.path, check=False)       # any kind of mount point
+    assert r.returncode == ALREADY_MOUNTED
+    assert f"{ws.path} is already a mount point (fuse.cowfs)" in one_line(r)
+    assert mounts_at(ws.path) == ["fuse.cowfs"]
+
+    [pid] = view_processes(view_dir)
+    ws.cowfs("unmount", view_dir)
+    assert mounts_at(view_dir) == [] and gone(pid)
+
+
+@pytest.mark.parametrize("mode", ["garbage", "silent"])
+def test_a_view_that_fails_after_it_started_leaves_no_mount_and_no_process(
+        mounted, view_dir, mode):
+    """The view process mounts, then sends an unreadable report, or none
+    within the (here shortened) wait: the command fails with one line and
+    takes the view down.  On an unmounted workspace the command itself
+    starts the view, so the view module and the wait can be swapped in."""
+    ws = mounted
+    layer = ws.checkpoint()
+    ws.unmount()
+    code = ("import sys, cowfs.daemon as d\n"
+            "d.VIEW_MODULE, d.VIEW_TIMEOUT = 'tests.broken_view', 5\n"
+            "from cowfs.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = os.environ | {"BROKEN_VIEW": mode, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", code, "-C", str(ws.path), "view", str(layer),
+                        str(view_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == DAEMON_ERROR, r.stderr
+    assert ("unreadable report" if mode == "garbage" else "did not report") in one_line(r)
+    assert mounts_at(view_dir) == []
+    assert view_processes(view_dir) == []
+    ws.cowfs("view", layer, view_dir)                          # the directory is usable
+    assert sorted(os.listdir(view_dir)) == ["a.txt", "dir"]
