@@ -38,7 +38,8 @@ from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
-from .mounts import MountRecord, is_cowfs_mount, mount_table, pid_alive, socket_path
+from .mounts import (MountRecord, is_cowfs_mount, lock_holder, mount_table, mounted_workspaces,
+                     pid_alive, socket_path)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .view import FSTYPE as VIEW_FSTYPE
@@ -159,6 +160,7 @@ class Daemon:
 
     def prepare(self) -> None:
         check_fuse()
+        self._check_other_mounts()
         self._open()
         if self.mountpoint == self.workspace:
             pids = processes_inside(self.workspace)
@@ -182,6 +184,65 @@ class Daemon:
         self.store.close()
         os.close(self.rootfd)
 
+    def _check_other_mounts(self) -> None:
+        """Before mounting: refuse a workspace that is mounted already
+        (anywhere; a dead mount of it is cleared), a mount point where
+        another workspace is mounted, and any nesting with another mounted
+        workspace, either way: the outer one's layers would capture the
+        inner one's live store, and an outer rollback rewrite it."""
+        real = os.path.realpath
+        ws, mp, store = real(self.workspace), real(self.mountpoint), real(self.store_dir)
+        ours = {"workspace": ws, "mount point": mp, "store": store}
+        for rec in mounted_workspaces():
+            live = rec.pid > 0 and pid_alive(rec.pid)
+            theirs = {"workspace": real(rec.workspace), "mount point": real(rec.mountpoint),
+                      "store": real(rec.store) if rec.store else None}
+            if ws in (theirs["workspace"], theirs["mount point"]) or store == theirs["store"]:
+                if live:
+                    raise already_mounted(rec)
+                if rec.pid and theirs["mount point"] != mp:   # (dead, by its record)
+                    self._recover_stale_mount(rec.mountpoint)
+                continue
+            if mp == theirs["mount point"]:
+                if live:
+                    raise AlreadyMounted(f"{mp} is the mount point of the cowfs workspace "
+                                         f"{rec.workspace} (daemon pid {rec.pid})")
+                continue    # a dead mount there is cleared by _open
+            other = rec.workspace + ("" if theirs["mount point"] == theirs["workspace"]
+                                     else f" (mounted at {rec.mountpoint})")
+            for role, path in ours.items():
+                for their_role, their_path in theirs.items():
+                    if their_path is None:
+                        continue
+                    what = ("the store of " if their_role == "store" else "") + \
+                        f"the mounted cowfs workspace {other}"
+                    if within(path, their_path):
+                        where = f"its {role} {path} lies inside {what}"
+                    elif within(their_path, path):
+                        where = f"{what} lies inside its {role} {path}"
+                    else:
+                        continue
+                    raise BadWorkspace(f"cannot mount {ws}: {where}; nested workspaces are "
+                                       "refused (the outer one would capture the inner "
+                                       "one's store)")
+
+    def _store_in_use(self) -> AlreadyMounted:
+        """Why the store's lock is taken: by the daemon of a mount (or of a
+        lazily unmounted one that still serves), or by another process."""
+        store = os.path.realpath(self.store_dir)
+        for rec in MountRecord.all():
+            if os.path.realpath(rec.store) != store or not pid_alive(rec.pid):
+                continue
+            if is_cowfs_mount(rec.mountpoint):
+                return already_mounted(rec)
+            return AlreadyMounted(
+                f"{rec.workspace} was unmounted lazily from {rec.mountpoint} and its daemon "
+                f"(pid {rec.pid}) still serves the processes using it; it exits when the "
+                "last one leaves")
+        pid = lock_holder(os.path.join(self.store_dir, "lock"))
+        return AlreadyMounted(f"the store of {self.workspace} ({self.store_dir}) is in use "
+                              "by another cowfs process" + (f" (pid {pid})" if pid else ""))
+
     def _open(self, create: bool = True) -> None:
         self._recover_stale_mount()
         if not os.path.isdir(self.workspace):
@@ -190,8 +251,12 @@ class Daemon:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
-        self.store = Store.open(self.store_dir, self.workspace, create=create,
-                                **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
+        try:
+            self.store = Store.open(self.store_dir, self.workspace, create=create,
+                                    **({"chunk_size": self.chunk_size} if self.chunk_size
+                                       else {}))
+        except AlreadyMounted:
+            raise self._store_in_use() from None
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         if create:   # a mount: its options (0 clears) change the store's limits
@@ -252,17 +317,18 @@ class Daemon:
         except Exception:
             log.exception("could not record the workspace's state for drift detection")
 
-    def _recover_stale_mount(self) -> None:
-        if not is_cowfs_mount(self.mountpoint):
+    def _recover_stale_mount(self, mountpoint: str | None = None) -> None:
+        mountpoint = mountpoint or self.mountpoint
+        if not is_cowfs_mount(mountpoint):
             return
-        rec = MountRecord.load(self.mountpoint)
+        rec = MountRecord.load(mountpoint)
         if rec is not None and pid_alive(rec.pid):
-            raise AlreadyMounted(f"{self.mountpoint} is already mounted by cowfs (pid {rec.pid})")
-        kernel_unmount(self.mountpoint, lazy=True)
+            raise AlreadyMounted(f"{mountpoint} is already mounted by cowfs (pid {rec.pid})")
+        kernel_unmount(mountpoint, lazy=True)
         self.recovering = True
         if rec is not None:
             rec.remove()
-        self.warnings.append(f"cleared the dead mount at {self.mountpoint}")
+        self.warnings.append(f"cleared the dead mount at {mountpoint}")
 
     def mount(self, on_ready: Callable[[], None]) -> None:
         self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
@@ -895,6 +961,17 @@ class Daemon:
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
         return {"unmounted": self.mountpoint}
+
+
+def within(path: str, top: str) -> bool:
+    """*path* is *top* or lies below it (both absolute and normalised)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def already_mounted(rec: MountRecord) -> AlreadyMounted:
+    where = "over itself" if rec.mountpoint == rec.workspace else f"at {rec.mountpoint}"
+    return AlreadyMounted(f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
+                          f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first")
 
 
 def step_failures(record: dict | None) -> list[str]:

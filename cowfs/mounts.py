@@ -111,12 +111,23 @@ class MountRecord:
 
     @classmethod
     def load(cls, mountpoint: str) -> "MountRecord | None":
+        return cls._read(record_path(mountpoint))
+
+    @classmethod
+    def _read(cls, path: str) -> "MountRecord | None":
         try:
-            with open(record_path(mountpoint)) as f:
-                d = json.load(f)
-        except (OSError, ValueError):
+            with open(path) as f:
+                return cls(**json.load(f))
+        except (OSError, ValueError, TypeError):
             return None
-        return cls(**d)
+
+    @classmethod
+    def all(cls) -> list["MountRecord"]:
+        """Every record in this user's runtime directory (live or not)."""
+        base = runtime_dir()
+        found = (cls._read(os.path.join(base, n)) for n in sorted(os.listdir(base))
+                 if n.endswith(".json"))
+        return [rec for rec in found if rec is not None]
 
     def save(self) -> None:
         path = record_path(self.mountpoint)
@@ -156,3 +167,37 @@ def find_mount(path: str) -> MountRecord:
         if p == "/":
             raise NotMounted(f"{path} is not inside a mounted cowfs workspace")
         p = os.path.dirname(p)
+
+
+def mounted_workspaces() -> list[MountRecord]:
+    """A record for each cowfs mount in the mount table, live or dead: its
+    daemon's record or, where there is none (another user's mount, a record
+    lost with its daemon), what the table says: the workspace named in the
+    mount's source, pid 0 (unknown)."""
+    out: dict[str, MountRecord] = {}
+    for m in mounts():
+        if m.fstype != FSTYPE:
+            continue
+        rec = MountRecord.load(m.mountpoint)
+        if rec is None:
+            ws = m.source.removeprefix("cowfs:") if m.source.startswith("cowfs:/") \
+                else m.mountpoint
+            rec = MountRecord(m.mountpoint, ws, "", 0, "")
+        out[m.mountpoint] = rec
+    return list(out.values())
+
+
+def lock_holder(path: str) -> int | None:
+    """The pid that holds a lock on the file *path* (from /proc/locks)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()   # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF"
+        if len(fields) > 5 and fields[1] != "->" and fields[5] == key:
+            return int(fields[4]) if int(fields[4]) > 0 else None
+    return None

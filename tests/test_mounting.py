@@ -1,9 +1,11 @@
 """Where and when mounts and views may be made and unmounted, on real
 mounts: `view` beside a daemon that holds thousands of files, a second view
-on the same directory, a view that fails to start."""
+on the same directory, a view that fails to start; nested workspaces, a
+workspace mounted twice."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs.errors import ALREADY_MOUNTED, DAEMON_ERROR
-from cowfs.mounts import mounts, pid_alive
+from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR
+from cowfs.mounts import MountRecord, is_cowfs_mount, mounts, pid_alive
 
-from .conftest import view_processes
+from .conftest import Workspace, managed_workspace, run, view_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,17 @@ def mounts_at(path: Path) -> list[str]:
 def one_line(r: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     return r.stderr
+
+
+@contextlib.contextmanager
+def undone(*paths: Path):
+    """Whatever gets mounted at *paths* (a refusal that failed) is
+    unmounted and its daemon killed afterwards, the first path first."""
+    try:
+        yield
+    finally:
+        for path in paths:
+            Workspace(path).teardown()
 
 
 def gone(pid: int, timeout: float = 60) -> bool:
@@ -93,3 +106,69 @@ def test_a_view_that_fails_after_it_started_leaves_no_mount_and_no_process(
     assert view_processes(view_dir) == []
     ws.cowfs("view", layer, view_dir)                          # the directory is usable
     assert sorted(os.listdir(view_dir)) == ["a.txt", "dir"]
+
+
+# -- mount guards -----------------------------------------------------------------------------
+
+
+def test_nested_workspaces_are_refused_either_way(workspace, tmp_path):
+    outer = workspace
+    (outer / "inner").mkdir()
+    (tmp_path / "other").mkdir()
+    outer.mount()
+    nested = [  # (arguments of cowfs mount, what the message names)
+        ([outer / "inner"], f"its workspace {outer / 'inner'} lies inside the mounted cowfs "
+                            f"workspace {outer.path}"),
+        (["--store", outer / "store", tmp_path / "other"],
+         f"its store {outer / 'store'} lies inside the mounted cowfs workspace {outer.path}"),
+        ([tmp_path / "other", outer / "inner"],
+         f"its mount point {outer / 'inner'} lies inside the mounted cowfs workspace"),
+        ([tmp_path], f"the mounted cowfs workspace {outer.path} lies inside its workspace "
+                     f"{tmp_path}"),
+    ]
+    with managed_workspace(tmp_path / "mp") as mp, \
+            undone(outer / "inner", tmp_path / "other", tmp_path):
+        for args, text in nested:
+            r = run("mount", *args, check=False)
+            assert r.returncode == BAD_WORKSPACE and text in one_line(r), (args, r.stderr)
+        assert not any(is_cowfs_mount(str(p)) for p in (outer / "inner", tmp_path / "other"))
+        assert outer.status() == []                     # nothing of a store inside it
+
+        outer.unmount()                                 # the backing path, mounted elsewhere
+        run("mount", outer.path, mp.path)
+        r = run("mount", outer / "inner", check=False)
+        assert r.returncode == BAD_WORKSPACE
+        assert (f"lies inside the mounted cowfs workspace {outer.path} (mounted at "
+                f"{mp.path})") in one_line(r)
+        run("unmount", mp.path)
+
+    with managed_workspace(outer / "inner" / "ws") as inner, undone(tmp_path / "other"):
+        inner.mount()                                   # inner mounted, outer not
+        for args in ([outer.path], [outer.path, tmp_path / "other"]):
+            r = run("mount", *args, check=False)
+            assert r.returncode == BAD_WORKSPACE
+            assert (f"the mounted cowfs workspace {inner.path} lies inside its workspace "
+                    f"{outer.path}") in one_line(r)
+        assert not is_cowfs_mount(str(outer.path))
+
+
+def test_a_mounted_workspace_mounted_again_says_where(workspace, tmp_path):
+    ws = workspace
+    ws.mount()
+    pid = ws.daemon_pid()
+    with managed_workspace(tmp_path / "mp1") as mp1, managed_workspace(tmp_path / "mp2") as mp2:
+        for args in ([ws.path], [ws.path, mp2.path]):
+            r = run("mount", *args, check=False)
+            assert r.returncode == ALREADY_MOUNTED
+            assert f"{ws.path} is already mounted over itself (cowfs daemon pid {pid})" \
+                in one_line(r)
+        ws.unmount()
+        run("mount", ws.path, mp1.path)
+        pid = MountRecord.load(str(mp1.path)).pid
+        for args in ([ws.path], [ws.path, mp2.path], [mp1.path, mp2.path]):
+            r = run("mount", *args, check=False)
+            assert r.returncode == ALREADY_MOUNTED
+            assert f"{ws.path} is already mounted at {mp1.path} (cowfs daemon pid {pid})" \
+                in one_line(r)
+        assert not is_cowfs_mount(str(mp2.path)) and not is_cowfs_mount(str(ws.path))
+        run("unmount", mp1.path)
