@@ -38,8 +38,8 @@ from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
-from .mounts import (MountRecord, is_cowfs_mount, lock_holder, mount_table, mounted_workspaces,
-                     pid_alive, socket_path)
+from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
+                     mounted_workspaces, mounts, pid_alive, socket_path)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .view import FSTYPE as VIEW_FSTYPE
@@ -491,26 +491,27 @@ class Daemon:
                 await stream.send_all(encode({"ok": False, "code": errors.USAGE,
                                               "error": "malformed request"}))
                 return
-            self.inflight += 1
+            self.inflight += 1    # until answered: an unmount's answer goes out before we exit
             try:
-                async with self.lock:
-                    t0 = time.perf_counter()
-                    result = await op(**req)
-                    result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
-                resp = {"ok": True, "result": result}
-            except CowfsError as e:
-                resp = {"ok": False, **e.to_dict()}
-            except Exception as e:
-                log.exception("control request failed")
-                resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+                try:
+                    async with self.lock:
+                        t0 = time.perf_counter()
+                        result = await op(**req)
+                        result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                    resp = {"ok": True, "result": result}
+                except CowfsError as e:
+                    resp = {"ok": False, **e.to_dict()}
+                except Exception as e:
+                    log.exception("control request failed")
+                    resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+                try:
+                    await stream.send_all(encode(resp))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    if op.__name__ == "op_view" and resp["ok"]:
+                        # the client is gone (Ctrl-C): a view nobody was told of goes
+                        await trio.to_thread.run_sync(clear_view, resp["result"]["mountpoint"])
             finally:
                 self.inflight -= 1
-            try:
-                await stream.send_all(encode(resp))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                if op.__name__ == "op_view" and resp["ok"]:
-                    # the client is gone (Ctrl-C): a view nobody was told of goes
-                    await trio.to_thread.run_sync(clear_view, resp["result"]["mountpoint"])
 
     async def op_ping(self) -> dict:
         return {"pid": os.getpid(), "workspace": self.workspace,
@@ -948,8 +949,14 @@ class Daemon:
         return {"layers": self.stack.log(), "redo": redo.summary(self.store)}
 
     async def op_unmount(self, lazy: bool = False) -> dict:
+        """Unmount; the daemon then exits.  *lazy*: detach the mount even
+        while processes use it (umount -l); the daemon goes on serving
+        them, and exits when the kernel lets the mount go after the last
+        one.  The answer names them ("users"; "pid": this daemon)."""
         await self._flush()
         self.store.sync()
+        ours = [m for m in mounts()     # (not in the table any more once detached)
+                if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         try:
             await trio.to_thread.run_sync(kernel_unmount, self.mountpoint, lazy)
         except OSError as e:
@@ -960,7 +967,14 @@ class Daemon:
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
-        return {"unmounted": self.mountpoint}
+        result = {"unmounted": self.mountpoint, "pid": os.getpid()}
+        if lazy and ours:
+            result["users"] = await trio.to_thread.run_sync(mount_users, ours[-1])
+            if result["users"]:
+                log.info("detached %s; serving the processes still using it until the "
+                         "last one leaves: %s", self.mountpoint,
+                         ", ".join(map(str, result["users"])))
+        return result
 
 
 def within(path: str, top: str) -> bool:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import xxhash
 
-from .errors import NotMounted
+from .errors import AlreadyMounted, NotMounted
 
 FSTYPE = "fuse.cowfs"
 
@@ -137,6 +138,11 @@ class MountRecord:
         os.replace(tmp, path)
 
     def remove(self) -> None:
+        """Remove the record and the socket, unless they are another
+        daemon's by now (one that mounted at the same point since)."""
+        current = MountRecord.load(self.mountpoint)
+        if current is not None and current.pid != self.pid:
+            return
         for p in (record_path(self.mountpoint), self.socket):
             try:
                 os.unlink(p)
@@ -187,6 +193,50 @@ def mounted_workspaces() -> list[MountRecord]:
     return list(out.values())
 
 
+def mount_users(mount: Mount) -> list[int]:
+    """Pids of the processes (other than this one) that use *mount*, also
+    once it is detached: a working or root directory, an open file or a
+    mapped file on it.  Read from /proc without touching the mount."""
+    major, minor = (int(x) for x in mount.dev.split(":"))
+    mapped = f" {major:02x}:{minor:02x} ".encode()
+    users = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if _uses(f"/proc/{name}", mount.id, mapped):
+                users.append(int(name))
+        except OSError:     # gone, a kernel thread, or not ours to read
+            continue
+    return sorted(users)
+
+
+def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
+    for link in ("cwd", "root"):
+        fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
+        try:
+            if _mnt_id(f"/proc/self/fdinfo/{fd}") == mnt_id:
+                return True
+        finally:
+            os.close(fd)
+    for fd in os.listdir(f"{proc}/fdinfo"):
+        try:
+            if _mnt_id(f"{proc}/fdinfo/{fd}") == mnt_id:
+                return True
+        except OSError:     # closed meanwhile
+            continue
+    with open(f"{proc}/maps", "rb") as f:
+        return any(mapped in line for line in f)
+
+
+def _mnt_id(fdinfo: str) -> int | None:
+    with open(fdinfo, "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    return None
+
+
 def lock_holder(path: str) -> int | None:
     """The pid that holds a lock on the file *path* (from /proc/locks)."""
     try:
@@ -201,3 +251,22 @@ def lock_holder(path: str) -> int | None:
         if len(fields) > 5 and fields[1] != "->" and fields[5] == key:
             return int(fields[4]) if int(fields[4]) > 0 else None
     return None
+
+
+def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[int]:
+    """After the daemon of *rec* answered an unmount request with *result*:
+    the pids still using a lazily detached mount (the daemon goes on serving
+    them and exits after the last one), or [] once the daemon has exited.
+    A daemon still running after *timeout* is said to be, never hidden."""
+    users = result.get("users") or []
+    if users:
+        return users
+    deadline = time.monotonic() + timeout
+    while pid_alive(rec.pid):
+        if time.monotonic() > deadline:
+            raise AlreadyMounted(
+                f"{rec.mountpoint} is unmounted, but its daemon (pid {rec.pid}) is still "
+                f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
+                "the store); the workspace cannot be mounted again until it exits")
+        time.sleep(0.02)
+    return []

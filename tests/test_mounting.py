@@ -1,7 +1,7 @@
 """Where and when mounts and views may be made and unmounted, on real
 mounts: `view` beside a daemon that holds thousands of files, a second view
 on the same directory, a view that fails to start; nested workspaces, a
-workspace mounted twice."""
+workspace mounted twice; lazy unmount while processes use the mount."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR
-from cowfs.mounts import MountRecord, is_cowfs_mount, mounts, pid_alive
+from cowfs import schema as S
+from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsError
+from cowfs.mounts import MountRecord, finish_unmount, is_cowfs_mount, mounts, pid_alive
+from cowfs.store import Store
 
 from .conftest import Workspace, managed_workspace, run, view_processes
 
@@ -172,3 +174,80 @@ def test_a_mounted_workspace_mounted_again_says_where(workspace, tmp_path):
                 in one_line(r)
         assert not is_cowfs_mount(str(mp2.path)) and not is_cowfs_mount(str(ws.path))
         run("unmount", mp1.path)
+
+
+# -- unmounting -------------------------------------------------------------------------------
+
+READER = "import sys\nfor name in sys.stdin:\n    print(open(name.strip()).read(), end='', flush=True)\n"
+
+
+def test_lazy_unmount_returns_at_once_and_the_daemon_serves_until_the_last_user_leaves(mounted):
+    ws = mounted
+    layer = ws.checkpoint("kept")
+    (ws / "a.txt").write_text("changed\n")
+    pid = ws.daemon_pid()
+    in_cwd = subprocess.Popen([sys.executable, "-c", READER], cwd=ws.path, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    open_file = subprocess.Popen([sys.executable, "-c", "import sys\nf = open(sys.argv[1])\n"
+                                  "print('open', flush=True)\nsys.stdin.read()\n",
+                                  ws / "dir" / "b.txt"],
+                                 cwd="/", text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    holders = (in_cwd, open_file)
+
+    def read(name: str) -> str:
+        in_cwd.stdin.write(name + "\n")
+        in_cwd.stdin.flush()
+        return in_cwd.stdout.readline()
+
+    try:
+        assert read("a.txt") == "changed\n" and open_file.stdout.readline() == "open\n"
+        r = run("unmount", "--lazy", ws.path)
+        assert f"detached {ws.path}: its daemon (pid {pid}) goes on serving" in r.stdout
+        assert f"{in_cwd.pid} (python" in r.stdout and f"{open_file.pid} (python" in r.stdout
+        assert not is_cowfs_mount(str(ws.path))
+        assert pid_alive(pid)
+        assert read("dir/b.txt") == "beta\n"            # still served, through the daemon
+        r = run("mount", ws.path, check=False)           # its store is still in use
+        assert r.returncode == ALREADY_MOUNTED
+        assert f"unmounted lazily from {ws.path} and its daemon (pid {pid}) still serves" \
+            in one_line(r)
+        for p in holders:
+            p.stdin.close()
+            p.wait(timeout=60)
+        assert gone(pid), "the daemon did not exit after the last user left"
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+
+    assert MountRecord.load(str(ws.path)) is None       # its clean exit, fully done
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), readonly=True)
+    try:
+        assert store.get_meta_json(S.K_STATE)["mounted"] is False
+        assert store.get_meta_json(S.K_DRIFT) is not None
+    finally:
+        store.close()
+    ws.mount()
+    assert [layer_["message"] for layer_ in ws.log()][-1] == "kept"
+    assert [(c["kind"], c["path"]) for c in ws.status()] == [("M", "a.txt")]
+    ws.rollback(to=layer)
+    assert (ws / "a.txt").read_text() == "alpha\n"
+    pid = ws.daemon_pid()
+    r = run("unmount", ws.path)                         # plain: only once the daemon is gone
+    assert r.stdout.strip() == f"unmounted {ws.path}" and not pid_alive(pid)
+    ws.mounted = False
+
+
+def test_unmount_says_so_when_the_daemon_is_still_finishing():
+    busy = subprocess.Popen(["sleep", "600"])
+    try:
+        rec = MountRecord("/nowhere", "/nowhere", "/nowhere/.cowfs", busy.pid, "")
+        with pytest.raises(CowfsError) as e:
+            finish_unmount(rec, {"unmounted": "/nowhere"}, timeout=0.1)
+        assert e.value.code == ALREADY_MOUNTED
+        assert f"its daemon (pid {busy.pid}) is still finishing" in str(e.value)
+        assert finish_unmount(rec, {"users": [1, 2]}) == [1, 2]   # detached: no wait
+    finally:
+        busy.kill()
+        busy.wait()
+    assert finish_unmount(rec, {"unmounted": "/nowhere"}) == []
