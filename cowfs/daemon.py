@@ -190,13 +190,15 @@ class Daemon:
         another workspace is mounted, and any nesting with another mounted
         workspace, either way: the outer one's layers would capture the
         inner one's live store, and an outer rollback rewrite it."""
-        real = os.path.realpath
-        ws, mp, store = real(self.workspace), real(self.mountpoint), real(self.store_dir)
+        ws, mp, store = map(os.path.realpath, (self.workspace, self.mountpoint, self.store_dir))
         ours = {"workspace": ws, "mount point": mp, "store": store}
         for rec in mounted_workspaces():
             live = rec.pid > 0 and pid_alive(rec.pid)
-            theirs = {"workspace": real(rec.workspace), "mount point": real(rec.mountpoint),
-                      "store": real(rec.store) if rec.store else None}
+            # (their paths as recorded, absolute: resolving them would ask their
+            # daemons, and one that hangs would hang this mount)
+            theirs = {"workspace": os.path.normpath(rec.workspace),
+                      "mount point": os.path.normpath(rec.mountpoint),
+                      "store": os.path.normpath(rec.store) if rec.store else None}
             if ws in (theirs["workspace"], theirs["mount point"]) or store == theirs["store"]:
                 if live:
                     raise already_mounted(rec)
@@ -231,7 +233,7 @@ class Daemon:
         lazily unmounted one that still serves), or by another process."""
         store = os.path.realpath(self.store_dir)
         for rec in MountRecord.all():
-            if os.path.realpath(rec.store) != store or not pid_alive(rec.pid):
+            if os.path.normpath(rec.store) != store or not pid_alive(rec.pid):
                 continue
             if is_cowfs_mount(rec.mountpoint):
                 return already_mounted(rec)
