@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 from . import backing as B
 from . import control
 from .errors import USAGE, CowfsError, NothingToDo
-from .mounts import MountRecord, find_mount, pid_alive
+from .mounts import MountRecord, find_mount, finish_unmount
 from .past import KINDS, wpath
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 
@@ -419,11 +419,12 @@ class Workspace:
     def top(self) -> int:
         return self._call("status")["id"]
 
-    def unmount(self, lazy: bool = False) -> None:
-        self._call("unmount", lazy=lazy)
-        deadline = time.monotonic() + 60
-        while pid_alive(self.record.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    def unmount(self, lazy: bool = False) -> list[int]:
+        """Unmount, once the daemon has exited (CowfsError if it is still
+        finishing after a minute).  *lazy*: detach even while in use and
+        return at once with the pids still using it, if any (the daemon
+        serves them and exits after the last)."""
+        return finish_unmount(self.record, self._call("unmount", lazy=lazy))
 
     # -- steps ---------------------------------------------------------------------
 

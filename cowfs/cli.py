@@ -20,7 +20,8 @@ from typing import Iterator
 from . import control, errors
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
-from .mounts import MountRecord, find_mount, is_cowfs_mount, mount_table, not_owner, pid_alive
+from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
+                     not_owner)
 from .policy import RUN_SCOPES, Policy, Where
 from .text import count
 
@@ -338,12 +339,29 @@ def do_unmount(args) -> int:
         out(args, f"unmounted the view at {target}", {"unmounted": target})
         return 0
     rec = find_mount(args.target or args.path)
-    control.call(rec, "unmount", lazy=args.lazy)
-    deadline = time.monotonic() + 60
-    while pid_alive(rec.pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    out(args, f"unmounted {rec.mountpoint}", {"unmounted": rec.mountpoint})
+    res = control.call(rec, "unmount", lazy=args.lazy)
+    users = finish_unmount(rec, res)
+    if not users:
+        out(args, f"unmounted {rec.mountpoint}", {"unmounted": rec.mountpoint})
+        return 0
+    others = [pid for pid in users if pid != os.getpid()]
+    who = f"the processes still using it ({processes(others)})" if others else "this command"
+    out(args, f"detached {rec.mountpoint}: its daemon (pid {rec.pid}) goes on serving {who} "
+              "and exits, unmounting cleanly, when the last one leaves",
+        {"unmounted": rec.mountpoint, "detached": True, "pid": rec.pid, "users": others})
     return 0
+
+
+def processes(pids: list[int], limit: int = 10) -> str:
+    """'1234 (bash), 1240 (make)' for the first *limit* pids."""
+    def one(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return f"{pid} ({f.read().strip()})"
+        except OSError:
+            return str(pid)
+    more = f" and {len(pids) - limit} more" if len(pids) > limit else ""
+    return ", ".join(map(one, pids[:limit])) + more
 
 
 def locate_unmounted(path: str) -> tuple[str, str | None]:
@@ -686,15 +704,13 @@ def summary(changes: list, limit: int = 10) -> str:
 def ask(question: str, choices: str, timeout: float) -> str | None:
     """Ask on the controlling terminal; None without one or without an
     answer in time."""
-    import select
     try:
         tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         os.write(tty, question.encode())
-        ready, _, _ = select.select([tty], [], [], timeout)
-        if not ready:
+        if not control.wait_readable(tty, timeout):
             os.write(tty, b"\n")
             return None
         answer = os.read(tty, 1024).decode(errors="replace").strip().lower()

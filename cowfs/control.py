@@ -5,6 +5,7 @@ SO_PEERCRED and serves only the user who mounted, and root)."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 from typing import Callable
 
@@ -16,6 +17,15 @@ MAX_REQUEST = 1 << 20
 
 def encode(obj: dict) -> bytes:
     return json.dumps(obj).encode() + b"\n"
+
+
+def wait_readable(fd: int, timeout: float) -> bool:
+    """Whether *fd* is readable (or hung up) within *timeout* seconds.
+    poll(2): unlike select(2), it takes descriptors of any number (a
+    daemon holding thousands of files hands out high ones)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def call(rec: MountRecord, op: str, timeout: float | None = 600.0,

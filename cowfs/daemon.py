@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import resource
-import select
 import signal
 import socket
 import struct
@@ -33,16 +32,18 @@ from . import errors
 from . import fsck
 from . import redo
 from .capture import Recorder
-from .control import MAX_REQUEST, encode
+from .control import MAX_REQUEST, encode, wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .fs import CowFS
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
-from .mounts import MountRecord, is_cowfs_mount, not_owner, pid_alive, socket_path
+from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
+                     mounted_workspaces, mounts, not_owner, pid_alive, socket_path)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .text import count
+from .view import FSTYPE as VIEW_FSTYPE
 
 AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
@@ -160,6 +161,7 @@ class Daemon:
 
     def prepare(self) -> None:
         check_fuse()
+        self._check_other_mounts()
         self._open()
         if self.mountpoint == self.workspace:
             pids = processes_inside(self.workspace)
@@ -183,6 +185,67 @@ class Daemon:
         self.store.close()
         os.close(self.rootfd)
 
+    def _check_other_mounts(self) -> None:
+        """Before mounting: refuse a workspace that is mounted already
+        (anywhere; a dead mount of it is cleared), a mount point where
+        another workspace is mounted, and any nesting with another mounted
+        workspace, either way: the outer one's layers would capture the
+        inner one's live store, and an outer rollback rewrite it."""
+        ws, mp, store = map(os.path.realpath, (self.workspace, self.mountpoint, self.store_dir))
+        ours = {"workspace": ws, "mount point": mp, "store": store}
+        for rec in mounted_workspaces():
+            live = rec.pid > 0 and pid_alive(rec.pid)
+            # (their paths as recorded, absolute: resolving them would ask their
+            # daemons, and one that hangs would hang this mount)
+            theirs = {"workspace": os.path.normpath(rec.workspace),
+                      "mount point": os.path.normpath(rec.mountpoint),
+                      "store": os.path.normpath(rec.store) if rec.store else None}
+            if ws in (theirs["workspace"], theirs["mount point"]) or store == theirs["store"]:
+                if live:
+                    raise already_mounted(rec)
+                if rec.pid and theirs["mount point"] != mp:   # (dead, by its record)
+                    self._recover_stale_mount(rec.mountpoint)
+                continue
+            if mp == theirs["mount point"]:
+                if live:
+                    raise AlreadyMounted(f"{mp} is the mount point of the cowfs workspace "
+                                         f"{rec.workspace} (daemon pid {rec.pid})")
+                continue    # a dead mount there is cleared by _open
+            other = rec.workspace + ("" if theirs["mount point"] == theirs["workspace"]
+                                     else f" (mounted at {rec.mountpoint})")
+            for role, path in ours.items():
+                for their_role, their_path in theirs.items():
+                    if their_path is None:
+                        continue
+                    what = ("the store of " if their_role == "store" else "") + \
+                        f"the mounted cowfs workspace {other}"
+                    if within(path, their_path):
+                        where = f"its {role} {path} lies inside {what}"
+                    elif within(their_path, path):
+                        where = f"{what} lies inside its {role} {path}"
+                    else:
+                        continue
+                    raise BadWorkspace(f"cannot mount {ws}: {where}; nested workspaces are "
+                                       "refused (the outer one would capture the inner "
+                                       "one's store)")
+
+    def _store_in_use(self) -> AlreadyMounted:
+        """Why the store's lock is taken: by the daemon of a mount (or of a
+        lazily unmounted one that still serves), or by another process."""
+        store = os.path.realpath(self.store_dir)
+        for rec in MountRecord.all():
+            if os.path.normpath(rec.store) != store or not pid_alive(rec.pid):
+                continue
+            if is_cowfs_mount(rec.mountpoint):
+                return already_mounted(rec)
+            return AlreadyMounted(
+                f"{rec.workspace} was unmounted lazily from {rec.mountpoint} and its daemon "
+                f"(pid {rec.pid}) still serves the processes using it; it exits when the "
+                "last one leaves")
+        pid = lock_holder(os.path.join(self.store_dir, "lock"))
+        return AlreadyMounted(f"the store of {self.workspace} ({self.store_dir}) is in use "
+                              "by another cowfs process" + (f" (pid {pid})" if pid else ""))
+
     def _open(self, create: bool = True) -> None:
         self._recover_stale_mount()
         if not os.path.isdir(self.workspace):
@@ -191,8 +254,12 @@ class Daemon:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
-        self.store = Store.open(self.store_dir, self.workspace, create=create,
-                                **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
+        try:
+            self.store = Store.open(self.store_dir, self.workspace, create=create,
+                                    **({"chunk_size": self.chunk_size} if self.chunk_size
+                                       else {}))
+        except AlreadyMounted:
+            raise self._store_in_use() from None
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         if create:   # a mount: its options (0 clears) change the store's limits
@@ -253,17 +320,18 @@ class Daemon:
         except Exception:
             log.exception("could not record the workspace's state for drift detection")
 
-    def _recover_stale_mount(self) -> None:
-        if not is_cowfs_mount(self.mountpoint):
+    def _recover_stale_mount(self, mountpoint: str | None = None) -> None:
+        mountpoint = mountpoint or self.mountpoint
+        if not is_cowfs_mount(mountpoint):
             return
-        rec = MountRecord.load(self.mountpoint)
+        rec = MountRecord.load(mountpoint)
         if rec is not None and pid_alive(rec.pid):
-            raise AlreadyMounted(f"{self.mountpoint} is already mounted by cowfs (pid {rec.pid})")
-        kernel_unmount(self.mountpoint, lazy=True)
+            raise AlreadyMounted(f"{mountpoint} is already mounted by cowfs (pid {rec.pid})")
+        kernel_unmount(mountpoint, lazy=True)
         self.recovering = True
         if rec is not None:
             rec.remove()
-        self.warnings.append(f"cleared the dead mount at {self.mountpoint}")
+        self.warnings.append(f"cleared the dead mount at {mountpoint}")
 
     def mount(self, on_ready: Callable[[], None]) -> None:
         self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
@@ -427,24 +495,27 @@ class Daemon:
                 await stream.send_all(encode({"ok": False, "code": errors.USAGE,
                                               "error": "malformed request"}))
                 return
-            self.inflight += 1
+            self.inflight += 1    # until answered: an unmount's answer goes out before we exit
             try:
-                async with self.lock:
-                    t0 = time.perf_counter()
-                    result = await op(**req)
-                    result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
-                resp = {"ok": True, "result": result}
-            except CowfsError as e:
-                resp = {"ok": False, **e.to_dict()}
-            except Exception as e:
-                log.exception("control request failed")
-                resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+                try:
+                    async with self.lock:
+                        t0 = time.perf_counter()
+                        result = await op(**req)
+                        result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                    resp = {"ok": True, "result": result}
+                except CowfsError as e:
+                    resp = {"ok": False, **e.to_dict()}
+                except Exception as e:
+                    log.exception("control request failed")
+                    resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+                try:
+                    await stream.send_all(encode(resp))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    if op.__name__ == "op_view" and resp["ok"]:
+                        # the client is gone (Ctrl-C): a view nobody was told of goes
+                        await trio.to_thread.run_sync(clear_view, resp["result"]["mountpoint"])
             finally:
                 self.inflight -= 1
-            try:
-                await stream.send_all(encode(resp))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
 
     async def op_ping(self) -> dict:
         return {"pid": os.getpid(), "workspace": self.workspace,
@@ -787,6 +858,8 @@ class Daemon:
         read-only, at *mountpoint*, in a process of its own."""
         self.store.get_layer(layer)
         await self._flush()
+        if self.fs is None:   # offline, in the command itself: Ctrl-C must reach the wait
+            return start_view(self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
         return await trio.to_thread.run_sync(
             start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
 
@@ -883,8 +956,14 @@ class Daemon:
         return {"layers": self.stack.log(), "redo": redo.summary(self.store)}
 
     async def op_unmount(self, lazy: bool = False) -> dict:
+        """Unmount; the daemon then exits.  *lazy*: detach the mount even
+        while processes use it (umount -l); the daemon goes on serving
+        them, and exits when the kernel lets the mount go after the last
+        one.  The answer names them ("users"; "pid": this daemon)."""
         await self._flush()
         self.store.sync()
+        ours = [m for m in mounts()     # (not in the table any more once detached)
+                if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         try:
             await trio.to_thread.run_sync(kernel_unmount, self.mountpoint, lazy)
         except OSError as e:
@@ -895,7 +974,25 @@ class Daemon:
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
-        return {"unmounted": self.mountpoint}
+        result = {"unmounted": self.mountpoint, "pid": os.getpid()}
+        if lazy and ours:
+            result["users"] = await trio.to_thread.run_sync(mount_users, ours[-1])
+            if result["users"]:
+                log.info("detached %s; serving the processes still using it until the "
+                         "last one leaves: %s", self.mountpoint,
+                         ", ".join(map(str, result["users"])))
+        return result
+
+
+def within(path: str, top: str) -> bool:
+    """*path* is *top* or lies below it (both absolute and normalised)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def already_mounted(rec: MountRecord) -> AlreadyMounted:
+    where = "over itself" if rec.mountpoint == rec.workspace else f"at {rec.mountpoint}"
+    return AlreadyMounted(f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
+                          f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first")
 
 
 def step_failures(record: dict | None) -> list[str]:
@@ -903,11 +1000,24 @@ def step_failures(record: dict | None) -> list[str]:
     return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
 
 
+VIEW_MODULE = "cowfs.view"
+VIEW_TIMEOUT = 60.0
+
+
 def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
-               hidden: bytes | None, timeout: float = 60) -> dict:
+               hidden: bytes | None) -> dict:
     """Start the view process (cowfs/view.py) with the workspace root and
-    the store as open fds; return once its mount is live."""
-    mp = os.path.abspath(mountpoint)
+    the store as open fds; return once its mount is live.  A directory
+    that is a mount point already is refused; if the start fails in any
+    way, nothing of the view is left (process or mount)."""
+    mp = os.path.realpath(mountpoint)
+    there = mount_table().get(mp)
+    if there == VIEW_FSTYPE:
+        raise AlreadyMounted(f"a cowfs view is already mounted at {mp}; 'cowfs unmount {mp}' "
+                             "ends it")
+    if there is not None:
+        raise AlreadyMounted(f"{mp} is already a mount point ({there}); a view needs a "
+                             "directory of its own")
     if not os.path.isdir(mp):
         raise BadWorkspace(f"view mount point {mountpoint} is not a directory")
     root = os.open(B.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -916,11 +1026,37 @@ def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
         args = ["--root-fd", str(root), "--store-fd", str(store), "--layer", str(layer)]
         if hidden:
             args += ["--hidden", os.fsdecode(hidden)]
-        return start_and_wait("cowfs.view", args + [mp], (root, store), timeout,
-                              f"mounting the view at {mp}")
+        return start_and_wait(VIEW_MODULE, args + [mp], (root, store), VIEW_TIMEOUT,
+                              f"mounting the view at {mp}",
+                              abandon=functools.partial(abandon_view, mp))
     finally:
         os.close(root)
         os.close(store)
+
+
+def abandon_view(mountpoint: str, proc: subprocess.Popen) -> None:
+    """A view process whose start failed: kill it and clear the mount it
+    may have left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    clear_view(mountpoint)
+
+
+def clear_view(mountpoint: str) -> None:
+    """Detach the view mounted at *mountpoint* (its process, if it still
+    runs, ends once nothing uses the mount).  start_view made sure nothing
+    else was mounted there."""
+    for _ in range(8):
+        if mount_table().get(mountpoint) != VIEW_FSTYPE:
+            return
+        try:
+            kernel_unmount(mountpoint, lazy=True)
+        except OSError as e:
+            log.error("cannot clear the view at %s: %s", mountpoint, e.strerror)
+            return
 
 
 TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
@@ -1025,35 +1161,63 @@ def spawn(workspace: str, mountpoint: str | None = None, store: str | None = Non
 
 
 def start_and_wait(module: str, args: list[str], pass_fds: tuple, timeout: float,
-                   what: str) -> dict:
+                   what: str, abandon: Callable[[subprocess.Popen], None] | None = None
+                   ) -> dict:
     """Start ``python -m module --ready-fd N args...`` in its own session
     and wait for the one JSON line it reports on N once its mount is live
-    (or failed); return it, or raise the error it reported."""
+    (or failed); return it, or raise the error it reported.  If waiting
+    fails (no report in time, an unreadable one, an interrupt), *abandon*
+    is called with the process and must leave nothing of it behind."""
     r, w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
-                            pass_fds=(w, *pass_fds), start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    os.close(w)
-    buf = b""
-    deadline = time.monotonic() + timeout
     try:
-        while not buf.endswith(b"\n") and time.monotonic() < deadline:
-            ready, _, _ = select.select([r], [], [], 0.5)
-            if ready:
-                chunk = os.read(r, 65536)
-                if not chunk:
-                    break
-                buf += chunk
+        proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
+                                pass_fds=(w, *pass_fds), start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        msg = read_report(r, proc, timeout, f"the {module} process (pid {proc.pid})", what)
+    except BaseException:
+        if abandon is not None:
+            abandon(proc)
+        raise
     finally:
         os.close(r)
-    if not buf:
-        raise CowfsError(f"the {module} process exited ({proc.poll()}) without "
-                         f"{what}", errors.DAEMON_ERROR)
-    msg = json.loads(buf)
     if not msg.get("ok"):
         proc.wait()
         raise errors.from_dict(msg)
+    return msg
+
+
+def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what: str) -> dict:
+    """The one JSON object *proc* writes on *fd*, within *timeout* seconds."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not buf.endswith(b"\n"):
+        if not wait_readable(fd, deadline - time.monotonic()):
+            raise CowfsError(f"{who} did not report within {timeout:.0f} s while {what}",
+                             errors.DAEMON_ERROR)
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+    if not buf:
+        try:
+            status = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = "still running"
+        raise CowfsError(f"{who} exited ({status}) without {what}", errors.DAEMON_ERROR)
+    try:
+        msg = json.loads(buf)
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict):
+        raise CowfsError(f"{who} sent an unreadable report while {what}: {buf[:60]!r}",
+                         errors.DAEMON_ERROR)
     return msg
 
 

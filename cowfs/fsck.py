@@ -239,14 +239,14 @@ def check(store: Store, hashes: bool = True) -> Report:
                     f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
                     [u for u, _ in users if u], [p for _, p in users]))
             refs = txn.get(h, db=store.db_refs)
-            count = S.from_u64(refs) if refs is not None else 0
+            refcount = S.from_u64(refs) if refs is not None else 0
             if not users:
                 rep.problems.append(Problem(f"chunk {h.hex()} is used by no record",
                                             repairable=True))
                 rep.drop_chunks.add(h)
-            elif count != len(users):
+            elif refcount != len(users):
                 rep.problems.append(Problem(
-                    f"chunk {h.hex()} has reference count {count}, but {len(users)} "
+                    f"chunk {h.hex()} has reference count {refcount}, but {len(users)} "
                     "records use it", [u for u, _ in users if u], repairable=True))
                 rep.fix_refs[h] = len(users)
             ok = cur.next()

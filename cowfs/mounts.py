@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import xxhash
 
-from .errors import NotMounted, NotOwner
+from .errors import AlreadyMounted, NotMounted, NotOwner
 
 FSTYPE = "fuse.cowfs"
 
@@ -63,28 +64,40 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def _mountinfo() -> dict[str, list[str]]:
-    """Mount point -> the fields after the separator of its mountinfo line
-    (type, source, super options), the last mount at a point winning."""
-    table = {}
+@dataclass
+class Mount:
+    """One line of /proc/self/mountinfo."""
+    id: int
+    dev: str            # "major:minor" of its superblock
+    mountpoint: str
+    fstype: str
+    source: str
+    options: str        # the superblock's options (user_id=... for FUSE)
+
+
+def mounts() -> list[Mount]:
+    """The mount table, in mount order."""
+    out = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
-            table[_unescape(left.split(" ")[4])] = right.split(" ")
-    return table
+            fields, rest = left.split(" "), right.rstrip("\n").split(" ")
+            out.append(Mount(int(fields[0]), fields[2], _unescape(fields[4]), rest[0],
+                             _unescape(rest[1]), rest[2] if len(rest) > 2 else ""))
+    return out
 
 
 def mount_table() -> dict[str, str]:
     """Mount point -> filesystem type, the last mount at a point winning."""
-    return {mp: fields[0] for mp, fields in _mountinfo().items()}
+    return {m.mountpoint: m.fstype for m in mounts()}
 
 
 def mount_owner(path: str) -> int | None:
     """The uid that mounted the FUSE filesystem at *path* (its user_id)."""
-    fields = _mountinfo().get(path)
-    if fields is None or len(fields) < 3:
+    found = [m for m in mounts() if m.mountpoint == path]
+    if not found:
         return None
-    for opt in fields[2].strip().split(","):
+    for opt in found[-1].options.split(","):
         if opt.startswith("user_id="):
             return int(opt[len("user_id="):])
     return None
@@ -129,12 +142,26 @@ class MountRecord:
         paths = [os.path.join(d, _key(mountpoint) + ".json") for d in dirs] if dirs \
             else [record_path(mountpoint)]
         for path in paths:
-            try:
-                with open(path) as f:
-                    return cls(**json.load(f))
-            except (OSError, ValueError, TypeError):
-                continue
+            rec = cls._read(path)
+            if rec is not None:
+                return rec
         return None
+
+    @classmethod
+    def _read(cls, path: str) -> "MountRecord | None":
+        try:
+            with open(path) as f:
+                return cls(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    @classmethod
+    def all(cls) -> list["MountRecord"]:
+        """Every record in this user's runtime directory (live or not)."""
+        base = runtime_dir()
+        found = (cls._read(os.path.join(base, n)) for n in sorted(os.listdir(base))
+                 if n.endswith(".json"))
+        return [rec for rec in found if rec is not None]
 
     def save(self) -> None:
         path = record_path(self.mountpoint)
@@ -145,6 +172,11 @@ class MountRecord:
         os.replace(tmp, path)
 
     def remove(self) -> None:
+        """Remove the record and the socket, unless they are another
+        daemon's by now (one that mounted at the same point since)."""
+        current = MountRecord.load(self.mountpoint)
+        if current is not None and current.pid != self.pid:
+            return
         for p in (record_path(self.mountpoint), self.socket):
             try:
                 os.unlink(p)
@@ -180,3 +212,100 @@ def find_mount(path: str) -> MountRecord:
         if p == "/":
             raise NotMounted(f"{path} is not inside a mounted cowfs workspace")
         p = os.path.dirname(p)
+
+
+def mounted_workspaces() -> list[MountRecord]:
+    """A record for each cowfs mount in the mount table, live or dead: its
+    daemon's record or, where there is none (another user's mount, a record
+    lost with its daemon), what the table says: the workspace named in the
+    mount's source, pid 0 (unknown)."""
+    out: dict[str, MountRecord] = {}
+    for m in mounts():
+        if m.fstype != FSTYPE:
+            continue
+        rec = MountRecord.load(m.mountpoint)
+        if rec is None:
+            ws = m.source.removeprefix("cowfs:") if m.source.startswith("cowfs:/") \
+                else m.mountpoint
+            rec = MountRecord(m.mountpoint, ws, "", 0, "")
+        out[m.mountpoint] = rec
+    return list(out.values())
+
+
+def mount_users(mount: Mount) -> list[int]:
+    """Pids of the processes (other than this one) that use *mount*, also
+    once it is detached: a working or root directory, an open file or a
+    mapped file on it.  Read from /proc without touching the mount."""
+    major, minor = (int(x) for x in mount.dev.split(":"))
+    mapped = f" {major:02x}:{minor:02x} ".encode()
+    users = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if _uses(f"/proc/{name}", mount.id, mapped):
+                users.append(int(name))
+        except OSError:     # gone, a kernel thread, or not ours to read
+            continue
+    return sorted(users)
+
+
+def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
+    for link in ("cwd", "root"):
+        fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
+        try:
+            if _mnt_id(f"/proc/self/fdinfo/{fd}") == mnt_id:
+                return True
+        finally:
+            os.close(fd)
+    for fd in os.listdir(f"{proc}/fdinfo"):
+        try:
+            if _mnt_id(f"{proc}/fdinfo/{fd}") == mnt_id:
+                return True
+        except OSError:     # closed meanwhile
+            continue
+    with open(f"{proc}/maps", "rb") as f:
+        return any(mapped in line for line in f)
+
+
+def _mnt_id(fdinfo: str) -> int | None:
+    with open(fdinfo, "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    return None
+
+
+def lock_holder(path: str) -> int | None:
+    """The pid that holds a lock on the file *path* (from /proc/locks)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()   # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF"
+        if len(fields) > 5 and fields[1] != "->" and fields[5] == key:
+            return int(fields[4]) if int(fields[4]) > 0 else None
+    return None
+
+
+def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[int]:
+    """After the daemon of *rec* answered an unmount request with *result*:
+    the pids still using a lazily detached mount (the daemon goes on serving
+    them and exits after the last one), or [] once the daemon has exited.
+    A daemon still running after *timeout* is said to be, never hidden."""
+    users = result.get("users") or []
+    if users:
+        return users
+    deadline = time.monotonic() + timeout
+    while pid_alive(rec.pid):
+        if time.monotonic() > deadline:
+            raise AlreadyMounted(
+                f"{rec.mountpoint} is unmounted, but its daemon (pid {rec.pid}) is still "
+                f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
+                "the store); the workspace cannot be mounted again until it exits")
+        time.sleep(0.02)
+    return []

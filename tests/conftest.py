@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from cowfs import treesnap
-from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+from cowfs.mounts import MountRecord, is_cowfs_mount, mount_table, pid_alive
 
 COWFS = [sys.executable, "-m", "cowfs"]
 
@@ -166,6 +166,40 @@ def mounted(workspace):
     (workspace / "dir" / "b.txt").write_text("beta\n")
     workspace.mount()
     return workspace
+
+
+def view_processes(where: Path) -> list[int]:
+    """Pids of the view processes (``python -m ...view``) started for the
+    directory *where*."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:2] == [b"-m"] and argv[2:3] and argv[2].endswith(b"view") \
+                and os.fsencode(where) in argv:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def view_dir(tmp_path):
+    """An empty directory for `cowfs view`; afterwards no view process
+    started for it is left (killed) and nothing is mounted there."""
+    where = tmp_path / "view"
+    where.mkdir()
+    try:
+        yield where
+    finally:
+        for pid in view_processes(where):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for _ in range(8):    # a mount stacked on another comes off first
+            if str(where) not in mount_table():
+                break
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
