@@ -125,9 +125,36 @@ def join(parent: bytes, name: bytes) -> bytes:
     return parent + b"/" + name if parent else name
 
 
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+SYS_OPENAT2 = 437             # (x86_64 and aarch64 alike)
+RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x02, 0x04, 0x08
+_HOW = _OpenHow(DIR_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+_libc.syscall.restype = ctypes.c_long
+_openat2 = [True]             # until the kernel says it has no openat2
+
+
 def open_dir(rootfd: int, path: bytes) -> int:
     """Open the directory *path* (relative to *rootfd*) as an O_PATH fd,
-    walking component by component without following symlinks."""
+    following no symlink and never leaving *rootfd*: openat2 with
+    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS in one call where the kernel has
+    it, else component by component."""
+    if path and _openat2[0]:
+        if path[0] == 47 or path[-1] == 47 or b"//" in path or (
+                b"." in path and any(c in (b".", b"..") for c in path.split(b"/"))):
+            raise OSError(errno.EINVAL, "bad path component", path)
+        fd = _libc.syscall(SYS_OPENAT2, rootfd, path, ctypes.byref(_HOW),
+                           ctypes.sizeof(_HOW))
+        if fd >= 0:
+            return fd
+        e = ctypes.get_errno()
+        if e == errno.ENOSYS:
+            _openat2[0] = False
+        elif e != errno.ENAMETOOLONG:       # (deeper than PATH_MAX: walk it)
+            raise OSError(e, os.strerror(e), path)
     fd = os.dup(rootfd)
     try:
         for comp in path.split(b"/") if path else ():
@@ -145,9 +172,51 @@ def open_dir(rootfd: int, path: bytes) -> int:
 class Resolver:
     """Resolves record locations (workspace paths and grave entries)."""
 
+    READ_CACHE = 1024
+
     def __init__(self, rootfd: int, grave_fd: int):
         self.rootfd = rootfd
         self.grave_fd = grave_fd
+        self._dirs: dict[bytes, int] | None = None
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within it, ``lstat`` keeps the directories it looked into open,
+        so that looking at many names costs one open per directory.  For
+        lookups only: nothing is ever written through these fds (a directory
+        moved meanwhile would be looked into where it went)."""
+        if self._dirs is not None:
+            yield
+            return
+        self._dirs = {}
+        try:
+            yield
+        finally:
+            self._close_dirs()
+            self._dirs = None
+
+    def _close_dirs(self) -> None:
+        for fd in (self._dirs or {}).values():
+            os.close(fd)
+        if self._dirs:
+            self._dirs.clear()
+
+    def _dir(self, path: bytes) -> int:
+        """An O_PATH fd on directory *path*, from the cache (see reading)."""
+        if not path:
+            return self.rootfd
+        assert self._dirs is not None
+        fd = self._dirs.get(path)
+        if fd is None:
+            parent, name = split(path)
+            if name in (b"", b".", b".."):
+                raise OSError(errno.EINVAL, "bad path component", path)
+            pfd = self._dir(parent)
+            fd = os.open(name, DIR_FLAGS, dir_fd=pfd)
+            if len(self._dirs) >= self.READ_CACHE:
+                self._close_dirs()
+            self._dirs[path] = fd
+        return fd
 
     @contextmanager
     def at(self, loc: bytes) -> Iterator[tuple[int, bytes]]:
@@ -170,10 +239,18 @@ class Resolver:
         """What is at *loc*; None when nothing is (or a component of its
         path is gone)."""
         try:
-            with self.at(loc) as (d, n):
-                return lstat_at(d, n)
+            return self.lstat_strict(loc)
         except OSError:
             return None
+
+    def lstat_strict(self, loc: bytes) -> os.stat_result | None:
+        """What is at *loc*; None when nothing is; OSError when a directory
+        of its path is gone (or is no directory)."""
+        if self._dirs is not None and loc and not loc.startswith(S.GRAVE_PREFIX):
+            parent, name = split(loc)
+            return lstat_at(self._dir(parent), name)
+        with self.at(loc) as (d, n):
+            return lstat_at(d, n)
 
 
 def lstat_at(dirfd: int, name: bytes) -> os.stat_result | None:

@@ -50,22 +50,34 @@ class Names:
     def __init__(self) -> None:
         self.root = Slot(b"", None, b"")
         self.by_origin: dict[bytes, Slot] = {b"": self.root}
+        # path -> slot, for the slots at those paths now: a move of a slot
+        # that has slots below it empties it, any other move drops one entry
+        self._at: dict[bytes, Slot] = {b"": self.root}
 
     def slot(self, path: bytes) -> Slot:
-        s = self.root
-        if not path:
+        s = self._at.get(path)
+        if s is not None:
             return s
-        for name in path.split(b"/"):
-            child = s.children.get(name)
-            if child is None:
-                origin = None
-                if s.origin is not None and not (s.vacated and name in s.vacated):
-                    origin = s.origin + b"/" + name if s.origin else name
-                child = s.children[name] = Slot(name, s, origin)
-                if origin is not None:
-                    self.by_origin[origin] = child
-            s = child
+        parent_path, _, name = path.rpartition(b"/")
+        p = self.slot(parent_path)
+        s = p.children.get(name)
+        if s is None:
+            origin = None
+            if p.origin is not None and not (p.vacated and name in p.vacated):
+                origin = p.origin + b"/" + name if p.origin else name
+            s = p.children[name] = Slot(name, p, origin)
+            if origin is not None:
+                self.by_origin[origin] = s
+        self._at[path] = s
         return s
+
+    def _moved(self, s: Slot, path: bytes) -> None:
+        """Slot *s* leaves *path*: forget where it and what is below it were."""
+        if s.children:
+            self._at.clear()
+            self._at[b""] = self.root
+        else:
+            self._at.pop(path, None)
 
     def back(self, path: bytes) -> bytes | None:
         """The path at T of what is at *path* now (None: made after T)."""
@@ -75,6 +87,7 @@ class Names:
         """Take the slot at *path* (and what is below it) out of the tree."""
         s = self.slot(path)
         p = s.parent
+        self._moved(s, path)
         if p is not None:
             del p.children[s.name]
             if p.vacated is None:
@@ -89,6 +102,7 @@ class Names:
         p = self.slot(parent_path)
         old = p.children.get(name)
         if old is not None:
+            self._moved(old, path)
             old.parent = None
         elif p.origin is not None:
             if p.vacated is None:
@@ -96,6 +110,9 @@ class Names:
             p.vacated.add(name)          # (nothing there now comes from T)
         p.children[name] = s
         s.parent, s.name = p, name
+        if s.children:          # (what is below it is found by walking from here)
+            self._moved(s, path)
+        self._at[path] = s
 
     def move(self, a: bytes, b: bytes) -> None:
         if a != b:
@@ -109,9 +126,11 @@ class Names:
     def prune(self, path: bytes) -> None:
         """Take everything below *path* out of the tree."""
         s = self.slot(path)
+        self._moved(s, path)
         for child in s.children.values():
             child.parent = None
         s.children.clear()
+        self._at[path] = s
 
     def remove(self, path: bytes) -> None:
         """The object at *path* left the tree (into the grave)."""
@@ -173,11 +192,11 @@ class Reading:
     def _seen(self, path: bytes, ino: int | None) -> Slot | None:
         """*path* (as named when the record was written) held *ino* just
         before (None: nothing); note what that says about T."""
-        if S.grave_id(path) is not None:
+        if path.startswith(S.GRAVE_PREFIX):
             return None
         s = self.names.slot(path)
-        if s.origin is not None:
-            self.start.setdefault(s.origin, ino)
+        if s.origin is not None and s.origin not in self.start:
+            self.start[s.origin] = ino
         return s
 
     def _read(self, seq: int, rec: S.Record) -> None:
@@ -194,10 +213,10 @@ class Reading:
                 self.names.remove(f[0])
             self.graves.setdefault(f[2], []).append(f[1])
         elif kind == S.RENAME:
-            self._seen(f[0], f[2])
+            s = self._seen(f[0], f[2])
             self._seen(f[1], None)
             self.names.move(f[0], f[1])
-            self.created.append(self.names.slot(f[1]))
+            self.created.append(s if s is not None else self.names.slot(f[1]))
         elif kind == S.EXCHANGE:
             self._seen(f[0], f[2])
             self._seen(f[1], f[3])
@@ -209,3 +228,21 @@ class Reading:
             self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
         elif kind == S.XATTRS:
             self.xattrs.setdefault(f[1], f[2])
+
+    def touched(self) -> set[bytes]:
+        """Every path (now) whose state the records describe: where each
+        object named at T is now and the path it had, and every path where
+        something was made."""
+        out: set[bytes] = set()
+        for path, ino in self.start.items():
+            if ino is not None:
+                out.add(path)
+                now = self.names.now(path)
+                if now is not None:
+                    out.add(now)
+        for slot in self.created:
+            where = self.names.where(slot)
+            if where is not None:
+                out.add(where)
+        out.discard(b"")
+        return out

@@ -265,10 +265,11 @@ class Keeper:
         locs = touched_locations(list(self.groups.values()) if self.groups is not None
                                  else [[rec for _, rec in group] for _, group in
                                        _inverse_groups(self.store, reverse=True)])
+        with self.r.reading():
+            prints = [(loc, S.to_json(fingerprint(self.r, loc))) for loc in locs]
         with self.store.write() as w:
-            for loc in locs:
-                w.txn.put(REDO_PRINT + loc, S.to_json(fingerprint(self.r, loc)),
-                          db=self.store.db_redo)
+            for loc, value in prints:
+                w.txn.put(REDO_PRINT + loc, value, db=self.store.db_redo)
             st["state"] = READY
             st["fresh"] = None if top in st["kept"] else top
             _put_state(w, st)
@@ -410,8 +411,7 @@ def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
     moves (into the grave, say) is noticed, at any depth: every directory
     in there was put back by the rollback and is fingerprinted too."""
     try:
-        with resolver.at(loc) as (d, n):
-            st = B.lstat_at(d, n)
+        st = resolver.lstat_strict(loc)
     except OSError:
         return ["unreachable"]
     if st is None:
@@ -439,10 +439,11 @@ def check(store: Store, resolver: B.Resolver) -> dict:
     changed = []
     with store.env.begin(db=store.db_redo) as txn:
         prints = list(scan(txn, store.db_redo, REDO_PRINT))
-    for key, val in prints:
-        loc = key[len(REDO_PRINT):]
-        if fingerprint(resolver, loc) != S.from_json(val):
-            changed.append(S.show_loc(loc))
+    with resolver.reading():
+        for key, val in prints:
+            loc = key[len(REDO_PRINT):]
+            if fingerprint(resolver, loc) != S.from_json(val):
+                changed.append(S.show_loc(loc))
     if changed:
         raise Refused(f"cannot redo {what}: {', '.join(changed[:10])}"
                       + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")

@@ -247,26 +247,30 @@ def encode_record(kind: int, *fields: int | bytes | None) -> bytes:
     return b"".join(out)
 
 
+_TAG_INT, _TAG_BYTES, _TAG_NONE = ord("i"), ord("b"), ord("n")
+
+
 def decode_record(data: bytes) -> Record:
     kind = data[0]
     fields: list[int | bytes | None] = []
+    add = fields.append
     pos = 1
     end = len(data)
     while pos < end:
-        tag = data[pos:pos + 1]
-        pos += 1
-        if tag == b"i":
-            fields.append(_I.unpack_from(data, pos)[0])
-            pos += 8
-        elif tag == b"b":
-            n = _L.unpack_from(data, pos)[0]
-            pos += 4
-            fields.append(bytes(data[pos:pos + n]))
+        tag = data[pos]
+        if tag == _TAG_BYTES:
+            n = _L.unpack_from(data, pos + 1)[0]
+            pos += 5
+            add(bytes(data[pos:pos + n]))
             pos += n
-        elif tag == b"n":
-            fields.append(None)
+        elif tag == _TAG_INT:
+            add(_I.unpack_from(data, pos + 1)[0])
+            pos += 9
+        elif tag == _TAG_NONE:
+            add(None)
+            pos += 1
         else:
-            raise ValueError(f"corrupt journal record (tag {tag!r})")
+            raise ValueError(f"corrupt journal record (tag {tag})")
     return Record(kind, tuple(fields))
 
 

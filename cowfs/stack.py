@@ -172,16 +172,16 @@ class Stack:
         "paths": path -> [size, mtime_ns, ctime_ns, ino] or None (absent)}."""
         layers = self.store.layers()
         out: dict[str, list | None] = {}
-        for change in self.changes_since(layers[0].id) if layers else []:
-            for path in (change["path"], change.get("from")):
-                if path is not None:
-                    out[path] = self._stat(os.fsencode(path))
+        if layers:
+            j = Reading(self.store.records(layers[0].start, self.store._next_seq))
+            with self.resolver.reading():
+                for path in j.touched():
+                    out[os.fsdecode(path)] = self._stat(path)
         return {"seq": self.store._next_seq, "layers": [x.id for x in layers], "paths": out}
 
     def _stat(self, path: bytes) -> list | None:
         try:
-            with self.resolver.at(path) as (d, n):
-                st = B.lstat_at(d, n)
+            st = self.resolver.lstat_strict(path)
         except OSError:
             return ["unreachable"]    # a component is gone or no directory
         return None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -193,8 +193,9 @@ class Stack:
         if recorded.get("seq") != self.store._next_seq or \
                 recorded.get("layers") != [x.id for x in self.store.layers()]:
             return []
-        return sorted(path for path, was in recorded.get("paths", {}).items()
-                      if self._stat(os.fsencode(path)) != was)
+        with self.resolver.reading():
+            return sorted(path for path, was in recorded.get("paths", {}).items()
+                          if self._stat(os.fsencode(path)) != was)
 
     def usage(self) -> dict:
         data, grave = self.store.data_bytes(), self.store.grave_bytes()
@@ -496,41 +497,64 @@ class Stack:
 
         Records name paths as they were when written; ``journal.Reading``
         maps them to the layer's start and to now, in one pass."""
-        j = Reading(recs)
+        with self.resolver.reading():
+            return self._net(Reading(recs))
+
+    def _net(self, j: Reading) -> list[dict]:
+        """The net changes *j* describes, compared with the tree now.  An
+        object counts as renamed (R) when its own name or directory changed,
+        not when it moved only with a directory above it; one that is gone
+        is deleted (D, at its path then) unless another object stands where
+        it would be now (M, T, m or nothing, as they compare); other new
+        objects are added (A)."""
         names = j.names
 
         def now(path: bytes | None) -> os.stat_result | None:
             return self.resolver.lstat(path) if path is not None else None
 
+        def place(sp: bytes) -> bytes | None:
+            """Where path *sp* (at T) is now: its directory moved or not."""
+            head, _, name = sp.rpartition(b"/")
+            if not head:
+                return sp
+            here = names.now(head)
+            return None if here is None else (here + b"/" + name if here else name)
+
         out: dict[bytes, dict] = {}
+        deleted: dict[bytes, dict] = {}   # (at their paths then: kept apart)
         present: set[int] = set()
-        stands_in: set[bytes] = set()     # start paths where a new object replaced the old
+        gone: list[tuple[bytes, int]] = []
         for sp, was in j.start.items():
             if was is None:
                 continue
             cur = names.now(sp)
             st = now(cur)
-            if st is not None and st.st_ino == was:
-                present.add(was)
-                if cur != sp:
-                    out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
-                elif sp:
-                    kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
-                                              j.xattrs.get(was))
-                    if kind:
-                        out[cur] = {"path": cur, "kind": kind, "ino": was}
+            if st is None or st.st_ino != was:
+                gone.append((sp, was))
                 continue
-            st = now(sp)
-            if st is None:
-                out.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
-                continue
+            present.add(was)
+            if cur != place(sp):
+                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
+            elif cur:
+                kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
+                                          j.xattrs.get(was))
+                if kind:
+                    out[cur] = {"path": cur, "kind": kind, "ino": was}
+        stands_in: set[bytes] = set()     # where a new object replaced the one there at T
+        for sp, was in gone:
+            at = place(sp)
+            st = now(at)
+            if st is None or at in out:
+                if st is None or st.st_ino not in present:
+                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
+                continue              # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
-            kind = self.same.replaced(sp, st, gids[0] if gids else None, m and m[1],
+            kind = self.same.replaced(at, st, gids[0] if gids else None, m and m[1],
                                       j.xattrs.get(was))
-            stands_in.add(sp)
+            stands_in.add(at)
             if kind:
-                out[sp] = {"path": sp, "kind": kind, "ino": st.st_ino}
+                out[at] = {"path": at, "kind": kind, "ino": st.st_ino}
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
@@ -539,8 +563,7 @@ class Stack:
             if st is not None and st.st_ino not in present:
                 out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
         result = []
-        for path in sorted(out):
-            c = out[path]
+        for c in sorted([*deleted.values(), *out.values()], key=lambda c: c["path"]):
             c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
             if "from" in c:
                 c["from"] = os.fsdecode(c["from"])

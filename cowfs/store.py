@@ -433,6 +433,7 @@ class Store:
                 ) -> Iterator[tuple[int, S.Record]]:
         """Journal records with start <= seq < end (a short read txn per
         batch, so callers may write between items)."""
+        decode, from_u64 = S.decode_or_damaged, S.from_u64
         with self.env.begin(db=self.db_journal) as txn:
             cur = txn.cursor()
             items = []
@@ -441,21 +442,19 @@ class Store:
                     ok = cur.prev()
                 else:
                     ok = cur.last()
-                while ok:
-                    seq = S.from_u64(cur.key())
-                    if seq < start:
-                        break
-                    if seq < end:
-                        items.append((seq, S.decode_or_damaged(cur.value())))
-                    ok = cur.prev()
-            else:
-                ok = cur.set_range(S.u64(start))
-                while ok:
-                    seq = S.from_u64(cur.key())
+                if ok:
+                    for key, value in cur.iterprev():
+                        seq = from_u64(key)
+                        if seq < start:
+                            break
+                        if seq < end:
+                            items.append((seq, decode(value)))
+            elif cur.set_range(S.u64(start)):
+                for key, value in cur.iternext():
+                    seq = from_u64(key)
                     if seq >= end:
                         break
-                    items.append((seq, S.decode_or_damaged(cur.value())))
-                    ok = cur.next()
+                    items.append((seq, decode(value)))
         return iter(items)
 
     def layer_existed(self, layer_id: int) -> bool:
