@@ -136,7 +136,7 @@ def discard(store: Store, reason: str) -> list[int]:
                 w.deref(rec.fields[4])
             held = held_grave(kind, rec)
             if held is not None and txn.get(S.u64(held[0]), db=store.db_graves) is not None:
-                txn.delete(S.u64(held[0]), db=store.db_graves)
+                w.drop_grave(held[0])
                 graves.append(held[0])
                 freed.append(held[1])
         for key in keys:
@@ -238,12 +238,12 @@ class Keeper:
                 # the step failed: nothing was moved, nothing to put back
                 for key, _ in list(scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
                     w.txn.delete(key, db=st.db_redo)
-                w.txn.delete(S.u64(gid), db=st.db_graves)
+                w.drop_grave(gid)
                 if self.groups is not None:
                     self.groups.pop(seq, None)
         elif rec.kind == S.GRAVE and \
                 B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
-            w.txn.delete(S.u64(rec.fields[1]), db=st.db_graves)   # put back
+            w.drop_grave(rec.fields[1])   # put back
 
     def keep_layer(self, w: Writer, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions."""
@@ -322,7 +322,7 @@ class Keeper:
             st = self.r.lstat(f[0])
             if st is None:
                 return []
-            gid = w.new_grave(st.st_ino)
+            gid = w.new_grave(st.st_ino, st)
             return [_rec(S.RENAME, f[0], S.grave_loc(gid), st.st_ino),
                     *self._parents(f[0])]
         if k == S.GRAVE:
@@ -509,7 +509,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                 elif rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
                     gid = S.grave_id(rec.fields[1])
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
-                        w.txn.delete(S.u64(gid), db=store.db_graves)   # out of the grave
+                        w.drop_grave(gid)   # out of the grave
                 w.txn.delete(key, db=store.db_redo)
     return applied
 
@@ -535,7 +535,7 @@ def restore(w: Writer) -> list[int]:
                 rec = S.decode_or_damaged(val)
                 if rec.kind == S.GRAVE and \
                         B.lstat_at(store.grave_fd, str(rec.fields[1]).encode()) is not None:
-                    txn.put(S.u64(rec.fields[1]), S.u64(rec.fields[2]), db=store.db_graves)
+                    w.regrave(rec.fields[1], rec.fields[2])
         txn.delete(key, db=store.db_redo)
     return sorted(restored)
 
