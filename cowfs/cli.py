@@ -809,7 +809,9 @@ def do_check(args) -> int:
 
     res = control.call(rec, "check", full=True) if rec else offline_check(False)
     lines = [f"checked {res['chunks']} chunks ({res['bytes_checked']} bytes), "
-             f"{res['records']} records, {res['graves']} removed objects: "
+             f"{res['records']} records, {res['graves']} removed objects"
+             + (f" ({res['graves_hashed']} files by hash, {res['grave_bytes_checked']} bytes)"
+                if res.get("graves_hashed") else "") + ": "
              + ("consistent" if res["ok"] else f"{len(res['problems'])} problems")]
     lines += [f"  {p['text']}" for p in res["problems"]]
     if args.repair and not res["ok"]:

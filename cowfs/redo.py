@@ -37,6 +37,7 @@ import stat
 import time
 
 from . import backing as B
+from . import gravesum
 from . import schema as S
 from .errors import NothingToDo, Refused
 from .store import Store, Writer, scan
@@ -491,12 +492,45 @@ def start(store: Store) -> None:
         w.set_meta(S.K_PENDING, S.to_json({"op": "redo", "files": False, "steps": []}))
 
 
+def _objects(rec: S.Record) -> tuple[int, ...]:
+    """The objects (inodes) an inverse record moves or changes."""
+    if rec.kind == S.RENAME:
+        return (rec.fields[2],)
+    if rec.kind == S.EXCHANGE:
+        return rec.fields[2], rec.fields[3]
+    return (rec.fields[1],) if rec.kind in (S.META, S.XATTRS, S.CHUNK) else ()
+
+
+def _corrupt(store: Store, groups) -> dict[int, str]:
+    """Objects the redo would take out of the grave whose bytes no longer
+    hash as they did when the rollback put them there: inode -> report
+    (the redo leaves such an object in the store, as a rollback does)."""
+    out: dict[int, str] = {}
+    for _, group in groups:
+        for _, rec in group:
+            gid = S.grave_id(rec.fields[1]) if rec.kind == S.RENAME else None
+            why = gravesum.verify(store, gid) if gid is not None else None
+            if why is not None:
+                out[rec.fields[2]] = (f"{S.show_loc(rec.fields[0])}: not redone: the file "
+                                      f"kept in the store is corrupt: {why}; it stays removed")
+    return out
+
+
 def apply(store: Store, undo, failures: list[str], describe) -> int:
     """Apply the kept inverses, last kept first (resumable: each group is
-    deleted once applied); returns how many records were applied."""
+    deleted once applied); returns how many records were applied.  An
+    object whose file kept in the grave is corrupt is skipped as a whole."""
     applied = 0
-    for _, group in _inverse_groups(store):
+    groups = _inverse_groups(store)
+    corrupt = _corrupt(store, groups)
+    for _, group in groups:
         for _, rec in group:
+            bad = [ino for ino in _objects(rec) if ino in corrupt]
+            if bad:
+                for ino in bad:
+                    if corrupt[ino] not in failures:
+                        failures.append(corrupt[ino])
+                continue
             try:
                 undo.apply(rec)
                 applied += 1
