@@ -269,7 +269,8 @@ class Daemon:
         self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
                         on_init=on_ready)
         self.stack.on_freed = self.fs.after_commit
-        self.hasher = self.fs.sums = gravesum.Hasher(self.store, busy=self.fs.is_open)
+        self.hasher = self.fs.sums = gravesum.Hasher(self.store, busy=self.fs.is_open,
+                                                     quiet=self.fs.quiet)
         self._arm_redo()
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}

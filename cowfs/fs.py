@@ -156,6 +156,7 @@ def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
         fs = args[0]
+        fs.last_request = time.monotonic()     # (background work waits for a pause)
         # who is asking: captures made for this request are attributed to it
         ctx = args[-1] if args and isinstance(args[-1], pyfuse3.RequestContext) else None
         fs.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
@@ -214,6 +215,7 @@ class CowFS(pyfuse3.Operations):
         self.grave_links = store.grave_counts()
         # told before the bytes of an object change (gravesum.Hasher)
         self.sums = None
+        self.last_request = time.monotonic()
 
     def init(self) -> None:
         if self.on_init is not None:
@@ -914,6 +916,10 @@ class CowFS(pyfuse3.Operations):
         it), the hash taken of it there no longer holds."""
         if self.sums is not None:
             self.sums.changing(node.bino)
+
+    def quiet(self) -> float:
+        """Seconds since the last request."""
+        return time.monotonic() - self.last_request
 
     def is_open(self, bino: int) -> bool:
         """Whether a program has backing object *bino* open in the mount."""

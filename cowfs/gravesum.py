@@ -10,8 +10,10 @@ transaction of its GRAVE record, a *pending* entry (``gravesums``, see
 ``schema``) with the file's inode, size and mtime and the time of the move.
 The mount daemon's ``Hasher`` reads the file later, in a worker thread
 (which never touches LMDB), and records the digest in a short transaction
-on the daemon's thread, between requests.  Pending files are hashed at the
-latest at unmount (within ``UNMOUNT_BUDGET``); after a kill -9 they stay
+on the daemon's thread, between requests.  It starts on a file once the
+mount has been quiet for ``QUIET`` (or the file has waited ``PATIENCE_NS``),
+so that a busy mount — an ``rm -rf`` — does not share its disk and CPUs
+with it.  Pending files are hashed at the latest at unmount (within ``UNMOUNT_BUDGET``); after a kill -9 they stay
 pending — verified by identity only, as before — and the next mount hashes
 them.  A file still open in the mount is hashed once it is closed.
 
@@ -53,6 +55,8 @@ READ_SIZE = 1 << 20
 BATCH_FILES = 256             # files per worker-thread call ...
 BATCH_BYTES = 64 << 20        # ... and bytes (the daemon's thread records in between)
 POLL = 0.05                   # seconds between looks for new grave files
+QUIET = 0.1                   # a file is hashed after this long without requests ...
+PATIENCE_NS = 5_000_000_000   # ... or once it was removed this long ago
 UNMOUNT_BUDGET = 20.0         # seconds an unmount spends hashing what is left
 
 
@@ -98,12 +102,14 @@ def verify(store: Store, gid: int, txn=None) -> str | None:
         fd = _open(store, gid)
     except FileNotFoundError:
         return None                 # missing: said by the identity check
+    except OSError as e:            # (a symlink in its place)
+        return f"grave {gid} is no longer the file that was removed ({e.strerror})"
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_ino != s.ino:
-            return None             # another object: said by the identity check
+        if not stat.S_ISREG(st.st_mode):
+            return f"grave {gid} is no longer a regular file"
         if digest_of(fd) == s.digest:
-            return None
+            return None             # (even if it is another inode now: the same bytes)
     finally:
         os.close(fd)
     return (f"its {st.st_size} bytes (grave {gid}) do not hash to the xxh3-128 taken when "
@@ -141,20 +147,6 @@ def hash_pending(store: Store, gid: int, s: S.GraveSum,
         os.close(fd)
 
 
-def backlog(store: Store) -> tuple[int, int]:
-    """(files, bytes) still pending in the store."""
-    files = nbytes = 0
-    if store.db_sums is None:
-        return 0, 0
-    with store.read() as txn:
-        for _, raw in txn.cursor(db=store.db_sums):
-            s = S.decode_sum(raw)
-            if s is not None and s.state == S.SUM_PENDING:
-                files += 1
-                nbytes += s.size
-    return files, nbytes
-
-
 class Hasher:
     """The mount daemon's background pass over pending grave files.
 
@@ -164,9 +156,11 @@ class Hasher:
     pending one it read (compare and set), so a file moved out, changed or
     moved back meanwhile is never blessed."""
 
-    def __init__(self, store: Store, busy: Callable[[int], bool] | None = None):
+    def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
+                 quiet: Callable[[], float] | None = None):
         self.store = store
         self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed
+        self.quiet = quiet or (lambda: QUIET)     # seconds since the mount's last request
         self.stop = threading.Event()
         self.deadline: float | None = None
         self.live: dict[int, set[int]] = {}       # inode -> its pending or hashed entries
@@ -228,13 +222,17 @@ class Hasher:
         return self.stop.is_set() or (self.deadline is not None
                                       and time.monotonic() > self.deadline)
 
+    def _due(self, s: S.GraveSum) -> bool:
+        """Whether to hash *s* now rather than wait for a pause."""
+        return self.quiet() >= QUIET or time.time_ns() - s.time_ns >= PATIENCE_NS
+
     def _batch(self, everything: bool = False) -> list[tuple[int, bytes]]:
         if self.store._next_grave != self.scanned:
             self._scan()
         batch, size = [], 0
         for gid, raw in self.todo.items():
             s = S.decode_sum(raw)
-            if not everything and self.busy(s.ino):
+            if not everything and (self.busy(s.ino) or not self._due(s)):
                 continue
             batch.append((gid, raw))
             size += s.size
@@ -242,11 +240,16 @@ class Hasher:
                 break
         return batch
 
-    def _hash(self, batch: list[tuple[int, bytes]]) -> list[tuple[int, bytes, bytes | None]]:
-        """In a worker thread."""
+    def _hash(self, batch: list[tuple[int, bytes]], everything: bool = False
+              ) -> list[tuple[int, bytes, bytes | None]]:
+        """In a worker thread.  When requests come, the rest of the batch
+        waits (unless it is overdue)."""
         out = []
         for gid, raw in batch:
-            done, new = hash_pending(self.store, gid, S.decode_sum(raw), self._stopping)
+            s = S.decode_sum(raw)
+            if not everything and not self._due(s):
+                break
+            done, new = hash_pending(self.store, gid, s, self._stopping)
             if not done:
                 break
             out.append((gid, raw, new))
@@ -272,7 +275,7 @@ class Hasher:
         batch = self._batch(everything)
         if not batch:
             return False
-        results = await trio.to_thread.run_sync(self._hash, batch)
+        results = await trio.to_thread.run_sync(self._hash, batch, everything)
         try:
             self._record(results)
         except OSError as e:      # a full store: the files stay pending
