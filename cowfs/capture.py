@@ -250,9 +250,11 @@ class Recorder:
     def link(self, w: Writer, path: bytes) -> None:
         w.append(S.encode_record(S.LINK, path))
 
-    def grave(self, w: Writer, path: bytes, ino: int) -> int:
+    def grave(self, w: Writer, path: bytes, st: os.stat_result) -> int:
+        """*path* (the object *st* describes) goes to the grave: record it."""
+        ino = st.st_ino
         self.attribute(w, ino)
-        gid = w.new_grave(ino)
+        gid = w.new_grave(ino, st)
         w.append(S.encode_record(S.GRAVE, path, gid, ino))
         return gid
 

@@ -883,7 +883,10 @@ def do_check(args) -> int:
 
     res = control.call(rec, "check", full=True) if rec else offline_check(False)
     lines = [f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
-             f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}: "
+             f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}"
+             + (f" ({count(res['graves_hashed'], 'file')} by hash, "
+                f"{count(res['grave_bytes_checked'], 'byte')})"
+                if res.get("graves_hashed") else "") + ": "
              + ("consistent" if res["ok"] else count(len(res["problems"]), "problem"))]
     lines += [f"  {p['text']}" for p in res["problems"]]
     if args.repair and not res["ok"]:

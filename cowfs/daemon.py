@@ -30,6 +30,7 @@ from . import backing as B
 from . import schema as S
 from . import errors
 from . import fsck
+from . import gravesum
 from . import redo
 from .capture import Recorder
 from .control import MAX_REQUEST, encode, wait_readable
@@ -337,6 +338,8 @@ class Daemon:
         self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
                         on_init=on_ready)
         self.stack.on_freed = self.fs.after_commit
+        self.hasher = self.fs.sums = gravesum.Hasher(self.store, busy=self.fs.is_open,
+                                                     quiet=self.fs.quiet)
         self._arm_redo()
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}
@@ -380,11 +383,15 @@ class Daemon:
             self.record.save()
             nursery.start_soon(self._signals)
             nursery.start_soon(self._periodic_sync)
+            nursery.start_soon(self.hasher.run)
             await pyfuse3.main(min_tasks=2, max_tasks=16)
             with trio.move_on_after(5):
                 while self.inflight:
                     await trio.sleep(0.01)
+            self.hasher.stop.set()      # (a file being hashed is left for the drain)
             nursery.cancel_scope.cancel()
+        # removed files not hashed yet are hashed before the store closes
+        await self.hasher.drain()
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:

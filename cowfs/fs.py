@@ -156,6 +156,7 @@ def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
     @functools.wraps(fn)
     async def wrapper(*args, **kw):
         fs = args[0]
+        fs.last_request = time.monotonic()     # (background work waits for a pause)
         # who is asking: captures made for this request are attributed to it
         ctx = args[-1] if args and isinstance(args[-1], pyfuse3.RequestContext) else None
         fs.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
@@ -222,6 +223,9 @@ class CowFS(pyfuse3.Operations):
         # mmaps) in the kernel that a layer switch must flush first.
         self.writers = 0
         self.grave_links = store.grave_counts()
+        # told before the bytes of an object change (gravesum.Hasher)
+        self.sums = None
+        self.last_request = time.monotonic()
 
     def init(self) -> None:
         if self.on_init is not None:
@@ -566,6 +570,7 @@ class CowFS(pyfuse3.Operations):
                 raise FUSEError(errno.EINVAL)
             fd = handle.fd if isinstance(handle, Handle) else None
             self._capture_data(node, fd, attr.st_size, 1 << 63)
+            self._rewriting(node)
             if fd is not None:
                 os.ftruncate(fd, attr.st_size)
             else:
@@ -698,7 +703,7 @@ class CowFS(pyfuse3.Operations):
 
     def _bury(self, w, parent: Node, name: bytes, st: os.stat_result) -> int:
         """Record that *name* goes to the grave; the caller moves it."""
-        return self.rec.grave(w, self._child(parent, name), st.st_ino)
+        return self.rec.grave(w, self._child(parent, name), st)
 
     def _to_grave(self, parent: Node, name: bytes, gid: int, bino: int) -> None:
         gname = str(gid).encode()
@@ -893,6 +898,7 @@ class CowFS(pyfuse3.Operations):
             self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._capture_data(node, None, 0, 1 << 63)
+            self._rewriting(node)
         fl = self._open_flags(flags)
         try:
             fd = os.open(B.proc(node.fd), fl)
@@ -911,7 +917,24 @@ class CowFS(pyfuse3.Operations):
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
             self.rec.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
+        self._rewriting(node)
         return os.pwrite(h.fd, buf, off)
+
+    def _rewriting(self, node: Node) -> None:
+        """The bytes of *node*'s object are about to change: if it is also
+        kept whole in the grave (open after its removal, or another name of
+        it), the hash taken of it there no longer holds."""
+        if self.sums is not None:
+            self.sums.changing(node.bino)
+
+    def quiet(self) -> float:
+        """Seconds since the last request."""
+        return time.monotonic() - self.last_request
+
+    def is_open(self, bino: int) -> bool:
+        """Whether a program has backing object *bino* open in the mount."""
+        node = self.by_bino.get(bino)
+        return node is not None and node.nopen > 0
 
     @handler
     async def flush(self, fh):
@@ -1067,6 +1090,8 @@ class CowFS(pyfuse3.Operations):
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
         self.grave_links = self.store.grave_counts()
+        if self.sums is not None:
+            self.sums.reload()
         for bino in touched.removed:
             self._orphan(bino)
         for bino, loc in touched.moves:
@@ -1100,6 +1125,8 @@ class CowFS(pyfuse3.Operations):
     def after_commit(self, freed: list[int]) -> None:
         """A base commit deleted these objects' grave entries."""
         self.grave_links = self.store.grave_counts()
+        if self.sums is not None:
+            self.sums.reload()
         for bino in freed:
             node = self.by_bino.get(bino)
             if node is None:

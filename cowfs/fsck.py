@@ -7,7 +7,9 @@ The check reads everything and writes nothing:
   chunk is kept that nothing uses;
 * every journal record decodes and lies inside a layer; the chunk of a
   CHUNK record and the grave entry of a GRAVE record exist, and a graved
-  object is still the object that was removed (same inode);
+  object is still the object that was removed (same inode) and, for a
+  regular file hashed since it was removed (``gravesum``), still hashes
+  (xxh3-128) to what was recorded;
 * layer boundaries are in order and the journal agrees with its counter;
 * every index entry points at a record of its own layer, and nothing lies
   in the grave that no record holds.
@@ -15,8 +17,9 @@ The check reads everything and writes nothing:
 Each problem names the layers and workspace paths it affects.  ``repair``
 fixes what can be fixed without inventing data: reference counts, unused
 chunks, grave entries and files nothing refers to, stale index entries,
-records outside every layer.  A corrupt or missing pre-image cannot be
-repaired; a rollback skips the object it belongs to and reports it.
+records outside every layer, hash entries of grave objects no grave entry
+holds.  A corrupt or missing pre-image cannot be repaired; a rollback skips
+the object it belongs to and reports it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import backing as B
+from . import gravesum
 from . import redo
 from . import schema as S
 from .store import Store, digest
@@ -63,6 +67,12 @@ show = S.show_loc
 def object_of(rec: S.Record) -> int | None:
     """The object (backing inode) a META, XATTRS or CHUNK record restores."""
     return rec.fields[1] if rec.kind in (S.META, S.XATTRS, S.CHUNK) else None
+
+
+def restores(rec: S.Record) -> int | None:
+    """The object whose bytes or attributes a record puts back (a GRAVE
+    record: the removed object, from the grave)."""
+    return rec.fields[2] if rec.kind == S.GRAVE else object_of(rec)
 
 
 def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
@@ -109,6 +119,13 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
                 continue
             out[ino] = (f"{show(loc)}: not restored: its pre-image (chunk {index}) {why}; "
                         "the file is left as it is now")
+        for _, rec in records:
+            if rec.kind != S.GRAVE or rec.fields[2] in out:
+                continue
+            why = gravesum.verify(store, rec.fields[1], txn)
+            if why is not None:
+                out[rec.fields[2]] = (f"{show(rec.fields[0])}: not restored: the removed file "
+                                      f"kept in the store is corrupt: {why}; it stays removed")
     return out, set(owners)
 
 
@@ -118,7 +135,11 @@ class Report:
     chunks: int = 0
     records: int = 0
     graves: int = 0
-    bytes_checked: int = 0
+    graves_hashed: int = 0      # regular files in the grave verified by their hash
+    graves_pending: int = 0     # not hashed yet (identity only until they are)
+    graves_changed: int = 0     # changed since they were removed (identity only)
+    bytes_checked: int = 0      # of chunks
+    grave_bytes_checked: int = 0
     corrupt_chunks: set[bytes] = field(default_factory=set)
     # what repair would do
     fix_refs: dict[bytes, int | None] = field(default_factory=dict)   # digest -> count/None
@@ -128,11 +149,15 @@ class Report:
     drop_who: list[bytes] = field(default_factory=list)
     drop_graves: list[int] = field(default_factory=list)
     drop_grave_files: list[str] = field(default_factory=list)
+    drop_sums: list[int] = field(default_factory=list)
     drop_redo: bool = False
 
     def to_dict(self) -> dict:
         return {"ok": not self.problems, "chunks": self.chunks, "records": self.records,
-                "graves": self.graves, "bytes_checked": self.bytes_checked,
+                "graves": self.graves, "graves_hashed": self.graves_hashed,
+                "graves_pending": self.graves_pending, "graves_changed": self.graves_changed,
+                "bytes_checked": self.bytes_checked,
+                "grave_bytes_checked": self.grave_bytes_checked,
                 "problems": [p.to_dict() for p in self.problems]}
 
 
@@ -285,8 +310,24 @@ def check(store: Store, hashes: bool = True) -> Report:
                 rep.problems.append(Problem(f"the removed object {path} (grave {gid}) was "
                                             f"replaced (inode {st.st_ino}, recorded {ino})",
                                             [owner] if owner else [], [path]))
+            else:
+                check_sum(store, txn, rep, gid, ino, owner, path, hashes)
             names.discard(str(gid))
             ok = cur.next()
+        if store.db_sums is not None:
+            cur = txn.cursor(db=store.db_sums)
+            ok = cur.first()
+            while ok:
+                gid = S.from_u64(cur.key())
+                held = txn.get(cur.key(), db=store.db_graves)
+                s = S.decode_sum(cur.value())
+                if held is None or s is None or s.ino != S.from_u64(held):
+                    rep.drop_sums.append(gid)
+                ok = cur.next()
+            if rep.drop_sums:
+                rep.problems.append(Problem(f"{len(rep.drop_sums)} hash entries of removed "
+                                            "files belong to no grave entry or do not fit it",
+                                            repairable=True))
         for gid, (owner, path) in graved.items():
             if txn.get(S.u64(gid), db=store.db_graves) is None:
                 rep.problems.append(Problem(f"the grave entry of removed object {path} "
@@ -329,6 +370,28 @@ def check(store: Store, hashes: bool = True) -> Report:
     return rep
 
 
+def check_sum(store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None,
+              path: str, hashes: bool) -> None:
+    """Grave object *gid* (object *ino*, which is there): its bytes against
+    the hash recorded of them, if any (with *hashes*)."""
+    s = gravesum.read_sum(store, gid, txn)
+    if s is None or s.ino != ino:
+        return                  # (an entry of no use is reported with the others)
+    if s.state == S.SUM_PENDING:
+        rep.graves_pending += 1
+    elif s.state == S.SUM_CHANGED:
+        rep.graves_changed += 1
+    elif s.state == S.SUM_HASHED:
+        rep.graves_hashed += 1
+        if not hashes:
+            return
+        rep.grave_bytes_checked += s.size
+        why = gravesum.verify(store, gid, txn)
+        if why is not None:
+            rep.problems.append(Problem(f"the removed file {path} is corrupt in the store: "
+                                        f"{why}", [owner] if owner else [], [path]))
+
+
 def grave_names(store: Store) -> list[str]:
     fd = os.open(B.proc(store.grave_fd), os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -364,7 +427,9 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
         for key in rep.drop_who:
             w.txn.delete(key, db=store.db_who)
         for gid in rep.drop_graves:
-            w.txn.delete(S.u64(gid), db=store.db_graves)
+            w.drop_grave(gid)
+        for gid in rep.drop_sums:
+            w.txn.delete(S.u64(gid), db=store.db_sums)
     if rep.fix_refs:
         done.append(f"set {len(rep.fix_refs)} reference counts to the records that use them")
     if rep.drop_chunks:
@@ -382,5 +447,8 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
             pass
     if rep.drop_graves or rep.drop_grave_files:
         done.append(f"removed {len(set(rep.drop_grave_files))} grave entries no record holds")
+    if rep.drop_sums:
+        done.append(f"removed {len(rep.drop_sums)} hash entries of removed files that "
+                    "belonged to nothing")
     store.forget_layer_cache()
     return done

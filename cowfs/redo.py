@@ -36,6 +36,7 @@ import stat
 import time
 
 from . import backing as B
+from . import gravesum
 from . import schema as S
 from .journal import Names, Slot
 from .errors import NothingToDo, Refused
@@ -136,7 +137,7 @@ def discard(store: Store, reason: str) -> list[int]:
                 w.deref(rec.fields[4])
             held = held_grave(kind, rec)
             if held is not None and txn.get(S.u64(held[0]), db=store.db_graves) is not None:
-                txn.delete(S.u64(held[0]), db=store.db_graves)
+                w.drop_grave(held[0])
                 graves.append(held[0])
                 freed.append(held[1])
         for key in keys:
@@ -238,12 +239,12 @@ class Keeper:
                 # the step failed: nothing was moved, nothing to put back
                 for key, _ in list(scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
                     w.txn.delete(key, db=st.db_redo)
-                w.txn.delete(S.u64(gid), db=st.db_graves)
+                w.drop_grave(gid)
                 if self.groups is not None:
                     self.groups.pop(seq, None)
         elif rec.kind == S.GRAVE and \
                 B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
-            w.txn.delete(S.u64(rec.fields[1]), db=st.db_graves)   # put back
+            w.drop_grave(rec.fields[1])   # put back
 
     def keep_layer(self, w: Writer, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions."""
@@ -323,7 +324,7 @@ class Keeper:
             st = self.r.lstat(f[0])
             if st is None:
                 return []
-            gid = w.new_grave(st.st_ino)
+            gid = w.new_grave(st.st_ino, st)
             return [_rec(S.RENAME, f[0], S.grave_loc(gid), st.st_ino),
                     *self._parents(f[0])]
         if k == S.GRAVE:
@@ -461,12 +462,45 @@ def start(store: Store) -> None:
         w.set_meta(S.K_PENDING, S.to_json({"op": "redo", "files": False, "steps": []}))
 
 
+def _objects(rec: S.Record) -> tuple[int, ...]:
+    """The objects (inodes) an inverse record moves or changes."""
+    if rec.kind == S.RENAME:
+        return (rec.fields[2],)
+    if rec.kind == S.EXCHANGE:
+        return rec.fields[2], rec.fields[3]
+    return (rec.fields[1],) if rec.kind in (S.META, S.XATTRS, S.CHUNK) else ()
+
+
+def _corrupt(store: Store, groups) -> dict[int, str]:
+    """Objects the redo would take out of the grave whose bytes no longer
+    hash as they did when the rollback put them there: inode -> report
+    (the redo leaves such an object in the store, as a rollback does)."""
+    out: dict[int, str] = {}
+    for _, group in groups:
+        for _, rec in group:
+            gid = S.grave_id(rec.fields[1]) if rec.kind == S.RENAME else None
+            why = gravesum.verify(store, gid) if gid is not None else None
+            if why is not None:
+                out[rec.fields[2]] = (f"{S.show_loc(rec.fields[0])}: not redone: the file "
+                                      f"kept in the store is corrupt: {why}; it stays removed")
+    return out
+
+
 def apply(store: Store, undo, failures: list[str], describe) -> int:
     """Apply the kept inverses, last kept first (resumable: each group is
-    deleted once applied); returns how many records were applied."""
+    deleted once applied); returns how many records were applied.  An
+    object whose file kept in the grave is corrupt is skipped as a whole."""
     applied = 0
-    for _, group in _inverse_groups(store):
+    groups = _inverse_groups(store)
+    corrupt = _corrupt(store, groups)
+    for _, group in groups:
         for _, rec in group:
+            bad = [ino for ino in _objects(rec) if ino in corrupt]
+            if bad:
+                for ino in bad:
+                    if corrupt[ino] not in failures:
+                        failures.append(corrupt[ino])
+                continue
             try:
                 undo.apply(rec)
                 applied += 1
@@ -479,7 +513,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                 elif rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
                     gid = S.grave_id(rec.fields[1])
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
-                        w.txn.delete(S.u64(gid), db=store.db_graves)   # out of the grave
+                        w.drop_grave(gid)   # out of the grave
                 w.txn.delete(key, db=store.db_redo)
     return applied
 
@@ -505,7 +539,7 @@ def restore(w: Writer) -> list[int]:
                 rec = S.decode_or_damaged(val)
                 if rec.kind == S.GRAVE and \
                         B.lstat_at(store.grave_fd, str(rec.fields[1]).encode()) is not None:
-                    txn.put(S.u64(rec.fields[1]), S.u64(rec.fields[2]), db=store.db_graves)
+                    w.regrave(rec.fields[1], rec.fields[2])
         txn.delete(key, db=store.db_redo)
     return sorted(restored)
 

@@ -55,6 +55,22 @@ Databases
 ``refs``     16-byte digest -> u64 number of journal records using it.
 ``graves``   u64 grave id -> u64 backing inode number of the object that was
              moved into ``STORE/grave/<id>`` (whole-file pre-images).
+``gravesums`` u64 grave id -> what is known of the bytes of a regular file
+             kept whole in ``STORE/grave/<id>`` (see ``encode_sum``): a state
+             byte, u64 inode, u64 size, i64 mtime_ns, i64 time_ns and, once
+             hashed, its 16-byte xxh3-128 digest.  Written with the grave
+             entry, deleted with it (``Writer.new_grave``, ``drop_grave``):
+             ``p`` pending: inode, size and mtime as the file was removed, and
+                   the wall-clock time of that (its ctime, set by the move
+                   into the grave, is no later unless it changed since);
+                   hashed later, off the request path (``gravesum``);
+             ``h`` hashed: the digest of its bytes; time_ns is the ctime it
+                   had when hashed.  Check and rollback verify it;
+             ``c`` changed since it was removed (written through an open
+                   descriptor or another name of it, or before it could be
+                   hashed): verified by identity only.
+             No entry (not a regular file, or removed by older cowfs):
+             verified by identity only, as the ``graves`` entry says.
 ``who``      u64 layer + u64 ino -> u64 writer id: the process that first
              changed that object in that layer (kept by merges: the lower
              layer's entry wins, it is older).
@@ -103,8 +119,9 @@ DB_WHO = b"who"
 DB_WRITERS = b"writers"
 DB_AUDIT = b"audit"
 DB_REDO = b"redo"
+DB_GRAVESUMS = b"gravesums"
 ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES,
-           DB_WHO, DB_WRITERS, DB_AUDIT, DB_REDO)
+           DB_WHO, DB_WRITERS, DB_AUDIT, DB_REDO, DB_GRAVESUMS)
 
 K_FORMAT = b"format"
 K_WORKSPACE = b"workspace"
@@ -169,6 +186,39 @@ def split_index_key(key: bytes) -> tuple[int, int, bytes, int | None]:
     kind = key[16:17]
     chunk = from_u64(key[17:25]) if len(key) > 17 else None
     return layer, ino, kind, chunk
+
+
+# -- content hashes of grave objects ---------------------------------------------
+
+SUM_PENDING = b"p"
+SUM_HASHED = b"h"
+SUM_CHANGED = b"c"
+
+_SUM = struct.Struct(">cQQqq")
+
+
+class GraveSum(NamedTuple):
+    state: bytes
+    ino: int
+    size: int
+    mtime_ns: int
+    time_ns: int        # pending: when it was removed; hashed: its ctime then
+    digest: bytes = b""
+
+
+def encode_sum(s: GraveSum) -> bytes:
+    return _SUM.pack(s.state, s.ino, s.size, s.mtime_ns, s.time_ns) + s.digest
+
+
+def decode_sum(raw: bytes) -> GraveSum | None:
+    """None for a value that does not decode (reported by the check)."""
+    if len(raw) not in (_SUM.size, _SUM.size + 16):
+        return None
+    s = GraveSum(*_SUM.unpack_from(raw), bytes(raw[_SUM.size:]))
+    if s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED) or \
+            (s.state == SUM_HASHED) != (len(s.digest) == 16):
+        return None
+    return s
 
 
 # -- locations ----------------------------------------------------------------

@@ -399,7 +399,7 @@ class Stack:
             unrestorable, known = fsck.unrestorable(st, records)
             reported: set[int] = set()
             for seq, rec in records:
-                ino = fsck.object_of(rec)
+                ino = fsck.restores(rec)
                 try:
                     if rec.kind == S.DAMAGED:
                         if seq not in known:   # else reported with its object

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class Writer:
         if rec.kind == S.CHUNK and rec.fields[4]:
             self.deref(rec.fields[4])
         elif rec.kind == S.GRAVE:
-            self.txn.delete(S.u64(rec.fields[1]), db=self.store.db_graves)
+            self.drop_grave(rec.fields[1])
         self.txn.delete(key, db=self.store.db_journal)
 
     def reserve(self, n: int) -> None:
@@ -134,12 +135,40 @@ class Writer:
         self.txn.put(S.index_key(layer, ino, kind, chunk), S.u64(seq),
                      db=self.store.db_index)
 
-    def new_grave(self, ino: int) -> int:
+    def new_grave(self, ino: int, st: os.stat_result | None = None) -> int:
+        """A grave entry for object *ino*, which the caller moves into the
+        grave after this transaction; *st*: its stat before the move (a
+        regular file's bytes are then hashed later, see ``gravesum``)."""
         gid = self.store._next_grave
         self.store._next_grave += 1
         self.txn.put(S.K_NEXT_GRAVE, S.u64(self.store._next_grave), db=self.store.db_meta)
         self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
+        if st is not None:
+            self._pending_sum(gid, st)
         return gid
+
+    def regrave(self, gid: int, ino: int) -> None:
+        """Grave entry *gid* holds object *ino* again (a redo moved it back
+        there).  A hash taken before is kept (it was never removed if the
+        object never left); otherwise the object is hashed again."""
+        self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
+        db = self.store.db_sums
+        if db is not None and self.txn.get(S.u64(gid), db=db) is None:
+            st = os.stat(str(gid), dir_fd=self.store.grave_fd, follow_symlinks=False)
+            if st.st_ino == ino:
+                self._pending_sum(gid, st)
+
+    def _pending_sum(self, gid: int, st: os.stat_result) -> None:
+        if self.store.db_sums is not None and stat.S_ISREG(st.st_mode):
+            self.txn.put(S.u64(gid), S.encode_sum(S.GraveSum(
+                S.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns())),
+                db=self.store.db_sums)
+
+    def drop_grave(self, gid: int) -> None:
+        """Grave entry *gid* no longer holds anything (and its hash goes)."""
+        self.txn.delete(S.u64(gid), db=self.store.db_graves)
+        if self.store.db_sums is not None:
+            self.txn.delete(S.u64(gid), db=self.store.db_sums)
 
     def drop_layer(self, layer_id: int) -> None:
         """Delete a layer's row, what it captured (index) and who did it."""
@@ -197,6 +226,10 @@ class Store:
             self.db_redo = env.open_db(S.DB_REDO, create=not readonly)
         except lmdb.Error:
             self.db_redo = None
+        try:    # hashes of the files kept in the grave (newer, likewise)
+            self.db_sums = env.open_db(S.DB_GRAVESUMS, create=not readonly)
+        except lmdb.Error:
+            self.db_sums = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
@@ -516,7 +549,8 @@ class Store:
         def count(txn) -> int:
             pages = 0
             for db in (self.db_meta, self.db_layers, self.db_journal, self.db_index,
-                       self.db_chunks, self.db_refs, self.db_graves, self.db_redo):
+                       self.db_chunks, self.db_refs, self.db_graves, self.db_redo,
+                       self.db_sums):
                 if db is None:
                     continue
                 st = txn.stat(db)

@@ -54,7 +54,7 @@ class Harness:
         self.rec.obj(os.stat(self.root).st_ino)
         with self.rec.txn() as w:
             self.dir_meta(w)
-            gid = self.rec.grave(w, name.encode(), st.st_ino)
+            gid = self.rec.grave(w, name.encode(), st)
         B.renameat2(self.rootfd, name.encode(), self.store.grave_fd, str(gid).encode())
 
     def checkpoint(self) -> int:

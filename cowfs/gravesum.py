@@ -1,0 +1,305 @@
+"""Content hashes of the regular files kept whole in the grave.
+
+A file a layer removes or replaces is moved, whole, into ``STORE/grave/<id>``
+(same inode: nothing is copied).  Its bytes are hashed (xxh3-128, as the
+chunks are) so that `cowfs check` and a rollback notice when they changed
+in the store — a flipped byte — instead of putting the file back silently.
+
+Off the request path: the handler that moves the file only adds, in the
+transaction of its GRAVE record, a *pending* entry (``gravesums``, see
+``schema``) with the file's inode, size and mtime and the time of the move.
+The mount daemon's ``Hasher`` reads the file later, in a worker thread
+(which never touches LMDB), and records the digest in a short transaction
+on the daemon's thread, between requests.  It starts on a file once the
+mount has been quiet for ``QUIET`` (or the file has waited ``PATIENCE_NS``),
+so that a busy mount — an ``rm -rf`` — does not share its disk and CPUs
+with it.  Pending files are hashed at the latest at unmount (within ``UNMOUNT_BUDGET``); after a kill -9 they stay
+pending — verified by identity only, as before — and the next mount hashes
+them.  A file still open in the mount is hashed once it is closed.
+
+The guard: a hash is recorded only if the file is still the one that was
+removed, unchanged — same inode, size and mtime, and a ctime no later than
+the move (``SLACK_NS``: ctime cannot be set back, so any change made to it
+since shows) — and its stat did not change while it was read; otherwise it
+is marked *changed* and verified by identity only.  A removed file can
+still change legitimately: a program writes to it through a descriptor it
+kept open, or through another name (a hard link).  Such changes reach the
+daemon, which marks the entry *changed* (``Hasher.changing``) before the
+bytes change, so a recorded hash always describes the bytes the GRAVE undo
+step will put back; check and rollback then verify it (``verify``).
+Directories, symlinks and special files are verified by identity only (a
+directory is removed only when empty; a symlink's target cannot change in
+place).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable
+
+import trio
+import xxhash
+
+from . import backing as B
+from . import schema as S
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+SLACK_NS = 1_000_000_000      # the move into the grave follows its record within this
+READ_SIZE = 1 << 20
+BATCH_FILES = 256             # files per worker-thread call ...
+BATCH_BYTES = 64 << 20        # ... and bytes (the daemon's thread records in between)
+POLL = 0.05                   # seconds between looks for new grave files
+QUIET = 0.1                   # a file is hashed after this long without requests ...
+PATIENCE_NS = 5_000_000_000   # ... or once it was removed this long ago
+UNMOUNT_BUDGET = 20.0         # seconds an unmount spends hashing what is left
+
+
+def read_sum(store: Store, gid: int, txn=None) -> S.GraveSum | None:
+    if store.db_sums is None:
+        return None
+    if txn is None:
+        with store.read() as t:
+            raw = t.get(S.u64(gid), db=store.db_sums)
+    else:
+        raw = txn.get(S.u64(gid), db=store.db_sums)
+    return S.decode_sum(raw) if raw is not None else None
+
+
+def _open(store: Store, gid: int) -> int:
+    return B.open_noatime(str(gid).encode(),
+                          os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=store.grave_fd)
+
+
+def digest_of(fd: int, stop: Callable[[], bool] | None = None) -> bytes | None:
+    """xxh3-128 of the whole file *fd*; None when *stop* said so midway."""
+    h = xxhash.xxh3_128()
+    off = 0
+    while True:
+        if stop is not None and stop():
+            return None
+        data = os.pread(fd, READ_SIZE, off)
+        if not data:
+            return h.digest()
+        h.update(data)
+        off += len(data)
+
+
+def verify(store: Store, gid: int, txn=None) -> str | None:
+    """Why grave object *gid* cannot be put back as it was removed: None
+    when its bytes hash as recorded (or no hash was recorded: verified by
+    identity only, elsewhere)."""
+    s = read_sum(store, gid, txn)
+    if s is None or s.state != S.SUM_HASHED:
+        return None
+    try:
+        fd = _open(store, gid)
+    except FileNotFoundError:
+        return None                 # missing: said by the identity check
+    except OSError as e:            # (a symlink in its place)
+        return f"grave {gid} is no longer the file that was removed ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"grave {gid} is no longer a regular file"
+        if digest_of(fd) == s.digest:
+            return None             # (even if it is another inode now: the same bytes)
+    finally:
+        os.close(fd)
+    return (f"its {st.st_size} bytes (grave {gid}) do not hash to the xxh3-128 taken when "
+            "it was removed" + (f" ({s.size} bytes then)" if st.st_size != s.size else ""))
+
+
+def _key(st: os.stat_result) -> tuple:
+    return st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def hash_pending(store: Store, gid: int, s: S.GraveSum,
+                 stop: Callable[[], bool]) -> tuple[bool, bytes | None]:
+    """Hash pending grave file *gid* (in a worker thread: no LMDB here).
+    Returns (done, the entry to record instead of the pending one, if
+    any): not done when *stop* interrupted it."""
+    try:
+        fd = _open(store, gid)
+    except FileNotFoundError:
+        return True, None           # moved out meanwhile: its entry goes with it
+    except OSError:                 # (a symlink planted in the store, ...)
+        return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and st.st_ino == s.ino and st.st_size == s.size
+                and st.st_mtime_ns == s.mtime_ns and st.st_ctime_ns <= s.time_ns + SLACK_NS):
+            return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
+        d = digest_of(fd, stop)
+        if d is None:
+            return False, None
+        if _key(os.fstat(fd)) != _key(st):   # changed while it was read
+            return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
+        return True, S.encode_sum(S.GraveSum(S.SUM_HASHED, st.st_ino, st.st_size,
+                                             st.st_mtime_ns, st.st_ctime_ns, d))
+    finally:
+        os.close(fd)
+
+
+class Hasher:
+    """The mount daemon's background pass over pending grave files.
+
+    Everything but the reading runs on the daemon's (trio) thread, so it
+    never interleaves with a request handler; the reading runs in a worker
+    thread, and what it found is recorded only if the entry is still the
+    pending one it read (compare and set), so a file moved out, changed or
+    moved back meanwhile is never blessed."""
+
+    def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
+                 quiet: Callable[[], float] | None = None):
+        self.store = store
+        self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed
+        self.quiet = quiet or (lambda: QUIET)     # seconds since the mount's last request
+        self.stop = threading.Event()
+        self.deadline: float | None = None
+        self.live: dict[int, set[int]] = {}       # inode -> its pending or hashed entries
+        self.todo: dict[int, bytes] = {}          # gid -> its pending entry, as read
+        self.scanned = 0                          # graves below this id were looked at
+        self.reload()
+
+    # -- what is in the store ------------------------------------------------------
+
+    def reload(self) -> None:
+        """Look at every entry again (after a rollback, redo or commit)."""
+        self.live, self.todo, self.scanned = {}, {}, 0
+        self._scan()
+
+    def _scan(self) -> None:
+        """Take in the entries of graves made since the last look."""
+        start, self.scanned = self.scanned, self.store._next_grave
+        db = self.store.db_sums
+        if db is None:
+            return
+        with self.store.read() as txn:
+            cur = txn.cursor(db=db)
+            ok = cur.set_range(S.u64(start))
+            while ok:
+                gid, raw = S.from_u64(cur.key()), bytes(cur.value())
+                s = S.decode_sum(raw)
+                if s is not None and s.state != S.SUM_CHANGED:
+                    self.live.setdefault(s.ino, set()).add(gid)
+                    if s.state == S.SUM_PENDING:
+                        self.todo[gid] = raw
+                ok = cur.next()
+
+    def changing(self, ino: int) -> None:
+        """The bytes of object *ino* are about to change through the mount
+        (a write, a truncation): if it is also kept in the grave (open after
+        its removal, or another name of it), mark its entries changed
+        first.  Raises OSError (the request fails) when the store cannot
+        take that."""
+        if self.store._next_grave != self.scanned:
+            self._scan()
+        gids = self.live.get(ino)
+        if not gids:
+            return
+        db = self.store.db_sums
+        with self.store.write() as w:
+            for gid in gids:
+                raw = w.txn.get(S.u64(gid), db=db)
+                s = S.decode_sum(raw) if raw is not None else None
+                if s is not None and s.ino == ino and s.state != S.SUM_CHANGED:
+                    w.txn.put(S.u64(gid), S.encode_sum(
+                        s._replace(state=S.SUM_CHANGED, digest=b"")), db=db)
+        for gid in gids:
+            self.todo.pop(gid, None)
+        del self.live[ino]
+
+    # -- the pass ----------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or (self.deadline is not None
+                                      and time.monotonic() > self.deadline)
+
+    def _due(self, s: S.GraveSum) -> bool:
+        """Whether to hash *s* now rather than wait for a pause."""
+        return self.quiet() >= QUIET or time.time_ns() - s.time_ns >= PATIENCE_NS
+
+    def _batch(self, everything: bool = False) -> list[tuple[int, bytes]]:
+        if self.store._next_grave != self.scanned:
+            self._scan()
+        batch, size = [], 0
+        for gid, raw in self.todo.items():
+            s = S.decode_sum(raw)
+            if not everything and (self.busy(s.ino) or not self._due(s)):
+                continue
+            batch.append((gid, raw))
+            size += s.size
+            if len(batch) >= BATCH_FILES or size >= BATCH_BYTES:
+                break
+        return batch
+
+    def _hash(self, batch: list[tuple[int, bytes]], everything: bool = False
+              ) -> list[tuple[int, bytes, bytes | None]]:
+        """In a worker thread.  When requests come, the rest of the batch
+        waits (unless it is overdue)."""
+        out = []
+        for gid, raw in batch:
+            s = S.decode_sum(raw)
+            if not everything and not self._due(s):
+                break
+            done, new = hash_pending(self.store, gid, s, self._stopping)
+            if not done:
+                break
+            out.append((gid, raw, new))
+        return out
+
+    def _record(self, results: list[tuple[int, bytes, bytes | None]]) -> None:
+        db = self.store.db_sums
+        written = []
+        with self.store.write() as w:
+            for gid, raw, new in results:
+                if new is not None and w.txn.get(S.u64(gid), db=db) == raw:
+                    w.txn.put(S.u64(gid), new, db=db)
+                    written.append((gid, S.decode_sum(new)))
+        for gid, raw, _ in results:
+            if self.todo.get(gid) == raw:     # (not taken in again since)
+                del self.todo[gid]
+        for gid, s in written:
+            if s.state == S.SUM_CHANGED:
+                self.live.get(s.ino, set()).discard(gid)
+
+    async def _step(self, everything: bool = False) -> bool:
+        """Hash and record one batch; False when there was nothing to do."""
+        batch = self._batch(everything)
+        if not batch:
+            return False
+        results = await trio.to_thread.run_sync(self._hash, batch, everything)
+        try:
+            self._record(results)
+        except OSError as e:      # a full store: the files stay pending
+            log.warning("could not record the hashes of removed files: %s", e)
+            await trio.sleep(1)
+        return True
+
+    async def run(self) -> None:
+        """Hash pending grave files as they come, until cancelled (set
+        ``stop`` first, so that a batch being read ends soon)."""
+        while True:
+            if not await self._step():
+                await trio.sleep(POLL)
+
+    async def drain(self, seconds: float = UNMOUNT_BUDGET) -> None:
+        """At unmount (nothing is open any more): hash what is left, for
+        *seconds* at most; the rest stays pending for the next mount."""
+        self.stop.clear()
+        self.deadline = time.monotonic() + seconds
+        try:
+            while not self._stopping() and await self._step(everything=True):
+                pass
+        finally:
+            self.deadline = None
+        if self.todo:
+            log.info("%d removed files are not hashed yet; the next mount hashes them",
+                     len(self.todo))
