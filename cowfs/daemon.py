@@ -40,7 +40,8 @@ from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
-                     mounted_workspaces, mounts, not_owner, pid_alive, socket_path)
+                     mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
+                     wait_gone)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .text import count
@@ -53,6 +54,7 @@ log = logging.getLogger("cowfs.daemon")
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 MNT_DETACH = 2
+FINISHING_WAIT = 60       # seconds a mount waits for the last mount's daemon to exit
 SYNC_INTERVAL = 2.0
 
 
@@ -255,12 +257,29 @@ class Daemon:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        def open_store() -> Store:
+            return Store.open(self.store_dir, self.workspace, create=create,
+                              **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
         try:
-            self.store = Store.open(self.store_dir, self.workspace, create=create,
-                                    **({"chunk_size": self.chunk_size} if self.chunk_size
-                                       else {}))
+            self.store = open_store()
         except AlreadyMounted:
-            raise self._store_in_use() from None
+            # the daemon of the last mount may still be recording its state
+            finishing = [rec for rec in MountRecord.all() if rec.finishing and
+                         os.path.normpath(rec.store) == os.path.realpath(self.store_dir)
+                         and pid_alive(rec.pid)]
+            if not finishing:
+                raise self._store_in_use() from None
+            pid = finishing[0].pid
+            t0 = time.monotonic()
+            if not wait_gone(pid, FINISHING_WAIT):
+                raise AlreadyMounted(
+                    f"the daemon of the last mount of {self.workspace} (pid {pid}) is still "
+                    f"finishing its unmount after {FINISHING_WAIT} s (recording the "
+                    "workspace's state, closing the store); mount again once it has "
+                    "exited") from None
+            self.warnings.append(f"waited {time.monotonic() - t0:.1f} s for the daemon of the "
+                                 f"last mount (pid {pid}) to finish its unmount")
+            self.store = open_store()
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         if create:   # a mount: its options (0 clears) change the store's limits
@@ -367,14 +386,21 @@ class Daemon:
                     log.exception("unmount failed")
             else:
                 pyfuse3.close(unmount=False)
-            self.record.remove()
-            self.record_fingerprint()
-            self.store.audit("unmount", layer=self.store.top().id)
-            try:
-                self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+            try:        # (a mount meanwhile waits for us, see _open)
+                self.record.finishing = True
+                self.record.save()
             except OSError:
                 pass
-            self.store.close()
+            try:
+                self.record_fingerprint()
+                self.store.audit("unmount", layer=self.store.top().id)
+                try:
+                    self.store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+                except OSError:
+                    pass
+                self.store.close()
+            finally:
+                self.record.remove()
             log.info("unmounted %s", self.mountpoint)
 
     async def _main(self) -> None:

@@ -134,6 +134,7 @@ class MountRecord:
     store: str
     pid: int
     socket: str
+    finishing: bool = False     # unmounted; the daemon records its state and exits
 
     @classmethod
     def load(cls, mountpoint: str, dirs: list[str] | None = None) -> "MountRecord | None":
@@ -292,6 +293,16 @@ def lock_holder(path: str) -> int | None:
     return None
 
 
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait until process *pid* has exited (True), at most *timeout* s."""
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[int]:
     """After the daemon of *rec* answered an unmount request with *result*:
     the pids still using a lazily detached mount (the daemon goes on serving
@@ -300,12 +311,9 @@ def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[
     users = result.get("users") or []
     if users:
         return users
-    deadline = time.monotonic() + timeout
-    while pid_alive(rec.pid):
-        if time.monotonic() > deadline:
-            raise AlreadyMounted(
-                f"{rec.mountpoint} is unmounted, but its daemon (pid {rec.pid}) is still "
-                f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
-                "the store); the workspace cannot be mounted again until it exits")
-        time.sleep(0.02)
+    if not wait_gone(rec.pid, timeout):
+        raise AlreadyMounted(
+            f"{rec.mountpoint} is unmounted, but its daemon (pid {rec.pid}) is still "
+            f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
+            "the store); the workspace cannot be mounted again until it exits")
     return []

@@ -19,7 +19,7 @@ from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsErro
 from cowfs.mounts import MountRecord, finish_unmount, is_cowfs_mount, mounts, pid_alive
 from cowfs.store import Store
 
-from .conftest import Workspace, managed_workspace, run, view_processes
+from .conftest import COWFS, Workspace, managed_workspace, run, view_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,3 +251,66 @@ def test_unmount_says_so_when_the_daemon_is_still_finishing():
         busy.kill()
         busy.wait()
     assert finish_unmount(rec, {"unmounted": "/nowhere"}) == []
+
+
+def test_a_mount_while_the_last_daemon_finishes_waits_for_it(workspace, tmp_path):
+    """After its mount is gone, a daemon records the workspace's state
+    before it exits (longer, the more the layers changed), holding the
+    store; a mount meanwhile waits for it instead of calling the store "in
+    use by another process".  (The finishing daemon is played by a process
+    holding the store's lock under a record that says it is finishing.)"""
+    ws = workspace
+    ws.mount()
+    layer = ws.checkpoint("kept")
+    (ws / "a.txt").write_text("changed\n")
+    ws.unmount()
+    gate = tmp_path / "gate"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('locked', flush=True)\n"
+         "while not os.path.exists(sys.argv[2]): time.sleep(0.02)\n",
+         str(ws / ".cowfs" / "lock"), str(gate)], stdout=subprocess.PIPE, text=True)
+    rec = MountRecord(str(ws.path), str(ws.path), str(ws / ".cowfs"), holder.pid,
+                      "/nowhere.sock", finishing=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        rec.save()
+        mount = subprocess.Popen([*COWFS, "mount", str(ws.path)], stderr=subprocess.PIPE,
+                                 text=True)
+        deadline = time.monotonic() + 60
+        while not sleeping_daemon(mount.pid):  # (in its wait for the finishing one)
+            assert time.monotonic() < deadline and mount.poll() is None
+            time.sleep(0.02)
+        gate.touch()
+        holder.wait(timeout=30)
+        rec.remove()
+        _, err = mount.communicate(timeout=120)
+        assert mount.returncode == 0, err
+        ws.mounted = True
+        assert f"s for the daemon of the last mount (pid {holder.pid}) to finish" in err
+        assert [x["id"] for x in ws.log()][-1] == layer
+    finally:
+        gate.touch()
+        holder.wait(timeout=30)
+        rec.remove()
+
+
+def sleeping_daemon(parent: int) -> bool:
+    """Whether a cowfs daemon started by process *parent* sleeps (in a
+    timed wait: it is past its start-up)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"cowfs.daemon" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/wchan") as f:
+                if f.read() == "hrtimer_nanosleep":
+                    return True
+        except OSError:
+            continue
+    return False
