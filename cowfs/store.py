@@ -27,6 +27,7 @@ from .mounts import not_owner
 MAP_SIZE = 64 << 30
 RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
 AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
+FULL_MARGIN = 4 << 20     # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
 
@@ -365,7 +366,10 @@ class Store:
 
     def sync(self) -> None:
         """Make everything written so far durable against power loss."""
-        self.env.sync(True)
+        try:
+            self.env.sync(True)
+        except lmdb.Error as e:
+            raise OSError(self.failure_errno(), f"cowfs store error: {e}") from None
         fd = os.open("grave", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
                      dir_fd=self.dirfd)
         try:
@@ -389,8 +393,7 @@ class Store:
         except lmdb.MapFullError as e:
             raise OSError(errno.ENOSPC, f"cowfs store full: {e}") from None
         except lmdb.Error as e:
-            err = errno.ENOSPC if "No space" in str(e) else errno.EIO
-            raise OSError(err, f"cowfs store error: {e}") from None
+            raise OSError(self.failure_errno(), f"cowfs store error: {e}") from None
 
     def read(self) -> lmdb.Transaction:
         return self.env.begin()
@@ -625,15 +628,45 @@ class Store:
                 yield S.from_json(cur.value())
                 ok = cur.next()
 
+    def failure_errno(self) -> int:
+        """Why LMDB failed to write: ENOSPC when the filesystem under the
+        store has no room for FULL_MARGIN more bytes (asked of the
+        filesystem itself: LMDB reports a short write as EIO, and ext4
+        keeps blocks that even root cannot have), else EIO."""
+        name = ".space-probe"
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
+                         dir_fd=self.dirfd)
+        except OSError as e:
+            return errno.ENOSPC if e.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+        try:
+            os.posix_fallocate(fd, 0, FULL_MARGIN)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return errno.ENOSPC
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(name, dir_fd=self.dirfd)
+            except OSError:
+                pass
+        return errno.EIO
+
+    def space_left(self) -> int:
+        """Bytes this process may still write where the store is (root:
+        the filesystem's reserved blocks too)."""
+        try:
+            sv = os.statvfs(f"/proc/self/fd/{self.dirfd}")
+        except OSError:
+            return 1 << 62
+        free = sv.f_bfree if os.geteuid() == 0 else sv.f_bavail
+        return free * sv.f_frsize
+
     def low_on_space(self) -> bool:
         """Less than AUDIT_RESERVE free where the store is: the audit log
         stops growing, so that what undo needs (a rollback writes too) is
         not used up by it."""
-        try:
-            sv = os.statvfs(f"/proc/self/fd/{self.dirfd}")
-        except OSError:
-            return False
-        return sv.f_bavail * sv.f_frsize < AUDIT_RESERVE
+        return self.space_left() < AUDIT_RESERVE
 
     def prune_audit(self, before: float) -> int:
         """Drop audit events older than *before* (unix time)."""
