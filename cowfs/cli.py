@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not capture changes under paths matching PATTERN (gitignore "
                         "syntax, like .cowfsignore; repeatable; kept for later mounts; "
                         "--ignore '' clears)")
+    s.add_argument("--engine", choices=("auto", "kernel", "pyfuse3"),
+                   help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
+                        "with passthrough and the kernel's newer features; needs root), "
+                        "pyfuse3 (libfuse, portable), or auto (kernel where it can run; "
+                        "the default)")
     s.add_argument("--audit", choices=("hashes", "changes", "events"),
                    help="what the audit log records of each kept change: its path, kind, "
                         "writer and both sides' xxh3 (hashes, the default; costs a read of "
@@ -277,7 +282,7 @@ def do_mount(args) -> int:
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
             "max_layers": args.max_layers, "accept_drift": args.accept_drift,
-            "ignore": args.ignore, "audit": args.audit}
+            "ignore": args.ignore, "audit": args.audit, "engine": args.engine}
 
 
 def do_audit(args) -> int:
