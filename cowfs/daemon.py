@@ -1036,8 +1036,16 @@ ENGINES = ("auto", "kernel", "pyfuse3")
 def make_engine(choice: str, ops: Ops):
     """The FUSE engine to serve *ops* with: *choice* "kernel", "pyfuse3",
     or "auto" (the kernel engine wherever it can run)."""
-    from . import pyfuse3_engine
-    return pyfuse3_engine.Engine(ops, "chosen" if choice == "pyfuse3" else "the only engine")
+    from . import kernel_engine, pyfuse3_engine
+    why_not = kernel_engine.available()
+    if choice == "kernel":
+        if why_not:
+            raise NoFuse(f"the kernel engine cannot run here: {why_not}")
+        return kernel_engine.Engine(ops, "chosen with --engine kernel")
+    if choice == "auto" and not why_not:
+        return kernel_engine.Engine(ops, "the default where it can run")
+    return pyfuse3_engine.Engine(ops, "chosen with --engine pyfuse3" if choice == "pyfuse3"
+                                 else f"the kernel engine cannot run here: {why_not}")
 
 
 def step_failures(record: dict | None) -> list[str]:
