@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--ignore '' clears)")
     s.add_argument("--engine", choices=("auto", "kernel", "pyfuse3"),
                    help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
-                        "with passthrough and the kernel's newer features; needs root), "
-                        "pyfuse3 (libfuse, portable), or auto (kernel where it can run; "
-                        "the default)")
+                        "with the kernel's newer features; needs root), pyfuse3 (libfuse, "
+                        "portable), or auto (kernel where it can run); default: "
+                        "$COWFS_ENGINE, else auto")
     s.add_argument("--audit", choices=("hashes", "changes", "events"),
                    help="what the audit log records of each kept change: its path, kind, "
                         "writer and both sides' xxh3 (hashes, the default; costs a read of "
@@ -282,7 +282,19 @@ def do_mount(args) -> int:
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
             "max_layers": args.max_layers, "accept_drift": args.accept_drift,
-            "ignore": args.ignore, "audit": args.audit, "engine": args.engine}
+            "ignore": args.ignore, "audit": args.audit, "engine": engine_choice(args.engine)}
+
+
+def engine_choice(given: str | None) -> str:
+    """--engine, else $COWFS_ENGINE, else auto."""
+    choice = given or os.environ.get("COWFS_ENGINE") or "auto"
+    if choice not in ENGINE_CHOICES:
+        raise CowfsError(f"COWFS_ENGINE is {choice!r}; it takes one of "
+                         f"{', '.join(ENGINE_CHOICES)}", errors.USAGE)
+    return choice
+
+
+ENGINE_CHOICES = ("auto", "kernel", "pyfuse3")
 
 
 def do_audit(args) -> int:

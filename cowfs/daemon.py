@@ -571,7 +571,7 @@ class Daemon:
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
         await self._flush()
         layer = self.stack.checkpoint(message)
-        self.recorder.reset(fresh=True)
+        self._switched(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
         if chosen:   # a crash while capturing: the next mount removes what was taken
@@ -616,7 +616,7 @@ class Daemon:
         if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
             self.stack.commit()
         self.store.set_meta_json(S.K_PENDING, None)
-        self.recorder.reset(fresh=False)
+        self._switched(fresh=False)
 
     def _resume_checkpoint(self, pending: dict) -> list[str]:
         """A crash interrupted a checkpoint's captures: discard what each
@@ -701,14 +701,25 @@ class Daemon:
                     # knows all it holds (nothing); a redo's layers are known
                     # from the store
                     top = self.store.top()
-                    self.recorder.reset(fresh=pending["op"] == "rollback" and top is not None
-                                        and before is not None and top.id > before.id)
+                    self._switched(fresh=pending["op"] == "rollback" and top is not None
+                                   and before is not None and top.id > before.id, undo=True)
                 # before anything awaits: the requests held meanwhile come next
                 self._arm_redo()
             if self.fs is not None:
-                await self._invalidate(*self.fs.after_undo(report.touched))
+                invalid = self.fs.after_undo(report.touched)
+                self.fs.layer_switched(after_undo=True)
+                await self._invalidate(*invalid)
         ran += await self._provider_steps("discard")
         return self.stack.finish(), report, ran
+
+    def _switched(self, fresh: bool, undo: bool = False) -> None:
+        """The open layer changed: the recorder follows it (*fresh*: opened
+        by this process), and files written through passthrough are
+        captured whole in it (after an *undo*, the caller does that once the
+        inode table knows where the undo put everything)."""
+        self.recorder.reset(fresh=fresh)
+        if self.fs is not None and not undo:
+            self.fs.layer_switched()
 
     def _arm_redo(self) -> None:
         """While the last rollback can be redone, the first change in the
@@ -752,7 +763,7 @@ class Daemon:
         self.store.audit_many([{"event": "commit", "layer": info["committed"],
                                 "into": info["into"], "changes": len(kept)}]
                               + [c | {"layer": info["committed"]} for c in kept])
-        self.recorder.reset(fresh=info["into"] is None)
+        self._switched(fresh=info["into"] is None)
         freed = info.pop("freed", [])
         if self.fs is not None:
             self.fs.after_commit(freed)

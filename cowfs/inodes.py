@@ -21,7 +21,7 @@ class Node:
     name when it was evicted."""
 
     __slots__ = ("ino", "bino", "_fd", "live", "nopen", "nlookup", "parent", "name",
-                 "extra", "mode", "nocap")
+                 "extra", "mode", "nocap", "pt", "pt_writers", "cached", "bfd", "backing")
     cache: "FdCache"
 
     def __init__(self, ino: int, bino: int, fd: int, mode: int):
@@ -36,6 +36,12 @@ class Node:
         self.name = b""
         self.extra: set[tuple[Node, bytes]] | None = None
         self.nocap = False
+        # open files: served by the kernel from the backing file (passthrough;
+        # of which writable), or through the daemon; the backing file all
+        # passthrough opens share, and the engine's id for it
+        self.pt = self.pt_writers = self.cached = 0
+        self.bfd = -1
+        self.backing: int | None = None
 
     @property
     def fd(self) -> int:
@@ -55,13 +61,15 @@ class Node:
 
 
 class Handle:
-    __slots__ = ("node", "fd", "writable", "who")
+    __slots__ = ("node", "fd", "writable", "who", "passthrough", "counted")
 
     def __init__(self, node: Node, fd: int, writable: bool, who: tuple[int, int] | None):
         self.node = node
         self.fd = fd
         self.writable = writable
         self.who = who          # the process that opened it (writes carry no caller)
+        self.passthrough = False
+        self.counted = False    # in its node's pt or cached count
 
 
 class FdCache:

@@ -38,6 +38,7 @@ MAX_PAGES = MAX_WRITE // 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 _ENTRY_TIMEOUT = int(TIMEOUT)
+_NEGATIVE = F.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(F.ATTR.size)
 
 
 def available() -> str | None:
@@ -116,6 +117,8 @@ class Engine:
         self.flags = 0               # what INIT agreed on
         self.running = False
         self.counts: dict[int, int] = {}
+        self.use_passthrough = True
+        self.passthrough = False     # negotiated
         self._handlers = self._table()
 
     # -- mounting ----------------------------------------------------------------------
@@ -283,6 +286,8 @@ class Engine:
             F.READDIR: self._readdir, F.RELEASEDIR: self._releasedir,
             F.FSYNCDIR: self._fsyncdir, F.ACCESS: self._access, F.CREATE: self._create,
             F.INTERRUPT: self._interrupt, F.SYNCFS: self._syncfs,
+            F.FALLOCATE: self._fallocate, F.LSEEK: self._lseek,
+            F.COPY_FILE_RANGE: self._copy_file_range, F.TMPFILE: self._tmpfile,
         }
 
     def _init(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -293,14 +298,22 @@ class Engine:
                                                 0, 0, 0, 0, 0, 0, 0))
             return
         kernel = flags | (flags2 << 32 if flags & F.INIT_EXT else 0)
-        want = (F.ASYNC_READ | F.ATOMIC_O_TRUNC | F.EXPORT_SUPPORT | F.BIG_WRITES
-                | F.DO_READDIRPLUS | F.PARALLEL_DIROPS | F.MAX_PAGES | F.INIT_EXT)
+        want = (F.PASSTHROUGH if self.use_passthrough else 0) | (
+                F.ASYNC_READ | F.ATOMIC_O_TRUNC | F.EXPORT_SUPPORT | F.BIG_WRITES
+                | F.DO_READDIRPLUS | F.PARALLEL_DIROPS | F.MAX_PAGES | F.INIT_EXT
+                # no GETXATTR security.capability before every write, truncation
+                # and chown: the daemon clears privileges itself (ops._kill_privs)
+                | F.HANDLE_KILLPRIV_V2)
+        # (not CACHE_SYMLINKS: a readlink the kernel answers from its cache
+        # never updates the symlink's atime, as a native one would)
         agreed = kernel & want
         self.minor = min(minor, F.KERNEL_MINOR)
         self.flags = agreed
+        self.passthrough = bool(agreed & F.PASSTHROUGH)
         self._reply(unique, F.INIT_OUT.pack(
             F.KERNEL_VERSION, self.minor, max_readahead, agreed & 0xFFFFFFFF,
-            64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32, 0, 0))
+            64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
+            1 if self.passthrough else 0, 0))    # (max_stack_depth: over one filesystem)
         log.info("FUSE 7.%d, kernel offers %#x, agreed %#x", minor, kernel, agreed)
         if self.on_init is not None:
             self.on_init()
@@ -314,7 +327,13 @@ class Engine:
 
     def _lookup(self, unique, nodeid, uid, gid, pid, body) -> None:
         name = bytes(body[:-1])
-        node, st = self.ops.lookup(nodeid, name, ctx=Ctx(pid, uid, gid, 0))
+        try:
+            node, st = self.ops.lookup(nodeid, name, ctx=Ctx(pid, uid, gid, 0))
+        except FileNotFoundError:
+            # a negative entry: the kernel remembers the name is absent (an
+            # undo that brings one back invalidates it)
+            self._reply(unique, _NEGATIVE)
+            return
         self._entry(unique, node, st)
 
     def _forget(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -354,7 +373,8 @@ class Engine:
             else:
                 kw["mtime_ns"] = mtime * 1_000_000_000 + mtimensec
         node, st = self.ops.setattr(nodeid, fh if valid & F.FATTR_FH else None,
-                                    ctx=Ctx(pid, uid, gid, 0), **kw)
+                                    ctx=Ctx(pid, uid, gid, 0),
+                                    kill_suidgid=bool(valid & F.FATTR_KILL_SUIDGID), **kw)
         self._attr_reply(unique, node, st)
 
     def _readlink(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -408,24 +428,46 @@ class Engine:
         self._entry(unique, node, st)
 
     def _open(self, unique, nodeid, uid, gid, pid, body) -> None:
-        flags, _ = F.OPEN_IN.unpack_from(body)
-        fh, keep = self.ops.open(nodeid, flags, ctx=Ctx(pid, uid, gid, 0))
-        self._reply(unique, F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0))
+        flags, open_flags = F.OPEN_IN.unpack_from(body)
+        fh, keep = self.ops.open(nodeid, flags, ctx=Ctx(pid, uid, gid, 0),
+                                 kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        self._reply(unique, self._open_out(fh, keep))
 
     def _create(self, unique, nodeid, uid, gid, pid, body) -> None:
-        flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
+        flags, mode, umask, open_flags = F.CREATE_IN.unpack_from(body)
         fh, keep, node, st = self.ops.create(nodeid, bytes(body[16:-1]), mode, flags,
-                                             ctx=Ctx(pid, uid, gid, umask))
-        self._entry(unique, node, st,
-                    F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0))
+                                             ctx=Ctx(pid, uid, gid, umask),
+                                             kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        self._entry(unique, node, st, self._open_out(fh, keep))
+
+    def _tmpfile(self, unique, nodeid, uid, gid, pid, body) -> None:
+        flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
+        fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags,
+                                              ctx=Ctx(pid, uid, gid, umask))
+        self._entry(unique, node, st, self._open_out(fh, keep))
+
+    def _fallocate(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, length, mode, _ = F.FALLOCATE_IN.unpack_from(body)
+        self.ops.fallocate(fh, off, length, mode)
+        self._reply(unique)
+
+    def _lseek(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, whence, _ = F.LSEEK_IN.unpack_from(body)
+        self._reply(unique, F.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
+
+    def _copy_file_range(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh_in, off_in, _, fh_out, off_out, length, _ = F.COPY_FILE_RANGE_IN.unpack_from(body)
+        n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, length)
+        self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
     def _read(self, unique, nodeid, uid, gid, pid, body) -> None:
         fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
         self._reply_data(unique, self.ops.read(fh, off, size))
 
     def _write(self, unique, nodeid, uid, gid, pid, body) -> None:
-        fh, off, size, _, _, _, _ = F.WRITE_IN.unpack_from(body)
-        n = self.ops.write(fh, off, body[40:40 + size])
+        fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
+        n = self.ops.write(fh, off, body[40:40 + size],
+                           kill_suidgid=bool(write_flags & F.WRITE_KILL_SUIDGID))
         self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
     def _statfs(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -435,8 +477,37 @@ class Engine:
                                            sv.f_frsize, 0))
 
     def _release(self, unique, nodeid, uid, gid, pid, body) -> None:
-        self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
+        h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
+        node = h.node
+        if h.passthrough and not node.pt and node.backing is not None:
+            self._backing_close(node.backing)
+            node.backing = None
         self._reply(unique)
+
+    def _open_out(self, fh: int, keep: bool) -> bytes:
+        """The reply to an open: passthrough where the operations allow it."""
+        if self.passthrough:
+            bfd = self.ops.passthrough(fh)
+            if bfd is not None:
+                node = self.ops.handles[fh].node
+                if node.backing is None:
+                    node.backing = self._backing_open(bfd)
+                return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, node.backing)
+        return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)
+
+    def _backing_open(self, fd: int) -> int:
+        arg = ctypes.create_string_buffer(F.BACKING_MAP.pack(fd, 0, 0), F.BACKING_MAP.size)
+        bid = _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_OPEN), arg)
+        if bid < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"FUSE_DEV_IOC_BACKING_OPEN: {os.strerror(e)}")
+        return bid
+
+    def _backing_close(self, bid: int) -> None:
+        arg = ctypes.c_uint32(bid)
+        if _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) < 0:
+            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid,
+                        os.strerror(ctypes.get_errno()))
 
     def _flush(self, unique, nodeid, uid, gid, pid, body) -> None:
         # Writes go straight to the backing file: nothing to flush at close.
@@ -485,7 +556,9 @@ class Engine:
 
     def _opendir(self, unique, nodeid, uid, gid, pid, body) -> None:
         fh = self.ops.opendir(nodeid, ctx=Ctx(pid, uid, gid, 0))
-        self._reply(unique, F.OPEN_OUT.pack(fh, 0, 0))
+        # the kernel may keep the entries it read until the directory changes
+        # (through the mount, or an undo, which invalidates it)
+        self._reply(unique, F.OPEN_OUT.pack(fh, F.FOPEN_CACHE_DIR | F.FOPEN_KEEP_CACHE, 0))
 
     def _readdirplus(self, unique, nodeid, uid, gid, pid, body) -> None:
         fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)

@@ -111,6 +111,7 @@ class Ops:
         # Files open for writing: only they can have dirty pages (shared
         # mmaps) in the kernel that a layer switch must flush first.
         self.writers = 0
+        self.pt_writers: set[Node] = set()      # written through passthrough
         self.grave_links = store.grave_counts()
         # told before the bytes of an object change (gravesum.Hasher)
         self.sums = None
@@ -394,6 +395,7 @@ class Ops:
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
         self.rec.note_created(st.st_ino)
+        node.nocap = True             # (a new object has no capabilities)
         return node, st
 
     # -- lookups and attributes ------------------------------------------------------
@@ -429,11 +431,15 @@ class Ops:
     @op(changes=True)
     def setattr(self, inode, fh: int | None, *, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, size: int | None = None,
-                atime_ns: int | None = None, mtime_ns: int | None = None):
+                atime_ns: int | None = None, mtime_ns: int | None = None,
+                kill_suidgid: bool = False):
         """Set what is not None (uid/gid -1: leave it); nothing at all: a
-        change of the ctime alone."""
+        change of the ctime alone.  *kill_suidgid*: a truncation by a caller
+        without CAP_FSETID (see ``_kill_privs``)."""
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
+        if size is not None or uid is not None or gid is not None:
+            self._kill_privs(node, kill_suidgid and size is not None)
         if size is not None:
             if not stat.S_ISREG(node.mode):
                 raise fail(errno.EINVAL)
@@ -470,6 +476,33 @@ class Ops:
         st = os.stat(node.fd)
         node.mode = st.st_mode
         return node, st
+
+    def _kill_privs(self, node: Node, suidgid: bool) -> None:
+        """Before a write, truncation or change of owner: the backing
+        filesystem drops the object's capabilities (security.capability) as
+        the daemon makes the change -- captured here first; with *suidgid*
+        (the kernel leaves it to us under HANDLE_KILLPRIV_V2: the caller has
+        no CAP_FSETID), the setuid bit and the setgid bit of a
+        group-executable file go, as the kernel would clear them."""
+        if not stat.S_ISREG(node.mode):
+            return
+        if not node.nocap:
+            try:
+                os.getxattr(B.proc(node.fd), CAPABILITY)
+                self._capture_xattrs(node)
+            except OSError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+                node.nocap = True
+        if suidgid:
+            mode = os.stat(node.fd).st_mode
+            kept = mode & ~stat.S_ISUID
+            if mode & stat.S_IXGRP:
+                kept &= ~stat.S_ISGID
+            if kept != mode:
+                self._capture_meta(node)
+                os.chmod(B.proc(node.fd), stat.S_IMODE(kept))
+                node.mode = kept
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
         if node.islnk:
@@ -534,14 +567,15 @@ class Ops:
         return self._lookup(parent, new_name)
 
     @op(changes=True)
-    def create(self, parent_inode, name, mode, flags, ctx):
+    def create(self, parent_inode, name, mode, flags, ctx, kill_suidgid: bool = False):
         parent = self._node(parent_inode)
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
             if flags & os.O_EXCL:
                 raise fail(errno.EEXIST)
             node, st = self._lookup(parent, name)
-            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx)
+            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx,
+                                 kill_suidgid=kill_suidgid)
             return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
@@ -558,6 +592,7 @@ class Ops:
             os.close(fd)
             raise
         self.rec.note_created(st.st_ino)
+        node.nocap = True
         return (*self._new_handle(node, fd, flags), node, st)
 
     # -- removing and moving names -------------------------------------------------------
@@ -574,6 +609,8 @@ class Ops:
         if node is not None:
             self._remove_link(node, parent, name)
             self._add_link(node, self.grave, gname)
+            if node.pt_writers:     # (written on unseen: no hash of it can hold)
+                self._rewriting(node)
 
     def _remove(self, parent: Node, name: bytes, want_dir: bool) -> None:
         self._check_name(parent, name)
@@ -754,11 +791,13 @@ class Ops:
                 and time.time_ns() - st.st_atime_ns < RELATIME_AGE)
 
     @op
-    def open(self, inode, flags, ctx):
+    def open(self, inode, flags, ctx, kill_suidgid: bool = False):
+        """*kill_suidgid*: an O_TRUNC open by a caller without CAP_FSETID."""
         node = self._node(inode)
         if flags & os.O_TRUNC and self.on_change is not None:
             self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
+            self._kill_privs(node, kill_suidgid)
             self._capture_data(node, None, 0, 1 << 63)
             self._rewriting(node)
         fl = self._open_flags(flags)
@@ -773,14 +812,75 @@ class Ops:
         return os.pread(self.handles[fh].fd, size, off)
 
     @op(changes=True)
-    def write(self, fh, off, buf):
+    def write(self, fh, off, buf, kill_suidgid: bool = False):
+        """*kill_suidgid*: the writer has no CAP_FSETID (see ``_kill_privs``)."""
         h = self.handles[fh]
         node = h.node
+        if kill_suidgid or not node.nocap:
+            self._kill_privs(node, kill_suidgid)
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
             self.rec.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
         self._rewriting(node)
         return os.pwrite(h.fd, buf, off)
+
+    @op(changes=True)
+    def fallocate(self, fh, off: int, length: int, mode: int) -> None:
+        """fallocate(2) on the backing file: what a mode changes (the size;
+        the bytes a hole or zero range replaces; all bytes from *off* on
+        when a collapse or insert shifts them) is captured first."""
+        h = self.handles[fh]
+        node = h.node
+        if mode & (B.FALLOC_FL_COLLAPSE_RANGE | B.FALLOC_FL_INSERT_RANGE):
+            self._capture_data(node, h.fd, off, 1 << 63)
+        elif mode & (B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_ZERO_RANGE):
+            self._capture_data(node, h.fd, off, off + length)
+        if not mode & B.FALLOC_FL_KEEP_SIZE:
+            self._capture_meta(node)            # (the size it may grow from)
+        self._rewriting(node)
+        B.fallocate(h.fd, mode, off, length)
+
+    @op
+    def lseek(self, fh, off: int, whence: int) -> int:
+        """SEEK_DATA and SEEK_HOLE (the kernel does the others itself)."""
+        return os.lseek(self.handles[fh].fd, off, whence)
+
+    @op(changes=True)
+    def copy_file_range(self, fh_in, off_in: int, fh_out, off_out: int, length: int) -> int:
+        """copy_file_range(2) between backing files (reflinked where the
+        filesystem can), the range it overwrites captured first."""
+        src, dst = self.handles[fh_in], self.handles[fh_out]
+        self.rec.who = dst.who
+        self._capture_data(dst.node, dst.fd, off_out, off_out + length)
+        self._capture_meta(dst.node)
+        self._rewriting(dst.node)
+        return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
+
+    @op(changes=True)
+    def tmpfile(self, parent_inode, mode, flags, ctx) -> tuple[int, bool, Node, os.stat_result]:
+        """O_TMPFILE: an unnamed file in the directory, made in this layer
+        (nothing to capture; giving it a name later is a link)."""
+        parent = self._node(parent_inode)
+        mode = (mode & ~ctx.umask) | stat.S_IFREG
+        fd = os.open(B.proc(parent.fd), (self._open_flags(flags) & ~os.O_DIRECTORY)
+                     | os.O_TMPFILE, stat.S_IMODE(mode))
+        try:
+            if self.is_root:
+                pst = os.stat(parent.fd)
+                os.fchown(fd, ctx.uid, pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid)
+            st = os.fstat(fd)
+            node = Node(self.next_ino, st.st_ino, os.open(B.proc(fd), B.PATH_FLAGS),
+                        st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.next_ino += 1
+        node.nlookup = 1
+        node.nocap = True
+        self.nodes[node.ino] = node
+        self.by_bino[node.bino] = node
+        self.rec.note_created(st.st_ino)
+        return (*self._new_handle(node, fd, flags), node, st)
 
     def _rewriting(self, node: Node) -> None:
         """The bytes of *node*'s object are about to change: if it is also
@@ -806,11 +906,86 @@ class Ops:
         raise fail(errno.ENOSYS)
 
     @op
-    def release(self, fh):
+    def release(self, fh) -> Handle:
         h = self.handles.pop(fh)
         os.close(h.fd)
         self.writers -= h.writable
-        self.fds.unpin(h.node)
+        node = h.node
+        if h.counted:
+            if h.passthrough:
+                node.pt -= 1
+                node.pt_writers -= h.writable
+                if not node.pt_writers:
+                    self.pt_writers.discard(node)
+                if not node.pt and node.bfd >= 0:
+                    os.close(node.bfd)
+                    node.bfd = -1
+            else:
+                node.cached -= 1
+        self.fds.unpin(node)
+        return h
+
+    # -- passthrough --------------------------------------------------------------------
+
+    def passthrough(self, fh: int) -> int | None:
+        """Whether open file *fh* may be served by the kernel from the
+        backing file directly (FUSE passthrough: its reads and writes never
+        reach the daemon, so they are not captured one by one).  If so, the
+        fd of the node's backing file to hand the kernel (every passthrough
+        open of an inode shares one), else None.
+
+        All opens of an inode agree (the kernel refuses a mix): the first
+        decides -- passthrough for reading, or for writing a file made in the
+        open layer (nothing to capture).  A writer of a file already served
+        so gets passthrough too, the file captured whole first; and at every
+        layer switch, files open for writing this way are captured whole in
+        the new top layer (``layer_switched``)."""
+        h = self.handles[fh]
+        node = h.node
+        ok = stat.S_ISREG(node.mode) and not node.cached and (
+            not h.writable or node.pt or self.rec.obj(node.bino).created)
+        if ok and node.bfd < 0:
+            try:
+                node.bfd = os.open(B.proc(node.fd), os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                ok = False
+        if not ok:
+            node.cached += 1
+            h.counted = True
+            return None
+        if h.writable:
+            self._capture_whole(node, h.fd)
+            node.pt_writers += 1
+            self.pt_writers.add(node)
+        node.pt += 1
+        h.counted = h.passthrough = True
+        return node.bfd
+
+    def _capture_whole(self, node: Node, fd: int) -> None:
+        """Capture every byte and the attributes of *node*'s file in the open
+        layer (nothing, for a file made in it), so that writes the daemon
+        does not see need no capture."""
+        self._capture_data(node, fd, 0, 1 << 63)
+        self._capture_meta(node)
+        self._rewriting(node)
+
+    def layer_switched(self, after_undo: bool = False) -> None:
+        """After the open layer changed (checkpoint, rollback, redo, commit):
+        files that programs write through passthrough are captured whole in
+        it, unless made in it.  After an undo, not those it took out of the
+        tree (into the grave, kept for a redo, which would notice their
+        change by its fingerprint)."""
+        for node in list(self.pt_writers):
+            h = next((h for h in self.handles.values()
+                      if isinstance(h, Handle) and h.node is node and h.passthrough), None)
+            if h is not None and node.live:
+                if after_undo and S.grave_id(self._loc(node)) is not None:
+                    continue
+                try:
+                    self._capture_whole(node, h.fd)
+                except OSError as e:
+                    log.warning("could not capture a file open for writing across a "
+                                "layer switch: %s", e)
 
     @op
     def fsync(self, fh, datasync):
