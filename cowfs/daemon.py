@@ -554,7 +554,15 @@ class Daemon:
 
     async def op_ping(self) -> dict:
         return {"pid": os.getpid(), "workspace": self.workspace,
-                "mountpoint": self.mountpoint, "store": self.store_dir}
+                "mountpoint": self.mountpoint, "store": self.store_dir,
+                "engine": self.engine_info()}
+
+    def engine_info(self) -> dict | None:
+        """Which FUSE engine serves the mount, why, and what it negotiated."""
+        if self.engine is None:
+            return None
+        return {"name": self.engine.name, "why": self.engine.why,
+                **getattr(self.engine, "features", lambda: {})()}
 
     async def op_checkpoint(self, message: str = "", providers: list | None = None,
                             containers: list | None = None, vms: list | None = None) -> dict:
@@ -848,7 +856,8 @@ class Daemon:
     async def op_status(self) -> dict:
         await self._flush()
         return self.stack.status() | {"usage": self.stack.usage(),
-                                      "redo": redo.summary(self.store)}
+                                      "redo": redo.summary(self.store),
+                                      "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record

@@ -121,6 +121,17 @@ class Engine:
         self.passthrough = False     # negotiated
         self._handlers = self._table()
 
+    def features(self) -> dict:
+        """What INIT agreed on, by name."""
+        names = {F.HANDLE_KILLPRIV_V2: "killpriv_v2", F.PASSTHROUGH: "passthrough",
+                 F.DO_READDIRPLUS: "readdirplus", F.PARALLEL_DIROPS: "parallel_dirops",
+                 F.ATOMIC_O_TRUNC: "atomic_o_trunc", F.MAX_PAGES: "max_pages"}
+        return {"protocol": f"7.{self.minor}",
+                "features": sorted(n for bit, n in names.items() if self.flags & bit)
+                + ["negative_entries", "cache_readdir"],
+                "requests": {F.OPCODE_NAMES.get(op, str(op)): n
+                             for op, n in sorted(self.counts.items())}}
+
     # -- mounting ----------------------------------------------------------------------
 
     def mount(self, mountpoint: str, fsname: str, allow_other: bool,
@@ -466,8 +477,11 @@ class Engine:
 
     def _write(self, unique, nodeid, uid, gid, pid, body) -> None:
         fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
-        n = self.ops.write(fh, off, body[40:40 + size],
-                           kill_suidgid=bool(write_flags & F.WRITE_KILL_SUIDGID))
+        if write_flags & F.WRITE_KILL_SUIDGID:
+            n = self.ops.write(fh, off, body[40:40 + size], kill_suidgid=True,
+                               ctx=Ctx(pid, uid, gid, 0))
+        else:
+            n = self.ops.write(fh, off, body[40:40 + size])
         self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
     def _statfs(self, unique, nodeid, uid, gid, pid, body) -> None:

@@ -43,6 +43,21 @@ class Ctx:
         self.pid, self.uid, self.gid, self.umask = pid, uid, gid, umask
 
 
+def in_group(ctx: Ctx, gid: int) -> bool:
+    """Whether the requesting process is in group *gid* (its own, or one of
+    its supplementary groups, read from /proc)."""
+    if ctx.gid == gid:
+        return True
+    try:
+        with open(f"/proc/{ctx.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
+
+
 def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
@@ -432,14 +447,14 @@ class Ops:
     def setattr(self, inode, fh: int | None, *, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, size: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None,
-                kill_suidgid: bool = False):
+                kill_suidgid: bool = False, ctx: Ctx | None = None):
         """Set what is not None (uid/gid -1: leave it); nothing at all: a
         change of the ctime alone.  *kill_suidgid*: a truncation by a caller
         without CAP_FSETID (see ``_kill_privs``)."""
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
         if size is not None or uid is not None or gid is not None:
-            self._kill_privs(node, kill_suidgid and size is not None)
+            self._kill_privs(node, kill_suidgid and size is not None, ctx)
         if size is not None:
             if not stat.S_ISREG(node.mode):
                 raise fail(errno.EINVAL)
@@ -469,21 +484,27 @@ class Ops:
                 else:
                     os.utime(B.proc(node.fd), ns=ns)
         elif size is None:
-            # A change of nothing but the ctime (chown(f, -1, -1)): ext4
-            # updates the ctime, and so does this no-op chown of the backing
-            # object.  (A ctime needs no capture: it cannot be put back.)
+            # A change of nothing but the ctime (chown(f, -1, -1)), or what
+            # the kernel asks of us to drop setuid/setgid before an
+            # unprivileged write (HANDLE_KILLPRIV_V2): ext4 updates the ctime
+            # and drops those bits, and so does this no-op chown of the
+            # backing object -- the mode is captured first when they are set.
+            # (A ctime needs no capture: it cannot be put back.)
+            if os.stat(node.fd).st_mode & (stat.S_ISUID | stat.S_ISGID):
+                self._capture_meta(node)
             self._chown(node, -1, -1)
         st = os.stat(node.fd)
         node.mode = st.st_mode
         return node, st
 
-    def _kill_privs(self, node: Node, suidgid: bool) -> None:
+    def _kill_privs(self, node: Node, suidgid: bool, ctx: Ctx | None = None) -> None:
         """Before a write, truncation or change of owner: the backing
         filesystem drops the object's capabilities (security.capability) as
         the daemon makes the change -- captured here first; with *suidgid*
         (the kernel leaves it to us under HANDLE_KILLPRIV_V2: the caller has
-        no CAP_FSETID), the setuid bit and the setgid bit of a
-        group-executable file go, as the kernel would clear them."""
+        no CAP_FSETID), the setuid bit goes, and the setgid bit of a
+        group-executable file, or of one whose group the caller (*ctx*) is
+        not in, as the kernel clears them."""
         if not stat.S_ISREG(node.mode):
             return
         if not node.nocap:
@@ -495,9 +516,11 @@ class Ops:
                     raise
                 node.nocap = True
         if suidgid:
-            mode = os.stat(node.fd).st_mode
+            st = os.stat(node.fd)
+            mode = st.st_mode
             kept = mode & ~stat.S_ISUID
-            if mode & stat.S_IXGRP:
+            if mode & stat.S_IXGRP or (mode & stat.S_ISGID and ctx is not None
+                                       and not in_group(ctx, st.st_gid)):
                 kept &= ~stat.S_ISGID
             if kept != mode:
                 self._capture_meta(node)
@@ -797,7 +820,7 @@ class Ops:
         if flags & os.O_TRUNC and self.on_change is not None:
             self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
-            self._kill_privs(node, kill_suidgid)
+            self._kill_privs(node, kill_suidgid, ctx)
             self._capture_data(node, None, 0, 1 << 63)
             self._rewriting(node)
         fl = self._open_flags(flags)
@@ -812,12 +835,13 @@ class Ops:
         return os.pread(self.handles[fh].fd, size, off)
 
     @op(changes=True)
-    def write(self, fh, off, buf, kill_suidgid: bool = False):
-        """*kill_suidgid*: the writer has no CAP_FSETID (see ``_kill_privs``)."""
+    def write(self, fh, off, buf, kill_suidgid: bool = False, ctx: Ctx | None = None):
+        """*kill_suidgid*: the writer (*ctx*) has no CAP_FSETID (see
+        ``_kill_privs``)."""
         h = self.handles[fh]
         node = h.node
         if kill_suidgid or not node.nocap:
-            self._kill_privs(node, kill_suidgid)
+            self._kill_privs(node, kill_suidgid, ctx)
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
             self.rec.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
