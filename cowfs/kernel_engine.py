@@ -35,6 +35,7 @@ MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
 MAX_WRITE = 1 << 20
 MAX_PAGES = MAX_WRITE // 4096
+READ_AHEAD_KB = 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 
 _ENTRY_TIMEOUT = int(TIMEOUT)
@@ -149,6 +150,20 @@ class Engine:
             os.close(self.fd)
             self.fd = -1
             raise OSError(e, f"mount: {os.strerror(e)}", mountpoint)
+
+    def _tune_bdi(self) -> None:
+        """Read ahead 1 MiB on reads the daemon serves (the default 128 KiB
+        made cold sequential reads 1.6x slower here); best effort."""
+        from .mounts import mounts
+        found = [m for m in mounts() if m.mountpoint == self.mountpoint
+                 and m.fstype == "fuse.cowfs"]
+        if not found:
+            return
+        try:
+            with open(f"/sys/class/bdi/{found[-1].dev}/read_ahead_kb", "w") as f:
+                f.write(str(READ_AHEAD_KB))
+        except OSError as e:
+            log.info("could not set the mount's read-ahead: %s", e)
 
     async def serve(self) -> None:
         """Serve requests until the mount is gone."""
@@ -326,6 +341,7 @@ class Engine:
             64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
             1 if self.passthrough else 0, 0))    # (max_stack_depth: over one filesystem)
         log.info("FUSE 7.%d, kernel offers %#x, agreed %#x", minor, kernel, agreed)
+        self._tune_bdi()    # (after INIT, which caps the read-ahead)
         if self.on_init is not None:
             self.on_init()
 
