@@ -1049,7 +1049,11 @@ class Ops:
         stat, next position)* until it says no more fit (False).  The
         kernel holds a reference to each node it took (not to dot entries)."""
         dh = self.handles[fh]
-        if start == 0:
+        if start == 0 or not dh.names:
+            # (a handle may begin past 0: the kernel's readdir cache goes on
+            # where the part it kept ends; positions are those of the listing,
+            # stable while the directory does not change -- a change drops
+            # that cache)
             dh.names = self._list(dh.node)
         names = dh.names
         for i in range(start, len(names)):
