@@ -41,7 +41,7 @@ from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, w
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
                      mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
-                     wait_gone)
+                     processes, wait_gone)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .text import count
@@ -1023,9 +1023,12 @@ class Daemon:
             await self._blocking(kernel_unmount, self.mountpoint, lazy)
         except OSError as e:
             if e.errno == errno.EBUSY:
-                raise AlreadyMounted(f"{self.mountpoint} is busy (a process has a file "
-                                     "or its working directory there); close it or "
-                                     "use --lazy") from None
+                users = await self._blocking(mount_users, ours[-1]) if ours else []
+                raise AlreadyMounted(
+                    f"{self.mountpoint} is busy: "
+                    + (f"used by {processes(users)}" if users else
+                       "a process has a file or its working directory there")
+                    + "; close them, or use --lazy") from None
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
