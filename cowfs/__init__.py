@@ -1,10 +1,23 @@
-"""cowfs: a FUSE filesystem that makes any directory undoable."""
+"""cowfs: a FUSE filesystem that makes any directory undoable.
 
-from .api import (Change, CommitResult, LayerInfo, RollbackResult, RunResult, Status,
-                  StepFailed, Workspace)
-from .errors import CowfsError
+``from cowfs import Workspace`` (and the other names below) loads the API
+on first use, so that importing a part of cowfs -- the command line, which
+starts with every command -- stays cheap."""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "RollbackResult",
-           "RunResult", "Status", "StepFailed", "Workspace", "__version__"]
+_API = ("Change", "CommitResult", "LayerInfo", "RollbackResult", "RunResult", "Status",
+        "StepFailed", "Workspace")
+__all__ = [*_API, "CowfsError", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+        return getattr(api, name)
+    if name == "CowfsError":
+        from .errors import CowfsError
+        return CowfsError
+    raise AttributeError(f"module 'cowfs' has no attribute {name!r}")

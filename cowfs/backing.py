@@ -28,6 +28,9 @@ RENAME_EXCHANGE = 2
 RENAME_WHITEOUT = 4
 FALLOC_FL_KEEP_SIZE = 1
 FALLOC_FL_PUNCH_HOLE = 2
+FALLOC_FL_COLLAPSE_RANGE = 8
+FALLOC_FL_ZERO_RANGE = 0x10
+FALLOC_FL_INSERT_RANGE = 0x20
 
 PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -59,6 +62,12 @@ def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int =
     if _libc.renameat2(olddirfd, old, newdirfd, new, flags) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), old, None, new)
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

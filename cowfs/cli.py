@@ -21,14 +21,24 @@ from . import control, errors
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
-                     not_owner)
-from .policy import RUN_SCOPES, Policy, Where
+                     not_owner, processes)
 from .text import count
 
 
+# = policy.RUN_SCOPES (the policy is loaded by the commands that use it: every
+# command starts by importing this module, and it must stay cheap)
+RUN_SCOPES = ("auto", "files", "container", "vm")
+
+
 class Parser(argparse.ArgumentParser):
+    json_errors = False      # --json was given: usage errors too are JSON on stdout
+
     def error(self, message: str):  # one line and the documented code, not a usage dump
-        self.exit(errors.USAGE, f"cowfs: {message} (see 'cowfs --help')\n")
+        if Parser.json_errors:
+            print(json.dumps({"error": message, "code": errors.USAGE}))
+        name = self.prog.partition(" ")[2]
+        self.exit(errors.USAGE, f"cowfs: {message} (see 'cowfs {name + ' ' if name else ''}"
+                                f"--help')\n")
 
 
 def parse_size(text: str) -> int:
@@ -72,7 +82,43 @@ def snapshot_options(s: argparse.ArgumentParser) -> None:
                        help=f"also snapshot this {what} (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Unused:
+    """Stands in for the parsers of the commands not given (building every
+    subcommand's parser costs more than the rest of a command's start)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kw: self
+
+
+EXAMPLES = {
+    "mount": "  cowfs mount ~/project\n  cowfs mount --max-store 2G --ignore 'node_modules/.cache/' .",
+    "unmount": "  cowfs unmount ~/project\n  cowfs unmount --lazy ~/project   # a shell is still in it",
+    "checkpoint": "  cowfs checkpoint -m 'before the upgrade'\n"
+                  "  cowfs checkpoint -m 'with the database' --provider db",
+    "rollback": "  cowfs rollback                 # the open layer\n"
+                "  cowfs rollback --to 3 --dry-run   # what undoing layers 3 and up would change",
+    "redo": "  cowfs rollback && cowfs redo   # changed your mind",
+    "diff": "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/",
+    "audit": "  cowfs audit --since 4\n  cowfs audit --jsonl | jq 'select(.event==\"change\")'",
+    "view": "  cowfs view 2 /tmp/before && diff -r /tmp/before . ; cowfs unmount /tmp/before",
+    "restore": "  cowfs restore config.yaml\n  cowfs restore --from 2 -- src/",
+    "show": "  cowfs show 2:setup.py\n  cowfs show 1:  # the root's names then",
+    "commit": "  cowfs commit   # keep the open layer's changes (merge into the one below)",
+    "run": "  cowfs run --verify 'make test' -- make upgrade\n"
+           "  cowfs run --workspace /etc --approve -- apt-get upgrade",
+    "policy": "  cowfs policy -- pip install requests\n  cowfs policy   # the files in use",
+    "provider": "  cowfs provider add db --capture 'pg_dump app > \"$COWFS_STATE_DIR/d\"' "
+                "--restore 'psql app < \"$COWFS_STATE_DIR/d\"'\n  cowfs provider list",
+    "status": "  cowfs status\n  cowfs --json status | jq '.changes | length'",
+    "gc": "  cowfs gc",
+    "check": "  cowfs check\n  cowfs check --repair",
+    "doctor": "  cowfs doctor\n  cowfs doctor ~/project",
+    "log": "  cowfs log",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; with *only*, just that command's."""
     p = Parser(prog="cowfs", description="Make any directory undoable.")
     p.add_argument("-C", dest="path", default=".", metavar="PATH",
                    help="a path inside the workspace (default: the current directory)")
@@ -84,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=Parser)
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=help, description=help)
+        if only is not None and name != only:
+            return _Unused()      # type: ignore[return-value]
+        examples = EXAMPLES.get(name, "")
+        s = sub.add_parser(name, help=help, description=help,
+                           epilog=f"examples:\n{examples}" if examples else None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         s.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                        help="machine-readable output")
         return s
@@ -106,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not capture changes under paths matching PATTERN (gitignore "
                         "syntax, like .cowfsignore; repeatable; kept for later mounts; "
                         "--ignore '' clears)")
+    s.add_argument("--engine", choices=("auto", "kernel", "pyfuse3"),
+                   help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
+                        "with the kernel's newer features; needs root), pyfuse3 (libfuse, "
+                        "portable), or auto (kernel where it can run); default: "
+                        "$COWFS_ENGINE, else auto")
     s.add_argument("--audit", choices=("hashes", "changes", "events"),
                    help="what the audit log records of each kept change: its path, kind, "
                         "writer and both sides' xxh3 (hashes, the default; costs a read of "
@@ -114,19 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--accept-drift", action="store_true",
                    help="mount even though paths the layers changed were changed while "
                         "not mounted (recorded in the log)")
-    s.add_argument("workspace")
-    s.add_argument("mountpoint", nargs="?")
+    s.add_argument("workspace", help="the directory to make undoable")
+    s.add_argument("mountpoint", nargs="?",
+                   help="where to mount it (default: over the workspace itself)")
 
     s = cmd("unmount", "flush and unmount a workspace")
     s.add_argument("--lazy", action="store_true", help="detach even while busy")
-    s.add_argument("target", nargs="?", metavar="PATH")
+    s.add_argument("target", nargs="?", metavar="PATH",
+                   help="the workspace or a view (default: -C PATH, the current directory)")
 
     s = cmd("checkpoint", "open a new layer; print its id")
-    s.add_argument("-m", "--message", default="")
+    s.add_argument("-m", "--message", default="", help="what the layer is for (shown by log)")
     snapshot_options(s)
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
-    s.add_argument("--to", type=int, metavar="ID")
+    s.add_argument("--to", type=int, metavar="ID",
+                   help="roll back every layer down to and including ID (see log)")
     s.add_argument("--dry-run", action="store_true",
                    help="list what the rollback would change (path and kind); change nothing")
     s.add_argument("--no-redo", action="store_true",
@@ -142,8 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
     s.add_argument("--who", action="store_true",
                    help="with --name-status: the process that first made each change")
-    s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
-                   help="the layer, then only these paths (relative to the workspace root)")
+    s.add_argument("layer", nargs="?", type=layer_id, metavar="ID",
+                   help="the layer whose start to compare with (default: the open layer)")
+    s.add_argument("paths", nargs="*", metavar="-- PATH",
+                   help="only these paths (relative to the current directory inside the "
+                        "workspace, like git's)")
 
     s = cmd("audit", "the audit log: mounts, checkpoints, commits, rollbacks, restores and "
                      "every change kept or undone (kept through commits)")
@@ -155,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("view", "mount the tree as it was when layer ID was opened, read-only, at DIR "
                     "('cowfs unmount DIR' ends it)")
-    s.add_argument("layer", type=int, metavar="ID")
-    s.add_argument("dir", metavar="DIR")
+    s.add_argument("layer", type=int, metavar="ID", help="the layer whose start to show")
+    s.add_argument("dir", metavar="DIR", help="an empty directory to mount the view at")
 
     s = cmd("restore", "put PATHs (files or subtrees) back as they were when layer ID was "
                        "opened, as a new change of the open layer")
@@ -167,15 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = cmd("show", "print PATH as it was when layer ID was opened (a file's bytes, a "
                     "directory's names, a symlink's target), changing nothing")
-    s.add_argument("spec", metavar="ID:PATH")
+    s.add_argument("spec", metavar="ID:PATH",
+                   help="the layer and the path (relative to the current directory inside "
+                        "the workspace; ID: alone is the root)")
 
     cmd("commit", "merge the top layer into the one below (the base: make permanent)")
 
     s = cmd("run", "run a command as a step: keep what it changed, or roll it back")
     s.add_argument("-m", "--message", help="layer message (default: the command line)")
     s.add_argument("--verify", metavar="CMD", help="a shell command that must succeed too")
-    s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback")
-    s.add_argument("--on-success", choices=("commit", "keep"), default="commit")
+    s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback",
+                   help="when CMD or the verifier fails: undo the step (default) or keep it")
+    s.add_argument("--on-success", choices=("commit", "keep"), default="commit",
+                   help="when it succeeds: merge the step into the layer below (default) or "
+                        "keep it as its own layer")
     s.add_argument("--approve", action="store_true",
                    help="after success, ask on the terminal whether to keep the changes")
     s.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
@@ -192,20 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "or VM); default: the policy's run_scope, files")
     s.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="an escalation policy file read before the others (repeatable)")
-    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]",
+                   help="the command (one argument: a shell command line)")
 
     s = cmd("policy", "show how the escalation policy classifies a command (or which "
                       "policy files are in use)")
     s.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file read before the others (repeatable)")
-    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]",
+                   help="the command to classify (none: list the policy files in use)")
 
     s = cmd("provider", "register, list or remove the workspace's providers")
     psub = s.add_subparsers(dest="action", required=True, metavar="ACTION",
-                            parser_class=Parser)
+                            parser_class=Parser, help="add, list or remove")
     a = psub.add_parser("add", help="register a provider")
-    a.add_argument("name")
-    a.add_argument("--type", default="command", choices=("command", "docker", "libvirt"))
+    a.add_argument("name", help="the provider's name (used by checkpoint --provider)")
+    a.add_argument("--type", default="command", choices=("command", "docker", "libvirt"),
+                   help="command (your own capture/restore/discard commands; the default), "
+                        "docker (a container) or libvirt (a domain)")
     a.add_argument("--capture", default="", metavar="CMD", help="command: take a snapshot")
     a.add_argument("--restore", default="", metavar="CMD", help="command: put it back")
     a.add_argument("--discard", default="", metavar="CMD", help="command: drop it")
@@ -217,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="libvirt: run after a revert; failing is reported")
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
-    r.add_argument("name")
+    r.add_argument("name", help="the provider to unregister")
     s = cmd("status", "list the open layer's changes")
     s.add_argument("--who", action="store_true",
                    help="with the process (pid, uid, command line) that first made each")
@@ -277,7 +348,19 @@ def do_mount(args) -> int:
 def mount_options(args) -> dict:
     return {"chunk_size": args.chunk_size, "max_store": args.max_store,
             "max_layers": args.max_layers, "accept_drift": args.accept_drift,
-            "ignore": args.ignore, "audit": args.audit}
+            "ignore": args.ignore, "audit": args.audit, "engine": engine_choice(args.engine)}
+
+
+def engine_choice(given: str | None) -> str:
+    """--engine, else $COWFS_ENGINE, else auto."""
+    choice = given or os.environ.get("COWFS_ENGINE") or "auto"
+    if choice not in ENGINE_CHOICES:
+        raise CowfsError(f"COWFS_ENGINE is {choice!r}; it takes one of "
+                         f"{', '.join(ENGINE_CHOICES)}", errors.USAGE)
+    return choice
+
+
+ENGINE_CHOICES = ("auto", "kernel", "pyfuse3")
 
 
 def do_audit(args) -> int:
@@ -350,18 +433,6 @@ def do_unmount(args) -> int:
               "and exits, unmounting cleanly, when the last one leaves",
         {"unmounted": rec.mountpoint, "detached": True, "pid": rec.pid, "users": others})
     return 0
-
-
-def processes(pids: list[int], limit: int = 10) -> str:
-    """'1234 (bash), 1240 (make)' for the first *limit* pids."""
-    def one(pid: int) -> str:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                return f"{pid} ({f.read().strip()})"
-        except OSError:
-            return str(pid)
-    more = f" and {len(pids) - limit} more" if len(pids) > limit else ""
-    return ", ".join(map(one, pids[:limit])) + more
 
 
 def locate_unmounted(path: str) -> tuple[str, str | None]:
@@ -542,22 +613,49 @@ def human_size(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
-def layer_and_paths(rest: list[str]) -> tuple[int | None, list[str]]:
-    """[ID] [-- PATH...] (the ID must come before --)."""
-    layer = None
-    if rest and rest[0] != "--":
-        if not rest[0].isdigit():
-            raise CowfsError(f"not a layer id: {rest[0]!r} (paths go after --)", errors.USAGE)
-        layer = int(rest.pop(0))
-    if rest and rest[0] == "--":
-        rest = rest[1:]
-    elif rest:
-        raise CowfsError("paths go after --", errors.USAGE)
-    return layer, rest
+def layer_id(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a layer id: {text!r} (paths go after --)")
+    return int(text)
+
+
+def workspace_paths(args, paths: list[str]) -> list[str]:
+    """PATHs as the workspace names them (relative to its root, "." for the
+    root), from paths relative to the current directory when it is inside
+    the workspace (as git takes pathspecs), to the root otherwise, or
+    absolute; a path outside the workspace is an error naming it."""
+    if not paths:
+        return []
+    root = workspace_root(args)
+    cwd = os.path.realpath(os.getcwd())
+    inside = cwd == root or cwd.startswith(root.rstrip("/") + "/")
+    out = []
+    for p in paths:
+        full = p if os.path.isabs(p) else os.path.join(cwd if inside else root, p)
+        head, tail = os.path.split(os.path.normpath(full))
+        full = os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
+        if full == root:
+            out.append(".")
+        elif full.startswith(root.rstrip("/") + "/"):
+            out.append(os.path.relpath(full, root))
+        else:
+            raise CowfsError(f"{p}: outside the workspace {root}", errors.USAGE)
+    return out
+
+
+def workspace_root(args) -> str:
+    """Where the workspace of -C PATH is, as programs see it: its mount, or
+    the directory itself when it is not mounted."""
+    try:
+        return os.path.realpath(find_mount(args.path).mountpoint)
+    except NotMounted:
+        if args.offline_store:
+            return os.path.realpath(args.path)
+        return os.path.realpath(locate_unmounted(args.path)[0])
 
 
 def do_diff(args) -> int:
-    layer, paths = layer_and_paths(list(args.rest))
+    layer, paths = args.layer, workspace_paths(args, args.paths)
     res = call(args, "diff", since=layer, paths=paths)
     rows = []
     for c in res["changes"]:
@@ -623,6 +721,7 @@ def do_show(args) -> int:
     layer, sep, path = args.spec.partition(":")
     if not sep or not layer.strip().isdigit():
         raise CowfsError(f"show takes ID:PATH, not {args.spec!r}", errors.USAGE)
+    path = workspace_paths(args, [path])[0] if path not in ("", ".") else path
     res = call(args, "show", layer=int(layer), path=path, offset=0)
     if res["kind"] == "file":
         if args.json:
@@ -646,7 +745,7 @@ def do_show(args) -> int:
 def do_restore(args) -> int:
     from .api import Workspace
     ws = Workspace.attach(args.path)
-    done = ws.restore(args.paths, args.layer)
+    done = ws.restore(workspace_paths(args, args.paths), args.layer)
     out(args, f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
               + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
         {"restored": done})
@@ -741,6 +840,7 @@ def do_run(args) -> int:
     from .store import Store
 
     cmd = command_argv(args)
+    from .policy import Policy
     policy = Policy.load(args.policy)
     scope = args.scope or policy.settings["run_scope"]
     ephemeral = None
@@ -811,6 +911,7 @@ def command_argv(args) -> list[str]:
 
 
 def do_policy(args) -> int:
+    from .policy import Policy, Where
     policy = Policy.load(args.policy)
     if not args.argv:
         out(args, "\n".join(policy.sources), {"sources": policy.sources})
@@ -928,8 +1029,36 @@ COMMANDS = {
 }
 
 
+# commands whose PATHs come after "--" (the rest of the line is parsed as
+# usual, so options may come in any order before it)
+PATH_COMMANDS = ("diff",)
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named in *argv* (skipping the global options)."""
+    tokens = iter(argv)
+    for token in tokens:
+        if token in ("-C", "--store"):
+            next(tokens, None)
+        elif not token.startswith("-"):
+            return token
+    return None
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    Parser.json_errors = "--json" in head
+    command = command_of(head)
+    parser = build_parser(only=command if command in COMMANDS else None)
+    if command in PATH_COMMANDS and "--" in argv:
+        args = parser.parse_args(head)
+        args.paths = args.paths + argv[len(head) + 1:]
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         return COMMANDS[args.command](args)
     except CowfsError as e:

@@ -8,6 +8,7 @@ waits on a pipe until the mount is live (or the daemon reports why not).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno
 import functools
@@ -23,7 +24,6 @@ import sys
 import time
 from typing import Callable
 
-import pyfuse3
 import trio
 
 from . import backing as B
@@ -35,13 +35,13 @@ from . import redo
 from .capture import Recorder
 from .control import MAX_REQUEST, encode, wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
-from .fs import CowFS
+from .ops import Ops
 from .ignore import IgnoreRules
 from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
                      mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
-                     wait_gone)
+                     processes, wait_gone)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .text import count
@@ -143,8 +143,9 @@ class Daemon:
                  store: str | None = None, chunk_size: int | None = None,
                  max_store: int | None = None, max_layers: int | None = None,
                  accept_drift: bool = False, ignore: list[str] | None = None,
-                 audit: str | None = None):
+                 audit: str | None = None, engine: str | None = None):
         self.workspace = os.path.abspath(workspace)
+        self.engine_choice = engine or "auto"
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
@@ -157,7 +158,8 @@ class Daemon:
         self.inflight = 0
         self.unmounted_by_request = False
         self.recovering = False
-        self.fs: CowFS | None = None
+        self.fs: Ops | None = None       # the mounted view's operations
+        self.engine = None
         self._history_cache: tuple | None = None   # (store state, History) for show/diff
 
     # -- setting up ---------------------------------------------------------------
@@ -354,16 +356,14 @@ class Daemon:
         self.warnings.append(f"cleared the dead mount at {mountpoint}")
 
     def mount(self, on_ready: Callable[[], None]) -> None:
-        self.fs = CowFS(self.rootfd, self.store, self.recorder, hidden=self.hidden,
-                        on_init=on_ready)
+        self.fs = Ops(self.rootfd, self.store, self.recorder, hidden=self.hidden)
+        self.engine = make_engine(self.engine_choice, self.fs)
         self.stack.on_freed = self.fs.after_commit
         self.hasher = self.fs.sums = gravesum.Hasher(self.store, busy=self.fs.is_open,
-                                                     quiet=self.fs.quiet)
+                                                     quiet=self.fs.quiet,
+                                                     exclusive=self.exclusive)
         self._arm_redo()
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
-        options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}
-        if os.geteuid() == 0:
-            options.add("allow_other")
         self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
                                   os.getpid(), socket_path(self.mountpoint))
         try:    # informational (a full disk must not keep the workspace from mounting)
@@ -373,7 +373,7 @@ class Daemon:
         self.store.audit("mount", layer=self.store.top().id, mountpoint=self.mountpoint,
                          warnings=self.warnings)
         B.clear_umask()   # new objects get the caller's mode, not ours on top
-        pyfuse3.init(self.fs, self.mountpoint, options)
+        self.engine.mount(self.mountpoint, fsname, os.geteuid() == 0, on_ready)
 
     def run(self) -> None:
         try:
@@ -381,11 +381,11 @@ class Daemon:
         finally:
             if not self.unmounted_by_request:
                 try:
-                    pyfuse3.close(unmount=True)
+                    self.engine.close(unmount=True)
                 except Exception:
                     log.exception("unmount failed")
             else:
-                pyfuse3.close(unmount=False)
+                self.engine.close(unmount=False)
             try:        # (a mount meanwhile waits for us, see _open)
                 self.record.finishing = True
                 self.record.save()
@@ -410,7 +410,7 @@ class Daemon:
             nursery.start_soon(self._signals)
             nursery.start_soon(self._periodic_sync)
             nursery.start_soon(self.hasher.run)
-            await pyfuse3.main(min_tasks=2, max_tasks=16)
+            await self.engine.serve()
             with trio.move_on_after(5):
                 while self.inflight:
                     await trio.sleep(0.01)
@@ -429,8 +429,9 @@ class Daemon:
                 log.info("signal received, unmounting")
                 sd_notify("STOPPING=1")
                 await self._flush()
-                self.store.sync()
-                pyfuse3.terminate()
+                with self.engine.exclusive():
+                    self.store.sync()
+                self.engine.terminate()
 
     async def _periodic_sync(self) -> None:
         while True:
@@ -457,22 +458,22 @@ class Daemon:
             finally:
                 os.close(fd)
 
-        await trio.to_thread.run_sync(syncfs)
+        await self._blocking(syncfs)
 
     async def _invalidate(self, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
-        def work() -> None:
-            for pino, name in entries:
-                try:
-                    pyfuse3.invalidate_entry(pino, name)
-                except OSError:
-                    pass
-            for ino in inodes:
-                try:
-                    pyfuse3.invalidate_inode(ino)
-                except OSError:
-                    pass
+        await self._blocking(self.engine.invalidate, entries, inodes)
 
-        await trio.to_thread.run_sync(work)
+    def exclusive(self):
+        """While control code runs, no file request is served (the kernel
+        engine serves them on a thread of its own)."""
+        return self.engine.exclusive() if self.engine is not None else contextlib.nullcontext()
+
+    async def _blocking(self, fn, *args):
+        """Run *fn* in a worker thread; file requests are served meanwhile
+        (an operation holds them off only while it runs here)."""
+        if self.engine is None:
+            return await trio.to_thread.run_sync(fn, *args)
+        return await self.engine.blocking(fn, *args)
 
     # -- control requests ---------------------------------------------------------------
 
@@ -533,7 +534,8 @@ class Daemon:
                 try:
                     async with self.lock:
                         t0 = time.perf_counter()
-                        result = await op(**req)
+                        with self.exclusive():      # (let go while it waits)
+                            result = await op(**req)
                         result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
                     resp = {"ok": True, "result": result}
                 except CowfsError as e:
@@ -546,13 +548,21 @@ class Daemon:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     if op.__name__ == "op_view" and resp["ok"]:
                         # the client is gone (Ctrl-C): a view nobody was told of goes
-                        await trio.to_thread.run_sync(clear_view, resp["result"]["mountpoint"])
+                        await self._blocking(clear_view, resp["result"]["mountpoint"])
             finally:
                 self.inflight -= 1
 
     async def op_ping(self) -> dict:
         return {"pid": os.getpid(), "workspace": self.workspace,
-                "mountpoint": self.mountpoint, "store": self.store_dir}
+                "mountpoint": self.mountpoint, "store": self.store_dir,
+                "engine": self.engine_info()}
+
+    def engine_info(self) -> dict | None:
+        """Which FUSE engine serves the mount, why, and what it negotiated."""
+        if self.engine is None:
+            return None
+        return {"name": self.engine.name, "why": self.engine.why,
+                **getattr(self.engine, "features", lambda: {})()}
 
     async def op_checkpoint(self, message: str = "", providers: list | None = None,
                             containers: list | None = None, vms: list | None = None) -> dict:
@@ -569,7 +579,7 @@ class Daemon:
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
         await self._flush()
         layer = self.stack.checkpoint(message)
-        self.recorder.reset(fresh=True)
+        self._switched(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
         if chosen:   # a crash while capturing: the next mount removes what was taken
@@ -578,7 +588,7 @@ class Daemon:
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
-                data = await trio.to_thread.run_sync(provider.capture, ctx)
+                data = await self._blocking(provider.capture, ctx)
                 taken.append({"provider": provider.name, "data": data,
                               "seconds": round(time.perf_counter() - t0, 3)})
                 t0 = time.perf_counter()
@@ -614,7 +624,7 @@ class Daemon:
         if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
             self.stack.commit()
         self.store.set_meta_json(S.K_PENDING, None)
-        self.recorder.reset(fresh=False)
+        self._switched(fresh=False)
 
     def _resume_checkpoint(self, pending: dict) -> list[str]:
         """A crash interrupted a checkpoint's captures: discard what each
@@ -651,8 +661,8 @@ class Daemon:
         provider = self.registry.get(name)
         ctx = self.registry.context(name, layer)
         if do == "restore":
-            return await trio.to_thread.run_sync(provider.restore, ctx, data)
-        await trio.to_thread.run_sync(provider.discard, ctx, data)
+            return await self._blocking(provider.restore, ctx, data)
+        await self._blocking(provider.discard, ctx, data)
         self.registry.drop_state(ctx)
         return None
 
@@ -699,14 +709,25 @@ class Daemon:
                     # knows all it holds (nothing); a redo's layers are known
                     # from the store
                     top = self.store.top()
-                    self.recorder.reset(fresh=pending["op"] == "rollback" and top is not None
-                                        and before is not None and top.id > before.id)
+                    self._switched(fresh=pending["op"] == "rollback" and top is not None
+                                   and before is not None and top.id > before.id, undo=True)
                 # before anything awaits: the requests held meanwhile come next
                 self._arm_redo()
             if self.fs is not None:
-                await self._invalidate(*self.fs.after_undo(report.touched))
+                invalid = self.fs.after_undo(report.touched)
+                self.fs.layer_switched(after_undo=True)
+                await self._invalidate(*invalid)
         ran += await self._provider_steps("discard")
         return self.stack.finish(), report, ran
+
+    def _switched(self, fresh: bool, undo: bool = False) -> None:
+        """The open layer changed: the recorder follows it (*fresh*: opened
+        by this process), and files written through passthrough are
+        captured whole in it (after an *undo*, the caller does that once the
+        inode table knows where the undo put everything)."""
+        self.recorder.reset(fresh=fresh)
+        if self.fs is not None and not undo:
+            self.fs.layer_switched()
 
     def _arm_redo(self) -> None:
         """While the last rollback can be redone, the first change in the
@@ -750,7 +771,7 @@ class Daemon:
         self.store.audit_many([{"event": "commit", "layer": info["committed"],
                                 "into": info["into"], "changes": len(kept)}]
                               + [c | {"layer": info["committed"]} for c in kept])
-        self.recorder.reset(fresh=info["into"] is None)
+        self._switched(fresh=info["into"] is None)
         freed = info.pop("freed", [])
         if self.fs is not None:
             self.fs.after_commit(freed)
@@ -835,7 +856,8 @@ class Daemon:
     async def op_status(self) -> dict:
         await self._flush()
         return self.stack.status() | {"usage": self.stack.usage(),
-                                      "redo": redo.summary(self.store)}
+                                      "redo": redo.summary(self.store),
+                                      "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -893,7 +915,7 @@ class Daemon:
         await self._flush()
         if self.fs is None:   # offline, in the command itself: Ctrl-C must reach the wait
             return start_view(self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
-        return await trio.to_thread.run_sync(
+        return await self._blocking(
             start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
 
     def _audit_level(self) -> str:
@@ -998,18 +1020,21 @@ class Daemon:
         ours = [m for m in mounts()     # (not in the table any more once detached)
                 if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         try:
-            await trio.to_thread.run_sync(kernel_unmount, self.mountpoint, lazy)
+            await self._blocking(kernel_unmount, self.mountpoint, lazy)
         except OSError as e:
             if e.errno == errno.EBUSY:
-                raise AlreadyMounted(f"{self.mountpoint} is busy (a process has a file "
-                                     "or its working directory there); close it or "
-                                     "use --lazy") from None
+                users = await self._blocking(mount_users, ours[-1]) if ours else []
+                raise AlreadyMounted(
+                    f"{self.mountpoint} is busy: "
+                    + (f"used by {processes(users)}" if users else
+                       "a process has a file or its working directory there")
+                    + "; close them, or use --lazy") from None
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
         result = {"unmounted": self.mountpoint, "pid": os.getpid()}
         if lazy and ours:
-            result["users"] = await trio.to_thread.run_sync(mount_users, ours[-1])
+            result["users"] = await self._blocking(mount_users, ours[-1])
             if result["users"]:
                 log.info("detached %s; serving the processes still using it until the "
                          "last one leaves: %s", self.mountpoint,
@@ -1026,6 +1051,24 @@ def already_mounted(rec: MountRecord) -> AlreadyMounted:
     where = "over itself" if rec.mountpoint == rec.workspace else f"at {rec.mountpoint}"
     return AlreadyMounted(f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
                           f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first")
+
+
+ENGINES = ("auto", "kernel", "pyfuse3")
+
+
+def make_engine(choice: str, ops: Ops):
+    """The FUSE engine to serve *ops* with: *choice* "kernel", "pyfuse3",
+    or "auto" (the kernel engine wherever it can run)."""
+    from . import kernel_engine, pyfuse3_engine
+    why_not = kernel_engine.available()
+    if choice == "kernel":
+        if why_not:
+            raise NoFuse(f"the kernel engine cannot run here: {why_not}")
+        return kernel_engine.Engine(ops, "chosen with --engine kernel")
+    if choice == "auto" and not why_not:
+        return kernel_engine.Engine(ops, "the default where it can run")
+    return pyfuse3_engine.Engine(ops, "chosen with --engine pyfuse3" if choice == "pyfuse3"
+                                 else f"the kernel engine cannot run here: {why_not}")
 
 
 def step_failures(record: dict | None) -> list[str]:
@@ -1279,12 +1322,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accept-drift", action="store_true")
     p.add_argument("--ignore", action="append")
     p.add_argument("--audit", choices=AUDIT_LEVELS)
+    p.add_argument("--engine", choices=ENGINES)
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
     return serve(a.workspace, a.mountpoint, a.store, detach(a.ready_fd), foreground=False,
                  accept_drift=a.accept_drift, ignore=a.ignore, audit=a.audit,
-                 **{name: getattr(a, name) for name in MOUNT_OPTIONS})
+                 engine=a.engine, **{name: getattr(a, name) for name in MOUNT_OPTIONS})
 
 
 if __name__ == "__main__":

@@ -145,6 +145,17 @@ def _libfuse_version() -> str | None:
         return f"{v // 100}.{v % 100}"
 
 
+def check_engine() -> Check:
+    """Which engine a mount would use here, and why."""
+    from .kernel_engine import available
+    why_not = available()
+    if why_not is None:
+        return Check("engine", True, "kernel (the FUSE protocol on /dev/fuse: passthrough, "
+                     "HANDLE_KILLPRIV_V2, negative entries) is the default here", info=True)
+    return Check("engine", True, f"pyfuse3: the kernel engine cannot run here ({why_not})",
+                 "run as root for the kernel engine", info=True)
+
+
 def check_pyfuse3() -> Check:
     try:
         import pyfuse3
@@ -297,6 +308,12 @@ def check_live(rec) -> list[Check]:
         return out
     out.append(Check("daemon", True, f"pid {pong.get('pid', rec.pid)} answers "
                      f"({(time.perf_counter() - t0) * 1000:.1f} ms round trip)"))
+    engine = pong.get("engine")
+    if engine:
+        extra = f", FUSE {engine['protocol']}: {', '.join(engine['features'])}" \
+            if engine.get("protocol") else ""
+        out.append(Check("engine", True, f"{engine['name']} ({engine['why']}){extra}",
+                         info=True))
     try:
         layers = control.call(rec, "log", timeout=LOG_TIMEOUT)["layers"]
         problems = control.call(rec, "check", timeout=LOG_TIMEOUT)["problems"]
@@ -396,7 +413,7 @@ def run_checks(path: str | None, store: str | None = None) -> list[Check]:
     that contains it, then the providers.  *store*: the store directory of an
     unmounted workspace mounted with --store."""
     checks = [check_dev_fuse(), check_fusermount(), check_kernel(), check_privileges(),
-              check_pyfuse3()]
+              check_pyfuse3(), check_engine()]
     if path is not None:
         try:
             where = _locate(path)

@@ -34,12 +34,13 @@ place).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import threading
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import trio
 import xxhash
@@ -157,8 +158,10 @@ class Hasher:
     moved back meanwhile is never blessed."""
 
     def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
-                 quiet: Callable[[], float] | None = None):
+                 quiet: Callable[[], float] | None = None,
+                 exclusive: Callable[[], ContextManager] = contextlib.nullcontext):
         self.store = store
+        self.exclusive = exclusive                # (no file request meanwhile)
         self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed
         self.quiet = quiet or (lambda: QUIET)     # seconds since the mount's last request
         self.stop = threading.Event()
@@ -272,12 +275,14 @@ class Hasher:
 
     async def _step(self, everything: bool = False) -> bool:
         """Hash and record one batch; False when there was nothing to do."""
-        batch = self._batch(everything)
+        with self.exclusive():
+            batch = self._batch(everything)
         if not batch:
             return False
         results = await trio.to_thread.run_sync(self._hash, batch, everything)
         try:
-            self._record(results)
+            with self.exclusive():
+                self._record(results)
         except OSError as e:      # a full store: the files stay pending
             log.warning("could not record the hashes of removed files: %s", e)
             await trio.sleep(1)

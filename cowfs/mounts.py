@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -64,8 +64,7 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-@dataclass
-class Mount:
+class Mount(NamedTuple):
     """One line of /proc/self/mountinfo."""
     id: int
     dev: str            # "major:minor" of its superblock
@@ -127,14 +126,30 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-@dataclass
 class MountRecord:
-    mountpoint: str
-    workspace: str
-    store: str
-    pid: int
-    socket: str
-    finishing: bool = False     # unmounted; the daemon records its state and exits
+    """What a daemon leaves in the runtime directory about its mount (a
+    plain class: the command line reads it first thing, and dataclasses cost
+    milliseconds to import)."""
+
+    __slots__ = ("mountpoint", "workspace", "store", "pid", "socket", "finishing")
+
+    def __init__(self, mountpoint: str, workspace: str, store: str, pid: int, socket: str,
+                 finishing: bool = False):
+        self.mountpoint = mountpoint
+        self.workspace = workspace
+        self.store = store
+        self.pid = pid
+        self.socket = socket
+        self.finishing = finishing     # unmounted; the daemon records its state and exits
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MountRecord) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return f"MountRecord({self.as_dict()})"
 
     @classmethod
     def load(cls, mountpoint: str, dirs: list[str] | None = None) -> "MountRecord | None":
@@ -169,7 +184,7 @@ class MountRecord:
         tmp = path + ".tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
                   "w") as f:
-            json.dump(self.__dict__, f)
+            json.dump(self.as_dict(), f)
         os.replace(tmp, path)
 
     def remove(self) -> None:
@@ -211,7 +226,10 @@ def find_mount(path: str) -> MountRecord:
                                  f"run 'cowfs mount {rec.workspace if rec else p}' to recover it")
             return rec
         if p == "/":
-            raise NotMounted(f"{path} is not inside a mounted cowfs workspace")
+            real = os.path.realpath(path)
+            shown = path if real == path else f"{path} ({real})"
+            raise NotMounted(f"{shown} is not inside a mounted cowfs workspace; mount one "
+                             "with 'cowfs mount DIR'")
         p = os.path.dirname(p)
 
 
@@ -317,3 +335,15 @@ def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[
             f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
             "the store); the workspace cannot be mounted again until it exits")
     return []
+
+
+def processes(pids: list[int], limit: int = 10) -> str:
+    """'1234 (bash), 1240 (make)' for the first *limit* pids."""
+    def one(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return f"{pid} ({f.read().strip()})"
+        except OSError:
+            return str(pid)
+    more = f" and {len(pids) - limit} more" if len(pids) > limit else ""
+    return ", ".join(map(one, pids[:limit])) + more

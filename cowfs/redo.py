@@ -448,7 +448,8 @@ def check(store: Store, resolver: B.Resolver) -> dict:
     if changed:
         raise Refused(f"cannot redo {what}: {', '.join(changed[:10])}"
                       + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
-                      + " changed since (while not mounted); nothing was changed")
+                      + " changed since the rollback (while not mounted, or written through "
+                        "a file held open); nothing was changed")
     return st
 
 

@@ -34,6 +34,34 @@ settings.load_profile(os.environ.get("COWFS_HYPOTHESIS_PROFILE",
                                      "ci" if os.environ.get("CI") else "dev"))
 
 
+# Modules that run on both FUSE engines (the rest on the default one).
+BOTH_ENGINES = ("test_core", "test_posix", "test_crash", "test_engines_compared")
+ENGINES = ("kernel", "pyfuse3")
+
+
+def pytest_generate_tests(metafunc):
+    if "engine" in metafunc.fixturenames:
+        module = metafunc.module.__name__.rpartition(".")[2]
+        metafunc.parametrize("engine", ENGINES if module in BOTH_ENGINES else ["auto"],
+                             indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine(request):
+    """The FUSE engine mounts use ($COWFS_ENGINE, which `cowfs mount` takes
+    as its default --engine)."""
+    choice = getattr(request, "param", "auto")
+    old = os.environ.get("COWFS_ENGINE")
+    os.environ["COWFS_ENGINE"] = choice
+    try:
+        yield choice
+    finally:
+        if old is None:
+            os.environ.pop("COWFS_ENGINE", None)
+        else:
+            os.environ["COWFS_ENGINE"] = old
+
+
 def pytest_configure(config):
     if os.geteuid() != 0:
         pytest.exit("the cowfs test suite mounts FUSE filesystems as root; run it as root",

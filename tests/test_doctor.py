@@ -14,7 +14,7 @@ import pytest
 from cowfs import doctor
 from cowfs.doctor import Check, report, run_checks
 
-MACHINE = ["/dev/fuse", "fusermount3", "kernel FUSE", "privileges", "pyfuse3/libfuse"]
+MACHINE = ["/dev/fuse", "fusermount3", "kernel FUSE", "privileges", "pyfuse3/libfuse", "engine"]
 PROVIDERS = ["provider docker", "provider libvirt"]
 
 
@@ -29,7 +29,7 @@ def test_healthy_mounted_workspace(mounted, capsys):
 
     assert report(str(ws / "dir"), as_json=False) == 0  # any path inside works
     table = capsys.readouterr().out
-    for name in MACHINE + ["mount", "daemon", "store", "free space"] + PROVIDERS:
+    for name in MACHINE + ["mount", "daemon", "engine", "store", "free space"] + PROVIDERS:
         assert name in table
     assert "all checks passed" in table
     assert "FAIL" not in table
@@ -42,7 +42,7 @@ def test_healthy_mounted_workspace(mounted, capsys):
         assert isinstance(entry["ok"], bool) and isinstance(entry["info"], bool)
         assert isinstance(entry["detail"], str) and isinstance(entry["hint"], str)
     names = [e["name"] for e in data]
-    assert names == MACHINE + ["mount", "daemon", "store", "free space"] + PROVIDERS
+    assert names == MACHINE + ["mount", "daemon", "engine", "store", "free space"] + PROVIDERS
     checks = {e["name"]: e for e in data}
     assert all(e["ok"] for e in data)
     assert str(ws.path) in checks["mount"]["detail"]

@@ -665,3 +665,17 @@ if os.environ.get("COWFS_MAX_EXAMPLES"):
 CowfsModel.TestCase.settings = settings(CowfsModel.TestCase.settings, **_overrides)
 
 TestCowfsModel = CowfsModel.TestCase
+
+
+class TestCowfsModelPyfuse3(TestCowfsModel):
+    """The same model on the pyfuse3 engine."""
+
+    def setUp(self):
+        self._engine = os.environ.get("COWFS_ENGINE")
+        os.environ["COWFS_ENGINE"] = "pyfuse3"
+
+    def tearDown(self):
+        if self._engine is None:
+            os.environ.pop("COWFS_ENGINE", None)
+        else:
+            os.environ["COWFS_ENGINE"] = self._engine

@@ -21,8 +21,9 @@ answer; the few assertions made directly (a rename out of the mount is
 cross-device, concurrent appends lose and tear nothing) are checked to hold
 natively as well.  Last, one rollback must undo everything the cases did.
 
-Cases marked ``known`` name what cowfs cannot do like ext4 (operations
-pyfuse3 does not offer); they are expected failures.
+The whole module runs on both engines.  Cases marked ``known`` name what the
+pyfuse3 engine cannot do like ext4 (operations pyfuse3 does not offer); on it
+they are expected failures, on the kernel engine they pass.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def backing_dir(ws: Workspace) -> Path:
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory):
+def roots(tmp_path_factory, engine):
     """A mounted workspace and a native sibling directory on the same
     filesystem, both holding every case's starting tree under ``old/``
     (made before the mount: objects the open layer has to capture)."""
@@ -232,7 +233,7 @@ class Case:
     op: Callable[[], object]
     watch: str = "."         # space-separated names whose facts are compared
     user: bool = False       # run the operation as USER
-    known: str = ""          # why cowfs cannot behave natively here (an expected failure)
+    known: str = ""          # why the pyfuse3 engine cannot behave natively here (xfail)
     extra: Callable[[], object] | None = field(default=None)  # observed after the operation
 
 
@@ -577,12 +578,12 @@ LAYERS = ("old", "new")
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.name, marks=[pytest.mark.xfail(reason=c.known, strict=True)]
-                 if c.known else []) for c in CASES])
-def test_like_native(roots, case, layer):
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_like_native(roots, case, layer, engine, request):
     """*layer* "old": the starting tree predates the open layer; "new": it
     was made in it (nothing of it needs capturing)."""
+    if case.known and engine == "pyfuse3":
+        request.applymarker(pytest.mark.xfail(reason=case.known, strict=True))
     def run(underneath=None):
         if layer == "new":
             build(case.setup)

@@ -210,7 +210,12 @@ def test_a_file_held_open_across_rollback_and_redo(mounted):
         assert not (ws / "made.txt").exists()
         os.write(fd, b"third\n")                      # writing to it after the rollback
         r = ws.cowfs("redo", check=False)             # is a change: no redo
-        assert r.returncode == REFUSED and "after it: a write to a removed file held open" in r.stderr
+        # (the daemon sees the write, or -- written through passthrough by
+        # the kernel engine -- the fingerprint of the kept file shows it)
+        assert r.returncode == REFUSED and (
+            "after it: a write to a removed file held open" in r.stderr
+            or "(removed object" in r.stderr and "written through a file held open" in r.stderr
+        ), r.stderr
         assert not (ws / "made.txt").exists()
     finally:
         os.close(fd)

@@ -1,11 +1,13 @@
-"""The pyfuse3 adapter: the mounted view of the workspace.
+"""The filesystem semantics of the mounted view, engine-neutral: each FUSE
+engine (``kernel_engine``, ``pyfuse3_engine``) turns kernel requests into
+calls of these plain, synchronous methods and their results into replies.
 
-Every handler works on the backing directory through O_PATH fds kept per
+Every operation works on the backing directory through O_PATH fds kept per
 inode (never through paths that could follow a planted symlink) and, before
 it changes anything, has the ``Recorder`` write the reverse diff into the open
-layer.  Handlers do their system calls synchronously on the trio thread and
-never await in between, so each runs atomically with respect to the others
-and to layer switches.
+layer.  Operations run one at a time, each to its end (an engine serves
+requests one by one, and a layer switch holds them off), so each is atomic
+with respect to the others and to layer switches.
 """
 
 from __future__ import annotations
@@ -14,163 +16,76 @@ import errno
 import functools
 import logging
 import os
-import resource
 import stat
 import time
-from collections import OrderedDict
 from typing import Callable
-
-import pyfuse3
-from pyfuse3 import FUSEError
 
 from . import backing as B
 from . import schema as S
 from .capture import Recorder
+from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
 from .store import Store
 from .undo import Touched
 
-log = logging.getLogger("cowfs.fs")
+log = logging.getLogger("cowfs.ops")
 
 TIMEOUT = 300.0
 RELATIME_AGE = 24 * 3600 * 10**9  # relatime updates an atime at least this often
 CAPABILITY = b"security.capability"
 
 
-class Node:
-    """A kernel-visible inode: our inode number, the backing object's inode
-    number, the names we know it by (parent node + name), and an O_PATH fd
-    on the object, held in a bounded cache (``FdCache``) and reopened from a
-    name when it was evicted."""
+class Ctx:
+    """Who makes a request (what both engines hand over)."""
 
-    __slots__ = ("ino", "bino", "_fd", "live", "nopen", "nlookup", "parent", "name",
-                 "extra", "mode", "nocap")
-    cache: "FdCache"
+    __slots__ = ("pid", "uid", "gid", "umask")
 
-    def __init__(self, ino: int, bino: int, fd: int, mode: int):
-        self.ino = ino
-        self.bino = bino
-        self._fd = fd
-        self.live = True
-        self.nopen = 0
-        self.mode = mode
-        self.nlookup = 0
-        self.parent: Node | None = None
-        self.name = b""
-        self.extra: set[tuple[Node, bytes]] | None = None
-        self.nocap = False
-
-    @property
-    def fd(self) -> int:
-        """An O_PATH fd on the object (opened again if it was evicted)."""
-        if self._fd >= 0:
-            self.cache.used(self)
-            return self._fd
-        return self.cache.reopen(self)
-
-    @property
-    def isdir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    @property
-    def islnk(self) -> bool:
-        return stat.S_ISLNK(self.mode)
+    def __init__(self, pid: int, uid: int, gid: int, umask: int):
+        self.pid, self.uid, self.gid, self.umask = pid, uid, gid, umask
 
 
-class Handle:
-    __slots__ = ("node", "fd", "writable", "who")
-
-    def __init__(self, node: Node, fd: int, writable: bool, who: tuple[int, int] | None):
-        self.node = node
-        self.fd = fd
-        self.writable = writable
-        self.who = who          # the process that opened it (writes carry no caller)
-
-
-class FdCache:
-    """Keeps at most *cap* O_PATH fds of nodes open, least recently used
-    evicted first.  Nodes with open files keep theirs (an unlinked open file
-    has no name to reopen it by)."""
-
-    def __init__(self, cap: int, reopen: Callable[[Node], int]):
-        self.cap = cap
-        self._reopen = reopen
-        self.lru: OrderedDict[int, Node] = OrderedDict()
-
-    def used(self, node: Node) -> None:
-        if node.ino in self.lru:
-            self.lru.move_to_end(node.ino)
-
-    def add(self, node: Node) -> None:
-        if node.nopen == 0 and node.ino > pyfuse3.ROOT_INODE:
-            self.lru[node.ino] = node
-            while len(self.lru) > self.cap:
-                _, old = self.lru.popitem(last=False)
-                os.close(old._fd)
-                old._fd = -1
-
-    def reopen(self, node: Node) -> int:
-        if not node.live:
-            raise OSError(errno.ESTALE, "stale inode")
-        node._fd = self._reopen(node)
-        self.add(node)
-        return node._fd
-
-    def pin(self, node: Node) -> None:
-        node.fd  # make sure it is open
-        node.nopen += 1
-        self.lru.pop(node.ino, None)
-
-    def unpin(self, node: Node) -> None:
-        node.nopen -= 1
-        if node.nopen == 0 and node.live and node._fd >= 0:
-            self.add(node)
-
-    def close(self, node: Node) -> None:
-        self.lru.pop(node.ino, None)
-        if node._fd >= 0:
-            os.close(node._fd)
-            node._fd = -1
+def in_group(ctx: Ctx, gid: int) -> bool:
+    """Whether the requesting process is in group *gid* (its own, or one of
+    its supplementary groups, read from /proc)."""
+    if ctx.gid == gid:
+        return True
+    try:
+        with open(f"/proc/{ctx.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
-def fd_cache_size() -> int:
-    """Half the fd limit (the rest: open files, the store, sockets)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(256, min(soft // 2, 200_000))
+def fail(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
 
 
-class DirHandle:
-    __slots__ = ("node", "names")
-
-    def __init__(self, node: Node, names: list[bytes]):
-        self.node = node
-        self.names = names
-
-
-def handler(fn: Callable | None = None, *, changes: bool = False) -> Callable:
-    """Map OSError to its errno and anything unexpected to EIO: an exception
-    other than FUSEError escaping a handler would kill the mount.  With
-    *changes*: the request changes the workspace (see ``CowFS._changing``)."""
+def op(fn: Callable | None = None, *, changes: bool = False) -> Callable:
+    """Every operation: note who asks (captures made for the request are
+    attributed to the process), and anything unexpected becomes EIO (logged):
+    engines answer an OSError's errno.  With *changes*: the request changes
+    the workspace (see ``Ops._changing``)."""
     if fn is None:
-        return functools.partial(handler, changes=changes)
+        return functools.partial(op, changes=changes)
+    name = fn.__name__
+    takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
+                                                 + fn.__code__.co_kwonlyargcount]
 
     @functools.wraps(fn)
-    async def wrapper(*args, **kw):
-        fs = args[0]
-        fs.last_request = time.monotonic()     # (background work waits for a pause)
-        # who is asking: captures made for this request are attributed to it
-        ctx = args[-1] if args and isinstance(args[-1], pyfuse3.RequestContext) else None
-        fs.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
+    def wrapper(self: "Ops", *args, ctx: Ctx | None = None, **kw):
+        self.last_request = time.monotonic()     # (background work waits for a pause)
+        self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         try:
-            if changes and fs.on_change is not None:
-                fs._changing(fn.__name__, args[1:])
-            return await fn(*args, **kw)
-        except FUSEError:
+            if changes and self.on_change is not None:
+                self._changing(name, args)
+            return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
+        except OSError:
             raise
-        except OSError as e:
-            raise FUSEError(e.errno or errno.EIO) from None
         except Exception:
-            log.exception("%s failed", fn.__name__)
-            raise FUSEError(errno.EIO) from None
+            log.exception("%s failed", name)
+            raise fail(errno.EIO) from None
 
     return wrapper
 
@@ -185,25 +100,14 @@ CHANGES = {"write": "a write to {}", "create": "{} was created", "mknod": "{} wa
 NAMING = ("create", "mknod", "mkdir", "symlink", "unlink", "rmdir", "rename")
 
 
-class CowFS(pyfuse3.Operations):
-    # No writeback cache: with it the kernel keeps its own file sizes and
-    # mtimes and never takes them back from the daemon, so a process holding
-    # a file open would keep seeing pre-rollback sizes.  keep_cache is safe:
-    # a rollback invalidates the pages it changed (see _keep_cache for when
-    # an open drops them anyway).
-    enable_writeback_cache = False
-    supports_dot_lookup = True
-
+class Ops:
     def __init__(self, rootfd: int, store: Store, recorder: Recorder, *,
-                 hidden: bytes | None = None,
-                 on_init: Callable[[], None] | None = None):
-        super().__init__()
+                 hidden: bytes | None = None):
         self.store = store
         self.rec = recorder
         self.hidden = hidden
         hst = B.lstat_at(rootfd, hidden) if hidden is not None else None
         self.hidden_dir = hst is not None and stat.S_ISDIR(hst.st_mode)
-        self.on_init = on_init
         # called (once) at the first change after a rollback that can be redone
         self.on_change: Callable[[str], None] | None = None
         self.is_root = os.geteuid() == 0
@@ -211,25 +115,22 @@ class CowFS(pyfuse3.Operations):
         self.fds = FdCache(fd_cache_size(), self._reopen)
         Node.cache = self.fds
         st = os.stat(rootfd)
-        self.root = Node(pyfuse3.ROOT_INODE, st.st_ino, rootfd, st.st_mode)
+        self.root = Node(ROOT, st.st_ino, rootfd, st.st_mode)
         self.root.nlookup = 1
         self.grave = Node(0, 0, store.grave_fd, stat.S_IFDIR)
         self.nodes: dict[int, Node] = {self.root.ino: self.root}
         self.by_bino: dict[int, Node] = {self.root.bino: self.root}
-        self.next_ino = pyfuse3.ROOT_INODE + 1
+        self.next_ino = ROOT + 1
         self.handles: dict[int, Handle | DirHandle] = {}
         self.next_fh = 1
         # Files open for writing: only they can have dirty pages (shared
         # mmaps) in the kernel that a layer switch must flush first.
         self.writers = 0
+        self.pt_writers: set[Node] = set()      # written through passthrough
         self.grave_links = store.grave_counts()
         # told before the bytes of an object change (gravesum.Hasher)
         self.sums = None
         self.last_request = time.monotonic()
-
-    def init(self) -> None:
-        if self.on_init is not None:
-            self.on_init()
 
     # -- the inode table ---------------------------------------------------------
 
@@ -237,28 +138,9 @@ class CowFS(pyfuse3.Operations):
         try:
             return self.nodes[ino]
         except KeyError:
-            raise FUSEError(errno.ESTALE) from None
+            raise fail(errno.ESTALE) from None
 
-    def _attr(self, node: Node, st: os.stat_result) -> pyfuse3.EntryAttributes:
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = node.ino
-        e.generation = 0
-        e.entry_timeout = TIMEOUT
-        e.attr_timeout = TIMEOUT
-        e.st_mode = st.st_mode
-        e.st_nlink = self._nlink(node, st)
-        e.st_uid = st.st_uid
-        e.st_gid = st.st_gid
-        e.st_rdev = st.st_rdev
-        e.st_size = st.st_size
-        e.st_blksize = st.st_blksize
-        e.st_blocks = st.st_blocks
-        e.st_atime_ns = st.st_atime_ns
-        e.st_mtime_ns = st.st_mtime_ns
-        e.st_ctime_ns = st.st_ctime_ns
-        return e
-
-    def _nlink(self, node: Node, st: os.stat_result) -> int:
+    def nlink(self, node: Node, st: os.stat_result) -> int:
         """The link count as the view has it: names in the grave are gone,
         a removed directory has none left, and the hidden store is no
         subdirectory of the root."""
@@ -427,7 +309,7 @@ class CowFS(pyfuse3.Operations):
 
     def _check_name(self, parent: Node, name: bytes) -> None:
         if parent is self.root and self.hidden is not None and name == self.hidden:
-            raise FUSEError(errno.EPERM)
+            raise fail(errno.EPERM)
 
     # -- capture helpers -------------------------------------------------------------
 
@@ -513,11 +395,11 @@ class CowFS(pyfuse3.Operations):
                     os.close(fd2)
 
     def _new_object(self, parent: Node, name: bytes, make: Callable[[], None], ctx,
-                    mode: int) -> pyfuse3.EntryAttributes:
+                    mode: int) -> tuple[Node, os.stat_result]:
         """Record the creation, make the object, own it, look it up."""
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
-            raise FUSEError(errno.EEXIST)
+            raise fail(errno.EEXIST)
         self.rec.obj(parent.bino)
         if not self.rec.ignored(functools.partial(self._child, parent, name),
                                 stat.S_ISDIR(mode)):
@@ -528,26 +410,26 @@ class CowFS(pyfuse3.Operations):
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
         self.rec.note_created(st.st_ino)
-        return self._attr(node, st)
+        node.nocap = True             # (a new object has no capabilities)
+        return node, st
 
     # -- lookups and attributes ------------------------------------------------------
 
-    @handler
-    async def lookup(self, parent_inode, name, ctx):
+    @op
+    def lookup(self, parent_inode, name, ctx):
         parent = self._node(parent_inode)
         if name == b"." or name == b"..":
             node = parent if name == b"." or parent.parent is None else parent.parent
             if node is self.grave:
-                raise FUSEError(errno.ENOENT)
+                raise fail(errno.ENOENT)
             node.nlookup += 1
-            return self._attr(node, os.stat(node.fd))
+            return node, os.stat(node.fd)
         if parent is self.root and name == self.hidden:
-            raise FUSEError(errno.ENOENT)
-        node, st = self._lookup(parent, name)
-        return self._attr(node, st)
+            raise fail(errno.ENOENT)
+        return self._lookup(parent, name)
 
-    @handler
-    async def forget(self, inode_list):
+    @op
+    def forget(self, inode_list):
         for ino, n in inode_list:
             node = self.nodes.get(ino)
             if node is None or node is self.root:
@@ -556,53 +438,94 @@ class CowFS(pyfuse3.Operations):
             if node.nlookup <= 0:
                 self._drop(node)
 
-    @handler
-    async def getattr(self, inode, ctx):
+    @op
+    def getattr(self, inode):
         node = self._node(inode)
-        return self._attr(node, os.stat(node.fd))
+        return node, os.stat(node.fd)
 
-    @handler(changes=True)
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    @op(changes=True)
+    def setattr(self, inode, fh: int | None, *, mode: int | None = None,
+                uid: int | None = None, gid: int | None = None, size: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None,
+                kill_suidgid: bool = False, ctx: Ctx | None = None):
+        """Set what is not None (uid/gid -1: leave it); nothing at all: a
+        change of the ctime alone.  *kill_suidgid*: a truncation by a caller
+        without CAP_FSETID (see ``_kill_privs``)."""
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
-        if fields.update_size:
+        if size is not None or uid is not None or gid is not None:
+            self._kill_privs(node, kill_suidgid and size is not None, ctx)
+        if size is not None:
             if not stat.S_ISREG(node.mode):
-                raise FUSEError(errno.EINVAL)
+                raise fail(errno.EINVAL)
             fd = handle.fd if isinstance(handle, Handle) else None
-            self._capture_data(node, fd, attr.st_size, 1 << 63)
+            self._capture_data(node, fd, size, 1 << 63)
             self._rewriting(node)
             if fd is not None:
-                os.ftruncate(fd, attr.st_size)
+                os.ftruncate(fd, size)
             else:
                 wfd = os.open(B.proc(node.fd), os.O_WRONLY | os.O_CLOEXEC)
                 try:
-                    os.ftruncate(wfd, attr.st_size)
+                    os.ftruncate(wfd, size)
                 finally:
                     os.close(wfd)
-        if (fields.update_mode or fields.update_uid or fields.update_gid
-                or fields.update_atime or fields.update_mtime):
+        if not (mode is uid is gid is atime_ns is mtime_ns is None):
             self._capture_meta(node)
-            if fields.update_uid or fields.update_gid:
-                self._chown(node, attr.st_uid if fields.update_uid else -1,
-                            attr.st_gid if fields.update_gid else -1)
-            if fields.update_mode and not node.islnk:
-                os.chmod(B.proc(node.fd), stat.S_IMODE(attr.st_mode))
-            if fields.update_atime or fields.update_mtime:
+            if uid is not None or gid is not None:
+                self._chown(node, -1 if uid is None else uid, -1 if gid is None else gid)
+            if mode is not None and not node.islnk:
+                os.chmod(B.proc(node.fd), stat.S_IMODE(mode))
+            if atime_ns is not None or mtime_ns is not None:
                 cur = os.stat(node.fd)
-                ns = (attr.st_atime_ns if fields.update_atime else cur.st_atime_ns,
-                      attr.st_mtime_ns if fields.update_mtime else cur.st_mtime_ns)
+                ns = (cur.st_atime_ns if atime_ns is None else atime_ns,
+                      cur.st_mtime_ns if mtime_ns is None else mtime_ns)
                 if node.islnk:
                     os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
                 else:
                     os.utime(B.proc(node.fd), ns=ns)
-        elif not fields.update_size:
-            # A change of nothing but the ctime (chown(f, -1, -1)): ext4
-            # updates the ctime, and so does this no-op chown of the backing
-            # object.  (A ctime needs no capture: it cannot be put back.)
+        elif size is None:
+            # A change of nothing but the ctime (chown(f, -1, -1)), or what
+            # the kernel asks of us to drop setuid/setgid before an
+            # unprivileged write (HANDLE_KILLPRIV_V2): ext4 updates the ctime
+            # and drops those bits, and so does this no-op chown of the
+            # backing object -- the mode is captured first when they are set.
+            # (A ctime needs no capture: it cannot be put back.)
+            if os.stat(node.fd).st_mode & (stat.S_ISUID | stat.S_ISGID):
+                self._capture_meta(node)
             self._chown(node, -1, -1)
         st = os.stat(node.fd)
         node.mode = st.st_mode
-        return self._attr(node, st)
+        return node, st
+
+    def _kill_privs(self, node: Node, suidgid: bool, ctx: Ctx | None = None) -> None:
+        """Before a write, truncation or change of owner: the backing
+        filesystem drops the object's capabilities (security.capability) as
+        the daemon makes the change -- captured here first; with *suidgid*
+        (the kernel leaves it to us under HANDLE_KILLPRIV_V2: the caller has
+        no CAP_FSETID), the setuid bit goes, and the setgid bit of a
+        group-executable file, or of one whose group the caller (*ctx*) is
+        not in, as the kernel clears them."""
+        if not stat.S_ISREG(node.mode):
+            return
+        if not node.nocap:
+            try:
+                os.getxattr(B.proc(node.fd), CAPABILITY)
+                self._capture_xattrs(node)
+            except OSError as e:
+                if e.errno != errno.ENODATA:
+                    raise
+                node.nocap = True
+        if suidgid:
+            st = os.stat(node.fd)
+            mode = st.st_mode
+            kept = mode & ~stat.S_ISUID
+            if mode & stat.S_IXGRP or (mode & stat.S_ISGID and ctx is not None
+                                       and not in_group(ctx, st.st_gid)):
+                kept &= ~stat.S_ISGID
+            if kept != mode:
+                self._capture_meta(node)
+                os.chmod(B.proc(node.fd), stat.S_IMODE(kept))
+                node.mode = kept
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
         if node.islnk:
@@ -610,55 +533,50 @@ class CowFS(pyfuse3.Operations):
         else:
             os.chown(B.proc(node.fd), uid, gid)
 
-    @handler
-    async def readlink(self, inode, ctx):
+    @op
+    def readlink(self, inode, ctx):
         return os.readlink(b"", dir_fd=self._node(inode).fd)
 
-    @handler
-    async def access(self, inode, mode, ctx):
+    @op
+    def access(self, inode, mode, ctx):
         return True
 
-    @handler
-    async def statfs(self, ctx):
-        sv = os.fstatvfs(self.root.fd)
-        out = pyfuse3.StatvfsData()
-        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                     "f_files", "f_ffree", "f_favail", "f_namemax"):
-            setattr(out, attr, getattr(sv, attr))
-        return out
+    @op
+    def statfs(self) -> os.statvfs_result:
+        return os.fstatvfs(self.root.fd)
 
     # -- creating names ----------------------------------------------------------------
 
-    @handler(changes=True)
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    @op(changes=True)
+    def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
         return self._new_object(parent, name,
                                 lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd),
                                 ctx, mode)
 
-    @handler(changes=True)
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    @op(changes=True)
+    def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
         return self._new_object(parent, name,
                                 lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd),
                                 ctx, mode)
 
-    @handler(changes=True)
-    async def symlink(self, parent_inode, name, target, ctx):
+    @op(changes=True)
+    def symlink(self, parent_inode, name, target, ctx):
         parent = self._node(parent_inode)
         return self._new_object(parent, name,
                                 lambda: os.symlink(target, name, dir_fd=parent.fd),
                                 ctx, stat.S_IFLNK | 0o777)
 
-    @handler(changes=True)
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    @op(changes=True)
+    def link(self, inode, new_parent_inode, new_name, ctx):
         node = self._node(inode)
         parent = self._node(new_parent_inode)
         self._check_name(parent, new_name)
         if B.lstat_at(parent.fd, new_name) is not None:
-            raise FUSEError(errno.EEXIST)
+            raise fail(errno.EEXIST)
         self.rec.obj(parent.bino)
         with self.rec.txn() as w:
             self._dir_changes(w, parent)
@@ -669,19 +587,19 @@ class CowFS(pyfuse3.Operations):
                     follow_symlinks=False)
         else:
             os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
-        node, st = self._lookup(parent, new_name)
-        return self._attr(node, st)
+        return self._lookup(parent, new_name)
 
-    @handler(changes=True)
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    @op(changes=True)
+    def create(self, parent_inode, name, mode, flags, ctx, kill_suidgid: bool = False):
         parent = self._node(parent_inode)
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
             if flags & os.O_EXCL:
-                raise FUSEError(errno.EEXIST)
+                raise fail(errno.EEXIST)
             node, st = self._lookup(parent, name)
-            fi = await self.open(node.ino, flags & ~os.O_CREAT, ctx)
-            return fi, self._attr(node, os.stat(node.fd))
+            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx,
+                                 kill_suidgid=kill_suidgid)
+            return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
         if not self.rec.ignored(functools.partial(self._child, parent, name), False):
@@ -697,7 +615,8 @@ class CowFS(pyfuse3.Operations):
             os.close(fd)
             raise
         self.rec.note_created(st.st_ino)
-        return self._new_handle(node, fd, flags), self._attr(node, st)
+        node.nocap = True
+        return (*self._new_handle(node, fd, flags), node, st)
 
     # -- removing and moving names -------------------------------------------------------
 
@@ -713,15 +632,17 @@ class CowFS(pyfuse3.Operations):
         if node is not None:
             self._remove_link(node, parent, name)
             self._add_link(node, self.grave, gname)
+            if node.pt_writers:     # (written on unseen: no hash of it can hold)
+                self._rewriting(node)
 
     def _remove(self, parent: Node, name: bytes, want_dir: bool) -> None:
         self._check_name(parent, name)
         st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         isdir = stat.S_ISDIR(st.st_mode)
         if want_dir and not isdir:
-            raise FUSEError(errno.ENOTDIR)
+            raise fail(errno.ENOTDIR)
         if not want_dir and isdir:
-            raise FUSEError(errno.EISDIR)
+            raise fail(errno.EISDIR)
         self.rec.obj(parent.bino)
         if self.rec.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
             # Not captured: removed for real, the parent's times are left.
@@ -749,7 +670,7 @@ class CowFS(pyfuse3.Operations):
                 self._orphan(st.st_ino)
             return
         if isdir and not self._is_empty(parent, name):
-            raise FUSEError(errno.ENOTEMPTY)
+            raise fail(errno.ENOTEMPTY)
         with self.rec.txn() as w:
             self._dir_changes(w, parent)
             gid = self._bury(w, parent, name, st)
@@ -764,16 +685,16 @@ class CowFS(pyfuse3.Operations):
         finally:
             os.close(fd)
 
-    @handler(changes=True)
-    async def unlink(self, parent_inode, name, ctx):
+    @op(changes=True)
+    def unlink(self, parent_inode, name, ctx):
         self._remove(self._node(parent_inode), name, want_dir=False)
 
-    @handler(changes=True)
-    async def rmdir(self, parent_inode, name, ctx):
+    @op(changes=True)
+    def rmdir(self, parent_inode, name, ctx):
         self._remove(self._node(parent_inode), name, want_dir=True)
 
-    @handler(changes=True)
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
+    @op(changes=True)
+    def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
                      flags, ctx):
         sp = self._node(parent_inode_old)
         dp = self._node(parent_inode_new)
@@ -783,9 +704,9 @@ class CowFS(pyfuse3.Operations):
         dst = B.lstat_at(dp.fd, name_new)
         src_path, dst_path = self._child(sp, name_old), self._child(dp, name_new)
         self.rec.obj(sp.bino), self.rec.obj(dp.bino)
-        if flags & pyfuse3.RENAME_EXCHANGE:
+        if flags & B.RENAME_EXCHANGE:
             if dst is None:
-                raise FUSEError(errno.ENOENT)
+                raise fail(errno.ENOENT)
             with self.rec.txn() as w:
                 self._dir_changes(w, sp, dp)
                 self.rec.exchange(w, src_path, dst_path, sst.st_ino, dst.st_ino)
@@ -794,17 +715,17 @@ class CowFS(pyfuse3.Operations):
             self._moved(dst.st_ino, dp, name_new, sp, name_old)
             return
         if dst is not None:
-            if flags & pyfuse3.RENAME_NOREPLACE:
-                raise FUSEError(errno.EEXIST)
+            if flags & B.RENAME_NOREPLACE:
+                raise fail(errno.EEXIST)
             if dst.st_ino == sst.st_ino:
                 return
             if stat.S_ISDIR(dst.st_mode):
                 if not stat.S_ISDIR(sst.st_mode):
-                    raise FUSEError(errno.EISDIR)
+                    raise fail(errno.EISDIR)
                 if not self._is_empty(dp, name_new):
-                    raise FUSEError(errno.ENOTEMPTY)
+                    raise fail(errno.ENOTEMPTY)
             elif stat.S_ISDIR(sst.st_mode):
-                raise FUSEError(errno.ENOTDIR)
+                raise fail(errno.ENOTDIR)
         isdir = stat.S_ISDIR(sst.st_mode)
         dst_ignored = dst is not None and self.rec.ignored(dst_path, isdir, dst.st_ino)
         # Within ignored paths nothing is recorded, unless the object replaced
@@ -869,14 +790,15 @@ class CowFS(pyfuse3.Operations):
         return (flags & ~(os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
                           | os.O_DIRECT)) | acc | os.O_CLOEXEC
 
-    def _new_handle(self, node: Node, fd: int, flags: int) -> pyfuse3.FileInfo:
+    def _new_handle(self, node: Node, fd: int, flags: int) -> tuple[int, bool]:
+        """(fh, whether the kernel may keep the cached pages)"""
         fh = self.next_fh
         self.next_fh += 1
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         self.writers += writable
         self.handles[fh] = Handle(node, fd, writable, self.rec.who)
         self.fds.pin(node)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=self._keep_cache(fd, flags))
+        return fh, self._keep_cache(fd, flags)
 
     def _keep_cache(self, fd: int, flags: int) -> bool:
         """Whether the kernel may keep the file's cached pages for this open.
@@ -891,12 +813,14 @@ class CowFS(pyfuse3.Operations):
         return (st.st_atime_ns > max(st.st_mtime_ns, st.st_ctime_ns)
                 and time.time_ns() - st.st_atime_ns < RELATIME_AGE)
 
-    @handler
-    async def open(self, inode, flags, ctx):
+    @op
+    def open(self, inode, flags, ctx, kill_suidgid: bool = False):
+        """*kill_suidgid*: an O_TRUNC open by a caller without CAP_FSETID."""
         node = self._node(inode)
         if flags & os.O_TRUNC and self.on_change is not None:
             self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
+            self._kill_privs(node, kill_suidgid, ctx)
             self._capture_data(node, None, 0, 1 << 63)
             self._rewriting(node)
         fl = self._open_flags(flags)
@@ -906,19 +830,81 @@ class CowFS(pyfuse3.Operations):
             fd = os.open(B.proc(node.fd), (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE))
         return self._new_handle(node, fd, flags)
 
-    @handler
-    async def read(self, fh, off, size):
+    @op
+    def read(self, fh, off, size):
         return os.pread(self.handles[fh].fd, size, off)
 
-    @handler(changes=True)
-    async def write(self, fh, off, buf):
+    @op(changes=True)
+    def write(self, fh, off, buf, kill_suidgid: bool = False, ctx: Ctx | None = None):
+        """*kill_suidgid*: the writer (*ctx*) has no CAP_FSETID (see
+        ``_kill_privs``)."""
         h = self.handles[fh]
         node = h.node
+        if kill_suidgid or not node.nocap:
+            self._kill_privs(node, kill_suidgid, ctx)
         if not self.rec.write_is_captured(node.bino, off, len(buf)):
             self.rec.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
         self._rewriting(node)
         return os.pwrite(h.fd, buf, off)
+
+    @op(changes=True)
+    def fallocate(self, fh, off: int, length: int, mode: int) -> None:
+        """fallocate(2) on the backing file: what a mode changes (the size;
+        the bytes a hole or zero range replaces; all bytes from *off* on
+        when a collapse or insert shifts them) is captured first."""
+        h = self.handles[fh]
+        node = h.node
+        if mode & (B.FALLOC_FL_COLLAPSE_RANGE | B.FALLOC_FL_INSERT_RANGE):
+            self._capture_data(node, h.fd, off, 1 << 63)
+        elif mode & (B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_ZERO_RANGE):
+            self._capture_data(node, h.fd, off, off + length)
+        if not mode & B.FALLOC_FL_KEEP_SIZE:
+            self._capture_meta(node)            # (the size it may grow from)
+        self._rewriting(node)
+        B.fallocate(h.fd, mode, off, length)
+
+    @op
+    def lseek(self, fh, off: int, whence: int) -> int:
+        """SEEK_DATA and SEEK_HOLE (the kernel does the others itself)."""
+        return os.lseek(self.handles[fh].fd, off, whence)
+
+    @op(changes=True)
+    def copy_file_range(self, fh_in, off_in: int, fh_out, off_out: int, length: int) -> int:
+        """copy_file_range(2) between backing files (reflinked where the
+        filesystem can), the range it overwrites captured first."""
+        src, dst = self.handles[fh_in], self.handles[fh_out]
+        self.rec.who = dst.who
+        self._capture_data(dst.node, dst.fd, off_out, off_out + length)
+        self._capture_meta(dst.node)
+        self._rewriting(dst.node)
+        return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
+
+    @op(changes=True)
+    def tmpfile(self, parent_inode, mode, flags, ctx) -> tuple[int, bool, Node, os.stat_result]:
+        """O_TMPFILE: an unnamed file in the directory, made in this layer
+        (nothing to capture; giving it a name later is a link)."""
+        parent = self._node(parent_inode)
+        mode = (mode & ~ctx.umask) | stat.S_IFREG
+        fd = os.open(B.proc(parent.fd), (self._open_flags(flags) & ~os.O_DIRECTORY)
+                     | os.O_TMPFILE, stat.S_IMODE(mode))
+        try:
+            if self.is_root:
+                pst = os.stat(parent.fd)
+                os.fchown(fd, ctx.uid, pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid)
+            st = os.fstat(fd)
+            node = Node(self.next_ino, st.st_ino, os.open(B.proc(fd), B.PATH_FLAGS),
+                        st.st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.next_ino += 1
+        node.nlookup = 1
+        node.nocap = True
+        self.nodes[node.ino] = node
+        self.by_bino[node.bino] = node
+        self.rec.note_created(st.st_ino)
+        return (*self._new_handle(node, fd, flags), node, st)
 
     def _rewriting(self, node: Node) -> None:
         """The bytes of *node*'s object are about to change: if it is also
@@ -936,22 +922,97 @@ class CowFS(pyfuse3.Operations):
         node = self.by_bino.get(bino)
         return node is not None and node.nopen > 0
 
-    @handler
-    async def flush(self, fh):
+    @op
+    def flush(self, fh):
         # Writes go straight to the backing file, so close() has nothing to
         # flush; ENOSYS tells the kernel to stop sending FLUSH (one request
         # less per close).
-        raise FUSEError(errno.ENOSYS)
+        raise fail(errno.ENOSYS)
 
-    @handler
-    async def release(self, fh):
+    @op
+    def release(self, fh) -> Handle:
         h = self.handles.pop(fh)
         os.close(h.fd)
         self.writers -= h.writable
-        self.fds.unpin(h.node)
+        node = h.node
+        if h.counted:
+            if h.passthrough:
+                node.pt -= 1
+                node.pt_writers -= h.writable
+                if not node.pt_writers:
+                    self.pt_writers.discard(node)
+                if not node.pt and node.bfd >= 0:
+                    os.close(node.bfd)
+                    node.bfd = -1
+            else:
+                node.cached -= 1
+        self.fds.unpin(node)
+        return h
 
-    @handler
-    async def fsync(self, fh, datasync):
+    # -- passthrough --------------------------------------------------------------------
+
+    def passthrough(self, fh: int) -> int | None:
+        """Whether open file *fh* may be served by the kernel from the
+        backing file directly (FUSE passthrough: its reads and writes never
+        reach the daemon, so they are not captured one by one).  If so, the
+        fd of the node's backing file to hand the kernel (every passthrough
+        open of an inode shares one), else None.
+
+        All opens of an inode agree (the kernel refuses a mix): the first
+        decides -- passthrough for reading, or for writing a file made in the
+        open layer (nothing to capture).  A writer of a file already served
+        so gets passthrough too, the file captured whole first; and at every
+        layer switch, files open for writing this way are captured whole in
+        the new top layer (``layer_switched``)."""
+        h = self.handles[fh]
+        node = h.node
+        ok = stat.S_ISREG(node.mode) and not node.cached and (
+            not h.writable or node.pt or self.rec.obj(node.bino).created)
+        if ok and node.bfd < 0:
+            try:
+                node.bfd = os.open(B.proc(node.fd), os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                ok = False
+        if not ok:
+            node.cached += 1
+            h.counted = True
+            return None
+        if h.writable:
+            self._capture_whole(node, h.fd)
+            node.pt_writers += 1
+            self.pt_writers.add(node)
+        node.pt += 1
+        h.counted = h.passthrough = True
+        return node.bfd
+
+    def _capture_whole(self, node: Node, fd: int) -> None:
+        """Capture every byte and the attributes of *node*'s file in the open
+        layer (nothing, for a file made in it), so that writes the daemon
+        does not see need no capture."""
+        self._capture_data(node, fd, 0, 1 << 63)
+        self._capture_meta(node)
+        self._rewriting(node)
+
+    def layer_switched(self, after_undo: bool = False) -> None:
+        """After the open layer changed (checkpoint, rollback, redo, commit):
+        files that programs write through passthrough are captured whole in
+        it, unless made in it.  After an undo, not those it took out of the
+        tree (into the grave, kept for a redo, which would notice their
+        change by its fingerprint)."""
+        for node in list(self.pt_writers):
+            h = next((h for h in self.handles.values()
+                      if isinstance(h, Handle) and h.node is node and h.passthrough), None)
+            if h is not None and node.live:
+                if after_undo and S.grave_id(self._loc(node)) is not None:
+                    continue
+                try:
+                    self._capture_whole(node, h.fd)
+                except OSError as e:
+                    log.warning("could not capture a file open for writing across a "
+                                "layer switch: %s", e)
+
+    @op
+    def fsync(self, fh, datasync):
         self.store.sync()  # the pre-images first, then the change they protect
         h = self.handles[fh]
         if datasync:
@@ -961,8 +1022,8 @@ class CowFS(pyfuse3.Operations):
 
     # -- directories ------------------------------------------------------------------
 
-    @handler
-    async def opendir(self, inode, ctx):
+    @op
+    def opendir(self, inode, ctx):
         # The names are read by the first readdir (and again after a
         # rewind), not here: opening a directory does not read it, nor
         # update its atime.
@@ -981,38 +1042,44 @@ class CowFS(pyfuse3.Operations):
             names = [n for n in names if n != self.hidden]
         return [b".", b".."] + names
 
-    @handler
-    async def readdir(self, fh, start_id, token):
+    @op
+    def readdir(self, fh: int, start: int,
+                take: Callable[[bytes, Node, os.stat_result, int], bool]) -> None:
+        """Hand the entries from position *start* on to *take(name, node,
+        stat, next position)* until it says no more fit (False).  The
+        kernel holds a reference to each node it took (not to dot entries)."""
         dh = self.handles[fh]
-        if start_id == 0:
+        if start == 0 or not dh.names:
+            # (a handle may begin past 0: the kernel's readdir cache goes on
+            # where the part it kept ends; positions are those of the listing,
+            # stable while the directory does not change -- a change drops
+            # that cache)
             dh.names = self._list(dh.node)
         names = dh.names
-        for i in range(start_id, len(names)):
+        for i in range(start, len(names)):
             name = names[i]
             if name == b"." or name == b"..":
                 node = dh.node if name == b"." or dh.node.parent in (None, self.grave) \
                     else dh.node.parent
-                # The kernel takes no reference for dot entries.
-                if not pyfuse3.readdir_reply(token, name, self._attr(node, os.stat(node.fd)),
-                                             i + 1):
+                if not take(name, node, os.stat(node.fd), i + 1):
                     return
                 continue
             try:
                 node, st = self._lookup(dh.node, name, count=False)
             except FileNotFoundError:
                 continue
-            if not pyfuse3.readdir_reply(token, name, self._attr(node, st), i + 1):
+            if not take(name, node, st, i + 1):
                 if node.nlookup == 0:
                     self._drop(node)
                 return
             node.nlookup += 1
 
-    @handler
-    async def releasedir(self, fh):
+    @op
+    def releasedir(self, fh):
         del self.handles[fh]
 
-    @handler
-    async def fsyncdir(self, fh, datasync):
+    @op
+    def fsyncdir(self, fh, datasync):
         self.store.sync()
         node = self.handles[fh].node
         fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1023,11 +1090,11 @@ class CowFS(pyfuse3.Operations):
 
     # -- xattrs -----------------------------------------------------------------------
 
-    @handler
-    async def getxattr(self, inode, name, ctx):
+    @op
+    def getxattr(self, inode, name, ctx):
         node = self._node(inode)
         if name == CAPABILITY and node.nocap:
-            raise FUSEError(pyfuse3.ENOATTR)
+            raise fail(errno.ENODATA)
         try:
             path, follow = self._xpath(node)
             return os.getxattr(path, name, follow_symlinks=follow)
@@ -1036,23 +1103,23 @@ class CowFS(pyfuse3.Operations):
                 node.nocap = True
             raise
 
-    @handler
-    async def listxattr(self, inode, ctx):
+    @op
+    def listxattr(self, inode, ctx):
         path, follow = self._xpath(self._node(inode))
         return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
 
-    @handler(changes=True)
-    async def setxattr(self, inode, name, value, ctx):
+    @op(changes=True)
+    def setxattr(self, inode, name, value, ctx, flags: int = 0):
         node = self._node(inode)
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
-        os.setxattr(path, name, value, follow_symlinks=follow)
+        os.setxattr(path, name, value, flags, follow_symlinks=follow)
         if name == CAPABILITY:
             node.nocap = False
 
-    @handler(changes=True)
-    async def removexattr(self, inode, name, ctx):
+    @op(changes=True)
+    def removexattr(self, inode, name, ctx):
         node = self._node(inode)
         path, follow = self._xpath(node)
         os.getxattr(path, name, follow_symlinks=follow)  # ENODATA: nothing to remove or record
@@ -1080,7 +1147,7 @@ class CowFS(pyfuse3.Operations):
                 path = self._child(self._node(args[0]), args[1])
             else:
                 path = self._path(self._node(args[0]))
-        except (OSError, FUSEError, KeyError, IndexError):
+        except (OSError, KeyError, IndexError):
             return CHANGES.get(op, op).format("a file")
         if S.grave_id(path) is not None:
             return CHANGES.get(op, op).format("a removed file held open")

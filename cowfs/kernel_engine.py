@@ -1,0 +1,653 @@
+"""The kernel engine: the FUSE protocol spoken on /dev/fuse directly, in one
+synchronous loop on a thread of its own -- a blocking read of one request,
+the operation (``ops``), a write of the reply -- with no event loop and no
+task switch in between.  It negotiates with the kernel what libfuse 3.14
+cannot (see ``INIT`` below); struct layouts are in ``fuse_abi``.
+
+The daemon's control code runs on trio in the main thread.  It takes the
+file system for itself (``exclusive``: a lock the loop takes for every
+request) while it runs, and lets go while it waits (``blocking``), so a
+layer switch happens between two requests, as with the pyfuse3 engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable, Iterator
+
+import trio
+
+from . import fuse_abi as F
+from .inodes import Node
+from .ops import TIMEOUT, Ctx, Ops
+
+log = logging.getLogger("cowfs.kernel")
+
+NAME = "kernel"
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+MAX_WRITE = 1 << 20
+MAX_PAGES = MAX_WRITE // 4096
+READ_AHEAD_KB = 1024
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_ENTRY_TIMEOUT = int(TIMEOUT)
+_NEGATIVE = F.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(F.ATTR.size)
+
+
+def available() -> str | None:
+    """Why the kernel engine cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "it mounts with mount(2), which needs root (non-root mounts use pyfuse3)"
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing"
+    return None
+
+
+class FsLock:
+    """Held by the request loop for each request, and by control code (on
+    the trio thread) while it runs; reentrant for the trio thread, whose
+    tasks interleave at their awaits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += 1
+            return
+        self._lock.acquire()
+        self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def suspend(self) -> int:
+        """Let go entirely (this thread holds it); how deep it was held."""
+        if self._owner != threading.get_ident():
+            return 0
+        depth, self._depth, self._owner = self._depth, 0, None
+        self._lock.release()
+        return depth
+
+    def resume(self, depth: int) -> None:
+        if not depth:
+            return
+        me = threading.get_ident()
+        if self._owner == me:
+            self._depth += depth
+            return
+        self._lock.acquire()
+        self._owner, self._depth = me, depth
+
+
+def _attr(node: Node, st: os.stat_result, nlink: int) -> bytes:
+    a, m, c = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+    return F.ATTR.pack(node.ino, st.st_size, st.st_blocks, a // 1_000_000_000,
+                       m // 1_000_000_000, c // 1_000_000_000, a % 1_000_000_000,
+                       m % 1_000_000_000, c % 1_000_000_000, st.st_mode, nlink,
+                       st.st_uid, st.st_gid, st.st_rdev & 0xFFFFFFFF, st.st_blksize, 0)
+
+
+class Engine:
+    """Mount with mount(2), answer the kernel on /dev/fuse."""
+
+    name = NAME
+
+    def __init__(self, ops: Ops, why: str = ""):
+        self.ops = ops
+        self.why = why
+        self.fd = -1
+        self.mountpoint = ""
+        self.lock = FsLock()
+        self.on_init: Callable[[], None] | None = None
+        self.minor = 0
+        self.flags = 0               # what INIT agreed on
+        self.running = False
+        self.counts: dict[int, int] = {}
+        self.use_passthrough = True
+        self.passthrough = False     # negotiated
+        self._handlers = self._table()
+
+    def features(self) -> dict:
+        """What INIT agreed on, by name."""
+        names = {F.HANDLE_KILLPRIV_V2: "killpriv_v2", F.PASSTHROUGH: "passthrough",
+                 F.DO_READDIRPLUS: "readdirplus", F.PARALLEL_DIROPS: "parallel_dirops",
+                 F.ATOMIC_O_TRUNC: "atomic_o_trunc", F.MAX_PAGES: "max_pages"}
+        return {"protocol": f"7.{self.minor}",
+                "features": sorted(n for bit, n in names.items() if self.flags & bit)
+                + ["negative_entries", "cache_readdir"],
+                "requests": {F.OPCODE_NAMES.get(op, str(op)): n
+                             for op, n in sorted(self.counts.items())}}
+
+    # -- mounting ----------------------------------------------------------------------
+
+    def mount(self, mountpoint: str, fsname: str, allow_other: bool,
+              on_init: Callable[[], None]) -> None:
+        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        self.mountpoint = mountpoint
+        self.on_init = on_init
+        st = os.stat(mountpoint)
+        opts = (f"fd={self.fd},rootmode={stat.S_IFMT(st.st_mode):o},"
+                f"user_id={os.geteuid()},group_id={os.getegid()},default_permissions"
+                + (",allow_other" if allow_other else ""))
+        if _libc.mount(os.fsencode(fsname), os.fsencode(mountpoint), b"fuse.cowfs",
+                       MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+            e = ctypes.get_errno()
+            os.close(self.fd)
+            self.fd = -1
+            raise OSError(e, f"mount: {os.strerror(e)}", mountpoint)
+
+    def _tune_bdi(self) -> None:
+        """Read ahead 1 MiB on reads the daemon serves (the default 128 KiB
+        made cold sequential reads 1.6x slower here); best effort."""
+        from .mounts import mounts
+        found = [m for m in mounts() if m.mountpoint == self.mountpoint
+                 and m.fstype == "fuse.cowfs"]
+        if not found:
+            return
+        try:
+            with open(f"/sys/class/bdi/{found[-1].dev}/read_ahead_kb", "w") as f:
+                f.write(str(READ_AHEAD_KB))
+        except OSError as e:
+            log.info("could not set the mount's read-ahead: %s", e)
+
+    async def serve(self) -> None:
+        """Serve requests until the mount is gone."""
+        await trio.to_thread.run_sync(self._loop)
+
+    def terminate(self) -> None:
+        """Unmount (lazily: processes still inside keep it until they leave);
+        the loop ends when the kernel lets go of the connection."""
+        if _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH) != 0:
+            log.warning("unmount of %s: %s", self.mountpoint, os.strerror(ctypes.get_errno()))
+
+    def close(self, unmount: bool) -> None:
+        if unmount and self.running:
+            self.terminate()
+        elif unmount:
+            _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    async def blocking(self, fn, *args):
+        """Run *fn* in a worker thread, letting requests be served meanwhile."""
+        depth = self.lock.suspend()
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        finally:
+            self.lock.resume(depth)
+
+    def invalidate(self, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
+        """Drop what the kernel caches of these names and inodes (from a
+        thread that holds no lock the loop might wait for)."""
+        for pino, name in entries:
+            self._notify(F.NOTIFY_INVAL_ENTRY,
+                         F.NOTIFY_INVAL_ENTRY_OUT.pack(pino, len(name), 0) + name + b"\0")
+        for ino in inodes:
+            self._notify(F.NOTIFY_INVAL_INODE, F.NOTIFY_INVAL_INODE_OUT.pack(ino, 0, 0))
+
+    def _notify(self, code: int, body: bytes) -> None:
+        try:
+            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), code, 0) + body)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTCONN, errno.EBADF, errno.ENODEV):
+                log.warning("notification %d failed: %s", code, e)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self.running = True
+        buf = bytearray(MAX_WRITE + 4096)
+        view = memoryview(buf)
+        bufs = [buf]
+        fd = self.fd
+        unpack_hdr = F.IN_HEADER.unpack_from
+        handlers = self._handlers
+        lock = self.lock
+        counts = self.counts
+        try:
+            while True:
+                try:
+                    n = os.readv(fd, bufs)
+                except OSError as e:
+                    if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                        continue            # (ENOENT: a request interrupted meanwhile)
+                    if e.errno == errno.ENODEV:
+                        return              # unmounted
+                    raise
+                ln, opcode, unique, nodeid, uid, gid, pid, _, _ = unpack_hdr(buf)
+                counts[opcode] = counts.get(opcode, 0) + 1
+                handler = handlers.get(opcode)
+                if handler is None:
+                    self._error(unique, errno.ENOSYS)
+                    continue
+                lock.acquire()
+                try:
+                    handler(unique, nodeid, uid, gid, pid, view[40:n])
+                except OSError as e:
+                    self._error(unique, e.errno or errno.EIO)
+                except _Stop:
+                    return
+                except Exception:
+                    log.exception("opcode %d failed", opcode)
+                    self._error(unique, errno.EIO)
+                finally:
+                    lock.release()
+        finally:
+            self.running = False
+
+    def _reply(self, unique: int, body: bytes = b"") -> None:
+        try:
+            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
+        except OSError as e:
+            if e.errno != errno.ENOENT:          # (the request was interrupted)
+                raise
+
+    def _reply_data(self, unique: int, data: bytes) -> None:
+        try:
+            os.writev(self.fd, [F.OUT_HEADER.pack(16 + len(data), 0, unique), data])
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+
+    def _error(self, unique: int, err: int) -> None:
+        try:
+            os.write(self.fd, F.OUT_HEADER.pack(16, -err, unique))
+        except OSError:
+            pass
+
+    def _entry(self, unique: int, node: Node, st: os.stat_result, extra: bytes = b"") -> None:
+        body = (F.ENTRY_OUT.pack(node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0)
+                + _attr(node, st, self.ops.nlink(node, st)) + extra)
+        try:
+            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            self.ops.forget([(node.ino, 1)])    # the kernel took no reference
+
+    def _attr_reply(self, unique: int, node: Node, st: os.stat_result) -> None:
+        self._reply(unique, F.ATTR_OUT.pack(_ENTRY_TIMEOUT, 0, 0)
+                    + _attr(node, st, self.ops.nlink(node, st)))
+
+    # -- the requests --------------------------------------------------------------------
+
+    def _table(self) -> dict[int, Callable]:
+        return {
+            F.INIT: self._init, F.DESTROY: self._destroy,
+            F.LOOKUP: self._lookup, F.FORGET: self._forget,
+            F.BATCH_FORGET: self._batch_forget, F.GETATTR: self._getattr,
+            F.SETATTR: self._setattr, F.READLINK: self._readlink,
+            F.SYMLINK: self._symlink, F.MKNOD: self._mknod, F.MKDIR: self._mkdir,
+            F.UNLINK: self._unlink, F.RMDIR: self._rmdir, F.RENAME: self._rename,
+            F.RENAME2: self._rename2, F.LINK: self._link, F.OPEN: self._open,
+            F.READ: self._read, F.WRITE: self._write, F.STATFS: self._statfs,
+            F.RELEASE: self._release, F.FSYNC: self._fsync, F.FLUSH: self._flush,
+            F.SETXATTR: self._setxattr, F.GETXATTR: self._getxattr,
+            F.LISTXATTR: self._listxattr, F.REMOVEXATTR: self._removexattr,
+            F.OPENDIR: self._opendir, F.READDIRPLUS: self._readdirplus,
+            F.READDIR: self._readdir, F.RELEASEDIR: self._releasedir,
+            F.FSYNCDIR: self._fsyncdir, F.ACCESS: self._access, F.CREATE: self._create,
+            F.INTERRUPT: self._interrupt, F.SYNCFS: self._syncfs,
+            F.FALLOCATE: self._fallocate, F.LSEEK: self._lseek,
+            F.COPY_FILE_RANGE: self._copy_file_range, F.TMPFILE: self._tmpfile,
+        }
+
+    def _init(self, unique, nodeid, uid, gid, pid, body) -> None:
+        major, minor, max_readahead, flags, flags2 = F.INIT_IN.unpack_from(body)
+        if major != F.KERNEL_VERSION:
+            # an older or newer major: say ours, the kernel sends INIT again
+            self._reply(unique, F.INIT_OUT.pack(F.KERNEL_VERSION, F.KERNEL_MINOR, 0, 0, 0, 0,
+                                                0, 0, 0, 0, 0, 0, 0))
+            return
+        kernel = flags | (flags2 << 32 if flags & F.INIT_EXT else 0)
+        want = (F.PASSTHROUGH if self.use_passthrough else 0) | (
+                F.ASYNC_READ | F.ATOMIC_O_TRUNC | F.EXPORT_SUPPORT | F.BIG_WRITES
+                | F.DO_READDIRPLUS | F.PARALLEL_DIROPS | F.MAX_PAGES | F.INIT_EXT
+                # no GETXATTR security.capability before every write, truncation
+                # and chown: the daemon clears privileges itself (ops._kill_privs)
+                | F.HANDLE_KILLPRIV_V2)
+        # (not CACHE_SYMLINKS: a readlink the kernel answers from its cache
+        # never updates the symlink's atime, as a native one would)
+        agreed = kernel & want
+        self.minor = min(minor, F.KERNEL_MINOR)
+        self.flags = agreed
+        self.passthrough = bool(agreed & F.PASSTHROUGH)
+        self._reply(unique, F.INIT_OUT.pack(
+            F.KERNEL_VERSION, self.minor, max_readahead, agreed & 0xFFFFFFFF,
+            64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
+            1 if self.passthrough else 0, 0))    # (max_stack_depth: over one filesystem)
+        log.info("FUSE 7.%d, kernel offers %#x, agreed %#x", minor, kernel, agreed)
+        self._tune_bdi()    # (after INIT, which caps the read-ahead)
+        if self.on_init is not None:
+            self.on_init()
+
+    def _destroy(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self._reply(unique)
+        raise _Stop
+
+    def _interrupt(self, unique, nodeid, uid, gid, pid, body) -> None:
+        pass    # each request runs to its end at once: nothing to interrupt
+
+    def _lookup(self, unique, nodeid, uid, gid, pid, body) -> None:
+        name = bytes(body[:-1])
+        try:
+            node, st = self.ops.lookup(nodeid, name, ctx=Ctx(pid, uid, gid, 0))
+        except FileNotFoundError:
+            # a negative entry: the kernel remembers the name is absent (an
+            # undo that brings one back invalidates it)
+            self._reply(unique, _NEGATIVE)
+            return
+        self._entry(unique, node, st)
+
+    def _forget(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.forget([(nodeid, F.FORGET_IN.unpack_from(body)[0])])
+
+    def _batch_forget(self, unique, nodeid, uid, gid, pid, body) -> None:
+        count = F.BATCH_FORGET_IN.unpack_from(body)[0]
+        one = F.FORGET_ONE
+        self.ops.forget([one.unpack_from(body, 8 + i * 16) for i in range(count)])
+
+    def _getattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        node, st = self.ops.getattr(nodeid)
+        self._attr_reply(unique, node, st)
+
+    def _setattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, auid,
+         agid, _) = F.SETATTR_IN.unpack_from(body)
+        kw: dict = {}
+        if valid & F.FATTR_SIZE:
+            kw["size"] = size
+        if valid & F.FATTR_MODE:
+            kw["mode"] = mode
+        if valid & F.FATTR_UID:
+            kw["uid"] = auid
+        if valid & F.FATTR_GID:
+            kw["gid"] = agid
+        now = None
+        if valid & F.FATTR_ATIME:
+            if valid & F.FATTR_ATIME_NOW:
+                now = time.time_ns()
+                kw["atime_ns"] = now
+            else:
+                kw["atime_ns"] = atime * 1_000_000_000 + atimensec
+        if valid & F.FATTR_MTIME:
+            if valid & F.FATTR_MTIME_NOW:
+                kw["mtime_ns"] = now if now is not None else time.time_ns()
+            else:
+                kw["mtime_ns"] = mtime * 1_000_000_000 + mtimensec
+        node, st = self.ops.setattr(nodeid, fh if valid & F.FATTR_FH else None,
+                                    ctx=Ctx(pid, uid, gid, 0),
+                                    kill_suidgid=bool(valid & F.FATTR_KILL_SUIDGID), **kw)
+        self._attr_reply(unique, node, st)
+
+    def _readlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self._reply(unique, self.ops.readlink(nodeid, ctx=Ctx(pid, uid, gid, 0)))
+
+    def _symlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+        raw = bytes(body)
+        end = raw.index(0)
+        name, target = raw[:end], raw[end + 1:raw.index(0, end + 1)]
+        node, st = self.ops.symlink(nodeid, name, target, ctx=Ctx(pid, uid, gid, 0))
+        self._entry(unique, node, st)
+
+    def _mknod(self, unique, nodeid, uid, gid, pid, body) -> None:
+        mode, rdev, umask, _ = F.MKNOD_IN.unpack_from(body)
+        name = bytes(body[16:-1])
+        node, st = self.ops.mknod(nodeid, name, mode, rdev, ctx=Ctx(pid, uid, gid, umask))
+        self._entry(unique, node, st)
+
+    def _mkdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        mode, umask = F.MKDIR_IN.unpack_from(body)
+        name = bytes(body[8:-1])
+        node, st = self.ops.mkdir(nodeid, name, mode, ctx=Ctx(pid, uid, gid, umask))
+        self._entry(unique, node, st)
+
+    def _unlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.unlink(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
+        self._reply(unique)
+
+    def _rmdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.rmdir(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
+        self._reply(unique)
+
+    def _do_rename(self, unique, nodeid, uid, gid, pid, newdir: int, flags: int,
+                   names: bytes) -> None:
+        end = names.index(0)
+        old, new = names[:end], names[end + 1:names.index(0, end + 1)]
+        self.ops.rename(nodeid, old, newdir, new, flags, ctx=Ctx(pid, uid, gid, 0))
+        self._reply(unique)
+
+    def _rename(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self._do_rename(unique, nodeid, uid, gid, pid, F.RENAME_IN.unpack_from(body)[0], 0,
+                        bytes(body[8:]))
+
+    def _rename2(self, unique, nodeid, uid, gid, pid, body) -> None:
+        newdir, flags, _ = F.RENAME2_IN.unpack_from(body)
+        self._do_rename(unique, nodeid, uid, gid, pid, newdir, flags, bytes(body[16:]))
+
+    def _link(self, unique, nodeid, uid, gid, pid, body) -> None:
+        old = F.LINK_IN.unpack_from(body)[0]
+        node, st = self.ops.link(old, nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
+        self._entry(unique, node, st)
+
+    def _open(self, unique, nodeid, uid, gid, pid, body) -> None:
+        flags, open_flags = F.OPEN_IN.unpack_from(body)
+        fh, keep = self.ops.open(nodeid, flags, ctx=Ctx(pid, uid, gid, 0),
+                                 kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        self._reply(unique, self._open_out(fh, keep))
+
+    def _create(self, unique, nodeid, uid, gid, pid, body) -> None:
+        flags, mode, umask, open_flags = F.CREATE_IN.unpack_from(body)
+        fh, keep, node, st = self.ops.create(nodeid, bytes(body[16:-1]), mode, flags,
+                                             ctx=Ctx(pid, uid, gid, umask),
+                                             kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        self._entry(unique, node, st, self._open_out(fh, keep))
+
+    def _tmpfile(self, unique, nodeid, uid, gid, pid, body) -> None:
+        flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
+        fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags,
+                                              ctx=Ctx(pid, uid, gid, umask))
+        self._entry(unique, node, st, self._open_out(fh, keep))
+
+    def _fallocate(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, length, mode, _ = F.FALLOCATE_IN.unpack_from(body)
+        self.ops.fallocate(fh, off, length, mode)
+        self._reply(unique)
+
+    def _lseek(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, whence, _ = F.LSEEK_IN.unpack_from(body)
+        self._reply(unique, F.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
+
+    def _copy_file_range(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh_in, off_in, _, fh_out, off_out, length, _ = F.COPY_FILE_RANGE_IN.unpack_from(body)
+        n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, length)
+        self._reply(unique, F.WRITE_OUT.pack(n, 0))
+
+    def _read(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        self._reply_data(unique, self.ops.read(fh, off, size))
+
+    def _write(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
+        if write_flags & F.WRITE_KILL_SUIDGID:
+            n = self.ops.write(fh, off, body[40:40 + size], kill_suidgid=True,
+                               ctx=Ctx(pid, uid, gid, 0))
+        else:
+            n = self.ops.write(fh, off, body[40:40 + size])
+        self._reply(unique, F.WRITE_OUT.pack(n, 0))
+
+    def _statfs(self, unique, nodeid, uid, gid, pid, body) -> None:
+        sv = self.ops.statfs()
+        self._reply(unique, F.KSTATFS.pack(sv.f_blocks, sv.f_bfree, sv.f_bavail, sv.f_files,
+                                           sv.f_ffree, sv.f_bsize, sv.f_namemax,
+                                           sv.f_frsize, 0))
+
+    def _release(self, unique, nodeid, uid, gid, pid, body) -> None:
+        h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
+        node = h.node
+        if h.passthrough and not node.pt and node.backing is not None:
+            self._backing_close(node.backing)
+            node.backing = None
+        self._reply(unique)
+
+    def _open_out(self, fh: int, keep: bool) -> bytes:
+        """The reply to an open: passthrough where the operations allow it."""
+        if self.passthrough:
+            bfd = self.ops.passthrough(fh)
+            if bfd is not None:
+                node = self.ops.handles[fh].node
+                if node.backing is None:
+                    node.backing = self._backing_open(bfd)
+                return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, node.backing)
+        return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)
+
+    def _backing_open(self, fd: int) -> int:
+        arg = ctypes.create_string_buffer(F.BACKING_MAP.pack(fd, 0, 0), F.BACKING_MAP.size)
+        bid = _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_OPEN), arg)
+        if bid < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"FUSE_DEV_IOC_BACKING_OPEN: {os.strerror(e)}")
+        return bid
+
+    def _backing_close(self, bid: int) -> None:
+        arg = ctypes.c_uint32(bid)
+        if _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) < 0:
+            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid,
+                        os.strerror(ctypes.get_errno()))
+
+    def _flush(self, unique, nodeid, uid, gid, pid, body) -> None:
+        # Writes go straight to the backing file: nothing to flush at close.
+        # ENOSYS once tells the kernel to send no more FLUSH.
+        raise OSError(errno.ENOSYS, "no flush")
+
+    def _fsync(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, flags, _ = F.FSYNC_IN.unpack_from(body)
+        self.ops.fsync(fh, bool(flags & F.FSYNC_FDATASYNC))
+        self._reply(unique)
+
+    def _syncfs(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.store.sync()
+        self._reply(unique)
+
+    def _setxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        size, flags = F.SETXATTR_IN.unpack_from(body)
+        rest = bytes(body[8:])
+        end = rest.index(0)
+        self.ops.setxattr(nodeid, rest[:end], rest[end + 1:end + 1 + size],
+                          ctx=Ctx(pid, uid, gid, 0), flags=flags)
+        self._reply(unique)
+
+    def _getxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        size, _ = F.GETXATTR_IN.unpack_from(body)
+        value = self.ops.getxattr(nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
+        self._sized(unique, size, value)
+
+    def _listxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        size, _ = F.GETXATTR_IN.unpack_from(body)
+        names = self.ops.listxattr(nodeid, ctx=Ctx(pid, uid, gid, 0))
+        self._sized(unique, size, b"".join(n + b"\0" for n in names))
+
+    def _sized(self, unique: int, size: int, value: bytes) -> None:
+        """An xattr reply: its size when asked with size 0, else the value."""
+        if size == 0:
+            self._reply(unique, F.GETXATTR_OUT.pack(len(value), 0))
+        elif len(value) > size:
+            self._error(unique, errno.ERANGE)
+        else:
+            self._reply(unique, value)
+
+    def _removexattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.removexattr(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
+        self._reply(unique)
+
+    def _opendir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh = self.ops.opendir(nodeid, ctx=Ctx(pid, uid, gid, 0))
+        # the kernel may keep the entries it read until the directory changes
+        # (through the mount, or an undo, which invalidates it)
+        self._reply(unique, F.OPEN_OUT.pack(fh, F.FOPEN_CACHE_DIR | F.FOPEN_KEEP_CACHE, 0))
+
+    def _readdirplus(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        out = bytearray()
+        nlink = self.ops.nlink
+        entry = F.ENTRY_OUT.pack
+        dirent = F.DIRENT.pack
+
+        def take(name: bytes, node: Node, st: os.stat_result, nxt: int) -> bool:
+            rec = 152 + len(name)
+            pad = -rec % 8
+            if len(out) + rec + pad > size:
+                return False
+            dot = name == b"." or name == b".."   # (the kernel takes no reference)
+            out.extend(entry(0 if dot else node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT,
+                             0, 0))
+            out.extend(_attr(node, st, nlink(node, st)))
+            out.extend(dirent(node.ino, nxt, len(name), stat.S_IFMT(st.st_mode) >> 12))
+            out.extend(name)
+            out.extend(bytes(pad))
+            return True
+
+        self.ops.readdir(fh, off, take)
+        self._reply_data(unique, bytes(out))
+
+    def _readdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        out = bytearray()
+        taken: list[Node] = []
+
+        def take(name: bytes, node: Node, st: os.stat_result, nxt: int) -> bool:
+            rec = 24 + len(name)
+            pad = -rec % 8
+            if len(out) + rec + pad > size:
+                return False
+            out.extend(F.DIRENT.pack(node.ino, nxt, len(name), stat.S_IFMT(st.st_mode) >> 12))
+            out.extend(name)
+            out.extend(bytes(pad))
+            if name != b"." and name != b"..":
+                taken.append(node)
+            return True
+
+        self.ops.readdir(fh, off, take)
+        # plain READDIR gives the kernel no reference (unlike READDIRPLUS)
+        self.ops.forget([(node.ino, 1) for node in taken])
+        self._reply_data(unique, bytes(out))
+
+    def _releasedir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self.ops.releasedir(F.RELEASE_IN.unpack_from(body)[0])
+        self._reply(unique)
+
+    def _fsyncdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+        fh, flags, _ = F.FSYNC_IN.unpack_from(body)
+        self.ops.fsyncdir(fh, bool(flags & F.FSYNC_FDATASYNC))
+        self._reply(unique)
+
+    def _access(self, unique, nodeid, uid, gid, pid, body) -> None:
+        self._reply(unique)     # (default_permissions: the kernel checks)
+
+
+class _Stop(Exception):
+    """DESTROY: the kernel is done with this connection."""
