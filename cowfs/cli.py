@@ -159,7 +159,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "--ignore '' clears)")
     s.add_argument("--engine", choices=("auto", "kernel", "pyfuse3"),
                    help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
-                        "with the kernel's newer features; needs root), pyfuse3 (libfuse, "
+                        "with the kernel's newer features), pyfuse3 (libfuse, "
                         "portable), or auto (kernel where it can run); default: "
                         "$COWFS_ENGINE, else auto")
     s.add_argument("--audit", choices=("hashes", "changes", "events"),

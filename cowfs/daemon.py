@@ -41,7 +41,7 @@ from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, w
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
                      mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
-                     processes, wait_gone)
+                     processes, unmount, wait_gone)
 from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import Store
 from .text import count
@@ -53,7 +53,6 @@ AUDIT_LEVELS = ("hashes", "changes", "events")
 log = logging.getLogger("cowfs.daemon")
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-MNT_DETACH = 2
 FINISHING_WAIT = 60       # seconds a mount waits for the last mount's daemon to exit
 SYNC_INTERVAL = 2.0
 
@@ -69,19 +68,6 @@ def check_fuse() -> None:
             os.access(os.path.join(d, "fusermount3"), os.X_OK)
             for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")):
         raise NoFuse("fusermount3 is missing: install the fuse3 package")
-
-
-def kernel_unmount(mountpoint: str, lazy: bool) -> None:
-    if os.geteuid() == 0:
-        if _libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), mountpoint)
-        return
-    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        busy = "busy" in r.stderr.lower()
-        raise OSError(errno.EBUSY if busy else errno.EIO, r.stderr.strip() or "fusermount3 failed")
 
 
 def processes_inside(path: str) -> list[int]:
@@ -349,7 +335,7 @@ class Daemon:
         rec = MountRecord.load(mountpoint)
         if rec is not None and pid_alive(rec.pid):
             raise AlreadyMounted(f"{mountpoint} is already mounted by cowfs (pid {rec.pid})")
-        kernel_unmount(mountpoint, lazy=True)
+        unmount(mountpoint, lazy=True)
         self.recovering = True
         if rec is not None:
             rec.remove()
@@ -1020,7 +1006,7 @@ class Daemon:
         ours = [m for m in mounts()     # (not in the table any more once detached)
                 if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         try:
-            await self._blocking(kernel_unmount, self.mountpoint, lazy)
+            await self._blocking(unmount, self.mountpoint, lazy)
         except OSError as e:
             if e.errno == errno.EBUSY:
                 users = await self._blocking(mount_users, ours[-1]) if ours else []
@@ -1129,7 +1115,7 @@ def clear_view(mountpoint: str) -> None:
         if mount_table().get(mountpoint) != VIEW_FSTYPE:
             return
         try:
-            kernel_unmount(mountpoint, lazy=True)
+            unmount(mountpoint, lazy=True)
         except OSError as e:
             log.error("cannot clear the view at %s: %s", mountpoint, e.strerror)
             return

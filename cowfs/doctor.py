@@ -147,13 +147,15 @@ def _libfuse_version() -> str | None:
 
 def check_engine() -> Check:
     """Which engine a mount would use here, and why."""
-    from .kernel_engine import available
+    from .kernel_engine import available, can_pass_through
     why_not = available()
     if why_not is None:
-        return Check("engine", True, "kernel (the FUSE protocol on /dev/fuse: passthrough, "
-                     "HANDLE_KILLPRIV_V2, negative entries) is the default here", info=True)
+        features = ("passthrough, " if can_pass_through() else "") + \
+            "HANDLE_KILLPRIV_V2, negative entries"
+        return Check("engine", True, f"kernel (the FUSE protocol on /dev/fuse: {features}) "
+                     "is the default here", info=True)
     return Check("engine", True, f"pyfuse3: the kernel engine cannot run here ({why_not})",
-                 "run as root for the kernel engine", info=True)
+                 info=True)
 
 
 def check_pyfuse3() -> Check:

@@ -17,7 +17,10 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
+import socket
 import stat
+import subprocess
 import threading
 import time
 from typing import Callable, Iterator
@@ -26,13 +29,14 @@ import trio
 
 from . import fuse_abi as F
 from .inodes import Node
+from .mounts import unmount
 from .ops import TIMEOUT, Ctx, Ops
 
 log = logging.getLogger("cowfs.kernel")
 
 NAME = "kernel"
+SUBTYPE = "cowfs"          # the mount's type is fuse.cowfs
 MS_NOSUID, MS_NODEV = 2, 4
-MNT_DETACH = 2
 MAX_WRITE = 1 << 20
 MAX_PAGES = MAX_WRITE // 4096
 READ_AHEAD_KB = 1024
@@ -44,11 +48,62 @@ _NEGATIVE = F.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(F.ATTR.size)
 
 def available() -> str | None:
     """Why the kernel engine cannot run here (None: it can)."""
-    if os.geteuid() != 0:
-        return "it mounts with mount(2), which needs root (non-root mounts use pyfuse3)"
     if not os.path.exists("/dev/fuse"):
         return "/dev/fuse is missing"
+    if os.geteuid() != 0 and not shutil.which("fusermount3"):
+        return "a mount by a user other than root needs fusermount3 (the fuse3 package)"
     return None
+
+
+CAP_SYS_ADMIN = 21
+
+
+def can_pass_through() -> bool:
+    """Whether this process may hand the kernel backing files (passthrough
+    needs CAP_SYS_ADMIN: a user's mount serves every read and write)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _escape(value: str) -> str:
+    """A value inside fusermount3's comma-separated -o list."""
+    return value.replace("\\", "\\\\").replace(",", "\\,")
+
+
+def fusermount(mountpoint: str, options: str) -> int:
+    """Mount as a user other than root, as libfuse does: fusermount3 (setuid
+    root) opens /dev/fuse, mounts it with *options* and passes the open
+    descriptor back over a socket pair (SCM_RIGHTS); returns it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with theirs:
+            env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+            try:
+                r = subprocess.run(["fusermount3", "-o", options, "--", mountpoint], env=env,
+                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                   capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise OSError(errno.EIO, f"fusermount3: {e}", mountpoint) from None
+        if r.returncode != 0:
+            why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else \
+                f"exit status {r.returncode}"
+            raise OSError(errno.EPERM, why.removeprefix("fusermount3: "), mountpoint)
+        ours.settimeout(10)
+        _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+    finally:
+        ours.close()
+    if not fds:
+        raise OSError(errno.EIO, "fusermount3 mounted but passed no descriptor", mountpoint)
+    for extra in fds[1:]:
+        os.close(extra)
+    os.set_inheritable(fds[0], False)
+    return fds[0]
 
 
 class FsLock:
@@ -117,8 +172,9 @@ class Engine:
         self.minor = 0
         self.flags = 0               # what INIT agreed on
         self.running = False
+        self.ended = False           # the kernel let go of the connection: not mounted
         self.counts: dict[int, int] = {}
-        self.use_passthrough = True
+        self.use_passthrough = can_pass_through()
         self.passthrough = False     # negotiated
         self._handlers = self._table()
 
@@ -137,14 +193,19 @@ class Engine:
 
     def mount(self, mountpoint: str, fsname: str, allow_other: bool,
               on_init: Callable[[], None]) -> None:
-        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         self.mountpoint = mountpoint
         self.on_init = on_init
+        common = "default_permissions" + (",allow_other" if allow_other else "")
+        if os.geteuid() != 0:
+            # (fusermount3 adds nosuid and nodev, and the fd, rootmode and ids)
+            self.fd = fusermount(mountpoint, f"fsname={_escape(fsname)},subtype={SUBTYPE},"
+                                 + common)
+            return
+        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         st = os.stat(mountpoint)
         opts = (f"fd={self.fd},rootmode={stat.S_IFMT(st.st_mode):o},"
-                f"user_id={os.geteuid()},group_id={os.getegid()},default_permissions"
-                + (",allow_other" if allow_other else ""))
-        if _libc.mount(os.fsencode(fsname), os.fsencode(mountpoint), b"fuse.cowfs",
+                f"user_id={os.geteuid()},group_id={os.getegid()},{common}")
+        if _libc.mount(os.fsencode(fsname), os.fsencode(mountpoint), f"fuse.{SUBTYPE}".encode(),
                        MS_NOSUID | MS_NODEV, opts.encode()) != 0:
             e = ctypes.get_errno()
             os.close(self.fd)
@@ -172,14 +233,14 @@ class Engine:
     def terminate(self) -> None:
         """Unmount (lazily: processes still inside keep it until they leave);
         the loop ends when the kernel lets go of the connection."""
-        if _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH) != 0:
-            log.warning("unmount of %s: %s", self.mountpoint, os.strerror(ctypes.get_errno()))
+        try:
+            unmount(self.mountpoint, lazy=True)
+        except OSError as e:
+            log.warning("unmount of %s: %s", self.mountpoint, e.strerror)
 
     def close(self, unmount: bool) -> None:
-        if unmount and self.running:
+        if unmount and not self.ended:
             self.terminate()
-        elif unmount:
-            _libc.umount2(os.fsencode(self.mountpoint), MNT_DETACH)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -236,7 +297,8 @@ class Engine:
                     if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                         continue            # (ENOENT: a request interrupted meanwhile)
                     if e.errno == errno.ENODEV:
-                        return              # unmounted
+                        self.ended = True   # unmounted
+                        return
                     raise
                 ln, opcode, unique, nodeid, uid, gid, pid, _, _ = unpack_hdr(buf)
                 counts[opcode] = counts.get(opcode, 0) + 1
@@ -250,6 +312,7 @@ class Engine:
                 except OSError as e:
                     self._error(unique, e.errno or errno.EIO)
                 except _Stop:
+                    self.ended = True
                     return
                 except Exception:
                     log.exception("opcode %d failed", opcode)

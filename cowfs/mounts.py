@@ -86,6 +86,30 @@ def mounts() -> list[Mount]:
     return out
 
 
+MNT_DETACH = 2
+
+
+def unmount(mountpoint: str, lazy: bool) -> None:
+    """Unmount *mountpoint*: umount2(2) as root, fusermount3 -u otherwise;
+    *lazy* detaches it at once, leaving it to the processes still inside."""
+    if os.geteuid() == 0:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), mountpoint)
+        return
+    import errno
+    import subprocess
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + ["--", mountpoint]
+    r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        busy = "busy" in r.stderr.lower()
+        raise OSError(errno.EBUSY if busy else errno.EIO,
+                      r.stderr.strip().removeprefix("fusermount3: ") or "fusermount3 failed",
+                      mountpoint)
+
+
 def mount_table() -> dict[str, str]:
     """Mount point -> filesystem type, the last mount at a point winning."""
     return {m.mountpoint: m.fstype for m in mounts()}

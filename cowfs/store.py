@@ -284,10 +284,11 @@ class Store:
                     f"store {path} is in use by another cowfs process "
                     "(is the workspace mounted?)") from None
             if not readonly:
-                try:
-                    os.mkdir("grave", 0o700, dir_fd=dirfd)
-                except FileExistsError:
-                    pass
+                for sub in ("grave", "db"):   # (lmdb would make db with its files' 0600)
+                    try:
+                        os.mkdir(sub, 0o700, dir_fd=dirfd)
+                    except FileExistsError:
+                        pass
             elif not os.path.isdir(os.path.join(path, "db")):
                 raise StoreError(f"no cowfs store at {path}")
             env = lmdb.open(os.path.join(path, "db"), map_size=MAP_SIZE,

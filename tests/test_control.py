@@ -19,7 +19,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from cowfs import control, treesnap
 from cowfs.errors import NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
+from . import users
 from .conftest import COWFS, Workspace, managed_workspace, plain
 
 MiB = 1 << 20
@@ -707,34 +707,9 @@ def test_another_user_is_refused(mounted):
 
 
 def cli_as_other_user(cwd: Path, args: list[str], uid: int = OTHER_UID) -> tuple[int, str, str]:
-    """The cowfs command's main() run by *uid* in a forked child whose
-    working directory is *cwd* (the interpreter itself lives where other
-    users cannot read, so the child runs the code already loaded here):
-    (exit code, stdout, stderr)."""
-    import io
-    from cowfs import cli, daemon  # noqa: F401  (loaded before the child needs them)
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        try:
-            os.close(r)
-            os.chdir(cwd)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            out, err = io.StringIO(), io.StringIO()
-            sys.stdout, sys.stderr = out, err
-            code = cli.main(args)
-            os.write(w, json.dumps([code, out.getvalue(), err.getvalue()]).encode())
-        except BaseException as e:
-            os.write(w, json.dumps([-1, "", repr(e)]).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        buf = f.read()
-    os.waitpid(child, 0)
-    return tuple(json.loads(buf))
+    """The cowfs command's main() run by *uid* in *cwd*."""
+    from cowfs import daemon  # noqa: F401  (loaded before the child needs it)
+    return users.cowfs_as(uid, uid, cwd, args)
 
 
 @pytest.fixture
