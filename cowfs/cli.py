@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Iterator
 
-from . import control, errors
+from . import control, errors, listing
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
@@ -54,6 +54,13 @@ def parse_limit(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}")
     return int(n * scale)
+
+
+def parse_number(text: str) -> int:
+    """A positive whole number (of lines, layers)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
+    return int(text)
 
 
 def parse_count(text: str) -> int:
@@ -147,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
     s.add_argument("--who", action="store_true",
                    help="with --name-status: the process that first made each change")
+    s.add_argument("-u", "--all", action="store_true",
+                   help="with --name-status: list every path, also inside directories "
+                        "added or deleted as a whole")
     s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[ID] [-- PATH...]",
                    help="the layer, then only these paths (relative to the workspace root)")
 
@@ -226,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = cmd("status", "list the open layer's changes")
     s.add_argument("--who", action="store_true",
                    help="with the process (pid, uid, command line) that first made each")
+    s.add_argument("-u", "--all", action="store_true",
+                   help="list every path, also inside directories added or deleted as a "
+                        "whole (shown as one line each by default)")
+    s.add_argument("--limit", type=parse_number, metavar="N",
+                   help="list at most N lines (default: all)")
+    s.add_argument("--collapse", action="store_true",
+                   help="with --json: directories added or deleted as a whole as one entry "
+                        "each (default: every path)")
+    s.add_argument("paths", nargs="*", metavar="PATH",
+                   help="only changes under these paths (relative to the workspace root; "
+                        "after --)")
     cmd("gc", "free store space nothing needs (unused chunks, grave files no record holds); "
               "mounted or not")
     s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
@@ -537,9 +558,20 @@ def format_who(c: dict) -> str:
 
 
 def do_status(args) -> int:
-    res = call(args, "status")
-    lines = [format_change(c) + (f"\t{format_who(c)}" if args.who else "")
-             for c in res["changes"]]
+    res = call(args, "status", **({"paths": args.paths} if args.paths else {}))
+    res["counts"] = listing.counts(res["changes"])
+    if args.json:
+        if args.collapse:
+            res["changes"] = listing.collapse(res["changes"])
+        if args.limit:
+            shown = res["changes"][:args.limit]
+            res["omitted"] = len(res["changes"]) - len(shown)
+            res["changes"] = shown
+        out(args, None, res)
+        return 0
+    lines = [f"# {listing.headline(res['counts'])}"]
+    lines += change_lines(res["changes"], args.all, args.limit,
+                          (lambda c: f"\t{format_who(c)}") if args.who else None)
     u = res["usage"]
     lines.append(f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
                  + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
@@ -549,6 +581,16 @@ def do_status(args) -> int:
     lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
     return 0
+
+
+def change_lines(changes: list[dict], every: bool, limit: int | None = None,
+                 suffix=None, line=listing.line) -> list[str]:
+    """The lines of a list of changes: directories added or deleted as a
+    whole as one line each (after the single changes), unless *every*;
+    at most *limit* lines; *suffix* adds to each (--who)."""
+    shown = changes if every else listing.individual_first(listing.collapse(changes))
+    shown, more = listing.cut(shown, limit)
+    return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
 
 
 def human_size(n: int) -> str:
@@ -575,13 +617,18 @@ def layer_and_paths(rest: list[str]) -> tuple[int | None, list[str]]:
 
 def do_diff(args) -> int:
     layer, paths = layer_and_paths(list(args.rest))
+    if args.name_status and not args.json:   # (kinds and paths: no contents to read)
+        res = call(args, "changes", since=layer, **({"paths": paths} if paths else {}))
+        rows = change_lines(res["changes"], args.all,
+                            suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
+                            line=lambda c: listing.line(c).replace(" ", "\t", 1))
+        out(args, "\n".join(rows) or None, res)
+        return 0
     res = call(args, "diff", since=layer, paths=paths)
     rows = []
     for c in res["changes"]:
         name = format_change(c)
-        if args.name_status:
-            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if args.who else ""))
-        elif args.stat:
+        if args.stat:
             counts = ("content unchanged" if same_content(c) else
                       f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
@@ -701,21 +748,15 @@ def do_log(args) -> int:
     return 0
 
 
-def summary(changes: list, limit: int = 10) -> str:
-    """Counts by kind and the first paths, like git status --short."""
+def summary(changes: list, limit: int | None = 10, every: bool = False) -> str:
+    """Counts by kind, then the single changes and after them the
+    directories added or deleted as a whole, one line each (*every*: each
+    path), at most *limit* lines."""
     if not changes:
         return "no changes"
-    counts: dict[str, int] = {}
-    for c in changes:
-        counts[c.kind] = counts.get(c.kind, 0) + 1
-    names = {"A": "added", "D": "deleted", "M": "modified", "T": "type changed",
-             "R": "renamed", "m": "attributes"}
-    head = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(counts.items()))
-    lines = [f"{len(changes)} change{'s' if len(changes) != 1 else ''}: {head}"]
-    lines += [f"  {c}" for c in changes[:limit]]
-    if len(changes) > limit:
-        lines.append(f"  ... and {len(changes) - limit} more")
-    return "\n".join(lines)
+    dicts = [c.to_dict() for c in changes]
+    return "\n".join([listing.headline(listing.counts(dicts))]
+                     + [f"  {line}" for line in change_lines(dicts, every, limit)])
 
 
 def ask(question: str, choices: str, timeout: float) -> str | None:
@@ -750,7 +791,7 @@ def approve(result, timeout: float) -> str:
         if answer == "d":
             return "rollback"
         if answer == "s":
-            print(summary(result.changes, limit=len(result.changes)), file=sys.stderr)
+            print(summary(result.changes, limit=None, every=True), file=sys.stderr)
 
 
 def do_run(args) -> int:

@@ -37,7 +37,7 @@ from .control import MAX_REQUEST, encode, wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .ops import Ops
 from .ignore import IgnoreRules
-from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
+from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
                      mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
@@ -853,11 +853,13 @@ class Daemon:
     async def op_provider_list(self) -> dict:
         return {"providers": [{"name": n, **c} for n, c in self.registry.configs().items()]}
 
-    async def op_status(self) -> dict:
+    async def op_status(self, paths: list | None = None) -> dict:
+        """The open layer's net changes (under *paths*), the store's usage,
+        the redo note."""
         await self._flush()
-        return self.stack.status() | {"usage": self.stack.usage(),
-                                      "redo": redo.summary(self.store),
-                                      "engine": self.engine_info()}
+        return self.stack.status(paths=path_list(paths)) | {
+            "usage": self.stack.usage(), "redo": redo.summary(self.store),
+            "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -867,12 +869,13 @@ class Daemon:
         self.recorder.reset(fresh=False)
         return result
 
-    async def op_changes(self, since: int | None = None) -> dict:
-        """Net changes since layer *since* was opened (default: the top)."""
+    async def op_changes(self, since: int | None = None, paths: list | None = None) -> dict:
+        """Net changes since layer *since* was opened (default: the top),
+        under *paths* if given."""
         await self._flush()
         top = self.store.top()
         since = top.id if since is None else since
-        return {"since": since, "changes": self.stack.changes_since(since)}
+        return {"since": since, "changes": self.stack.changes_since(since, path_list(paths))}
 
     # -- reading the past (cowfs/past.py) ---------------------------------------------
 
@@ -905,7 +908,7 @@ class Daemon:
         sizes and hashes and, for text, a unified diff."""
         await self._flush()
         h = self._history(since)
-        changes = filter_paths(self.stack.changes_since(h.layer), paths or [])
+        changes = self.stack.changes_since(h.layer, path_list(paths))
         return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
 
     async def op_view(self, layer: int, mountpoint: str) -> dict:
@@ -1037,6 +1040,13 @@ class Daemon:
                          "last one leaves: %s", self.mountpoint,
                          ", ".join(map(str, result["users"])))
         return result
+
+
+def path_list(paths: list | None) -> list[str]:
+    """Workspace-relative paths from a request."""
+    if not all(isinstance(p, str) for p in paths or ()):
+        raise CowfsError("bad request: paths are strings", errors.USAGE)
+    return list(paths or ())
 
 
 def within(path: str, top: str) -> bool:

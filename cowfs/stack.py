@@ -17,6 +17,7 @@ from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
 from .journal import Reading
+from .past import filter_paths
 from .store import Layer, Store, digest, scan
 from .undo import Touched, Undoer, describe
 
@@ -478,18 +479,20 @@ class Stack:
             out.append(d)
         return out
 
-    def status(self, layer_id: int | None = None) -> dict:
+    def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
+        """The open layer's net changes (under *paths*, if given)."""
         top = self.store.top()
         layer_id = top.id if layer_id is None else layer_id
         recs = self.store.layer_records(layer_id)
-        return {"id": layer_id, "changes": self.attribute(self._changes(recs), layer_id)}
+        return {"id": layer_id, "changes": self.attribute(
+            filter_paths(self._changes(recs), list(paths)), layer_id)}
 
-    def changes_since(self, layer_id: int) -> list[dict]:
+    def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> list[dict]:
         """Net changes since layer *layer_id* was opened (what a rollback
-        --to it would undo)."""
+        --to it would undo), under *paths* if given."""
         layer = self.store.get_layer(layer_id)
-        return self.attribute(
-            self._changes(list(self.store.records(layer.start, self.store._next_seq))), layer_id)
+        changes = self._changes(list(self.store.records(layer.start, self.store._next_seq)))
+        return self.attribute(filter_paths(changes, list(paths)), layer_id)
 
     def _changes(self, recs: Iterable[tuple[int, S.Record]]) -> list[dict]:
         """Net changes of a layer, like ``git status --short``: A added,
@@ -511,6 +514,15 @@ class Stack:
 
         def now(path: bytes | None) -> os.stat_result | None:
             return self.resolver.lstat(path) if path is not None else None
+
+        def was_dir(ino: int) -> bool:
+            """Whether the object *ino* the layer removed was a directory."""
+            m = j.meta.get(ino)
+            if m is not None:
+                return stat.S_ISDIR(m[1][2])
+            gids = j.graves.get(ino)
+            st = B.lstat_at(self.store.grave_fd, str(gids[0]).encode()) if gids else None
+            return st is not None and stat.S_ISDIR(st.st_mode)
 
         def place(sp: bytes) -> bytes | None:
             """Where path *sp* (at T) is now: its directory moved or not."""
@@ -534,19 +546,22 @@ class Stack:
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
+                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was,
+                            "dir": stat.S_ISDIR(st.st_mode)}
             elif cur:
                 kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
                                           j.xattrs.get(was))
                 if kind:
-                    out[cur] = {"path": cur, "kind": kind, "ino": was}
+                    out[cur] = {"path": cur, "kind": kind, "ino": was,
+                                "dir": stat.S_ISDIR(st.st_mode)}
         stands_in: set[bytes] = set()     # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
             st = now(at)
             if st is None or at in out:
                 if st is None or st.st_ino not in present:
-                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
+                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was,
+                                            "dir": was_dir(was)})
                 continue              # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
@@ -554,19 +569,23 @@ class Stack:
                                       j.xattrs.get(was))
             stands_in.add(at)
             if kind:
-                out[at] = {"path": at, "kind": kind, "ino": st.st_ino}
+                out[at] = {"path": at, "kind": kind, "ino": st.st_ino,
+                           "dir": stat.S_ISDIR(st.st_mode)}
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
+                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino,
+                            "dir": stat.S_ISDIR(st.st_mode)}
         result = []
         for c in sorted([*deleted.values(), *out.values()], key=lambda c: c["path"]):
             c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
             if "from" in c:
                 c["from"] = os.fsdecode(c["from"])
+            if not c["dir"]:
+                del c["dir"]     # (said of directories only)
             result.append(c)
         return result
 

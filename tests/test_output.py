@@ -1,0 +1,115 @@
+"""Output that stays readable when a step changes thousands of files:
+directories added or deleted as a whole are one line in `status`, `diff
+--name-status` and `run`'s summary (every path with -u and in JSON), counts
+by kind, --limit and path filters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+PACKAGES, FILES = 12, 40        # an npm-like tree: 12 packages of 40 files and a lib/
+
+
+def npm_like(root, packages: int = PACKAGES, files: int = FILES) -> tuple[int, int]:
+    """node_modules/<package>/{package.json, lib/f<i>.js}; returns the files
+    and directories made below node_modules."""
+    for p in range(packages):
+        lib = root / "node_modules" / f"pkg{p}" / "lib"
+        lib.mkdir(parents=True)
+        (lib.parent / "package.json").write_text(f'{{"name": "pkg{p}"}}\n')
+        for i in range(files):
+            (lib / f"f{i}.js").write_text(f"module.exports = {i};\n")
+    return packages * (files + 1), packages * 2
+
+
+def lines(ws, *args) -> list[str]:
+    return ws.cowfs(*args).stdout.splitlines()
+
+
+def test_a_directory_added_as_a_whole_is_one_line_with_what_it_holds(mounted):
+    ws = mounted
+    (ws / "package.json").write_text("{}\n")
+    ws.commit()
+    ws.checkpoint("npm install")
+    files, dirs = npm_like(ws.path)
+    (ws / "package.json").write_text('{"dependencies": {}}\n')
+    (ws / "small").mkdir()                         # fewer than 5 inside: listed in full
+    (ws / "small" / "one").write_text("1\n")
+    (ws / "fresh").mkdir()                         # a new directory with a file moved in
+    os.rename(ws / "a.txt", ws / "fresh" / "a.txt")
+    total = files + dirs + 6          # + node_modules, small, small/one, fresh, R, M
+
+    out = lines(ws, "status")
+    assert out[0] == f"# {total:,} changes: {total - 2:,} added, 1 modified, 1 renamed"
+    assert out[1:7] == ["A fresh", "R a.txt -> fresh/a.txt", "M package.json", "A small",
+                        "A small/one", f"A node_modules/  ({files:,} files, {dirs} directories)"]
+    assert out[7].startswith("# open layer ") and len(out) == 8
+
+    every = lines(ws, "status", "-u")
+    assert len(every) == 1 + total + 1 and "A node_modules/pkg3/lib/f7.js" in every
+
+    data = ws.json("status")                       # complete: every path
+    assert len(data["changes"]) == total
+    assert data["counts"] == {"A": total - 2, "M": 1, "R": 1}
+    dirs_said = {c["path"] for c in data["changes"] if c.get("dir")}
+    assert "node_modules/pkg0/lib" in dirs_said and "package.json" not in dirs_said
+    assert len(dirs_said) == dirs + 3              # + node_modules, small, fresh
+    collapsed = ws.json("status", "--collapse")["changes"]
+    assert [c["path"] for c in collapsed] == [
+        "fresh", "fresh/a.txt", "node_modules", "package.json", "small", "small/one"]
+    [nm] = [c for c in collapsed if "collapsed" in c]
+    assert nm["collapsed"] == {"files": files, "dirs": dirs} and nm["kind"] == "A"
+
+    limited = lines(ws, "status", "--limit", "3")
+    assert limited[1:5] == ["A fresh", "R a.txt -> fresh/a.txt", "M package.json",
+                            "... and 3 more"]
+    cut = ws.json("status", "--limit", "10")
+    assert len(cut["changes"]) == 10 and cut["omitted"] == total - 10
+    assert cut["counts"] == data["counts"]
+
+    only = lines(ws, "status", "--", "node_modules/pkg3", "package.json")
+    assert only[:3] == [f"# {FILES + 4} changes: {FILES + 3} added, 1 modified",
+                        "M package.json",
+                        f"A node_modules/pkg3/  ({FILES + 1} files, 1 directory)"]
+    assert [c["path"] for c in ws.json("status", "--", "small")["changes"]] == \
+        ["small", "small/one"]
+
+    names = lines(ws, "diff", "--name-status")
+    assert names == ["A\tfresh", "R\ta.txt -> fresh/a.txt", "M\tpackage.json", "A\tsmall",
+                     "A\tsmall/one", f"A\tnode_modules/  ({files:,} files, {dirs} directories)"]
+    assert len(lines(ws, "diff", "--name-status", "-u")) == total
+    assert len(ws.json("diff", "--name-status")["changes"]) == total
+    ws.unmount()                                   # the same on an unmounted workspace
+    assert lines(ws, "status")[:2] == out[:2]
+
+
+def test_a_directory_deleted_as_a_whole_is_one_line(mounted):
+    ws = mounted
+    files, dirs = npm_like(ws.path, packages=3, files=10)
+    ws.commit()
+    ws.checkpoint("rm -rf node_modules/pkg1, and node_modules/pkg2 but one file")
+    subprocess.run(["rm", "-rf", str(ws / "node_modules" / "pkg1")], check=True)
+    os.rename(ws / "node_modules" / "pkg2" / "lib" / "f3.js", ws / "kept.js")
+    subprocess.run(["rm", "-rf", str(ws / "node_modules" / "pkg2")], check=True)
+    out = lines(ws, "status")
+    assert out[0] == "# 26 changes: 25 deleted, 1 renamed"
+    assert out[1:4] == ["R node_modules/pkg2/lib/f3.js -> kept.js",
+                        "D node_modules/pkg1/  (11 files, 1 directory)",
+                        "D node_modules/pkg2/  (10 files, 1 directory)"]
+    assert len(lines(ws, "status", "--all")) == 1 + 26 + 1
+    assert len(ws.json("status")["changes"]) == 26
+    [pkg1] = [c for c in ws.json("status", "--collapse")["changes"]
+              if c["path"] == "node_modules/pkg1"]
+    assert pkg1 == pkg1 | {"kind": "D", "dir": True, "collapsed": {"files": 11, "dirs": 1}}
+
+
+def test_run_lists_single_changes_first_and_whole_directories_after(mounted):
+    ws = mounted
+    r = ws.cowfs("run", "--", "sh", "-c",
+                 "mkdir -p node_modules/left-pad/lib && echo '{}' > package.json && "
+                 "for i in 1 2 3 4 5 6; do echo $i > node_modules/left-pad/lib/f$i.js; done "
+                 "&& echo changed > a.txt")
+    said = r.stderr.splitlines()
+    assert said == ["11 changes: 10 added, 1 modified", "  M a.txt", "  A package.json",
+                    "  A node_modules/  (6 files, 2 directories)", "cowfs: committed"]
