@@ -23,7 +23,7 @@ from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
                      not_owner)
 from .policy import RUN_SCOPES, Policy, Where
-from .text import count
+from .text import ago, count, duration
 
 
 class Parser(argparse.ArgumentParser):
@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
     s.add_argument("--store", metavar="DIR",
                    help="store of an unmounted workspace (default: PATH/.cowfs)")
-    cmd("log", "list all layers")
+    s = cmd("log", "list the layers, newest first, with their messages and runs")
+    s.add_argument("-n", type=parse_number, metavar="N", dest="max_count",
+                   help="only the N newest layers")
     return p
 
 
@@ -522,8 +524,10 @@ def do_redo(args) -> int:
 
 
 def redo_line(info: dict | None) -> list[str]:
-    """What status and log say about undoing the last rollback."""
-    if not info:
+    """What status and log say about undoing the last rollback: that it can
+    be, or why it cannot -- only while the layers are still those it left
+    (a checkpoint, commit or other rollback since makes it old news)."""
+    if not info or not (info["available"] or info.get("current", True)):
         return []
     from .redo import layers_text
     what = f"# the rollback of {layers_text(info['layers'])}"
@@ -725,24 +729,33 @@ def do_gc(args) -> int:
 
 
 def do_log(args) -> int:
-    res = call(args, "log")
-    rows = [f"{'ID':>4}  {'CREATED':>10}  {'CHANGES':>7}  {'BYTES':>10}  MESSAGE"]
-    for layer in res["layers"]:
-        rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
-                    f"{layer['bytes']:>10}  {layer['message']}")
+    res = call(args, "log", **({"limit": args.max_count} if args.max_count else {}))
+    if args.json:
+        out(args, None, res["layers"])
+        return 0
+    now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
+    rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
+    below = " " * 47            # (lines under a layer start at its MESSAGE)
+    for layer in reversed(res["layers"]):
+        rows.append(f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
+                    f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
+                    f"{human_size(layer['bytes']):>10}  {layer['message']}")
         for d in layer.get("drift", []):
-            rows.append(f"{'':>39}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
+            rows.append(f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
                         f"while not mounted): {', '.join(d['paths'][:5])}")
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
-            rows.append(f"{'':>39}post-mortem of {pm.get('domain')} before reverting layer "
+            rows.append(f"{below}post-mortem of {pm.get('domain')} before reverting layer "
                         f"{pm.get('layer')}: {first[0] if first else '(no output)'}")
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
                 status += f", verify exit {run['verify_status']}"
-            rows.append(f"{'':>39}run {run.get('outcome')} ({status}, {run.get('duration')} s): "
-                        f"{run.get('command')}")
+            if isinstance(run.get("duration"), (int, float)):
+                status += f", {duration(run['duration'])}"
+            if run.get("started"):
+                status += f", {ago(run['started'], now)}"
+            rows.append(f"{below}run {run.get('outcome')} ({status}): {run.get('command')}")
     rows += redo_line(res.get("redo"))
     out(args, "\n".join(rows), res["layers"])
     return 0

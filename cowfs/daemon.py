@@ -858,7 +858,7 @@ class Daemon:
         the redo note."""
         await self._flush()
         return self.stack.status(paths=path_list(paths)) | {
-            "usage": self.stack.usage(), "redo": redo.summary(self.store),
+            "usage": self.stack.usage(), "redo": self.stack.redo_note(),
             "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:
@@ -1009,9 +1009,12 @@ class Daemon:
         self.recorder.reset(fresh=False)
         return {"repaired": done, **fsck.check(self.store).to_dict()}
 
-    async def op_log(self) -> dict:
+    async def op_log(self, limit: int | None = None) -> dict:
+        """The layers, oldest first (with *limit*: that many of the newest)."""
         await self._flush()
-        return {"layers": self.stack.log(), "redo": redo.summary(self.store)}
+        if limit is not None and limit < 1:
+            raise CowfsError("bad request: limit must be positive", errors.USAGE)
+        return {"layers": self.stack.log(limit), "redo": self.stack.redo_note()}
 
     async def op_unmount(self, lazy: bool = False) -> dict:
         """Unmount; the daemon then exits.  *lazy*: detach the mount even

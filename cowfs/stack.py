@@ -198,6 +198,25 @@ class Stack:
             return sorted(path for path, was in recorded.get("paths", {}).items()
                           if self._stat(os.fsencode(path)) != was)
 
+    def redo_note(self) -> dict | None:
+        """What `status` and `log` say about the last rollback (see
+        ``redo.summary``), with "current": whether the layers are still
+        those it left (no checkpoint, commit or other rollback since).  That
+        it cannot be redone is worth saying only while it is current."""
+        note = redo.summary(self.store)
+        if note is None:
+            return None
+        st = redo.state(self.store)
+        layers = self.store.layers()
+        ids = [x.id for x in layers]
+        if st.get("fresh") is not None:       # it rolled back the base too
+            current = ids == st["kept"] + [st["fresh"]]
+        elif st["kept"]:
+            current = ids == st["kept"]
+        else:                                 # the base, unsealed: the fresh base it opened
+            current = len(layers) == 1 and layers[0].start == st["seq"]
+        return note | {"current": current}
+
     def usage(self) -> dict:
         data, grave = self.store.data_bytes(), self.store.grave_bytes()
         limits = self.store.limits()
@@ -468,9 +487,12 @@ class Stack:
 
     # -- views ------------------------------------------------------------------------
 
-    def log(self) -> list[dict]:
+    def log(self, limit: int | None = None) -> list[dict]:
+        """The layers, oldest first (with *limit*, only that many of the
+        newest: each costs the count of its net changes)."""
         out = []
-        for layer in self.store.layers():
+        layers = self.store.layers()
+        for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
             recs = self.store.layer_records(layer.id)
             d["changes"] = len(self._changes(recs))    # (counted, not attributed)

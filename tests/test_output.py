@@ -1,7 +1,9 @@
 """Output that stays readable when a step changes thousands of files:
 directories added or deleted as a whole are one line in `status`, `diff
 --name-status` and `run`'s summary (every path with -u and in JSON), counts
-by kind, --limit and path filters."""
+by kind, --limit and path filters; `log` for people (ages, sizes, newest
+first, -n) with its JSON unchanged; the redo note only while it is
+current."""
 
 from __future__ import annotations
 
@@ -113,3 +115,62 @@ def test_run_lists_single_changes_first_and_whole_directories_after(mounted):
     said = r.stderr.splitlines()
     assert said == ["11 changes: 10 added, 1 modified", "  M a.txt", "  A package.json",
                     "  A node_modules/  (6 files, 2 directories)", "cowfs: committed"]
+
+
+def test_log_for_people_and_its_json_unchanged(mounted):
+    ws = mounted
+    (ws / "big").write_bytes(os.urandom(3 << 20))
+    first = ws.checkpoint("first step")
+    (ws / "big").write_bytes(os.urandom(3 << 20))         # its old bytes are kept
+    ws.cowfs("run", "--on-success", "keep", "-m", "second step", "--", "touch", "made")
+    out = lines(ws, "log")
+    assert out[0].split() == ["ID", "CREATED", "CHANGES", "SIZE", "MESSAGE"]
+    top, mid, base = out[1], out[3], out[4]
+    assert top.startswith(f"* {first + 1:>4}  ") and top.endswith("second step")
+    assert "run kept (exit 0, " in out[2] and out[2].endswith(": touch made")
+    assert out[2].index("run kept") == top.index("second step")     # under the message
+    assert mid.startswith(f"  {first:>4}  ") and mid.endswith("first step")
+    assert " ago " in mid or "just now" in mid
+    assert " MiB " in mid and "3.0 MiB" in mid                      # the 3 MiB file's bytes
+    assert base.endswith("base") and len(out) == 5
+    newest = lines(ws, "log", "-n", "1")
+    assert newest == out[:3]
+    layers = ws.json("log")                                       # unchanged: oldest first
+    assert [x["id"] for x in layers] == [1, first, first + 1]
+    assert isinstance(layers[1]["created"], float) and isinstance(layers[1]["bytes"], int)
+    assert layers[1]["bytes"] >= 3 << 20
+    assert [x["id"] for x in ws.json("log", "-n", "2")] == [first, first + 1]
+    r = ws.cowfs("log", "-n", "0", check=False)
+    assert r.returncode == 2 and "not a positive number" in r.stderr
+
+
+def test_the_note_that_a_rollback_cannot_be_redone_lasts_until_the_next_checkpoint(mounted):
+    ws = mounted
+    layer = ws.checkpoint("try")
+    (ws / "a.txt").write_text("tried\n")
+    ws.rollback()
+    assert "can be undone: cowfs redo" in lines(ws, "log")[-1]
+    (ws / "b").write_text("a change ends the chance\n")
+    note = f"# the rollback of layer {layer} cannot be redone: the workspace changed after it"
+    assert lines(ws, "log")[-1].startswith(note)
+    assert lines(ws, "status")[-1].startswith(note)
+    ws.unmount()
+    assert lines(ws, "status")[-1].startswith(note)               # offline too
+    ws.mount()
+    ws.checkpoint("next")                                         # old news now
+    assert not any("redo" in line for line in lines(ws, "log") + lines(ws, "status"))
+    redo = ws.json("status")["redo"]
+    assert redo["available"] is False and redo["current"] is False   # (JSON: still there)
+
+
+def test_the_note_after_a_rollback_of_the_base_without_redo(mounted):
+    ws = mounted
+    (ws / "a.txt").write_text("changed\n")
+    ws.cowfs("rollback", "--no-redo")
+    note = "# the rollback of layer 1 cannot be redone: it was made with --no-redo"
+    assert lines(ws, "log")[-1] == note
+    (ws / "a.txt").write_text("changed again\n")
+    assert lines(ws, "status")[-1] == note
+    ws.commit()                                                   # a fresh base: old news
+    assert not any("redo" in line for line in lines(ws, "log"))
+
