@@ -582,6 +582,11 @@ def do_status(args) -> int:
                  + f"; store {human_size(u['bytes'])}"
                  + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
                  + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)")
+    refused = res.get("refused")
+    if refused:
+        lines.append(f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
+                     f"the mount, the last {ago(refused['time'], time.time())}"
+                     + (f": {refused['path']}" if refused.get("path") else ""))
     lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
     return 0

@@ -855,10 +855,11 @@ class Daemon:
 
     async def op_status(self, paths: list | None = None) -> dict:
         """The open layer's net changes (under *paths*), the store's usage,
-        the redo note."""
+        the changes --max-store refused since the mount, the redo note."""
         await self._flush()
+        refused = self.fs.refused if self.fs is not None and self.fs.refused["count"] else None
         return self.stack.status(paths=path_list(paths)) | {
-            "usage": self.stack.usage(), "redo": self.stack.redo_note(),
+            "usage": self.stack.usage(), "refused": refused, "redo": self.stack.redo_note(),
             "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:

@@ -3,12 +3,15 @@ directories added or deleted as a whole are one line in `status`, `diff
 --name-status` and `run`'s summary (every path with -u and in JSON), counts
 by kind, --limit and path filters; `log` for people (ages, sizes, newest
 first, -n) with its JSON unchanged; the redo note only while it is
-current."""
+current; changes refused by --max-store counted in `status`, and `df`
+showing what the limit leaves."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 
 PACKAGES, FILES = 12, 40        # an npm-like tree: 12 packages of 40 files and a lib/
 
@@ -174,3 +177,47 @@ def test_the_note_after_a_rollback_of_the_base_without_redo(mounted):
     ws.commit()                                                   # a fresh base: old news
     assert not any("redo" in line for line in lines(ws, "log"))
 
+
+# -- --max-store: refused changes and df -------------------------------------------------
+
+
+def test_status_counts_the_changes_max_store_refused_and_df_shows_what_it_leaves(workspace):
+    ws = workspace
+    chunk = 64 << 10
+    (ws / "big").write_bytes(os.urandom(64 * chunk))
+    ws.mount("--max-store", "1M")
+    assert ws.json("status")["refused"] is None
+    assert "refused" not in ws.cowfs("status").stdout
+    ws.checkpoint()
+    refused = 0
+    fd = os.open(ws / "big", os.O_WRONLY)
+    try:
+        for k in range(64):
+            try:
+                os.pwrite(fd, os.urandom(chunk), k * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                refused += 1
+    finally:
+        os.close(fd)
+    assert refused > 40
+    data = ws.json("status")
+    assert data["refused"]["count"] == refused and data["refused"]["path"] == "big"
+    assert abs(data["refused"]["time"] - time.time()) < 600
+    assert f"# --max-store refused {refused} changes (ENOSPC) since the mount, the last " \
+        in ws.cowfs("status").stdout
+    # df: what the limit still leaves, not the disk's free space
+    sv = os.statvfs(ws.path)
+    left = (1 << 20) - data["usage"]["data"]
+    assert 0 <= sv.f_bavail * sv.f_frsize <= max(left, 0)
+    below = os.statvfs(ws.path.parent)             # what df says is used stays true
+    assert abs((sv.f_blocks - sv.f_bfree) - (below.f_blocks - below.f_bfree)) \
+        < below.f_blocks // 100
+    avail = subprocess.run(["df", "-B1", "--output=avail", str(ws.path)], capture_output=True,
+                           text=True, check=True).stdout.split()[-1]
+    assert int(avail) <= max(left, 0)
+    ws.rollback()
+    ws.unmount()
+    ws.mount("--max-store", "0")                 # no limit: the disk's own figures
+    sv, below = os.statvfs(ws.path), os.statvfs(ws.path.parent)
+    assert sv.f_blocks == below.f_blocks and ws.json("status")["refused"] is None
