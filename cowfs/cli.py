@@ -15,9 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
-from . import control, errors, listing
+from . import control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
@@ -440,7 +440,8 @@ def call(args, op: str, **kw) -> dict:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
             workspace, store = locate_unmounted(args.path)
-        with finishing(what, "the next cowfs command on this workspace finishes it"):
+        with finishing(what, "the next cowfs command on this workspace finishes it"), \
+                progress_shown(args, op, progress.LOCAL.read):
             result = offline(workspace, store, op, **kw)
         for warning in result["warnings"]:
             print(f"cowfs: warning: {warning}", file=sys.stderr)
@@ -454,7 +455,8 @@ def call(args, op: str, **kw) -> dict:
         print(f"cowfs: the {what} goes on in the daemon (it cannot stop half-way); waiting "
               "for it to finish -- Ctrl-C again to stop waiting", file=sys.stderr)
     try:
-        return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
+        with progress_shown(args, op, lambda: progress.read(progress.path_for(rec.socket))):
+            return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
     except KeyboardInterrupt:
         if not said:
             raise
@@ -464,6 +466,64 @@ def call(args, op: str, **kw) -> dict:
 
 # operations that change the tree or the store and must not stop half-way
 LONG_OPS = {"rollback": "rollback", "redo": "redo", "commit": "commit", "gc": "gc"}
+
+# what the progress of a long operation says it is doing
+DOING = {"rollback": "rolling back", "redo": "redoing the rollback", "commit": "committing",
+         "gc": "freeing unused store space", "check": "checking the store",
+         "repair": "repairing the store", "restore": "restoring"}
+PROGRESS_DELAY = 0.5     # seconds an operation runs before its progress shows
+
+
+@contextlib.contextmanager
+def progress_shown(args, op: str, board: Callable[[], tuple[int, int] | None] | None = None
+                   ) -> Iterator[None]:
+    """While long operation *op* runs (in the daemon or here): on a
+    terminal, and never with --json, a spinner on stderr with the time
+    elapsed and, where *board* tells it, the steps done -- from
+    PROGRESS_DELAY seconds on ($COWFS_PROGRESS_DELAY), so quick ones show
+    nothing and pay nothing (not even the import of rich).  With no delay,
+    it shows before the operation starts."""
+    if op not in DOING or args.json or not sys.stderr.isatty():
+        yield
+        return
+    try:
+        delay = float(os.environ.get("COWFS_PROGRESS_DELAY") or PROGRESS_DELAY)
+    except ValueError:
+        delay = PROGRESS_DELAY
+    stop, shown = threading.Event(), threading.Event()
+    t0 = time.monotonic()
+
+    def text() -> str:
+        done = board() if board is not None else None
+        steps = f", {done[0]:,} of {count(done[1], 'step')}" if done else ""
+        return f"cowfs: {DOING[op]} ({duration(time.monotonic() - t0)}{steps})"
+
+    def show() -> None:
+        try:
+            if stop.wait(delay):
+                return
+            from rich.console import Console
+            from rich.live import Live
+            from rich.spinner import Spinner
+            spinner = Spinner("dots", text(), style="status.spinner")
+            with Live(spinner, console=Console(stderr=True), transient=True,
+                      refresh_per_second=12.5):      # (draws the first frame at once)
+                shown.set()
+                while not stop.wait(0.1):
+                    spinner.update(text=text())
+        except Exception:
+            pass                # (only a display: the operation goes on)
+        finally:
+            shown.set()
+    shower = threading.Thread(target=show, name="progress", daemon=True)
+    shower.start()
+    if not delay:
+        shown.wait()
+    try:
+        yield
+    finally:
+        stop.set()
+        shower.join()
 
 
 @contextlib.contextmanager
@@ -719,7 +779,8 @@ def do_show(args) -> int:
 def do_restore(args) -> int:
     from .api import Workspace
     ws = Workspace.attach(args.path)
-    done = ws.restore(args.paths, args.layer)
+    with progress_shown(args, "restore"):
+        done = ws.restore(args.paths, args.layer)
     out(args, f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
               + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
         {"restored": done})
@@ -957,7 +1018,8 @@ def do_check(args) -> int:
         finally:
             store.close()
 
-    res = control.call(rec, "check", full=True) if rec else offline_check(False)
+    with progress_shown(args, "check"):
+        res = control.call(rec, "check", full=True) if rec else offline_check(False)
     lines = [f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
              f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}"
              + (f" ({count(res['graves_hashed'], 'file')} by hash, "
@@ -981,7 +1043,8 @@ def do_check(args) -> int:
                     raise CowfsError("not repaired" + (" (no terminal: use --yes)"
                                                       if answer is None else ""),
                                      errors.STORE_ERROR)
-            res = control.call(rec, "repair") if rec else offline_check(True)
+            with progress_shown(args, "repair"):
+                res = control.call(rec, "repair") if rec else offline_check(True)
             lines += [f"repaired: {d}" for d in res["repaired"]]
             lines.append("now " + ("consistent" if res["ok"] else
                                    f"{count(len(res['problems']), 'problem')} remain:"))

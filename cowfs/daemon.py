@@ -31,6 +31,7 @@ from . import schema as S
 from . import errors
 from . import fsck
 from . import gravesum
+from . import progress
 from . import redo
 from .capture import Recorder
 from .control import MAX_REQUEST, encode, wait_readable
@@ -366,6 +367,7 @@ class Daemon:
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
                                   os.getpid(), socket_path(self.mountpoint))
+        self.stack.board = progress.Board(progress.path_for(self.record.socket))
         try:    # informational (a full disk must not keep the workspace from mounting)
             self.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
@@ -401,6 +403,7 @@ class Daemon:
                 self.store.close()
             finally:
                 self.record.remove()
+                self.stack.board.close()
             log.info("unmounted %s", self.mountpoint)
 
     async def _main(self) -> None:

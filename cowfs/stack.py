@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 from . import backing as B
 from . import fsck
+from . import progress
 from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
@@ -48,6 +49,7 @@ class Stack:
         self.on_freed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None   # why, when even noting it failed
         self.same = Sameness(store, resolver)
+        self.board = progress.LOCAL       # where a rollback notes how far it has got
 
     # -- basics -----------------------------------------------------------------
 
@@ -369,9 +371,12 @@ class Stack:
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
         pending = self.pending()
-        if pending["op"] == "redo":
-            return self._redo()
-        return self._rollback_to(pending["to"])
+        try:
+            if pending["op"] == "redo":
+                return self._redo()
+            return self._rollback_to(pending["to"])
+        finally:
+            self.board.end()
 
     def plan_redo(self) -> dict:
         """Check that the last rollback can be undone now and write the
@@ -414,11 +419,13 @@ class Stack:
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         if layers:
             records = list(st.records(layers[0].start, st._next_seq, reverse=True))
+            self.board.start(len(records))
             # An object with a corrupt or missing pre-image is skipped as a
             # whole (left as it is now), never restored in part.
             unrestorable, known = fsck.unrestorable(st, records)
             reported: set[int] = set()
             for seq, rec in records:
+                self.board.step()
                 ino = fsck.restores(rec)
                 try:
                     if rec.kind == S.DAMAGED:

@@ -3,15 +3,21 @@ directories added or deleted as a whole are one line in `status`, `diff
 --name-status` and `run`'s summary (every path with -u and in JSON), counts
 by kind, --limit and path filters; `log` for people (ages, sizes, newest
 first, -n) with its JSON unchanged; the redo note only while it is
-current; changes refused by --max-store counted in `status`, and `df`
-showing what the limit leaves."""
+current; progress on a terminal only; changes refused by --max-store
+counted in `status`, and `df` showing what the limit leaves."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import pty
+import select
 import subprocess
+import sys
 import time
+
+from .conftest import COWFS
 
 PACKAGES, FILES = 12, 40        # an npm-like tree: 12 packages of 40 files and a lib/
 
@@ -176,6 +182,98 @@ def test_the_note_after_a_rollback_of_the_base_without_redo(mounted):
     assert lines(ws, "status")[-1] == note
     ws.commit()                                                   # a fresh base: old news
     assert not any("redo" in line for line in lines(ws, "log"))
+
+
+# -- progress on a terminal ------------------------------------------------------------
+
+
+def gated_rollback_layer(ws, tmp_path):
+    """A layer whose rollback waits, in a provider's restore, for the file
+    gate; returns (the file that says it is waiting, the gate)."""
+    gate, waiting = tmp_path / "gate", tmp_path / "restoring"
+    ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
+             f'touch "{waiting}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
+    ws.json("checkpoint", "--provider", "slow")
+    (ws / "a.txt").write_text("changed\n")
+    return waiting, gate
+
+
+def on_a_terminal(args: list[str], waiting, gate, env: dict) -> tuple[str, str, int]:
+    """Run cowfs on a pseudo-terminal until *waiting* exists; return what
+    it wrote by then (everything the terminal has), then open *gate* and
+    return the rest and the exit status."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.update(env)
+        os.execv(sys.executable, [*COWFS, *args])
+    before = b""
+    deadline = time.monotonic() + 120
+    while not waiting.exists():
+        assert time.monotonic() < deadline
+        if select.select([fd], [], [], 0.05)[0]:
+            before += os.read(fd, 4096)
+    while select.select([fd], [], [], 0)[0]:      # (written before it waited: all there)
+        before += os.read(fd, 4096)
+    gate.touch()
+    after = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:                           # EIO: the terminal's other side closed
+            break
+        if not chunk:
+            break
+        after += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return before.decode(errors="replace"), after.decode(errors="replace"), \
+        os.waitstatus_to_exitcode(status)
+
+
+NOW = {"COWFS_PROGRESS_DELAY": "0"}      # shown before the operation starts
+
+
+def test_a_long_rollback_shows_progress_on_a_terminal(mounted, tmp_path):
+    ws = mounted
+    waiting, gate = gated_rollback_layer(ws, tmp_path)
+    before, after, code = on_a_terminal(["-C", str(ws.path), "rollback"], waiting, gate, NOW)
+    assert code == 0, before + after
+    assert "cowfs: rolling back (" in before                 # while it waits
+    assert "rolled back layer" in after and (ws / "a.txt").read_text() == "alpha\n"
+
+
+def test_an_offline_rollback_shows_progress_on_a_terminal_too(mounted, tmp_path):
+    ws = mounted
+    waiting, gate = gated_rollback_layer(ws, tmp_path)
+    ws.unmount()
+    before, after, code = on_a_terminal(["-C", str(ws.path), "rollback"], waiting, gate, NOW)
+    assert code == 0, before + after
+    assert "cowfs: rolling back (" in before and "rolled back layer" in after
+
+
+def test_no_progress_with_json_on_a_terminal(mounted, tmp_path):
+    ws = mounted
+    waiting, gate = gated_rollback_layer(ws, tmp_path)
+    before, after, code = on_a_terminal(["-C", str(ws.path), "--json", "rollback"],
+                                        waiting, gate, NOW)
+    assert code == 0, before + after
+    assert "rolling back" not in before + after
+    assert json.loads(after.strip().splitlines()[-1])["dropped"]
+
+
+def test_no_progress_without_a_terminal(mounted, tmp_path):
+    ws = mounted
+    waiting, gate = gated_rollback_layer(ws, tmp_path)
+    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"], env=os.environ | NOW,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not waiting.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    gate.touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert err == "" and out.startswith("rolled back layer")
 
 
 # -- --max-store: refused changes and df -------------------------------------------------
