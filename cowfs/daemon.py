@@ -556,9 +556,11 @@ class Daemon:
                 self.inflight -= 1
 
     async def op_ping(self) -> dict:
+        sv = os.fstatvfs(self.store.dirfd)   # (the mount's statfs is capped by --max-store)
         return {"pid": os.getpid(), "workspace": self.workspace,
                 "mountpoint": self.mountpoint, "store": self.store_dir,
-                "engine": self.engine_info()}
+                "engine": self.engine_info(),
+                "disk": {"free": sv.f_bavail * sv.f_frsize, "size": sv.f_blocks * sv.f_frsize}}
 
     def engine_info(self) -> dict | None:
         """Which FUSE engine serves the mount, why, and what it negotiated."""

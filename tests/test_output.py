@@ -314,6 +314,10 @@ def test_status_counts_the_changes_max_store_refused_and_df_shows_what_it_leaves
     avail = subprocess.run(["df", "-B1", "--output=avail", str(ws.path)], capture_output=True,
                            text=True, check=True).stdout.split()[-1]
     assert int(avail) <= max(left, 0)
+    # (doctor's free space is the disk's, not what the limit leaves)
+    checks = json.loads(ws.cowfs("--json", "doctor", ws.path, check=False).stdout)
+    [space] = [c for c in checks if c["name"] == "free space"]
+    assert space["ok"], space
     ws.rollback()
     ws.unmount()
     ws.mount("--max-store", "0")                 # no limit: the disk's own figures
