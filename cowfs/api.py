@@ -45,10 +45,18 @@ class Change:
     kind: str
     source: str | None = None
     who: dict | None = None     # the process that first made it: pid, uid, cmd
+    dir: bool = False           # a directory (for D: it was one)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Change":
-        return cls(d["path"], d["kind"], d.get("from"), d.get("who"))
+        return cls(d["path"], d["kind"], d.get("from"), d.get("who"), d.get("dir", False))
+
+    def to_dict(self) -> dict:
+        """As the JSON outputs have it."""
+        return {"path": self.path, "kind": self.kind,
+                **({"from": self.source} if self.source is not None else {}),
+                **({"dir": True} if self.dir else {}),
+                **({"who": self.who} if self.who is not None else {})}
 
     def __str__(self) -> str:
         return f"R {self.source} -> {self.path}" if self.kind == "R" else f"{self.kind} {self.path}"

@@ -15,14 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
-from . import control, errors
+from . import control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
                      not_owner, processes)
-from .text import count
+from .text import ago, count, duration
 
 
 # = policy.RUN_SCOPES (the policy is loaded by the commands that use it: every
@@ -64,6 +64,13 @@ def parse_limit(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}")
     return int(n * scale)
+
+
+def parse_number(text: str) -> int:
+    """A positive whole number (of lines, layers)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
+    return int(text)
 
 
 def parse_count(text: str) -> int:
@@ -201,6 +208,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
     s.add_argument("--who", action="store_true",
                    help="with --name-status: the process that first made each change")
+    s.add_argument("-u", "--all", action="store_true",
+                   help="with --name-status: list every path, also inside directories "
+                        "added or deleted as a whole")
     s.add_argument("layer", nargs="?", type=layer_id, metavar="ID",
                    help="the layer whose start to compare with (default: the open layer)")
     s.add_argument("paths", nargs="*", metavar="-- PATH",
@@ -225,7 +235,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--from", dest="layer", type=int, metavar="ID",
                    help="the layer (default: the open layer)")
     s.add_argument("paths", nargs="+", metavar="PATH",
-                   help="relative to the workspace root")
+                   help="relative to the current directory inside the workspace, like git's "
+                        "(else to its root)")
 
     s = cmd("show", "print PATH as it was when layer ID was opened (a file's bytes, a "
                     "directory's names, a symlink's target), changing nothing")
@@ -292,6 +303,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     s = cmd("status", "list the open layer's changes")
     s.add_argument("--who", action="store_true",
                    help="with the process (pid, uid, command line) that first made each")
+    s.add_argument("-u", "--all", action="store_true",
+                   help="list every path, also inside directories added or deleted as a "
+                        "whole (shown as one line each by default)")
+    s.add_argument("--limit", type=parse_number, metavar="N",
+                   help="list at most N lines (default: all)")
+    s.add_argument("--collapse", action="store_true",
+                   help="with --json: directories added or deleted as a whole as one entry "
+                        "each (default: every path)")
+    s.add_argument("paths", nargs="*", metavar="PATH",
+                   help="only changes under these paths (relative to the current directory "
+                        "inside the workspace, like git's; after -- when one could be read "
+                        "as an option)")
     cmd("gc", "free store space nothing needs (unused chunks, grave files no record holds); "
               "mounted or not")
     s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
@@ -303,7 +326,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
     s.add_argument("--store", metavar="DIR",
                    help="store of an unmounted workspace (default: PATH/.cowfs)")
-    cmd("log", "list all layers")
+    s = cmd("log", "list the layers, newest first, with their messages and runs")
+    s.add_argument("-n", type=parse_number, metavar="N", dest="max_count",
+                   help="only the N newest layers")
     return p
 
 
@@ -471,7 +496,8 @@ def call(args, op: str, **kw) -> dict:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
             workspace, store = locate_unmounted(args.path)
-        with finishing(what, "the next cowfs command on this workspace finishes it"):
+        with finishing(what, "the next cowfs command on this workspace finishes it"), \
+                progress_shown(args, op, progress.LOCAL.read):
             result = offline(workspace, store, op, **kw)
         for warning in result["warnings"]:
             print(f"cowfs: warning: {warning}", file=sys.stderr)
@@ -485,7 +511,8 @@ def call(args, op: str, **kw) -> dict:
         print(f"cowfs: the {what} goes on in the daemon (it cannot stop half-way); waiting "
               "for it to finish -- Ctrl-C again to stop waiting", file=sys.stderr)
     try:
-        return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
+        with progress_shown(args, op, lambda: progress.read(progress.path_for(rec.socket))):
+            return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
     except KeyboardInterrupt:
         if not said:
             raise
@@ -495,6 +522,64 @@ def call(args, op: str, **kw) -> dict:
 
 # operations that change the tree or the store and must not stop half-way
 LONG_OPS = {"rollback": "rollback", "redo": "redo", "commit": "commit", "gc": "gc"}
+
+# what the progress of a long operation says it is doing
+DOING = {"rollback": "rolling back", "redo": "redoing the rollback", "commit": "committing",
+         "gc": "freeing unused store space", "check": "checking the store",
+         "repair": "repairing the store", "restore": "restoring"}
+PROGRESS_DELAY = 0.5     # seconds an operation runs before its progress shows
+
+
+@contextlib.contextmanager
+def progress_shown(args, op: str, board: Callable[[], tuple[int, int] | None] | None = None
+                   ) -> Iterator[None]:
+    """While long operation *op* runs (in the daemon or here): on a
+    terminal, and never with --json, a spinner on stderr with the time
+    elapsed and, where *board* tells it, the steps done -- from
+    PROGRESS_DELAY seconds on ($COWFS_PROGRESS_DELAY), so quick ones show
+    nothing and pay nothing (not even the import of rich).  With no delay,
+    it shows before the operation starts."""
+    if op not in DOING or args.json or not sys.stderr.isatty():
+        yield
+        return
+    try:
+        delay = float(os.environ.get("COWFS_PROGRESS_DELAY") or PROGRESS_DELAY)
+    except ValueError:
+        delay = PROGRESS_DELAY
+    stop, shown = threading.Event(), threading.Event()
+    t0 = time.monotonic()
+
+    def text() -> str:
+        done = board() if board is not None else None
+        steps = f", {done[0]:,} of {count(done[1], 'step')}" if done else ""
+        return f"cowfs: {DOING[op]} ({duration(time.monotonic() - t0)}{steps})"
+
+    def show() -> None:
+        try:
+            if stop.wait(delay):
+                return
+            from rich.console import Console
+            from rich.live import Live
+            from rich.spinner import Spinner
+            spinner = Spinner("dots", text(), style="status.spinner")
+            with Live(spinner, console=Console(stderr=True), transient=True,
+                      refresh_per_second=12.5):      # (draws the first frame at once)
+                shown.set()
+                while not stop.wait(0.1):
+                    spinner.update(text=text())
+        except Exception:
+            pass                # (only a display: the operation goes on)
+        finally:
+            shown.set()
+    shower = threading.Thread(target=show, name="progress", daemon=True)
+    shower.start()
+    if not delay:
+        shown.wait()
+    try:
+        yield
+    finally:
+        stop.set()
+        shower.join()
 
 
 @contextlib.contextmanager
@@ -555,8 +640,10 @@ def do_redo(args) -> int:
 
 
 def redo_line(info: dict | None) -> list[str]:
-    """What status and log say about undoing the last rollback."""
-    if not info:
+    """What status and log say about undoing the last rollback: that it can
+    be, or why it cannot -- only while the layers are still those it left
+    (a checkpoint, commit or other rollback since makes it old news)."""
+    if not info or not (info["available"] or info.get("current", True)):
         return []
     from .redo import layers_text
     what = f"# the rollback of {layers_text(info['layers'])}"
@@ -591,18 +678,45 @@ def format_who(c: dict) -> str:
 
 
 def do_status(args) -> int:
-    res = call(args, "status")
-    lines = [format_change(c) + (f"\t{format_who(c)}" if args.who else "")
-             for c in res["changes"]]
+    paths = workspace_paths(args, args.paths)
+    res = call(args, "status", **({"paths": paths} if paths else {}))
+    res["counts"] = listing.counts(res["changes"])
+    if args.json:
+        if args.collapse:
+            res["changes"] = listing.collapse(res["changes"])
+        if args.limit:
+            shown = res["changes"][:args.limit]
+            res["omitted"] = len(res["changes"]) - len(shown)
+            res["changes"] = shown
+        out(args, None, res)
+        return 0
+    lines = [f"# {listing.headline(res['counts'])}"]
+    lines += change_lines(res["changes"], args.all, args.limit,
+                          (lambda c: f"\t{format_who(c)}") if args.who else None)
     u = res["usage"]
     lines.append(f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
                  + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
                  + f"; store {human_size(u['bytes'])}"
                  + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
                  + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)")
+    refused = res.get("refused")
+    if refused:
+        lines.append(f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
+                     f"the mount, the last {ago(refused['time'], time.time())}"
+                     + (f": {refused['path']}" if refused.get("path") else ""))
     lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
     return 0
+
+
+def change_lines(changes: list[dict], every: bool, limit: int | None = None,
+                 suffix=None, line=listing.line) -> list[str]:
+    """The lines of a list of changes: directories added or deleted as a
+    whole as one line each (after the single changes), unless *every*;
+    at most *limit* lines; *suffix* adds to each (--who)."""
+    shown = changes if every else listing.individual_first(listing.collapse(changes))
+    shown, more = listing.cut(shown, limit)
+    return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
 
 
 def human_size(n: int) -> str:
@@ -656,13 +770,18 @@ def workspace_root(args) -> str:
 
 def do_diff(args) -> int:
     layer, paths = args.layer, workspace_paths(args, args.paths)
+    if args.name_status and not args.json:   # (kinds and paths: no contents to read)
+        res = call(args, "changes", since=layer, **({"paths": paths} if paths else {}))
+        rows = change_lines(res["changes"], args.all,
+                            suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
+                            line=lambda c: listing.line(c).replace(" ", "\t", 1))
+        out(args, "\n".join(rows) or None, res)
+        return 0
     res = call(args, "diff", since=layer, paths=paths)
     rows = []
     for c in res["changes"]:
         name = format_change(c)
-        if args.name_status:
-            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if args.who else ""))
-        elif args.stat:
+        if args.stat:
             counts = ("content unchanged" if same_content(c) else
                       f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
@@ -745,7 +864,8 @@ def do_show(args) -> int:
 def do_restore(args) -> int:
     from .api import Workspace
     ws = Workspace.attach(args.path)
-    done = ws.restore(workspace_paths(args, args.paths), args.layer)
+    with progress_shown(args, "restore"):
+        done = ws.restore(workspace_paths(args, args.paths), args.layer)
     out(args, f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
               + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
         {"restored": done})
@@ -760,44 +880,47 @@ def do_gc(args) -> int:
 
 
 def do_log(args) -> int:
-    res = call(args, "log")
-    rows = [f"{'ID':>4}  {'CREATED':>10}  {'CHANGES':>7}  {'BYTES':>10}  MESSAGE"]
-    for layer in res["layers"]:
-        rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
-                    f"{layer['bytes']:>10}  {layer['message']}")
+    res = call(args, "log", **({"limit": args.max_count} if args.max_count else {}))
+    if args.json:
+        out(args, None, res["layers"])
+        return 0
+    now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
+    rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
+    below = " " * 47            # (lines under a layer start at its MESSAGE)
+    for layer in reversed(res["layers"]):
+        rows.append(f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
+                    f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
+                    f"{human_size(layer['bytes']):>10}  {layer['message']}")
         for d in layer.get("drift", []):
-            rows.append(f"{'':>39}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
+            rows.append(f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
                         f"while not mounted): {', '.join(d['paths'][:5])}")
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
-            rows.append(f"{'':>39}post-mortem of {pm.get('domain')} before reverting layer "
+            rows.append(f"{below}post-mortem of {pm.get('domain')} before reverting layer "
                         f"{pm.get('layer')}: {first[0] if first else '(no output)'}")
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
                 status += f", verify exit {run['verify_status']}"
-            rows.append(f"{'':>39}run {run.get('outcome')} ({status}, {run.get('duration')} s): "
-                        f"{run.get('command')}")
+            if isinstance(run.get("duration"), (int, float)):
+                status += f", {duration(run['duration'])}"
+            if run.get("started"):
+                status += f", {ago(run['started'], now)}"
+            rows.append(f"{below}run {run.get('outcome')} ({status}): {run.get('command')}")
     rows += redo_line(res.get("redo"))
     out(args, "\n".join(rows), res["layers"])
     return 0
 
 
-def summary(changes: list, limit: int = 10) -> str:
-    """Counts by kind and the first paths, like git status --short."""
+def summary(changes: list, limit: int | None = 10, every: bool = False) -> str:
+    """Counts by kind, then the single changes and after them the
+    directories added or deleted as a whole, one line each (*every*: each
+    path), at most *limit* lines."""
     if not changes:
         return "no changes"
-    counts: dict[str, int] = {}
-    for c in changes:
-        counts[c.kind] = counts.get(c.kind, 0) + 1
-    names = {"A": "added", "D": "deleted", "M": "modified", "T": "type changed",
-             "R": "renamed", "m": "attributes"}
-    head = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(counts.items()))
-    lines = [f"{len(changes)} change{'s' if len(changes) != 1 else ''}: {head}"]
-    lines += [f"  {c}" for c in changes[:limit]]
-    if len(changes) > limit:
-        lines.append(f"  ... and {len(changes) - limit} more")
-    return "\n".join(lines)
+    dicts = [c.to_dict() for c in changes]
+    return "\n".join([listing.headline(listing.counts(dicts))]
+                     + [f"  {line}" for line in change_lines(dicts, every, limit)])
 
 
 def ask(question: str, choices: str, timeout: float) -> str | None:
@@ -832,7 +955,7 @@ def approve(result, timeout: float) -> str:
         if answer == "d":
             return "rollback"
         if answer == "s":
-            print(summary(result.changes, limit=len(result.changes)), file=sys.stderr)
+            print(summary(result.changes, limit=None, every=True), file=sys.stderr)
 
 
 def do_run(args) -> int:
@@ -982,7 +1105,8 @@ def do_check(args) -> int:
         finally:
             store.close()
 
-    res = control.call(rec, "check", full=True) if rec else offline_check(False)
+    with progress_shown(args, "check"):
+        res = control.call(rec, "check", full=True) if rec else offline_check(False)
     lines = [f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
              f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}"
              + (f" ({count(res['graves_hashed'], 'file')} by hash, "
@@ -1006,7 +1130,8 @@ def do_check(args) -> int:
                     raise CowfsError("not repaired" + (" (no terminal: use --yes)"
                                                       if answer is None else ""),
                                      errors.STORE_ERROR)
-            res = control.call(rec, "repair") if rec else offline_check(True)
+            with progress_shown(args, "repair"):
+                res = control.call(rec, "repair") if rec else offline_check(True)
             lines += [f"repaired: {d}" for d in res["repaired"]]
             lines.append("now " + ("consistent" if res["ok"] else
                                    f"{count(len(res['problems']), 'problem')} remain:"))
@@ -1031,7 +1156,7 @@ COMMANDS = {
 
 # commands whose PATHs come after "--" (the rest of the line is parsed as
 # usual, so options may come in any order before it)
-PATH_COMMANDS = ("diff",)
+PATH_COMMANDS = ("diff", "status")
 
 
 def command_of(argv: list[str]) -> str | None:

@@ -31,13 +31,14 @@ from . import schema as S
 from . import errors
 from . import fsck
 from . import gravesum
+from . import progress
 from . import redo
 from .capture import Recorder
 from .control import MAX_REQUEST, encode, wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoFuse, NotMounted
 from .ops import Ops
 from .ignore import IgnoreRules
-from .past import SHOW_PAGE, History, describe_past, diff_entry, filter_paths, wpath
+from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
 from .mounts import (FSTYPE, MountRecord, is_cowfs_mount, lock_holder, mount_table, mount_users,
                      mounted_workspaces, mounts, not_owner, pid_alive, socket_path,
@@ -352,6 +353,7 @@ class Daemon:
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
                                   os.getpid(), socket_path(self.mountpoint))
+        self.stack.board = progress.Board(progress.path_for(self.record.socket))
         try:    # informational (a full disk must not keep the workspace from mounting)
             self.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
@@ -387,6 +389,7 @@ class Daemon:
                 self.store.close()
             finally:
                 self.record.remove()
+                self.stack.board.close()
             log.info("unmounted %s", self.mountpoint)
 
     async def _main(self) -> None:
@@ -539,9 +542,11 @@ class Daemon:
                 self.inflight -= 1
 
     async def op_ping(self) -> dict:
+        sv = os.fstatvfs(self.store.dirfd)   # (the mount's statfs is capped by --max-store)
         return {"pid": os.getpid(), "workspace": self.workspace,
                 "mountpoint": self.mountpoint, "store": self.store_dir,
-                "engine": self.engine_info()}
+                "engine": self.engine_info(),
+                "disk": {"free": sv.f_bavail * sv.f_frsize, "size": sv.f_blocks * sv.f_frsize}}
 
     def engine_info(self) -> dict | None:
         """Which FUSE engine serves the mount, why, and what it negotiated."""
@@ -839,11 +844,14 @@ class Daemon:
     async def op_provider_list(self) -> dict:
         return {"providers": [{"name": n, **c} for n, c in self.registry.configs().items()]}
 
-    async def op_status(self) -> dict:
+    async def op_status(self, paths: list | None = None) -> dict:
+        """The open layer's net changes (under *paths*), the store's usage,
+        the changes --max-store refused since the mount, the redo note."""
         await self._flush()
-        return self.stack.status() | {"usage": self.stack.usage(),
-                                      "redo": redo.summary(self.store),
-                                      "engine": self.engine_info()}
+        refused = self.fs.refused if self.fs is not None and self.fs.refused["count"] else None
+        return self.stack.status(paths=path_list(paths)) | {
+            "usage": self.stack.usage(), "refused": refused, "redo": self.stack.redo_note(),
+            "engine": self.engine_info()}
 
     async def op_gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -853,12 +861,13 @@ class Daemon:
         self.recorder.reset(fresh=False)
         return result
 
-    async def op_changes(self, since: int | None = None) -> dict:
-        """Net changes since layer *since* was opened (default: the top)."""
+    async def op_changes(self, since: int | None = None, paths: list | None = None) -> dict:
+        """Net changes since layer *since* was opened (default: the top),
+        under *paths* if given."""
         await self._flush()
         top = self.store.top()
         since = top.id if since is None else since
-        return {"since": since, "changes": self.stack.changes_since(since)}
+        return {"since": since, "changes": self.stack.changes_since(since, path_list(paths))}
 
     # -- reading the past (cowfs/past.py) ---------------------------------------------
 
@@ -891,7 +900,7 @@ class Daemon:
         sizes and hashes and, for text, a unified diff."""
         await self._flush()
         h = self._history(since)
-        changes = filter_paths(self.stack.changes_since(h.layer), paths or [])
+        changes = self.stack.changes_since(h.layer, path_list(paths))
         return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
 
     async def op_view(self, layer: int, mountpoint: str) -> dict:
@@ -992,9 +1001,12 @@ class Daemon:
         self.recorder.reset(fresh=False)
         return {"repaired": done, **fsck.check(self.store).to_dict()}
 
-    async def op_log(self) -> dict:
+    async def op_log(self, limit: int | None = None) -> dict:
+        """The layers, oldest first (with *limit*: that many of the newest)."""
         await self._flush()
-        return {"layers": self.stack.log(), "redo": redo.summary(self.store)}
+        if limit is not None and limit < 1:
+            raise CowfsError("bad request: limit must be positive", errors.USAGE)
+        return {"layers": self.stack.log(limit), "redo": self.stack.redo_note()}
 
     async def op_unmount(self, lazy: bool = False) -> dict:
         """Unmount; the daemon then exits.  *lazy*: detach the mount even
@@ -1026,6 +1038,13 @@ class Daemon:
                          "last one leaves: %s", self.mountpoint,
                          ", ".join(map(str, result["users"])))
         return result
+
+
+def path_list(paths: list | None) -> list[str]:
+    """Workspace-relative paths from a request."""
+    if not all(isinstance(p, str) for p in paths or ()):
+        raise CowfsError("bad request: paths are strings", errors.USAGE)
+    return list(paths or ())
 
 
 def within(path: str, top: str) -> bool:

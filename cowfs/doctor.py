@@ -270,14 +270,19 @@ def _locate(path: str):
     return ("unmounted", p)
 
 
-def _space(path: str, label: str) -> Check:
-    try:
-        sv = os.statvfs(path)
-    except OSError as e:
-        return Check("free space", False, f"cannot stat the filesystem of {label}: "
-                     f"{e.strerror}", "")
-    free = sv.f_bavail * sv.f_frsize
-    total = sv.f_blocks * sv.f_frsize
+def _space(path: str, label: str, disk: dict | None = None) -> Check:
+    """Free space on the filesystem of *path* (or as *disk* gives it:
+    {"free", "size"} in bytes)."""
+    if disk is not None:
+        free, total = disk["free"], disk["size"]
+    else:
+        try:
+            sv = os.statvfs(path)
+        except OSError as e:
+            return Check("free space", False, f"cannot stat the filesystem of {label}: "
+                         f"{e.strerror}", "")
+        free = sv.f_bavail * sv.f_frsize
+        total = sv.f_blocks * sv.f_frsize
     frac = free / total if total else 0.0
     detail = f"{_gib(free)} free of {_gib(total)} ({frac:.0%}) on the {label}'s filesystem"
     if free < LOW_SPACE_BYTES or frac < LOW_SPACE_FRACTION:
@@ -329,10 +334,11 @@ def check_live(rec) -> list[Check]:
         out.append(Check("store", False, f"the daemon cannot list the layers: {e}",
                          f"see {os.path.join(rec.store, 'daemon.log')}; 'cowfs unmount' "
                          f"then 'cowfs mount {rec.workspace}' checks the store"))
-    # The store is hidden inside the mount; the mount's statfs is the
-    # backing filesystem's, which the store shares.
-    target = rec.store if os.path.isdir(rec.store) else rec.mountpoint
-    out.append(_space(target, "store"))
+    # The store is hidden inside the mount, whose statfs leaves out what
+    # --max-store does not allow: the daemon says what the disk has.
+    visible = os.path.isdir(rec.store)
+    out.append(_space(rec.store if visible else rec.mountpoint, "store",
+                      None if visible else pong.get("disk")))
     return out
 
 

@@ -24,7 +24,7 @@ from . import backing as B
 from . import schema as S
 from .capture import Recorder
 from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
-from .store import Store
+from .store import LimitReached, Store
 from .undo import Touched
 
 log = logging.getLogger("cowfs.ops")
@@ -81,6 +81,9 @@ def op(fn: Callable | None = None, *, changes: bool = False) -> Callable:
             if changes and self.on_change is not None:
                 self._changing(name, args)
             return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
+        except LimitReached:
+            self._refused(name, args)
+            raise
         except OSError:
             raise
         except Exception:
@@ -98,6 +101,8 @@ CHANGES = {"write": "a write to {}", "create": "{} was created", "mknod": "{} wa
            "setxattr": "the xattrs of {} were changed",
            "removexattr": "the xattrs of {} were changed", "truncate": "{} was truncated"}
 NAMING = ("create", "mknod", "mkdir", "symlink", "unlink", "rmdir", "rename")
+# requests that name their file by an open handle
+HANDLE_OPS = ("write", "fallocate", "copy_file_range", "flush", "release", "fsync")
 
 
 class Ops:
@@ -131,6 +136,9 @@ class Ops:
         # told before the bytes of an object change (gravesum.Hasher)
         self.sums = None
         self.last_request = time.monotonic()
+        # changes refused (ENOSPC) because --max-store was reached: how
+        # many since the mount, and the last one's path and time
+        self.refused = {"count": 0, "path": None, "time": None}
 
     # -- the inode table ---------------------------------------------------------
 
@@ -543,7 +551,19 @@ class Ops:
 
     @op
     def statfs(self) -> os.statvfs_result:
-        return os.fstatvfs(self.root.fd)
+        """The backing filesystem's, with the free blocks capped by what
+        --max-store still leaves for undo data, so that `df` explains an
+        ENOSPC the limit causes (its size shrinks likewise, so what it
+        says is used stays true)."""
+        sv = os.fstatvfs(self.root.fd)
+        limit = self.store.max_store
+        if not limit:
+            return sv
+        left = max(0, limit - self.store.data_bytes()) // (sv.f_frsize or sv.f_bsize or 4096)
+        free = min(sv.f_bfree, left)
+        return os.statvfs_result((sv.f_bsize, sv.f_frsize, sv.f_blocks - sv.f_bfree + free, free,
+                                  min(sv.f_bavail, left), sv.f_files, sv.f_ffree, sv.f_favail,
+                                  sv.f_flag, sv.f_namemax))
 
     # -- creating names ----------------------------------------------------------------
 
@@ -1136,22 +1156,35 @@ class Ops:
         on_change, self.on_change = self.on_change, None
         on_change(self._describe(op, args))
 
+    def _target(self, op: str, args: tuple) -> bytes | None:
+        """The location request *op* (with its handler's *args*) changes."""
+        try:
+            if op in HANDLE_OPS:
+                return self._path(self.handles[args[2 if op == "copy_file_range" else 0]].node)
+            if op == "link":
+                return self._child(self._node(args[1]), args[2])
+            if op in NAMING:
+                return self._child(self._node(args[0]), args[1])
+            return self._path(self._node(args[0]))
+        except (OSError, KeyError, IndexError, TypeError):
+            return None
+
     def _describe(self, op: str, args: tuple) -> str:
         """What request *op* (with its handler's *args*) changes, in words."""
-        try:
-            if op == "write":
-                path = self._path(self.handles[args[0]].node)
-            elif op == "link":
-                path = self._child(self._node(args[1]), args[2])
-            elif op in NAMING:
-                path = self._child(self._node(args[0]), args[1])
-            else:
-                path = self._path(self._node(args[0]))
-        except (OSError, KeyError, IndexError):
+        path = self._target(op, args)
+        if path is None:
             return CHANGES.get(op, op).format("a file")
         if S.grave_id(path) is not None:
             return CHANGES.get(op, op).format("a removed file held open")
         return CHANGES.get(op, op).format(os.fsdecode(path) or ".")
+
+    def _refused(self, op: str, args: tuple) -> None:
+        """A change refused because --max-store was reached: counted, with
+        its path and time, for `status`."""
+        path = self._target(op, args)
+        self.refused = {"count": self.refused["count"] + 1, "time": time.time(),
+                        "path": None if path is None or S.grave_id(path) is not None
+                        else os.fsdecode(path) or "."}
 
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return

@@ -13,10 +13,12 @@ from typing import Callable, Iterable
 
 from . import backing as B
 from . import fsck
+from . import progress
 from . import redo
 from . import schema as S
 from .errors import NothingToDo, Refused, UnknownLayer
 from .journal import Reading
+from .past import filter_paths
 from .store import Layer, Store, digest, scan
 from .undo import Touched, Undoer, describe
 
@@ -47,6 +49,7 @@ class Stack:
         self.on_freed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None   # why, when even noting it failed
         self.same = Sameness(store, resolver)
+        self.board = progress.LOCAL       # where a rollback notes how far it has got
 
     # -- basics -----------------------------------------------------------------
 
@@ -196,6 +199,25 @@ class Stack:
         with self.resolver.reading():
             return sorted(path for path, was in recorded.get("paths", {}).items()
                           if self._stat(os.fsencode(path)) != was)
+
+    def redo_note(self) -> dict | None:
+        """What `status` and `log` say about the last rollback (see
+        ``redo.summary``), with "current": whether the layers are still
+        those it left (no checkpoint, commit or other rollback since).  That
+        it cannot be redone is worth saying only while it is current."""
+        note = redo.summary(self.store)
+        if note is None:
+            return None
+        st = redo.state(self.store)
+        layers = self.store.layers()
+        ids = [x.id for x in layers]
+        if st.get("fresh") is not None:       # it rolled back the base too
+            current = ids == st["kept"] + [st["fresh"]]
+        elif st["kept"]:
+            current = ids == st["kept"]
+        else:                                 # the base, unsealed: the fresh base it opened
+            current = len(layers) == 1 and layers[0].start == st["seq"]
+        return note | {"current": current}
 
     def usage(self) -> dict:
         data, grave = self.store.data_bytes(), self.store.grave_bytes()
@@ -349,9 +371,12 @@ class Stack:
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
         pending = self.pending()
-        if pending["op"] == "redo":
-            return self._redo()
-        return self._rollback_to(pending["to"])
+        try:
+            if pending["op"] == "redo":
+                return self._redo()
+            return self._rollback_to(pending["to"])
+        finally:
+            self.board.end()
 
     def plan_redo(self) -> dict:
         """Check that the last rollback can be undone now and write the
@@ -394,11 +419,13 @@ class Stack:
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         if layers:
             records = list(st.records(layers[0].start, st._next_seq, reverse=True))
+            self.board.start(len(records))
             # An object with a corrupt or missing pre-image is skipped as a
             # whole (left as it is now), never restored in part.
             unrestorable, known = fsck.unrestorable(st, records)
             reported: set[int] = set()
             for seq, rec in records:
+                self.board.step()
                 ino = fsck.restores(rec)
                 try:
                     if rec.kind == S.DAMAGED:
@@ -467,9 +494,12 @@ class Stack:
 
     # -- views ------------------------------------------------------------------------
 
-    def log(self) -> list[dict]:
+    def log(self, limit: int | None = None) -> list[dict]:
+        """The layers, oldest first (with *limit*, only that many of the
+        newest: each costs the count of its net changes)."""
         out = []
-        for layer in self.store.layers():
+        layers = self.store.layers()
+        for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
             recs = self.store.layer_records(layer.id)
             d["changes"] = len(self._changes(recs))    # (counted, not attributed)
@@ -478,18 +508,20 @@ class Stack:
             out.append(d)
         return out
 
-    def status(self, layer_id: int | None = None) -> dict:
+    def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
+        """The open layer's net changes (under *paths*, if given)."""
         top = self.store.top()
         layer_id = top.id if layer_id is None else layer_id
         recs = self.store.layer_records(layer_id)
-        return {"id": layer_id, "changes": self.attribute(self._changes(recs), layer_id)}
+        return {"id": layer_id, "changes": self.attribute(
+            filter_paths(self._changes(recs), list(paths)), layer_id)}
 
-    def changes_since(self, layer_id: int) -> list[dict]:
+    def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> list[dict]:
         """Net changes since layer *layer_id* was opened (what a rollback
-        --to it would undo)."""
+        --to it would undo), under *paths* if given."""
         layer = self.store.get_layer(layer_id)
-        return self.attribute(
-            self._changes(list(self.store.records(layer.start, self.store._next_seq))), layer_id)
+        changes = self._changes(list(self.store.records(layer.start, self.store._next_seq)))
+        return self.attribute(filter_paths(changes, list(paths)), layer_id)
 
     def _changes(self, recs: Iterable[tuple[int, S.Record]]) -> list[dict]:
         """Net changes of a layer, like ``git status --short``: A added,
@@ -511,6 +543,15 @@ class Stack:
 
         def now(path: bytes | None) -> os.stat_result | None:
             return self.resolver.lstat(path) if path is not None else None
+
+        def was_dir(ino: int) -> bool:
+            """Whether the object *ino* the layer removed was a directory."""
+            m = j.meta.get(ino)
+            if m is not None:
+                return stat.S_ISDIR(m[1][2])
+            gids = j.graves.get(ino)
+            st = B.lstat_at(self.store.grave_fd, str(gids[0]).encode()) if gids else None
+            return st is not None and stat.S_ISDIR(st.st_mode)
 
         def place(sp: bytes) -> bytes | None:
             """Where path *sp* (at T) is now: its directory moved or not."""
@@ -534,19 +575,22 @@ class Stack:
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was}
+                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was,
+                            "dir": stat.S_ISDIR(st.st_mode)}
             elif cur:
                 kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
                                           j.xattrs.get(was))
                 if kind:
-                    out[cur] = {"path": cur, "kind": kind, "ino": was}
+                    out[cur] = {"path": cur, "kind": kind, "ino": was,
+                                "dir": stat.S_ISDIR(st.st_mode)}
         stands_in: set[bytes] = set()     # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
             st = now(at)
             if st is None or at in out:
                 if st is None or st.st_ino not in present:
-                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was})
+                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was,
+                                            "dir": was_dir(was)})
                 continue              # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
@@ -554,19 +598,23 @@ class Stack:
                                       j.xattrs.get(was))
             stands_in.add(at)
             if kind:
-                out[at] = {"path": at, "kind": kind, "ino": st.st_ino}
+                out[at] = {"path": at, "kind": kind, "ino": st.st_ino,
+                           "dir": stat.S_ISDIR(st.st_mode)}
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino}
+                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino,
+                            "dir": stat.S_ISDIR(st.st_mode)}
         result = []
         for c in sorted([*deleted.values(), *out.values()], key=lambda c: c["path"]):
             c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
             if "from" in c:
                 c["from"] = os.fsdecode(c["from"])
+            if not c["dir"]:
+                del c["dir"]     # (said of directories only)
             result.append(c)
         return result
 

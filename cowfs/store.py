@@ -63,6 +63,11 @@ def scan(txn: lmdb.Transaction, db, prefix: bytes) -> Iterator[tuple[bytes, byte
         ok = cur.next()
 
 
+class LimitReached(OSError):
+    """ENOSPC because a capture would take the store past --max-store
+    (not because the disk is full)."""
+
+
 class Writer:
     """One write transaction; records, chunks and index entries written
     through it become durable (against a process crash) together."""
@@ -106,8 +111,8 @@ class Writer:
             self.used = self.store.data_bytes(self.txn)
         self.used += n
         if self.used > limit:
-            raise OSError(errno.ENOSPC, f"cowfs store limit reached ({limit} bytes; "
-                                        "commit, roll back or raise --max-store)")
+            raise LimitReached(errno.ENOSPC, f"cowfs store limit reached ({limit} bytes; "
+                                             "commit, roll back or raise --max-store)")
 
     def put_chunk(self, data: bytes) -> bytes:
         h = digest(data)

@@ -69,7 +69,8 @@ def test_redo_brings_back_the_tree_and_the_layers_exactly(mounted):
 
     assert ws.rollback()["dropped"] == [layer]
     treesnap.assert_same(start, ws.snapshot())
-    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": ""}
+    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": "",
+                                        "current": True}
     assert "can be undone: cowfs redo" in ws.cowfs("status").stdout
     assert ws.json("check")["ok"]                     # what is kept is consistent
 

@@ -1,0 +1,106 @@
+"""Lists of changes that stay readable when a step changes thousands of
+files: a directory added or deleted as a whole is one entry (like git's
+untracked directories), with a count of what it holds, and a header counts
+the changes by kind.
+
+Changes are dicts as the daemon gives them: "path", "kind", and "from",
+"dir" (a directory; for D: it was one), "who" where they apply.
+"""
+
+from __future__ import annotations
+
+from .text import count
+
+KINDS = {"A": "added", "D": "deleted", "M": "modified", "R": "renamed", "T": "type changed",
+         "m": "attributes"}
+WHOLE = ("A", "D")      # the kinds whose directories are taken as a whole
+# A directory holding fewer changes is listed in full: a line per path is
+# then about as short, and says more.
+SMALL = 5
+
+
+def collapse(changes: list[dict]) -> list[dict]:
+    """*changes* with each directory added (or deleted) as a whole standing
+    for the changes below it of the same kind: it gets "collapsed":
+    {"files": N, "dirs": M}, what it holds (files: anything but a
+    directory), and they are left out -- unless it holds fewer than SMALL.
+    An entry is taken into the directory above it only when every
+    directory between them is a change of the same kind too; others below
+    it (a file moved into a new directory: R) stay.  The order is kept."""
+    by_path = {c["path"]: c for c in changes if c["kind"] in WHOLE}
+    top: dict[str, str] = {}         # path -> the path of the entry it is taken into
+
+    def top_of(path: str) -> str:
+        found = top.get(path)
+        if found is None:
+            kind = by_path[path]["kind"]
+            parent = path.rpartition("/")[0]
+            above = by_path.get(parent) if parent else None
+            found = top_of(parent) if above is not None and above["kind"] == kind else path
+            top[path] = found
+        return found
+
+    inside: dict[str, dict] = {}
+    for path in sorted(by_path, key=lambda p: p.count("/")):   # (shallow first: no deep recursion)
+        t = top_of(path)
+        if t != path:
+            held = inside.setdefault(t, {"files": 0, "dirs": 0})
+            held["dirs" if by_path[path].get("dir") else "files"] += 1
+    inside = {t: n for t, n in inside.items() if n["files"] + n["dirs"] >= SMALL}
+    out = []
+    for c in changes:
+        if c["kind"] in WHOLE and top[c["path"]] in inside and top[c["path"]] != c["path"]:
+            continue
+        out.append(c | {"collapsed": inside[c["path"]]} if c["path"] in inside else c)
+    return out
+
+
+def individual_first(changes: list[dict]) -> list[dict]:
+    """Single changes first, then the directories taken as a whole."""
+    return [c for c in changes if "collapsed" not in c] + \
+        [c for c in changes if "collapsed" in c]
+
+
+def counts(changes: list[dict]) -> dict[str, int]:
+    """How many changes of each kind, in the order of KINDS."""
+    found: dict[str, int] = {}
+    for c in changes:
+        found[c["kind"]] = found.get(c["kind"], 0) + 1
+    return {k: found[k] for k in [*KINDS, *sorted(found)] if k in found}
+
+
+def headline(by_kind: dict[str, int]) -> str:
+    """'7,231 changes: 7,229 added, 2 modified' (or 'no changes')."""
+    total = sum(by_kind.values())
+    if not total:
+        return "no changes"
+    return f"{count(total, 'change')}: " + ", ".join(f"{n:,} {KINDS.get(k, k)}"
+                                                     for k, n in by_kind.items())
+
+
+def held(c: dict) -> str:
+    """'  (7,229 files, 812 directories)' for a collapsed directory."""
+    inside = c.get("collapsed")
+    if inside is None:
+        return ""
+    parts = [count(inside["files"], "file")] if inside["files"] or not inside["dirs"] else []
+    if inside["dirs"]:
+        parts.append(count(inside["dirs"], "directory", "directories"))
+    return f"  ({', '.join(parts)})"
+
+
+def line(c: dict) -> str:
+    """One change as `status` shows it: 'M a.txt', 'R old -> new',
+    'A node_modules/  (7,229 files)'."""
+    if c["kind"] == "R":
+        return f"R {c['from']} -> {c['path']}"
+    if "collapsed" in c:
+        return f"{c['kind']} {c['path']}/{held(c)}"
+    return f"{c['kind']} {c['path']}"
+
+
+def cut(changes: list, limit: int | None) -> tuple[list, str | None]:
+    """The first *limit* entries, and the line that says how many more."""
+    if not limit or len(changes) <= limit:
+        return changes, None
+    return changes[:limit], f"... and {len(changes) - limit:,} more"
