@@ -268,14 +268,17 @@ class Workspace:
         return self._call("checkpoint", message=message, providers=list(providers),
                           containers=list(containers), vms=list(vms))["id"]
 
-    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True
-                 ) -> RollbackResult | list[Change]:
+    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
+                 yes: bool = False) -> RollbackResult | list[Change]:
         """Undo the top layer, or every layer down to and including *to*.
         With *dry_run*, change nothing and return what would be undone.
-        Without *keep_redo*, nothing is kept for `redo` (faster)."""
+        Without *keep_redo*, nothing is kept for `redo` (faster).  When the
+        top layer is the base layer (everything since the mount), a rollback
+        without *to* raises CowfsError (code 14, changing nothing) unless
+        *yes*; naming the base layer with *to* is explicit and needs no *yes*."""
         if dry_run:
             return self.changes(since=to)
-        r = self._call("rollback", to=to, keep_redo=keep_redo)
+        r = self._call("rollback", to=to, keep_redo=keep_redo, yes=yes)
         return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
 
     def redo(self) -> RedoResult:

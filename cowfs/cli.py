@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list what the rollback would change (path and kind); change nothing")
     s.add_argument("--no-redo", action="store_true",
                    help="keep nothing for `cowfs redo` (faster; frees the undo data at once)")
+    s.add_argument("--yes", action="store_true",
+                   help="roll back the base layer (everything since the mount) without "
+                        "asking; without a terminal it is refused otherwise (exit 14)")
 
     cmd("redo", "undo the last rollback: bring its layers and files back exactly, as long "
                 "as nothing changed since (otherwise say why not and change nothing)")
@@ -485,7 +488,16 @@ def do_rollback(args) -> int:
         res = call(args, "changes", since=args.to)
         out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
         return 0
-    res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo)
+    try:
+        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=args.yes)
+    except CowfsError as e:
+        # the base layer, without --yes: on a terminal, ask
+        if e.code != errors.CONFIRM or not sys.stdin.isatty():
+            raise
+        answer = ask(f"cowfs: {str(e).split(';')[0]}. Roll it back? [y/N] ", "yn", 300)
+        if answer != "y":
+            raise CowfsError("not rolled back", errors.CONFIRM) from None
+        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=True)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
               f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)

@@ -784,11 +784,16 @@ class Daemon:
             info["warnings"] = failures
         return info
 
-    async def op_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
+    async def op_rollback(self, to: int | None = None, keep_redo: bool = True,
+                          yes: bool = False) -> dict:
+        """Roll back the top layer, or down to and including layer *to*.  A
+        rollback of the top layer when it is the base layer (everything
+        since the mount) is refused unless *yes* (naming it with *to* is
+        explicit enough)."""
         await self._flush()
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
-        self.stack.plan_rollback(to, keep_redo=keep_redo)
+        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
         undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.

@@ -15,7 +15,7 @@ from . import backing as B
 from . import fsck
 from . import redo
 from . import schema as S
-from .errors import NothingToDo, Refused, UnknownLayer
+from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
 from .journal import Reading
 from .store import Layer, Store, digest, scan
 from .undo import Touched, Undoer, describe
@@ -300,18 +300,26 @@ class Stack:
 
     # -- rollback -------------------------------------------------------------------
 
-    def plan_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
+    def plan_rollback(self, to: int | None = None, keep_redo: bool = True,
+                      base: bool = True) -> dict:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
         layers' snapshots (top layer first, last taken first), the files,
         then the discards of those snapshots.  Nothing is changed yet but
         freeing what an earlier rollback kept for a redo.  *keep_redo*: keep
-        what a redo of this one needs (impossible with provider snapshots)."""
+        what a redo of this one needs (impossible with provider snapshots).
+        Without *base*, a rollback of the top layer that is the base layer
+        (everything since the mount or the last commit) is refused."""
         layers = self.store.layers()
         top = layers[-1]
         if to is None:
             if len(layers) == 1 and self.layer_is_empty(top.id):
                 raise NothingToDo("nothing to roll back: the base layer has no changes")
+            if len(layers) == 1 and not base:
+                raise NeedsConfirmation(
+                    f"the open layer {top.id} is the base layer: rolling it back undoes "
+                    "everything since the workspace was mounted or last committed; confirm "
+                    f"with --yes, or name it with --to {top.id}; nothing was changed")
             to = top.id
         elif to not in {layer.id for layer in layers}:
             raise UnknownLayer(f"no layer {to} (layers: "

@@ -405,7 +405,7 @@ class CowfsModel(RuleBasedStateMachine):
         top = self.stack[-1]
         if len(self.stack) == 1 and top.dirty == 1:
             # Only changes nobody can see: the base layer may be empty or not.
-            r = self.ws.cowfs("--json", "rollback", check=False)
+            r = self.ws.cowfs("--json", "rollback", "--yes", check=False)
             if r.returncode == NOTHING_TO_DO:
                 STATS["rollback (nothing, allowed)"] += 1
                 assert "nothing to roll back" in r.stderr, r.stderr

@@ -85,5 +85,5 @@ def test_offline_errors(workspace, tmp_path):
         other.unmount()
         r = run("-C", other.path, "--store", store, "--json", "status")
         assert [c["path"] for c in json.loads(r.stdout)["changes"]] == ["f"]
-        run("-C", other.path, "--store", store, "rollback")
+        run("-C", other.path, "--store", store, "rollback", "--yes")
         assert not (other / "f").exists()
