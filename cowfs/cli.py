@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-m", "--message", help="layer message (default: the command line)")
     s.add_argument("--verify", metavar="CMD", help="a shell command that must succeed too")
     s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback")
-    s.add_argument("--on-success", choices=("commit", "keep"), default="commit")
+    s.add_argument("--on-success", choices=("commit", "keep"), default="keep",
+                   help="a successful step: keep its layer as an undo point of its own "
+                        "(default) or merge it into the layer below")
     s.add_argument("--approve", action="store_true",
                    help="after success, ask on the terminal whether to keep the changes")
     s.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
@@ -748,8 +750,9 @@ def ask(question: str, choices: str, timeout: float) -> str | None:
     return answer[:1] if answer[:1] in choices else ""
 
 
-def approve(result, timeout: float) -> str:
-    """keep / discard / show-diff loop for --approve."""
+def approve(result, timeout: float, keep: str) -> str:
+    """keep / discard / show-diff loop for --approve; *keep*: what keeping
+    means (--on-success: "keep" as its own layer, or "commit")."""
     print(summary(result.changes), file=sys.stderr)
     while True:
         answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds",
@@ -758,7 +761,7 @@ def approve(result, timeout: float) -> str:
             print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
             return "rollback"
         if answer == "k":
-            return "commit"
+            return keep
         if answer == "d":
             return "rollback"
         if answer == "s":
@@ -803,7 +806,7 @@ def do_run(args) -> int:
             def decide(result):
                 nonlocal shown
                 shown = True
-                return approve(result, args.timeout)
+                return approve(result, args.timeout, args.on_success)
         result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
                         on_success=args.on_success, message=args.message, decide=decide,
                         providers=args.provider, containers=args.container, vms=args.vm,
@@ -820,7 +823,9 @@ def do_run(args) -> int:
         why = ("" if result.ok else f" ({result.error})" if result.error else
                f" (the command exited {result.exit_status})" if result.exit_status else
                f" (the verifier exited {result.verify_status})")
-        print(f"cowfs: {result.outcome}{why}", file=sys.stderr)
+        where = f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)" \
+            if result.outcome == "kept" and ephemeral is None else ""
+        print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
         if args.json:
             print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
     finally:
