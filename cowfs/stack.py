@@ -17,7 +17,7 @@ from . import redo
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
 from .journal import Reading
-from .store import Layer, Store, digest, scan
+from .store import Layer, Store, digest
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -218,27 +218,11 @@ class Stack:
     def _merge(self, top: Layer, below: Layer) -> None:
         st = self.store
         with st.write() as w:
-            txn = w.txn
-            moves = list(scan(txn, st.db_index, S.index_prefix(top.id)))
-            created_below: dict[int, bool] = {}
-            for key, val in moves:
-                _, ino, kind, chunk = S.split_index_key(key)
-                txn.delete(key, db=st.db_index)
-                if ino not in created_below:
-                    created_below[ino] = txn.get(
-                        S.index_key(below.id, ino, S.IDX_CREATED), db=st.db_index) is not None
-                lower = S.index_key(below.id, ino, kind, chunk)
-                lower_has = txn.get(lower, db=st.db_index) is not None
-                if kind not in FLAGS and (created_below[ino] or lower_has):
-                    # The lower layer already restores this (it is older).
-                    w.delete_record(S.from_u64(val))
-                elif not lower_has:
-                    txn.put(lower, val, db=st.db_index)
-            self._move_who(w, top.id, below.id)
+            w.merge_index(top.id, below.id)
             for key in ("runs", "postmortems", "drift"):
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
-            txn.delete(S.u64(top.id), db=st.db_layers)
+            w.txn.delete(S.u64(top.id), db=st.db_layers)
             _plan_discards(w, top)
         st.forget_layer_cache()
 
@@ -259,20 +243,13 @@ class Stack:
             B.remove_tree_at(st.grave_fd, str(gid).encode())
         return freed
 
-    def _move_who(self, w, upper: int, lower: int) -> None:
-        """A merge keeps who first changed each object: the lower layer's
-        entry if it has one (it is older), else the upper layer's."""
-        db = self.store.db_who
-        for key, writer in list(scan(w.txn, db, S.u64(upper))):
-            w.txn.delete(key, db=db)
-            lower_key = S.u64(lower) + key[8:]
-            if w.txn.get(lower_key, db=db) is None:
-                w.txn.put(lower_key, writer, db=db)
-
     def attribute(self, changes: list[dict], since: int) -> list[dict]:
         """Each change with who first made it ("who": pid, uid, cmd), from
         the layers since *since*; the internal "ino" is dropped."""
         layers = [layer.id for layer in self.store.layers() if layer.id >= since]
+        seg = redo.segment(self.store)     # (changes since the last rollback)
+        if seg is not None:
+            layers.append(seg)
         inos = [c.pop("ino", None) for c in changes]
         found = self.store.who(layers, [i for i in inos if i is not None])
         for c, ino in zip(changes, inos):
@@ -579,7 +556,6 @@ class Stack:
         return result
 
 
-FLAGS = (S.IDX_CREATED, S.IDX_PINNED)   # index entries that name no record
 
 # -- the pending record's steps ------------------------------------------------------
 
