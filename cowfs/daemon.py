@@ -535,6 +535,7 @@ class Daemon:
                     async with self.lock:
                         t0 = time.perf_counter()
                         with self.exclusive():      # (let go while it waits)
+                            self.rules.stale = True     # (.cowfsignore as it is now)
                             result = await op(**req)
                         result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
                     resp = {"ok": True, "result": result}

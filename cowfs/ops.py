@@ -74,6 +74,8 @@ def op(fn: Callable) -> Callable:
     def wrapper(self: "Ops", *args, ctx: Ctx | None = None, **kw):
         self.last_request = time.monotonic()     # (background work waits for a pause)
         self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
+        if self.rec.ignore is not None:           # .cowfsignore may have changed
+            self.rec.ignore.stale = True
         try:
             try:
                 return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
