@@ -493,9 +493,12 @@ def check(store: Store, resolver: B.Resolver) -> dict:
     st = state(store)
     if st is None or st["state"] in (BUILDING, REDOING):
         raise NothingToDo("nothing to redo: no rollback since the store was created")
-    why = st["why"] if st["state"] != READY else why_not(store, resolver, st)
+    if st["state"] != READY:
+        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {st['why']}")
+    why = why_not(store, resolver, st)
     if why:
-        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}")
+        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}; "
+                      "nothing was changed")
     return st
 
 
@@ -513,7 +516,7 @@ def why_not(store: Store, resolver: B.Resolver, st: dict) -> str | None:
         return "the layers changed since"
     if store._next_seq != st["seq"] and not st.get("moves"):
         # (kept by an older cowfs: changes since were captured into the open layer)
-        return "the workspace changed after it; nothing was changed"
+        return "the workspace changed after it"
     with store.env.begin(db=store.db_redo) as txn:
         prints = {bytes(k[1:]): v for k, v in scan(txn, store.db_redo, REDO_PRINT)}
         moved = {bytes(k[1:]) for k, _ in scan(txn, store.db_redo, REDO_MOVED)}
@@ -523,11 +526,11 @@ def why_not(store: Store, resolver: B.Resolver, st: dict) -> str | None:
             if fingerprint(resolver, loc) != S.from_json(val):
                 changed.append(S.show_loc(loc))
     if changed:
-        return f"{_shown(changed)} changed since the rollback; nothing was changed"
+        return f"{_shown(changed)} changed since the rollback"
     inside: dict[str, str] = {}
     for _, rec in store.records(st["seq"], store._next_seq):
         if rec.kind == S.DAMAGED:
-            return "a record of a change made since the rollback is damaged; nothing was changed"
+            return "a record of a change made since the rollback is damaged"
         for loc in record_locs(rec):
             if loc in prints:
                 inside.setdefault(S.show_loc(loc), "")
@@ -538,8 +541,7 @@ def why_not(store: Store, resolver: B.Resolver, st: dict) -> str | None:
     if inside:
         where = sorted({d for d in inside.values() if d})
         return (f"{_shown(sorted(inside))} changed since the rollback"
-                + (f", inside {_shown(where)}, which the redo moves" if where else "")
-                + "; nothing was changed")
+                + (f", inside {_shown(where)}, which the redo moves" if where else ""))
     return None
 
 

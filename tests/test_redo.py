@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cowfs import treesnap
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
@@ -150,8 +152,7 @@ def test_redo_is_refused_after_a_change_it_would_touch_and_changes_nothing(mount
     treesnap.assert_same(changed, ws.snapshot())      # nothing changed
     assert len(layer_ids(ws)) == 1
     assert ws.json("status")["redo"] == {"available": False, "layers": [layer],
-                                         "why": "a.txt changed since the rollback; nothing "
-                                                "was changed"}
+                                         "why": "a.txt changed since the rollback"}
     assert "cannot be redone: a.txt changed since the rollback" in ws.cowfs("log").stdout
     assert ws.json("check")["ok"]
     # what was kept is freed by the next checkpoint (or commit, or rollback)
@@ -563,4 +564,41 @@ def test_the_room_a_redo_holds_is_given_back_to_a_change_that_needs_it(workspace
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and f"the rollback of layer {layer}" in r.stderr \
         and "the store needed the room it held" in r.stderr, r.stderr
+    assert ws.json("check")["ok"]
+
+
+@pytest.mark.parametrize("ending", ["checkpoint", "rollback", "commit"])
+def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mounted, ending):
+    """Once a checkpoint, a rollback or a commit ends the chance to redo,
+    what changed since the rollback is the open layer's, like any change of
+    it: rolling that layer back undoes it exactly (also a file the layer had
+    captured before the rollback), committing it keeps it."""
+    ws = mounted
+    (ws / "other").mkdir()
+    (ws / "other" / "kept.txt").write_text("base\n")
+    ws.commit()
+    base_start = ws.snapshot()
+    with open(ws / "other" / "kept.txt", "a") as f:   # captured by the base layer
+        f.write("in the base layer\n")
+    ws.checkpoint()
+    change_everything_but_other(ws)
+    ws.rollback()
+    with open(ws / "other" / "kept.txt", "a") as f:
+        f.write("since the rollback\n")
+    (ws / "other" / "new.txt").write_text("since\n")
+    os.unlink(ws / "dir" / "b.txt")                   # (where the redo acts: refused)
+    live = ws.snapshot()
+    if ending == "commit":
+        ws.commit()                                   # the base layer: permanent
+        assert ws.status() == [] and ws.json("check")["ok"]
+        treesnap.assert_same(live, ws.snapshot())
+        return
+    if ending == "checkpoint":
+        ws.checkpoint()
+        assert ws.json("check")["ok"]
+        r = ws.cowfs("redo", check=False)
+        assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
+    assert ws.json("check")["ok"]
+    ws.rollback(to=layer_ids(ws)[0])
+    treesnap.assert_same(base_start, ws.snapshot())
     assert ws.json("check")["ok"]
