@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = ("Change", "CommitResult", "LayerInfo", "RollbackResult", "RunResult", "Status",
-        "StepFailed", "Workspace")
+        "Step", "StepFailed", "Workspace")
 __all__ = [*_API, "CowfsError", "__version__"]
 
 

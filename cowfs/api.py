@@ -103,12 +103,16 @@ class CommitResult:
 @dataclass
 class RunResult:
     """What `Workspace.run` did: the command's and the verifier's exit
-    statuses (128 + signal for a signal), what changed, and the outcome:
-    "committed", "kept" or "rolled back"."""
+    statuses (128 + signal for a signal), what changed (``changes``, as
+    `status` gives them), the outcome ("kept", "committed", "rolled back" or
+    "no checkpoint") and ``layer``, the layer that holds the step (None
+    once it is rolled back).  With ``capture_output``, the output of the
+    command (``stdout``, ``stderr``) and of the verifier (``verify_stdout``,
+    ``verify_stderr``), decoded as UTF-8 (invalid bytes replaced)."""
 
     command: str
     cwd: str
-    layer: int
+    layer: int | None
     exit_status: int
     verify: str | None
     verify_status: int | None
@@ -122,6 +126,10 @@ class RunResult:
     uncaptured: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None    # why the command (or verifier) could not be started
+    stdout: str | None = None
+    stderr: str | None = None
+    verify_stdout: str | None = None
+    verify_stderr: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,13 +142,36 @@ class RunResult:
         return self.exit_status if self.exit_status != 0 else (self.verify_status or 0)
 
     def record(self) -> dict:
-        """The run as kept on its layer (long lists cut short)."""
+        """The run as kept on its layer (long lists cut short; its output is
+        not kept)."""
         d = asdict(self)
+        for key in OUTPUTS:
+            del d[key]
         d["changes"] = len(self.changes)
         d["uncaptured"] = {name: lines[:50] + ([f"... and {len(lines) - 50} more"]
                                                if len(lines) > 50 else [])
                            for name, lines in self.uncaptured.items()}
         return d
+
+
+OUTPUTS = ("stdout", "stderr", "verify_stdout", "verify_stderr")
+
+
+@dataclass
+class Step:
+    """What `Workspace.step` yields: ``layer`` holds the block's changes
+    (the layer below once committed, None once rolled back); after the
+    block, ``changes`` (as `status` gives them), ``outcome`` ("kept",
+    "committed" or "rolled back") and the verifier's status and output (with
+    ``capture_output``)."""
+
+    message: str
+    layer: int | None
+    changes: list[Change] = field(default_factory=list)
+    outcome: str = ""
+    verify_status: int | None = None
+    verify_stdout: str | None = None
+    verify_stderr: str | None = None
 
 
 @dataclass
@@ -158,38 +189,64 @@ class Plan:
 
 
 class StepFailed(Exception):
-    """A `Workspace.step` whose verification failed (it was rolled back)."""
+    """A `Workspace.step` whose verification failed (it was rolled back):
+    the step's ``changes`` (undone now), the verifier's ``verify_status``
+    and, with ``capture_output``, its ``stdout`` and ``stderr``."""
 
-    def __init__(self, message: str, verify_status: int):
+    def __init__(self, message: str, verify_status: int, changes: list[Change] | None = None,
+                 stdout: str | None = None, stderr: str | None = None):
         super().__init__(message)
         self.verify_status = verify_status
+        self.changes = changes or []
+        self.stdout = stdout
+        self.stderr = stderr
 
 
 def command_line(cmd: Command) -> str:
     return cmd if isinstance(cmd, str) else shlex.join(cmd)
 
 
-def execute(cmd: Command, cwd: str) -> tuple[int, str | None]:
+@dataclass
+class Executed:
+    """How a command ran: its exit status (128 + N for signal N), why it
+    could not be started (as a shell says it: 127 not found, 126 not
+    executable), and its output when captured."""
+
+    status: int
+    error: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+def execute(cmd: Command, cwd: str, capture: bool = False) -> Executed:
     """Run *cmd* (an argument list, or a shell string) with the terminal
-    passed through.  Ctrl-C goes to the command (the caller ignores it while
-    the command runs).  Returns the exit status, 128 + N for signal N, and
-    why it could not be started (as a shell says it: 127 not found, 126 not
-    executable), if it could not."""
+    passed through, or with its output captured (*capture*; stdin is then
+    /dev/null).  Ctrl-C goes to the command (the caller ignores it while
+    the command runs)."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE,
+             "stderr": subprocess.PIPE} if capture else {}
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+        proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str), **pipes,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        rc = proc.wait()
+        out, err = proc.communicate()
+        rc = proc.returncode
     except FileNotFoundError:
         if not os.path.isdir(cwd):
-            return 127, f"the working directory {cwd} does not exist"
-        return 127, f"{cmd[0] if not isinstance(cmd, str) else cmd}: command not found"
+            return Executed(127, f"the working directory {cwd} does not exist", *_empty(capture))
+        return Executed(127, f"{cmd[0] if not isinstance(cmd, str) else cmd}: command not found",
+                        *_empty(capture))
     except PermissionError as e:
-        return 126, f"{cmd[0] if not isinstance(cmd, str) else cmd}: cannot run it " \
-                    f"({e.strerror.lower()})"
+        return Executed(126, f"{cmd[0] if not isinstance(cmd, str) else cmd}: cannot run it "
+                             f"({e.strerror.lower()})", *_empty(capture))
     finally:
         signal.signal(signal.SIGINT, old)
-    return (128 - rc if rc < 0 else rc), None
+    return Executed(128 - rc if rc < 0 else rc, None, *(
+        (out.decode(errors="replace"), err.decode(errors="replace")) if capture else ()))
+
+
+def _empty(capture: bool) -> tuple:
+    return ("", "") if capture else ()
 
 
 def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
@@ -276,14 +333,17 @@ class Workspace:
         return self._call("checkpoint", message=message, providers=list(providers),
                           containers=list(containers), vms=list(vms))["id"]
 
-    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True
-                 ) -> RollbackResult | list[Change]:
+    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
+                 yes: bool = False) -> RollbackResult | list[Change]:
         """Undo the top layer, or every layer down to and including *to*.
         With *dry_run*, change nothing and return what would be undone.
-        Without *keep_redo*, nothing is kept for `redo` (faster)."""
+        Without *keep_redo*, nothing is kept for `redo` (faster).  When the
+        top layer is the base layer (everything since the mount), a rollback
+        without *to* raises CowfsError (code 14, changing nothing) unless
+        *yes*; naming the base layer with *to* is explicit and needs no *yes*."""
         if dry_run:
             return self.changes(since=to)
-        r = self._call("rollback", to=to, keep_redo=keep_redo)
+        r = self._call("rollback", to=to, keep_redo=keep_redo, yes=yes)
         return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
 
     def redo(self) -> RedoResult:
@@ -504,16 +564,20 @@ class Workspace:
         return plan
 
     def run(self, cmd: Command, verify: Command | None = None, on_fail: str = "rollback",
-            on_success: str = "commit", message: str | None = None, cwd: str | None = None,
+            on_success: str = "keep", message: str | None = None, cwd: str | None = None,
             decide: Callable[[RunResult], str] | None = None,
             providers: Sequence[str] = (), containers: Sequence[str] = (),
             vms: Sequence[str] = (), scope: str = "files",
-            policy: Policy | None = None) -> RunResult:
+            policy: Policy | None = None, capture_output: bool = False) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
-        otherwise it is committed into the layer below (``on_success="keep"``
-        leaves its layer open).  *decide*, given the result of a successful
-        step, may return "commit", "keep" or "rollback" instead.
+        otherwise its layer stays, an undo point of its own (with *message*,
+        default "run: CMD", and the run recorded on it), so that it can be
+        rolled back or diffed later (``on_success="commit"`` merges it into
+        the layer below instead).  *decide*, given the result of a
+        successful step, may return "commit", "keep" or "rollback" instead.
+        With *capture_output*, the output of the command and of the
+        verifier is captured into the result instead of passed through.
 
         *scope* "files" snapshots the files (and the named providers,
         containers and VMs); "container" and "vm" also every configured
@@ -531,19 +595,25 @@ class Workspace:
         if plan.checkpoint:
             layer = self.checkpoint(message or f"run: {line}", plan.providers,
                                     plan.containers, plan.vms)
+            before: set[tuple] = set()
         else:
             layer = self.top()
+            before = {_key(c) for c in self.status().changes}
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
-        rc, error = execute(cmd, cwd)
-        vrc, verror = execute(verify, cwd) if verify is not None and rc == 0 else (None, None)
+        ran = execute(cmd, cwd, capture_output)
+        checked = execute(verify, cwd, capture_output) \
+            if verify is not None and ran.status == 0 else Executed(None)
         duration = round(time.monotonic() - t0, 3)
-        result = RunResult(line, cwd, layer, rc, verify and command_line(verify), vrc,
-                           duration, "", self.changes(since=layer) if plan.checkpoint else [],
-                           started, plan.verdict.scope if scope == "auto" else scope,
+        changes = self.changes(since=layer) if plan.checkpoint else \
+            [c for c in self.status().changes if _key(c) not in before]
+        result = RunResult(line, cwd, layer, ran.status, verify and command_line(verify),
+                           checked.status, duration, "", changes, started,
+                           plan.verdict.scope if scope == "auto" else scope,
                            plan.providers + plan.containers + plan.vms,
                            plan.verdict.reasons, watch.changes(), list(plan.warnings),
-                           error or (verror and f"the verifier: {verror}"))
+                           ran.error or (checked.error and f"the verifier: {checked.error}"),
+                           ran.stdout, ran.stderr, checked.stdout, checked.stderr)
         for name, lines in result.uncaptured.items():
             shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
             result.warnings.append(f"container {name} changed outside the workspace and this "
@@ -554,39 +624,75 @@ class Workspace:
             self._call("annotate", layer=layer, run=result.record())
             return result
         action = (decide(result) if decide else on_success) if result.ok else on_fail
-        if action == "rollback":
-            into = self.rollback(to=layer).top
-            result.outcome = "rolled back"
-        elif action == "commit":
-            into = self._commit_down_to(layer)
-            result.outcome = "committed"
-        else:
-            into = layer
-            result.outcome = "kept"
+        result.layer, result.outcome, into = self._conclude(layer, action)
         self._call("annotate", layer=into, run=result.record())
         return result
+
+    def _conclude(self, layer: int, action: str) -> tuple[int | None, str, int]:
+        """Roll back, commit or keep the step in *layer*: returns the layer
+        that holds it now (None: rolled back), the outcome, and the layer
+        to record it on."""
+        if action == "rollback":
+            return None, "rolled back", self.rollback(to=layer).top
+        if action == "commit":
+            into = self._commit_down_to(layer)
+            return into, "committed", into
+        return layer, "kept", layer
 
     @contextmanager
     def step(self, message: str, verify: Command | None = None,
              cwd: str | None = None, providers: Sequence[str] = (),
-             containers: Sequence[str] = (), vms: Sequence[str] = ()) -> Iterator[int]:
-        """A block of work in its own layer: rolled back if the block raises
-        (the exception propagates) or *verify* fails (raises StepFailed),
-        committed otherwise.  Yields the layer id."""
+             containers: Sequence[str] = (), vms: Sequence[str] = (),
+             on_success: str = "keep", capture_output: bool = False) -> Iterator[Step]:
+        """A block of work in its own layer (a checkpoint with *message*):
+        rolled back if the block raises (the exception propagates) or
+        *verify* fails (raises StepFailed, with the step's changes and the
+        verifier's status and output); otherwise kept as a layer of its own
+        (``on_success="commit"``: merged into the layer below).  Yields a
+        `Step`: its ``layer`` while the block runs; after it, what changed
+        and how it ended.  The step is recorded on the layer that ends up
+        holding it (``runs`` in `log`)."""
+        if on_success not in ("commit", "keep"):
+            raise ValueError("on_success is commit|keep")
         layer = self.checkpoint(message, providers, containers, vms)
+        step = Step(message, layer)
+        t0 = time.monotonic()
+        record = {"command": f"step: {message}", "kind": "step", "exit_status": 0,
+                  "started": time.time(),
+                  "verify": verify and command_line(verify), "verify_status": None}
         try:
-            yield layer
-        except BaseException:
-            self.rollback(to=layer)
+            yield step
+        except BaseException as e:
+            step.changes = self.changes(since=layer)
+            step.layer, step.outcome, into = self._conclude(layer, "rollback")
+            self._note_step(into, step, record | {"exit_status": 1,
+                                                  "error": f"{type(e).__name__}: {e}"[:1000]}, t0)
             raise
         if verify is not None:
-            rc, _ = execute(verify, cwd or self._default_cwd())
-            if rc != 0:
-                self.rollback(to=layer)
-                raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "
-                                 f"exited {rc}; rolled back", rc)
-        self._commit_down_to(layer)
+            checked = execute(verify, cwd or self._default_cwd(), capture_output)
+            step.verify_status = record["verify_status"] = checked.status
+            step.verify_stdout, step.verify_stderr = checked.stdout, checked.stderr
+            if checked.error:
+                record["error"] = f"the verifier: {checked.error}"
+        step.changes = self.changes(since=layer)
+        if step.verify_status:
+            step.layer, step.outcome, into = self._conclude(layer, "rollback")
+            self._note_step(into, step, record, t0)
+            raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "
+                             f"exited {step.verify_status}; rolled back", step.verify_status,
+                             step.changes, step.verify_stdout, step.verify_stderr)
+        step.layer, step.outcome, into = self._conclude(layer, on_success)
+        self._note_step(into, step, record, t0)
+
+    def _note_step(self, layer: int, step: Step, record: dict, t0: float) -> None:
+        self._call("annotate", layer=layer, run=record | {
+            "outcome": step.outcome, "layer": step.layer, "changes": len(step.changes),
+            "duration": round(time.monotonic() - t0, 3)})
+
+
+def _key(c: Change) -> tuple:
+    return c.path, c.kind, c.source
 
 
 __all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "Plan", "Policy",
-           "RollbackResult", "RunResult", "Status", "StepFailed", "Workspace"]
+           "RollbackResult", "RunResult", "Status", "Step", "StepFailed", "Workspace"]

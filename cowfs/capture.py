@@ -20,6 +20,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from . import redo
 from . import schema as S
 from .store import Store, Writer, scan
 
@@ -47,6 +48,7 @@ class Recorder:
         self.C = store.chunk_size
         self._zero = bytes(self.C)
         self.layer = 0
+        self.below: int | None = None               # the open layer, under a segment
         self.objs: dict[int, Obj] = {}
         self.fresh = False
         self._pending_created: list[tuple[int, tuple | None]] = []
@@ -60,9 +62,14 @@ class Recorder:
 
     def reset(self, fresh: bool) -> None:
         """Follow the store's top layer.  *fresh*: the layer was opened by
-        this process, so memory knows everything it holds."""
+        this process, so memory knows everything it holds.  While the last
+        rollback can be redone, changes are captured under the index of its
+        segment (see ``redo``) as if a layer had been opened then; an
+        object the open layer saw at a captured path stays captured."""
         top = self.store.top()
-        self.layer = top.id if top else 0
+        seg = redo.segment(self.store)
+        self.layer = seg if seg is not None else top.id if top else 0
+        self.below = top.id if seg is not None and top else None
         self.objs = {}
         self.fresh = fresh
         self._pending_created = []
@@ -75,6 +82,10 @@ class Recorder:
             o = Obj()
             if not self.fresh:
                 self._load(ino, o)
+            if self.below is not None and not o.pinned:
+                with self.store.read() as txn:
+                    o.pinned = txn.get(S.index_key(self.below, ino, S.IDX_PINNED),
+                                       db=self.store.db_index) is not None
             self.objs[ino] = o
         return o
 

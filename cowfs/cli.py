@@ -197,6 +197,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    help="list what the rollback would change (path and kind); change nothing")
     s.add_argument("--no-redo", action="store_true",
                    help="keep nothing for `cowfs redo` (faster; frees the undo data at once)")
+    s.add_argument("--yes", action="store_true",
+                   help="roll back the base layer (everything since the mount) without "
+                        "asking; without a terminal it is refused otherwise (exit 14)")
 
     cmd("redo", "undo the last rollback: bring its layers and files back exactly, as long "
                 "as nothing changed since (otherwise say why not and change nothing)")
@@ -247,13 +250,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     cmd("commit", "merge the top layer into the one below (the base: make permanent)")
 
     s = cmd("run", "run a command as a step: keep what it changed, or roll it back")
-    s.add_argument("-m", "--message", help="layer message (default: the command line)")
+    s.add_argument("-m", "--message", help="layer message (default: 'run: CMD')")
     s.add_argument("--verify", metavar="CMD", help="a shell command that must succeed too")
     s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback",
                    help="when CMD or the verifier fails: undo the step (default) or keep it")
-    s.add_argument("--on-success", choices=("commit", "keep"), default="commit",
-                   help="when it succeeds: merge the step into the layer below (default) or "
-                        "keep it as its own layer")
+    s.add_argument("--on-success", choices=("commit", "keep"), default="keep",
+                   help="a successful step: keep its layer as an undo point of its own "
+                        "(default) or merge it into the layer below")
     s.add_argument("--approve", action="store_true",
                    help="after success, ask on the terminal whether to keep the changes")
     s.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
@@ -624,7 +627,16 @@ def do_rollback(args) -> int:
         res = call(args, "changes", since=args.to)
         out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
         return 0
-    res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo)
+    try:
+        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=args.yes)
+    except CowfsError as e:
+        # the base layer, without --yes: on a terminal, ask
+        if e.code != errors.CONFIRM or not sys.stdin.isatty():
+            raise
+        answer = ask(f"cowfs: {str(e).split(';')[0]}. Roll it back? [y/N] ", "yn", 300)
+        if answer != "y":
+            raise CowfsError("not rolled back", errors.CONFIRM) from None
+        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=True)
     dropped = ", ".join(map(str, res["dropped"]))
     out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
               f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)
@@ -941,8 +953,9 @@ def ask(question: str, choices: str, timeout: float) -> str | None:
     return answer[:1] if answer[:1] in choices else ""
 
 
-def approve(result, timeout: float) -> str:
-    """keep / discard / show-diff loop for --approve."""
+def approve(result, timeout: float, keep: str) -> str:
+    """keep / discard / show-diff loop for --approve; *keep*: what keeping
+    means (--on-success: "keep" as its own layer, or "commit")."""
     print(summary(result.changes), file=sys.stderr)
     while True:
         answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds",
@@ -951,7 +964,7 @@ def approve(result, timeout: float) -> str:
             print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
             return "rollback"
         if answer == "k":
-            return "commit"
+            return keep
         if answer == "d":
             return "rollback"
         if answer == "s":
@@ -997,7 +1010,7 @@ def do_run(args) -> int:
             def decide(result):
                 nonlocal shown
                 shown = True
-                return approve(result, args.timeout)
+                return approve(result, args.timeout, args.on_success)
         result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
                         on_success=args.on_success, message=args.message, decide=decide,
                         providers=args.provider, containers=args.container, vms=args.vm,
@@ -1014,7 +1027,9 @@ def do_run(args) -> int:
         why = ("" if result.ok else f" ({result.error})" if result.error else
                f" (the command exited {result.exit_status})" if result.exit_status else
                f" (the verifier exited {result.verify_status})")
-        print(f"cowfs: {result.outcome}{why}", file=sys.stderr)
+        where = f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)" \
+            if result.outcome == "kept" and ephemeral is None else ""
+        print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
         if args.json:
             print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
     finally:

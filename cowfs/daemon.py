@@ -346,10 +346,10 @@ class Daemon:
         self.fs = Ops(self.rootfd, self.store, self.recorder, hidden=self.hidden)
         self.engine = make_engine(self.engine_choice, self.fs)
         self.stack.on_freed = self.fs.after_commit
+        self.fs.on_full = self._give_back_redo
         self.hasher = self.fs.sums = gravesum.Hasher(self.store, busy=self.fs.is_open,
                                                      quiet=self.fs.quiet,
                                                      exclusive=self.exclusive)
-        self._arm_redo()
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
                                   os.getpid(), socket_path(self.mountpoint))
@@ -524,6 +524,7 @@ class Daemon:
                     async with self.lock:
                         t0 = time.perf_counter()
                         with self.exclusive():      # (let go while it waits)
+                            self.rules.stale = True     # (.cowfsignore as it is now)
                             result = await op(**req)
                         result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
                     resp = {"ok": True, "result": result}
@@ -696,14 +697,15 @@ class Daemon:
                 report = self.stack.apply_files()
             finally:
                 if self.fs is not None:
-                    # a rollback of every layer opens a fresh base: memory
-                    # knows all it holds (nothing); a redo's layers are known
-                    # from the store
+                    # a rollback of every layer opens a fresh base, one that
+                    # keeps what a redo needs a segment: memory knows all
+                    # they hold (nothing); a redo's layers are known from the
+                    # store
                     top = self.store.top()
                     self._switched(fresh=pending["op"] == "rollback" and top is not None
-                                   and before is not None and top.id > before.id, undo=True)
-                # before anything awaits: the requests held meanwhile come next
-                self._arm_redo()
+                                   and before is not None and (
+                                       top.id > before.id or
+                                       redo.segment(self.store) is not None), undo=True)
             if self.fs is not None:
                 invalid = self.fs.after_undo(report.touched)
                 self.fs.layer_switched(after_undo=True)
@@ -720,15 +722,18 @@ class Daemon:
         if self.fs is not None and not undo:
             self.fs.layer_switched()
 
-    def _arm_redo(self) -> None:
-        """While the last rollback can be redone, the first change in the
-        mount ends that (and frees what was kept for it)."""
-        if self.fs is not None:
-            available = (redo.summary(self.store) or {}).get("available")
-            self.fs.on_change = self._changed_after_rollback if available else None
-
-    def _changed_after_rollback(self, what: str) -> None:
-        self.stack.discard_redo(f"the workspace changed after it: {what}", fallback=True)
+    def _give_back_redo(self) -> bool:
+        """A change found no room (--max-store, a full disk) while the last
+        rollback still holds what a redo needs: that goes (the change is
+        tried again).  False when nothing was held."""
+        st = redo.state(self.store)
+        if st is None or (st["state"] != redo.READY and st.get("segment") is None):
+            return False
+        self.recorder.flush()
+        self.stack.discard_redo("the store needed the room it held for a change made since",
+                                fallback=True)
+        self.recorder.reset(fresh=False)
+        return True
 
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (at mount, before
@@ -775,11 +780,16 @@ class Daemon:
             info["warnings"] = failures
         return info
 
-    async def op_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
+    async def op_rollback(self, to: int | None = None, keep_redo: bool = True,
+                          yes: bool = False) -> dict:
+        """Roll back the top layer, or down to and including layer *to*.  A
+        rollback of the top layer when it is the base layer (everything
+        since the mount) is refused unless *yes* (naming it with *to* is
+        explicit enough)."""
         await self._flush()
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
-        self.stack.plan_rollback(to, keep_redo=keep_redo)
+        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
         undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.

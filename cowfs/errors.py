@@ -17,6 +17,7 @@ PARTIAL = 10
 DRIFT = 11
 REFUSED = 12
 NOT_OWNER = 13
+CONFIRM = 14
 INTERRUPTED = 130
 
 
@@ -78,6 +79,12 @@ class Refused(CowfsError):
 class NotOwner(CowfsError):
     """The workspace was mounted (or its store made) by another user."""
     code = NOT_OWNER
+
+
+class NeedsConfirmation(CowfsError):
+    """A plain rollback of the base layer (everything since the workspace
+    was mounted or last committed), asked for without --yes."""
+    code = CONFIRM
 
 
 def from_dict(d: dict) -> CowfsError:

@@ -339,8 +339,12 @@ def check(store: Store, hashes: bool = True) -> Report:
                                         repairable=True))
             rep.drop_grave_files.append(name)
 
-        # index entries
-        ids = {layer.id for layer in layers}
+        # index entries (a segment's, see redo, are the open layer's records
+        # since the rollback)
+        ids = {layer.id: layer.id for layer in layers}
+        seg, since = redo_segment(store)
+        if seg is not None and layers:
+            ids[seg] = layers[-1].id
         cur = txn.cursor(db=store.db_index)
         ok = cur.first()
         stale = 0
@@ -349,8 +353,9 @@ def check(store: Store, hashes: bool = True) -> Report:
             lid = S.split_index_key(key)[0]
             seq = S.from_u64(cur.value())
             kind = S.split_index_key(key)[2]
-            if lid not in ids or (kind not in (S.IDX_CREATED, S.IDX_PINNED) and
-                                  (seq not in seqs or layer_of(starts, seq) != lid)):
+            if lid not in ids or (kind not in S.INDEX_FLAGS and (
+                    seq not in seqs or layer_of(starts, seq) != ids[lid]
+                    or lid == seg and seq < since)):
                 rep.drop_index.append(key)
                 stale += 1
             ok = cur.next()
@@ -368,6 +373,15 @@ def check(store: Store, hashes: bool = True) -> Report:
                 rep.problems.append(Problem(f"{len(rep.drop_who)} attributions belong to no "
                                             "layer", repairable=True))
     return rep
+
+
+def redo_segment(store: Store) -> tuple[int | None, int]:
+    """The segment of the last rollback (see redo), if any, and the first
+    seq recorded since that rollback."""
+    st = redo.state(store)
+    if st is None or st.get("segment") is None:
+        return None, 0
+    return st["segment"], st["seq"]
 
 
 def check_sum(store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None,

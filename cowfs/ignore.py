@@ -22,23 +22,30 @@ from . import backing as B
 
 NAME = b".cowfsignore"
 MAX_SIZE = 1 << 20
-RECHECK = 1.0   # seconds between looks at .cowfsignore
+RECHECK = 1.0   # seconds between looks at .cowfsignore outside of requests
 
 
 class IgnoreRules:
+    """The patterns in force.  `.cowfsignore` is looked at (one lstat) at the
+    first match of every request of the mount (``stale``, set by each
+    request), so an edit made through the mount applies to the very next
+    request; otherwise at most every RECHECK seconds."""
+
     def __init__(self, rootfd: int, extra: list[str]):
         self.rootfd = rootfd
         self.extra = list(extra)
         self.spec: pathspec.GitIgnoreSpec | None = None
         self._seen: tuple | None = None
         self._checked = 0.0
+        self.stale = False
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._checked < RECHECK:
+        if not force and not self.stale and now - self._checked < RECHECK:
             return
         self._checked = now
+        self.stale = False
         st = B.lstat_at(self.rootfd, NAME)
         seen = None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if seen == self._seen and not force:

@@ -62,13 +62,10 @@ def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
 
-def op(fn: Callable | None = None, *, changes: bool = False) -> Callable:
+def op(fn: Callable) -> Callable:
     """Every operation: note who asks (captures made for the request are
     attributed to the process), and anything unexpected becomes EIO (logged):
-    engines answer an OSError's errno.  With *changes*: the request changes
-    the workspace (see ``Ops._changing``)."""
-    if fn is None:
-        return functools.partial(op, changes=changes)
+    engines answer an OSError's errno."""
     name = fn.__name__
     takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
                                                  + fn.__code__.co_kwonlyargcount]
@@ -77,9 +74,16 @@ def op(fn: Callable | None = None, *, changes: bool = False) -> Callable:
     def wrapper(self: "Ops", *args, ctx: Ctx | None = None, **kw):
         self.last_request = time.monotonic()     # (background work waits for a pause)
         self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
+        if self.rec.ignore is not None:           # .cowfsignore may have changed
+            self.rec.ignore.stale = True
         try:
-            if changes and self.on_change is not None:
-                self._changing(name, args)
+            try:
+                return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
+            except OSError as e:
+                # a change fails before it touches anything: once the room
+                # a redo kept is given back, it is tried once more
+                if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
+                    raise
             return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
         except LimitReached:
             self._refused(name, args)
@@ -93,13 +97,7 @@ def op(fn: Callable | None = None, *, changes: bool = False) -> Callable:
     return wrapper
 
 
-# the first change after a rollback, as `status` says why it cannot be redone
-CHANGES = {"write": "a write to {}", "create": "{} was created", "mknod": "{} was created",
-           "mkdir": "{} was created", "symlink": "{} was created", "link": "{} was created",
-           "unlink": "{} was removed", "rmdir": "{} was removed", "rename": "{} was renamed",
-           "setattr": "the attributes of {} were changed",
-           "setxattr": "the xattrs of {} were changed",
-           "removexattr": "the xattrs of {} were changed", "truncate": "{} was truncated"}
+# requests that name a new or removed entry (parent, name)
 NAMING = ("create", "mknod", "mkdir", "symlink", "unlink", "rmdir", "rename")
 # requests that name their file by an open handle
 HANDLE_OPS = ("write", "fallocate", "copy_file_range", "flush", "release", "fsync")
@@ -113,8 +111,8 @@ class Ops:
         self.hidden = hidden
         hst = B.lstat_at(rootfd, hidden) if hidden is not None else None
         self.hidden_dir = hst is not None and stat.S_ISDIR(hst.st_mode)
-        # called (once) at the first change after a rollback that can be redone
-        self.on_change: Callable[[str], None] | None = None
+        # called when a request fails with ENOSPC: True when it gave room back
+        self.on_full: Callable[[], bool] | None = None
         self.is_root = os.geteuid() == 0
         self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
         self.fds = FdCache(fd_cache_size(), self._reopen)
@@ -451,7 +449,7 @@ class Ops:
         node = self._node(inode)
         return node, os.stat(node.fd)
 
-    @op(changes=True)
+    @op
     def setattr(self, inode, fh: int | None, *, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, size: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None,
@@ -567,7 +565,7 @@ class Ops:
 
     # -- creating names ----------------------------------------------------------------
 
-    @op(changes=True)
+    @op
     def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
@@ -575,7 +573,7 @@ class Ops:
                                 lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd),
                                 ctx, mode)
 
-    @op(changes=True)
+    @op
     def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
@@ -583,14 +581,14 @@ class Ops:
                                 lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd),
                                 ctx, mode)
 
-    @op(changes=True)
+    @op
     def symlink(self, parent_inode, name, target, ctx):
         parent = self._node(parent_inode)
         return self._new_object(parent, name,
                                 lambda: os.symlink(target, name, dir_fd=parent.fd),
                                 ctx, stat.S_IFLNK | 0o777)
 
-    @op(changes=True)
+    @op
     def link(self, inode, new_parent_inode, new_name, ctx):
         node = self._node(inode)
         parent = self._node(new_parent_inode)
@@ -609,7 +607,7 @@ class Ops:
             os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
         return self._lookup(parent, new_name)
 
-    @op(changes=True)
+    @op
     def create(self, parent_inode, name, mode, flags, ctx, kill_suidgid: bool = False):
         parent = self._node(parent_inode)
         self._check_name(parent, name)
@@ -705,15 +703,15 @@ class Ops:
         finally:
             os.close(fd)
 
-    @op(changes=True)
+    @op
     def unlink(self, parent_inode, name, ctx):
         self._remove(self._node(parent_inode), name, want_dir=False)
 
-    @op(changes=True)
+    @op
     def rmdir(self, parent_inode, name, ctx):
         self._remove(self._node(parent_inode), name, want_dir=True)
 
-    @op(changes=True)
+    @op
     def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
                      flags, ctx):
         sp = self._node(parent_inode_old)
@@ -837,8 +835,6 @@ class Ops:
     def open(self, inode, flags, ctx, kill_suidgid: bool = False):
         """*kill_suidgid*: an O_TRUNC open by a caller without CAP_FSETID."""
         node = self._node(inode)
-        if flags & os.O_TRUNC and self.on_change is not None:
-            self._changing("truncate", (inode,))
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._kill_privs(node, kill_suidgid, ctx)
             self._capture_data(node, None, 0, 1 << 63)
@@ -854,7 +850,7 @@ class Ops:
     def read(self, fh, off, size):
         return os.pread(self.handles[fh].fd, size, off)
 
-    @op(changes=True)
+    @op
     def write(self, fh, off, buf, kill_suidgid: bool = False, ctx: Ctx | None = None):
         """*kill_suidgid*: the writer (*ctx*) has no CAP_FSETID (see
         ``_kill_privs``)."""
@@ -868,7 +864,7 @@ class Ops:
         self._rewriting(node)
         return os.pwrite(h.fd, buf, off)
 
-    @op(changes=True)
+    @op
     def fallocate(self, fh, off: int, length: int, mode: int) -> None:
         """fallocate(2) on the backing file: what a mode changes (the size;
         the bytes a hole or zero range replaces; all bytes from *off* on
@@ -889,7 +885,7 @@ class Ops:
         """SEEK_DATA and SEEK_HOLE (the kernel does the others itself)."""
         return os.lseek(self.handles[fh].fd, off, whence)
 
-    @op(changes=True)
+    @op
     def copy_file_range(self, fh_in, off_in: int, fh_out, off_out: int, length: int) -> int:
         """copy_file_range(2) between backing files (reflinked where the
         filesystem can), the range it overwrites captured first."""
@@ -900,7 +896,7 @@ class Ops:
         self._rewriting(dst.node)
         return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
 
-    @op(changes=True)
+    @op
     def tmpfile(self, parent_inode, mode, flags, ctx) -> tuple[int, bool, Node, os.stat_result]:
         """O_TMPFILE: an unnamed file in the directory, made in this layer
         (nothing to capture; giving it a name later is a link)."""
@@ -1128,7 +1124,7 @@ class Ops:
         path, follow = self._xpath(self._node(inode))
         return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
 
-    @op(changes=True)
+    @op
     def setxattr(self, inode, name, value, ctx, flags: int = 0):
         node = self._node(inode)
         self._capture_xattrs(node)
@@ -1138,7 +1134,7 @@ class Ops:
         if name == CAPABILITY:
             node.nocap = False
 
-    @op(changes=True)
+    @op
     def removexattr(self, inode, name, ctx):
         node = self._node(inode)
         path, follow = self._xpath(node)
@@ -1149,12 +1145,6 @@ class Ops:
         os.removexattr(path, name, follow_symlinks=follow)
 
     # -- after a rollback ---------------------------------------------------------------
-
-    def _changing(self, op: str, args: tuple) -> None:
-        """The first change since a rollback that can be redone: it can no
-        longer be (see ``redo``); *op* and its *args* say what it was."""
-        on_change, self.on_change = self.on_change, None
-        on_change(self._describe(op, args))
 
     def _target(self, op: str, args: tuple) -> bytes | None:
         """The location request *op* (with its handler's *args*) changes."""
@@ -1168,15 +1158,6 @@ class Ops:
             return self._path(self._node(args[0]))
         except (OSError, KeyError, IndexError, TypeError):
             return None
-
-    def _describe(self, op: str, args: tuple) -> str:
-        """What request *op* (with its handler's *args*) changes, in words."""
-        path = self._target(op, args)
-        if path is None:
-            return CHANGES.get(op, op).format("a file")
-        if S.grave_id(path) is not None:
-            return CHANGES.get(op, op).format("a removed file held open")
-        return CHANGES.get(op, op).format(os.fsdecode(path) or ".")
 
     def _refused(self, op: str, args: tuple) -> None:
         """A change refused because --max-store was reached: counted, with

@@ -18,15 +18,23 @@ tree returns to what it was before the rollback, with the same objects (inode
 numbers), which the layers' records name — and then moves the layers back:
 they can be inspected, rolled back or committed as before.
 
-A redo is possible only while nothing has changed since the rollback.  In
-the mount the first change (a write, a new name, an attribute — even at an
-ignored path), a checkpoint, a commit or another rollback discards what was
-kept (freeing its space) and leaves a note saying why.  A workspace that
-was not mounted is checked against a fingerprint of every location the
-redo would touch, taken when the rollback ended; any difference refuses the
-redo before anything is changed.  A rollback that restored provider
-snapshots keeps nothing: the containers' and VMs' state before it was not
-taken.
+A redo is possible as long as nothing it would touch changed since the
+rollback.  When the rollback ends, it takes a fingerprint of every location
+the redo would act on (and notes which of them it moves); a redo compares
+them first, mounted or not, and refuses — changing nothing — if any
+differs.  Changes elsewhere (a new file in a directory the redo does not
+touch, an ignored build cache) do not stand in its way: they are captured
+into the open layer as usual, but under an index of their own, the
+*segment* (a layer id with no row: ``state["segment"]``), as if a layer had
+been opened at the rollback; their records are also refused when they lie
+below a location the redo moves.  A redo then makes the segment part of
+the top layer it brings back (the changes came after everything in it), so
+every layer still rolls back exactly; anything else that ends the chance to
+redo — a checkpoint, a commit, another rollback — merges the segment into
+the open layer and frees what was kept.  A rollback of every layer opens a
+fresh base layer, which serves as the segment itself.  A rollback that
+restored provider snapshots keeps nothing: the containers' and VMs' state
+before it was not taken.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from .store import Store, Writer, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 REDO_PRINT = b"f"     # + location: its fingerprint when the rollback ended
+REDO_MOVED = b"m"     # + location: the redo moves what is there (value empty)
+SEGMENT = 1 << 63     # + the rollback's first seq: the segment's index id (no layer has it)
 
 
 def _u8(i: int) -> bytes:
@@ -62,13 +72,47 @@ def _put_state(w: Writer, st: dict) -> None:
     w.txn.put(S.K_REDO_STATE, S.to_json(st), db=w.store.db_redo)
 
 
-def summary(store: Store) -> dict | None:
+def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
     """What `status` and `log` say about redo: None when no rollback left a
-    note, else {"available", "layers", "why"}."""
+    note, else {"available", "layers", "why"}.  With *resolver*, a redo
+    that is still kept is checked as `redo` would check it (a stat of
+    every location it touches)."""
     st = state(store)
     if st is None or st["state"] in (BUILDING, REDOING):
         return None
-    return {"available": st["state"] == READY, "layers": st["dropped"], "why": st.get("why", "")}
+    why = st.get("why", "")
+    if st["state"] == READY and resolver is not None:
+        why = why_not(store, resolver, st) or ""
+    return {"available": st["state"] == READY and not why, "layers": st["dropped"],
+            "why": why}
+
+
+def segment(store: Store) -> int | None:
+    """The index id under which changes made since the last rollback are
+    captured (see the module's doc), while what it kept is not dissolved."""
+    st = state(store)
+    return st.get("segment") if st is not None else None
+
+
+def _dissolve(w: Writer, st: dict, into: int) -> None:
+    """The segment (or the fresh base layer a rollback of every layer
+    opened) becomes part of layer *into*: its index entries and
+    attributions (its records lie after *into*'s already); a fresh base's
+    row goes, its notes (runs, drift) move to *into*."""
+    txn, store = w.txn, w.store
+    if st.get("segment") is not None:
+        w.merge_index(st["segment"], into)
+        st["segment"] = None
+    fresh = st.get("fresh")
+    if fresh is not None:
+        raw = txn.get(S.u64(fresh), db=store.db_layers)
+        if raw is not None:
+            w.merge_index(fresh, into)
+            row = S.from_json(raw)
+            for key in ("runs", "postmortems", "drift"):
+                if row.get(key):
+                    store.append_to_layer(into, key, list(row[key]), w)
+            txn.delete(S.u64(fresh), db=store.db_layers)
 
 
 def begin(w: Writer, to: int, dropping: list[int], kept: list[int],
@@ -119,11 +163,12 @@ def discard(store: Store, reason: str) -> list[int]:
         return []
     if st["state"] in (UNAVAILABLE, GONE):
         with store.env.begin() as txn:
-            if txn.stat(store.db_redo)["entries"] <= 1:
+            if txn.stat(store.db_redo)["entries"] <= 1 and st.get("segment") is None:
                 return []            # nothing but the note
         reason = st["why"]
     graves: list[int] = []
     freed: list[int] = []
+    top = store.top()
     with store.write() as w:
         txn = w.txn
         keys = []
@@ -142,10 +187,13 @@ def discard(store: Store, reason: str) -> list[int]:
                 freed.append(held[1])
         for key in keys:
             txn.delete(key, db=store.db_redo)
+        if st.get("segment") is not None:
+            # what changed since the rollback belongs to the open layer for good
+            w.merge_index(st["segment"], top.id)
         _put_state(w, {"state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
                        "why": reason, "to": st["to"], "dropped": st["dropped"],
                        "kept": st["kept"], "fresh": st.get("fresh"), "seq": st["seq"],
-                       "time": st["time"]})
+                       "time": st["time"], "segment": None})
     for gid in graves:
         B.remove_tree_at(store.grave_fd, str(gid).encode())
     return freed
@@ -261,18 +309,25 @@ class Keeper:
 
     def seal(self, top: int) -> None:
         """The rollback is done (*top*: the layer open now): take the
-        fingerprint of every location a redo would touch."""
+        fingerprint of every location a redo would touch, note those it
+        moves, and open the segment that captures what changes from now on
+        (unless *top* is a fresh base layer: that serves)."""
         st = state(self.store)
-        locs = touched_locations(list(self.groups.values()) if self.groups is not None
-                                 else [[rec for _, rec in group] for _, group in
-                                       _inverse_groups(self.store, reverse=True)])
+        locs, moved = touched_locations(
+            list(self.groups.values()) if self.groups is not None
+            else [[rec for _, rec in group] for _, group in
+                  _inverse_groups(self.store, reverse=True)])
         with self.r.reading():
             prints = [(loc, S.to_json(fingerprint(self.r, loc))) for loc in locs]
         with self.store.write() as w:
             for loc, value in prints:
                 w.txn.put(REDO_PRINT + loc, value, db=self.store.db_redo)
+            for loc in moved:
+                w.txn.put(REDO_MOVED + loc, b"", db=self.store.db_redo)
             st["state"] = READY
             st["fresh"] = None if top in st["kept"] else top
+            st["moves"] = True      # (a rollback by an older cowfs did not note them)
+            st["segment"] = SEGMENT + st["seq"] if st["fresh"] is None else None
             _put_state(w, st)
 
     # -- inverses -------------------------------------------------------------------
@@ -383,17 +438,22 @@ def _locs(rec: S.Record) -> list[bytes]:
     return []
 
 
-def touched_locations(groups: list[list[S.Record]]) -> list[bytes]:
+def touched_locations(groups: list[list[S.Record]]) -> tuple[list[bytes], list[bytes]]:
     """Every location a redo would act on, as it is named at the end of the
-    rollback.  *groups*: the inverses, in the rollback's order; they name
-    locations as they were when each was taken, so those are followed
-    through the moves of the later undo steps (a directory moved moves what
-    is below it; what lies inside a directory moved into the grave is not
-    followed: the redo brings the directory back first)."""
+    rollback, and those of them where it moves what is there (renames,
+    exchanges, moves into and out of the grave).  *groups*: the inverses,
+    in the rollback's order; they name locations as they were when each was
+    taken, so those are followed through the moves of the later undo steps
+    (a directory moved moves what is below it; what lies inside a directory
+    moved into the grave is not followed: the redo brings the directory
+    back first)."""
     names = Names()
-    followed: list[Slot] = []
+    followed: list[tuple[Slot, bool]] = []
     for group in groups:
-        followed += [names.slot(loc) for rec in group for loc in _locs(rec)]
+        def slots() -> list[tuple[Slot, bool]]:
+            return [(names.slot(loc), rec.kind in (S.RENAME, S.EXCHANGE))
+                    for rec in group for loc in _locs(rec)]
+        followed += slots()
         first = group[0]
         if first.kind == S.RENAME:        # the undo step moved fields[0] to fields[1]
             names.move(first.fields[0], first.fields[1])
@@ -401,8 +461,10 @@ def touched_locations(groups: list[list[S.Record]]) -> list[bytes]:
                 names.prune(first.fields[1])
         elif first.kind == S.EXCHANGE:
             names.exchange(first.fields[0], first.fields[1])
-        followed += [names.slot(loc) for rec in group for loc in _locs(rec)]  # what it left
-    return sorted({loc for loc in map(names.where, followed) if loc is not None})
+        followed += slots()  # what it left
+    now = [(names.where(slot), moves) for slot, moves in followed]
+    return (sorted({loc for loc, _ in now if loc is not None}),
+            sorted({loc for loc, moves in now if loc is not None and moves}))
 
 
 def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
@@ -431,26 +493,75 @@ def check(store: Store, resolver: B.Resolver) -> dict:
     st = state(store)
     if st is None or st["state"] in (BUILDING, REDOING):
         raise NothingToDo("nothing to redo: no rollback since the store was created")
-    what = f"the rollback of {layers_text(st['dropped'])}"
     if st["state"] != READY:
-        raise Refused(f"cannot redo {what}: {st['why']}")
+        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {st['why']}")
+    why = why_not(store, resolver, st)
+    if why:
+        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}; "
+                      "nothing was changed")
+    return st
+
+
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:10]) + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
+
+
+def why_not(store: Store, resolver: B.Resolver, st: dict) -> str | None:
+    """Why the kept rollback *st* (ready) cannot be redone now, or None:
+    the layers changed, a location the redo touches is not as the rollback
+    left it, or a change recorded since lies at one of them or below a
+    location the redo moves."""
     expect = st["kept"] + ([st["fresh"]] if st["fresh"] is not None else [])
-    if store._next_seq != st["seq"] or [x.id for x in store.layers()] != expect:
-        raise Refused(f"cannot redo {what}: the layers changed since")
-    changed = []
+    if [x.id for x in store.layers()] != expect:
+        return "the layers changed since"
+    if store._next_seq != st["seq"] and not st.get("moves"):
+        # (kept by an older cowfs: changes since were captured into the open layer)
+        return "the workspace changed after it"
     with store.env.begin(db=store.db_redo) as txn:
-        prints = list(scan(txn, store.db_redo, REDO_PRINT))
+        prints = {bytes(k[1:]): v for k, v in scan(txn, store.db_redo, REDO_PRINT)}
+        moved = {bytes(k[1:]) for k, _ in scan(txn, store.db_redo, REDO_MOVED)}
+    changed = []
     with resolver.reading():
-        for key, val in prints:
-            loc = key[len(REDO_PRINT):]
+        for loc, val in prints.items():
             if fingerprint(resolver, loc) != S.from_json(val):
                 changed.append(S.show_loc(loc))
     if changed:
-        raise Refused(f"cannot redo {what}: {', '.join(changed[:10])}"
-                      + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
-                      + " changed since the rollback (while not mounted, or written through "
-                        "a file held open); nothing was changed")
-    return st
+        return f"{_shown(changed)} changed since the rollback"
+    inside: dict[str, str] = {}
+    for _, rec in store.records(st["seq"], store._next_seq):
+        if rec.kind == S.DAMAGED:
+            return "a record of a change made since the rollback is damaged"
+        for loc in record_locs(rec):
+            if loc in prints:
+                inside.setdefault(S.show_loc(loc), "")
+                continue
+            above = _moved_above(loc, moved)
+            if above is not None:
+                inside.setdefault(S.show_loc(loc), S.show_loc(above))
+    if inside:
+        where = sorted({d for d in inside.values() if d})
+        return (f"{_shown(sorted(inside))} changed since the rollback"
+                + (f", inside {_shown(where)}, which the redo moves" if where else ""))
+    return None
+
+
+def record_locs(rec: S.Record) -> list[bytes]:
+    """The locations a journal record names."""
+    if rec.kind in (S.RENAME, S.EXCHANGE):
+        return [rec.fields[0], rec.fields[1]]
+    return [rec.fields[0]]
+
+
+def _moved_above(loc: bytes, moved: set[bytes]) -> bytes | None:
+    """The location in *moved* that *loc* lies below, if any."""
+    if not moved or S.grave_id(loc) is not None:
+        return None
+    i = loc.find(b"/")
+    while i > 0:
+        if loc[:i] in moved:
+            return loc[:i]
+        i = loc.find(b"/", i + 1)
+    return None
 
 
 def start(store: Store) -> None:
@@ -525,8 +636,6 @@ def restore(w: Writer) -> list[int]:
     store = w.store
     txn = w.txn
     st = S.from_json(txn.get(S.K_REDO_STATE, db=store.db_redo))
-    if st.get("fresh") is not None:
-        w.drop_layer(st["fresh"])
     targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
                S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
     restored = []
@@ -542,6 +651,8 @@ def restore(w: Writer) -> list[int]:
                         B.lstat_at(store.grave_fd, str(rec.fields[1]).encode()) is not None:
                     w.regrave(rec.fields[1], rec.fields[2])
         txn.delete(key, db=store.db_redo)
+    # what changed since the rollback came after all of it: the top layer's now
+    _dissolve(w, st, max(restored))
     return sorted(restored)
 
 

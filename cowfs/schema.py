@@ -48,7 +48,10 @@ Databases
              it was when the layer was opened.
 ``index``    u64 layer + u64 ino + 1-byte kind [+ u64 chunk] -> u64 seq.
              Which objects (backing inode numbers) a layer has already
-             captured, so later changes record nothing:
+             captured, so later changes record nothing (while the last
+             rollback can be redone, the open layer's changes since it are
+             indexed under its *segment*, 2**63 + the rollback's first seq,
+             a layer id no layer has; see ``redo``):
              ``N`` created in this layer (value: 0), ``M`` metadata captured,
              ``X`` xattrs captured, ``C`` + chunk number: that chunk captured.
 ``chunks``   16-byte xxh3-128 digest -> chunk bytes (content-addressed).
@@ -73,7 +76,7 @@ Databases
              verified by identity only, as the ``graves`` entry says.
 ``who``      u64 layer + u64 ino -> u64 writer id: the process that first
              changed that object in that layer (kept by merges: the lower
-             layer's entry wins, it is older).
+             layer's entry wins, it is older; a segment's, like its index).
 ``writers``  u64 writer id -> JSON {"pid", "uid", "cmd": [argv...]}, one per
              process seen changing something (``next_writer`` in meta).
 ``audit``    u64 event number -> JSON event {"time", "event", "layer", ...}:
@@ -87,7 +90,16 @@ Databases
                                    "redoing" | "unavailable" | "gone", "why",
                                    "to", "dropped": [ids], "kept": [ids left],
                                    "fresh": id of the base the rollback opened
-                                   or null, "seq", "time", "fingerprint"}
+                                   or null, "seq": the first seq after the
+                                   rollback's layers (records from there on
+                                   were made since), "time", "moves": true
+                                   (the ``m`` entries were written), "segment":
+                                   the index id of the changes made since (or
+                                   null: none, or the fresh base serves)}
+             ``f`` + location      its fingerprint when the rollback ended
+                                   (JSON: inode, mode, owner, size, mtime,
+                                   ctime; null: nothing there)
+             ``m`` + location      the redo moves what is there (empty)
              ``L`` + u64 layer     a dropped layer's row, as it was
              ``r`` + u64 seq       a dropped layer's journal record, verbatim
                                    (its chunk references are still counted)
@@ -170,6 +182,7 @@ IDX_META = b"M"
 IDX_XATTRS = b"X"
 IDX_CHUNK = b"C"
 IDX_PINNED = b"P"   # (value 0) seen at a captured path: never ignored in this layer
+INDEX_FLAGS = (IDX_CREATED, IDX_PINNED)   # index entries that name no record
 
 
 def index_prefix(layer: int, ino: int | None = None) -> bytes:

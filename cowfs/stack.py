@@ -16,10 +16,10 @@ from . import fsck
 from . import progress
 from . import redo
 from . import schema as S
-from .errors import NothingToDo, Refused, UnknownLayer
+from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
 from .journal import Reading
 from .past import filter_paths
-from .store import Layer, Store, digest, scan
+from .store import Layer, Store, digest
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Stack:
         ``redo.summary``), with "current": whether the layers are still
         those it left (no checkpoint, commit or other rollback since).  That
         it cannot be redone is worth saying only while it is current."""
-        note = redo.summary(self.store)
+        note = redo.summary(self.store, self.resolver)
         if note is None:
             return None
         st = redo.state(self.store)
@@ -240,27 +240,11 @@ class Stack:
     def _merge(self, top: Layer, below: Layer) -> None:
         st = self.store
         with st.write() as w:
-            txn = w.txn
-            moves = list(scan(txn, st.db_index, S.index_prefix(top.id)))
-            created_below: dict[int, bool] = {}
-            for key, val in moves:
-                _, ino, kind, chunk = S.split_index_key(key)
-                txn.delete(key, db=st.db_index)
-                if ino not in created_below:
-                    created_below[ino] = txn.get(
-                        S.index_key(below.id, ino, S.IDX_CREATED), db=st.db_index) is not None
-                lower = S.index_key(below.id, ino, kind, chunk)
-                lower_has = txn.get(lower, db=st.db_index) is not None
-                if kind not in FLAGS and (created_below[ino] or lower_has):
-                    # The lower layer already restores this (it is older).
-                    w.delete_record(S.from_u64(val))
-                elif not lower_has:
-                    txn.put(lower, val, db=st.db_index)
-            self._move_who(w, top.id, below.id)
+            w.merge_index(top.id, below.id)
             for key in ("runs", "postmortems", "drift"):
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
-            txn.delete(S.u64(top.id), db=st.db_layers)
+            w.txn.delete(S.u64(top.id), db=st.db_layers)
             _plan_discards(w, top)
         st.forget_layer_cache()
 
@@ -281,20 +265,13 @@ class Stack:
             B.remove_tree_at(st.grave_fd, str(gid).encode())
         return freed
 
-    def _move_who(self, w, upper: int, lower: int) -> None:
-        """A merge keeps who first changed each object: the lower layer's
-        entry if it has one (it is older), else the upper layer's."""
-        db = self.store.db_who
-        for key, writer in list(scan(w.txn, db, S.u64(upper))):
-            w.txn.delete(key, db=db)
-            lower_key = S.u64(lower) + key[8:]
-            if w.txn.get(lower_key, db=db) is None:
-                w.txn.put(lower_key, writer, db=db)
-
     def attribute(self, changes: list[dict], since: int) -> list[dict]:
         """Each change with who first made it ("who": pid, uid, cmd), from
         the layers since *since*; the internal "ino" is dropped."""
         layers = [layer.id for layer in self.store.layers() if layer.id >= since]
+        seg = redo.segment(self.store)     # (changes since the last rollback)
+        if seg is not None:
+            layers.append(seg)
         inos = [c.pop("ino", None) for c in changes]
         found = self.store.who(layers, [i for i in inos if i is not None])
         for c, ino in zip(changes, inos):
@@ -322,18 +299,26 @@ class Stack:
 
     # -- rollback -------------------------------------------------------------------
 
-    def plan_rollback(self, to: int | None = None, keep_redo: bool = True) -> dict:
+    def plan_rollback(self, to: int | None = None, keep_redo: bool = True,
+                      base: bool = True) -> dict:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
         layers' snapshots (top layer first, last taken first), the files,
         then the discards of those snapshots.  Nothing is changed yet but
         freeing what an earlier rollback kept for a redo.  *keep_redo*: keep
-        what a redo of this one needs (impossible with provider snapshots)."""
+        what a redo of this one needs (impossible with provider snapshots).
+        Without *base*, a rollback of the top layer that is the base layer
+        (everything since the mount or the last commit) is refused."""
         layers = self.store.layers()
         top = layers[-1]
         if to is None:
             if len(layers) == 1 and self.layer_is_empty(top.id):
                 raise NothingToDo("nothing to roll back: the base layer has no changes")
+            if len(layers) == 1 and not base:
+                raise NeedsConfirmation(
+                    f"the open layer {top.id} is the base layer: rolling it back undoes "
+                    "everything since the workspace was mounted or last committed; confirm "
+                    f"with --yes, or name it with --to {top.id}; nothing was changed")
             to = top.id
         elif to not in {layer.id for layer in layers}:
             raise UnknownLayer(f"no layer {to} (layers: "
@@ -619,7 +604,6 @@ class Stack:
         return result
 
 
-FLAGS = (S.IDX_CREATED, S.IDX_PINNED)   # index entries that name no record
 
 # -- the pending record's steps ------------------------------------------------------
 

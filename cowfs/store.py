@@ -183,6 +183,33 @@ class Writer:
                 self.txn.delete(key, db=db)
         self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
 
+    def merge_index(self, upper: int, lower: int) -> None:
+        """What layer *upper* captured (index entries, attributions) becomes
+        layer *lower*'s, whose records lie before *upper*'s: an entry the
+        lower layer already has wins (it is older), and the record of the
+        upper one is deleted, as is the record of a change of an object the
+        lower layer created (nothing to restore of it there)."""
+        txn, st = self.txn, self.store
+        created_below: dict[int, bool] = {}
+        for key, val in list(scan(txn, st.db_index, S.index_prefix(upper))):
+            _, ino, kind, chunk = S.split_index_key(key)
+            txn.delete(key, db=st.db_index)
+            if ino not in created_below:
+                created_below[ino] = txn.get(
+                    S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
+            below = S.index_key(lower, ino, kind, chunk)
+            lower_has = txn.get(below, db=st.db_index) is not None
+            if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_has):
+                self.delete_record(S.from_u64(val))
+            elif not lower_has:
+                txn.put(below, val, db=st.db_index)
+        if st.db_who is not None:
+            for key, writer in list(scan(txn, st.db_who, S.u64(upper))):
+                txn.delete(key, db=st.db_who)
+                lower_key = S.u64(lower) + key[8:]
+                if txn.get(lower_key, db=st.db_who) is None:
+                    txn.put(lower_key, writer, db=st.db_who)
+
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is
         attributed already (the first writer wins)."""

@@ -108,7 +108,8 @@ class Workspace:
         return self.json("checkpoint", "-m", message)["id"]
 
     def rollback(self, to: int | None = None) -> dict:
-        return self.json("rollback", *(["--to", to] if to is not None else []))
+        """(--yes: the base layer too, as the tests mean it)"""
+        return self.json("rollback", "--yes", *(["--to", to] if to is not None else []))
 
     def commit(self) -> dict:
         return self.json("commit")

@@ -42,12 +42,15 @@ def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(
         # the snapshot image was discarded with the layer
         assert not [i for i in docker_client.images.list("cowfs/ws")]
 
-        # a successful step is kept, and its image is discarded on commit
+        # a successful step is kept as its own layer, with its snapshot (an
+        # undo point for the container too); the image is discarded on commit
         ws.cowfs("run", "--provider", "box", "--", "docker", "exec", name, "sh", "-c",
                  "touch /usr/local/bin/kept && echo ok > /work/ok")
         assert docker_client.containers.get(name).exec_run(
             ["ls", "/usr/local/bin/kept"]).exit_code == 0
         assert (ws / "ok").read_text() == "ok\n"
+        assert len(docker_client.images.list("cowfs/ws")) == 1
+        ws.commit()
         assert not [i for i in docker_client.images.list("cowfs/ws")]
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)

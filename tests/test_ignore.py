@@ -145,3 +145,32 @@ def test_an_ignored_file_renamed_over_a_captured_one_does_not_lose_it(workspace)
     os.rename(ws / "scratch" / "tmp", ws / "scratch" / "data.txt")
     ws.rollback()
     assert (ws / "data.txt").read_text() == "precious\n"
+
+
+def test_cowfsignore_edited_through_the_mount_applies_to_the_very_next_request(workspace):
+    """Written in place, appended to, replaced by a rename (as editors save),
+    removed: each edit decides the very next change's capture, with no
+    pause in between."""
+    ws = workspace
+    ws.mount()
+    ws.checkpoint()
+    ignore = ws / ".cowfsignore"
+
+    def captured(path: str) -> bool:
+        (ws / path).parent.mkdir(parents=True, exist_ok=True)
+        (ws / path).write_text("x\n")
+        return path in {c["path"] for c in plain(ws.status())}
+
+    ignore.write_text("one/\n")                          # written in place
+    assert not captured("one/a") and captured("two/a")
+    with open(ignore, "a") as f:                         # appended to
+        f.write("two/\n")
+    assert not captured("two/b") and captured("three/a")
+    (ws / "new-ignore").write_text("three/\n")           # replaced by a rename
+    os.rename(ws / "new-ignore", ignore)
+    assert not captured("three/b") and captured("one/b")
+    ignore.write_text("fours/\n")                        # rewritten, same size
+    assert not captured("fours/a") and captured("three/c")
+    os.unlink(ignore)                                    # removed
+    assert captured("fours/b")
+    assert ".cowfsignore" not in {c["path"] for c in plain(ws.status())}  # (made in the layer)

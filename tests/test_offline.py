@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 from cowfs import treesnap
 from cowfs.errors import NOT_MOUNTED, NOTHING_TO_DO, UNKNOWN_LAYER
@@ -85,5 +86,26 @@ def test_offline_errors(workspace, tmp_path):
         other.unmount()
         r = run("-C", other.path, "--store", store, "--json", "status")
         assert [c["path"] for c in json.loads(r.stdout)["changes"]] == ["f"]
-        run("-C", other.path, "--store", store, "rollback")
+        run("-C", other.path, "--store", store, "rollback", "--yes")
         assert not (other / "f").exists()
+
+
+def test_offline_status_carries_who_like_the_mounted_one(mounted):
+    """Who made each change (pid, uid, command line) is in the store: an
+    unmounted workspace's `status --json` gives what the mounted one gave,
+    also for changes made since a rollback that can still be redone."""
+    ws = mounted
+    subprocess.run(["touch", str(ws / "made")], check=True)
+    ws.checkpoint()
+    (ws / "a.txt").write_text("in the layer\n")
+    ws.rollback()
+    subprocess.run(["sh", "-c", f"echo since > {ws / 'dir' / 'since'}"], check=True)
+    mounted_view = ws.json("status")
+    assert ws.json("status")["redo"]["available"]
+    assert {c["path"]: c["who"]["cmd"][0] for c in mounted_view["changes"]} == {
+        "made": "touch", "dir/since": "sh"}
+    ws.unmount()
+    offline = ws.json("status")
+    assert offline["mounted"] is False
+    assert offline["changes"] == mounted_view["changes"]
+    assert offline["redo"] == mounted_view["redo"]

@@ -122,8 +122,14 @@ def test_run_lists_single_changes_first_and_whole_directories_after(mounted):
                  "for i in 1 2 3 4 5 6; do echo $i > node_modules/left-pad/lib/f$i.js; done "
                  "&& echo changed > a.txt")
     said = r.stderr.splitlines()
+    layer = ws.json("log")[-1]["id"]
     assert said == ["11 changes: 10 added, 1 modified", "  M a.txt", "  A package.json",
-                    "  A node_modules/  (6 files, 2 directories)", "cowfs: committed"]
+                    "  A node_modules/  (6 files, 2 directories)",
+                    f"cowfs: kept as layer {layer} ('cowfs rollback --to {layer}' undoes it)"]
+    r = ws.cowfs("run", "--on-success", "commit", "--", "sh", "-c",
+                 "mkdir -p vendor/x && for i in 1 2 3 4 5; do echo $i > vendor/x/f$i; done")
+    assert r.stderr.splitlines() == ["7 changes: 7 added", "  A vendor/  (5 files, 1 directory)",
+                                     "cowfs: committed"]
 
 
 def test_log_for_people_and_its_json_unchanged(mounted):
@@ -159,8 +165,10 @@ def test_the_note_that_a_rollback_cannot_be_redone_lasts_until_the_next_checkpoi
     (ws / "a.txt").write_text("tried\n")
     ws.rollback()
     assert "can be undone: cowfs redo" in lines(ws, "log")[-1]
-    (ws / "b").write_text("a change ends the chance\n")
-    note = f"# the rollback of layer {layer} cannot be redone: the workspace changed after it"
+    (ws / "b").write_text("a change elsewhere leaves it\n")
+    assert "can be undone: cowfs redo" in lines(ws, "status")[-1]
+    (ws / "a.txt").write_text("a change where the redo acts ends it\n")
+    note = f"# the rollback of layer {layer} cannot be redone: a.txt changed since the rollback"
     assert lines(ws, "log")[-1].startswith(note)
     assert lines(ws, "status")[-1].startswith(note)
     ws.unmount()
@@ -175,7 +183,7 @@ def test_the_note_that_a_rollback_cannot_be_redone_lasts_until_the_next_checkpoi
 def test_the_note_after_a_rollback_of_the_base_without_redo(mounted):
     ws = mounted
     (ws / "a.txt").write_text("changed\n")
-    ws.cowfs("rollback", "--no-redo")
+    ws.cowfs("rollback", "--no-redo", "--yes")
     note = "# the rollback of layer 1 cannot be redone: it was made with --no-redo"
     assert lines(ws, "log")[-1] == note
     (ws / "a.txt").write_text("changed again\n")

@@ -1,8 +1,10 @@
 """Redo: undoing the last rollback exactly (the tree with mtimes, xattrs and
 hard links, and the layers themselves), and refusing — changing nothing —
-once anything changed since.  Generated histories are covered by the model
-test (tests/test_model.py: the redo rule, and rollbacks followed at once by
-a redo); kill -9 in the middle of a redo by tests/test_crash.py."""
+once something it would touch changed since; changes elsewhere are kept,
+and belong to the top layer it brings back.  Generated histories are
+covered by the model test (tests/test_model.py: the redo rule, and
+rollbacks followed at once by a redo); kill -9 in the middle of a redo by
+tests/test_crash.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from cowfs import treesnap
 from cowfs.api import Workspace as ApiWorkspace
@@ -125,7 +129,7 @@ def test_redo_of_a_rollback_of_several_layers_and_of_the_base(mounted):
     assert ws.json("check")["ok"]
 
 
-def test_redo_is_refused_after_any_change_and_changes_nothing(mounted):
+def test_redo_is_refused_after_a_change_it_would_touch_and_changes_nothing(mounted):
     ws = mounted
     r = ws.cowfs("redo", check=False)
     assert r.returncode == NOTHING_TO_DO and "nothing to redo" in r.stderr
@@ -138,23 +142,29 @@ def test_redo_is_refused_after_any_change_and_changes_nothing(mounted):
     ws.rollback()
     used = ws.json("status")["usage"]["bytes"]
     # A write the base layer captured already records nothing new in the
-    # journal, and still ends the chance to redo.
+    # journal; the file is one the redo would put back: no redo.
     with open(ws / "a.txt", "r+") as f:
         f.write("Z")
     changed = ws.snapshot()
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED, (r.returncode, r.stderr)
-    assert f"cannot redo the rollback of layer {layer}: the workspace changed after it: " \
-           "a write to a.txt" in r.stderr
+    assert f"cannot redo the rollback of layer {layer}: a.txt changed since the rollback; " \
+           "nothing was changed" in r.stderr
     treesnap.assert_same(changed, ws.snapshot())      # nothing changed
     assert len(layer_ids(ws)) == 1
-    assert ws.json("status")["redo"]["available"] is False
-    assert "cannot be redone: the workspace changed" in ws.cowfs("log").stdout
-    assert ws.json("status")["usage"]["bytes"] < used     # what was kept is freed
+    assert ws.json("status")["redo"] == {"available": False, "layers": [layer],
+                                         "why": "a.txt changed since the rollback",
+                                         "current": True}
+    assert "cannot be redone: a.txt changed since the rollback" in ws.cowfs("log").stdout
     assert ws.json("check")["ok"]
+    # what was kept is freed by the next checkpoint (or commit, or rollback)
+    ws.checkpoint()
+    assert ws.json("status")["usage"]["bytes"] < used
+    assert ws.json("check")["ok"]
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
 
-    ws.checkpoint()                                   # a checkpoint ends it too
-    (ws / "later.txt").write_text("later\n")
+    (ws / "later.txt").write_text("later\n")         # a checkpoint ends it too
     ws.rollback()
     ws.checkpoint()
     r = ws.cowfs("redo", check=False)
@@ -213,10 +223,8 @@ def test_a_file_held_open_across_rollback_and_redo(mounted):
         r = ws.cowfs("redo", check=False)             # is a change: no redo
         # (the daemon sees the write, or -- written through passthrough by
         # the kernel engine -- the fingerprint of the kept file shows it)
-        assert r.returncode == REFUSED and (
-            "after it: a write to a removed file held open" in r.stderr
-            or "(removed object" in r.stderr and "written through a file held open" in r.stderr
-        ), r.stderr
+        assert r.returncode == REFUSED and "(removed object" in r.stderr \
+            and "changed since the rollback" in r.stderr, r.stderr
         assert not (ws / "made.txt").exists()
     finally:
         os.close(fd)
@@ -320,32 +328,36 @@ def test_a_refused_commit_leaves_the_redo(mounted):
     assert (ws / "new.txt").read_text() == "new\n"
 
 
-def test_writes_racing_the_end_of_a_rollback_end_its_redo(mounted):
-    """Requests held while the rollback runs are served right after it:
-    whatever the timing, redo is refused exactly when an append landed
-    after the rollback (the hook is armed before any request is served)."""
+def test_writes_racing_a_rollback_and_its_redo(mounted):
+    """Appends to a file while a rollback runs: some may land in the layer
+    before it, some after it.  Whatever the timing, a redo is refused only
+    when the file is one it would put back (an append landed in the layer
+    and one after the rollback), and one that goes ahead is exact: rolling
+    the layer back again gives the tree it was opened on."""
     ws = mounted
     with open(ws / "a.txt", "a") as f:                # captured by the base layer:
         f.write("base\n")                             # appends record nothing new
     ws.checkpoint()
-    size = os.path.getsize(ws / "a.txt")
+    start = ws.snapshot()
     for i in range(2000):
         (ws / "dir" / f"f{i}").write_bytes(b"x")
-    before = ws.snapshot()
     rollback = subprocess.Popen([sys.executable, "-m", "cowfs", "-C", str(ws.path), "rollback"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while rollback.poll() is None:
         with open(ws / "a.txt", "a") as f:
             f.write("x")
     assert rollback.wait() == 0, rollback.stderr.read()
-    after = os.path.getsize(ws / "a.txt")
+    now = ws.snapshot()
     r = ws.cowfs("--json", "redo", check=False)
-    if after > size:        # an append was served after the rollback: no redo
-        assert r.returncode == REFUSED and "after it: a write to a.txt" in r.stderr, (after, size, r.stderr)
-        assert os.path.getsize(ws / "a.txt") == after
-    else:                   # every append went in before it: rolled back, and back
-        assert r.returncode == 0, r.stderr
-        treesnap.assert_same(before, ws.snapshot())
+    if r.returncode != 0:
+        assert r.returncode == REFUSED and "a.txt changed since the rollback" in r.stderr, \
+            r.stderr
+        treesnap.assert_same(now, ws.snapshot())
+        return
+    assert len(os.listdir(ws / "dir")) == 2001
+    assert (ws / "a.txt").read_text().startswith("alpha\nbase\n")
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
 
 
 def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(workspace):
@@ -399,3 +411,197 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
     assert ws.json("status")["redo"]["available"] is True
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
+
+
+# -- changes since the rollback, elsewhere or where the redo acts ---------------------------
+
+
+def without(snap: treesnap.Snapshot, top: bytes) -> treesnap.Snapshot:
+    """*snap* without the directory *top* and what is below it."""
+    return treesnap.Snapshot((p, e) for p, e in snap.items()
+                             if p != top and not p.startswith(top + b"/"))
+
+
+def only(snap: treesnap.Snapshot, top: bytes) -> treesnap.Snapshot:
+    return treesnap.Snapshot((p, e) for p, e in snap.items()
+                             if p == top or p.startswith(top + b"/"))
+
+
+def test_a_change_elsewhere_leaves_the_redo_and_is_kept_by_it(mounted):
+    """After a rollback, a new file in a directory the redo does not touch,
+    a file the open layer had captured already, and an ignored cache: the
+    redo goes ahead, brings the layer back exactly and leaves them as they
+    are; they belong to the top layer now, so rolling it back again gives
+    the tree it was opened on."""
+    ws = mounted
+    (ws / ".cowfsignore").write_text("cache/\n")
+    (ws / "other").mkdir()
+    (ws / "other" / "kept.txt").write_text("base\n")
+    ws.commit()
+    with open(ws / "other" / "kept.txt", "a") as f:   # captured by the base layer
+        f.write("in the base layer\n")
+    layer = ws.checkpoint("work")
+    start = ws.snapshot()
+    change_everything_but_other(ws)
+    before = ws.snapshot()
+    status = plain(ws.status())
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+
+    (ws / "other" / "new.txt").write_text("made since the rollback\n")
+    with open(ws / "other" / "kept.txt", "a") as f:   # nothing new for the base layer,
+        f.write("and since the rollback\n")           # but the redo's layer needs it
+    (ws / "other" / "cache").mkdir()
+    (ws / "other" / "cache" / "x.pyc").write_bytes(b"\x00cache")
+    since = ws.snapshot()
+    listed = plain(ws.status())
+    assert sorted(c["path"] for c in listed) == ["other/kept.txt", "other/new.txt"]
+    [who] = [c["who"] for c in ws.status() if c["path"] == "other/new.txt"]
+    assert who["pid"] > 0                             # attributed like any change
+    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": "",
+                                         "current": True}
+    assert ws.json("check")["ok"]
+
+    res = ws.json("redo")
+    assert res["restored"] == [layer] and not res["failures"]
+    after = ws.snapshot()
+    # what the layer changed is back exactly; what changed since, exactly as it was
+    treesnap.assert_same(without(before, b"other"), without(after, b"other"))
+    treesnap.assert_same(only(since, b"other"), only(after, b"other"))
+    def key(c):
+        return c["path"], c["kind"], c.get("from")
+    assert sorted(map(key, plain(ws.status()))) == sorted(map(key, status + listed))
+    assert ws.json("check")["ok"]
+
+    ws.unmount()                                      # (persists)
+    ws.mount()
+    ws.rollback()                                     # the layer, with what came since
+    treesnap.assert_same(start, without(ws.snapshot(), b"other/cache"))   # (ignored: left)
+    ws.json("redo")
+    treesnap.assert_same(after, ws.snapshot())
+    ws.rollback(to=layer_ids(ws)[0])                  # and the base layer below it
+    assert (ws / "other" / "kept.txt").read_text() == "base\n"
+    assert not (ws / "other" / "new.txt").exists()
+
+
+def change_everything_but_other(ws) -> None:
+    (ws / "a.txt").write_text("edited\n")
+    (ws / "dir" / "c.txt").write_text("new\n")
+    os.rename(ws / "dir" / "b.txt", ws / "dir" / "b2.txt")
+    os.mkdir(ws / "made")
+    (ws / "made" / "f").write_text("f\n")
+
+
+def test_a_change_elsewhere_after_a_rollback_of_every_layer(mounted):
+    """The fresh base layer a rollback of every layer opens takes what
+    changes since; a redo makes it part of the top layer it brings back."""
+    ws = mounted
+    (ws / "other").mkdir()
+    ws.commit()
+    start = ws.snapshot()
+    second = ws.checkpoint()
+    change_everything_but_other(ws)
+    before = ws.snapshot()
+    ws.rollback(to=layer_ids(ws)[0])
+    (ws / "other" / "new.txt").write_text("since\n")
+    since = ws.snapshot()
+    ws.unmount()                                      # offline, too
+    res = ws.json("redo")
+    assert res["top"] == second and res["mounted"] is False
+    ws.mount()
+    after = ws.snapshot()
+    treesnap.assert_same(without(before, b"other"), without(after, b"other"))
+    treesnap.assert_same(only(since, b"other"), only(after, b"other"))
+    assert ws.json("check")["ok"]
+    ws.rollback(to=layer_ids(ws)[0])
+    treesnap.assert_same(start, ws.snapshot())
+
+
+def test_a_change_where_the_redo_acts_refuses_it(mounted):
+    """A new name in a directory whose entries the redo puts back, a change
+    below a directory it moves, an attribute of a file it restores: each
+    refuses the redo, naming the path, changing nothing."""
+    ws = mounted
+    (ws / "dir" / "sub").mkdir()
+    (ws / "dir" / "sub" / "s.txt").write_text("s\n")
+    ws.commit()
+    layer = ws.checkpoint()
+    os.rename(ws / "dir", ws / "moved")               # the redo moves dir again
+    (ws / "a.txt").write_text("edited\n")
+    ws.rollback()
+    cases = [
+        (lambda: (ws / "dir" / "new").write_text("x\n"), "dir changed since the rollback"),
+        (lambda: (ws / "dir" / "sub" / "deep").write_text("x\n"),
+         "dir/sub/deep changed since the rollback, inside dir, which the redo moves"),
+        (lambda: os.chmod(ws / "a.txt", 0o600), "a.txt changed since the rollback"),
+    ]
+    for change, message in cases:
+        change()
+        now = ws.snapshot()
+        r = ws.cowfs("redo", check=False)
+        assert r.returncode == REFUSED, r.stderr
+        assert f"cannot redo the rollback of layer {layer}: " in r.stderr and \
+            all(part in r.stderr for part in message.split(" changed since the rollback")), \
+            r.stderr
+        treesnap.assert_same(now, ws.snapshot())
+        assert ws.json("status")["redo"]["available"] is False
+        ws.rollback()                                 # (the change goes, the redo with it)
+        layer = ws.checkpoint()
+        os.rename(ws / "dir", ws / "moved")
+        (ws / "a.txt").write_text("edited\n")
+        ws.rollback()
+    assert ws.json("check")["ok"]
+
+
+def test_the_room_a_redo_holds_is_given_back_to_a_change_that_needs_it(workspace):
+    """--max-store: a change that finds no room while a redo holds what the
+    rollback kept gets that room (the redo goes, saying why)."""
+    ws = workspace
+    (ws / "big.bin").write_bytes(os.urandom(2 << 20))
+    (ws / "other.bin").write_bytes(os.urandom(2 << 20))
+    ws.mount("--max-store", "5M")
+    layer = ws.checkpoint()
+    (ws / "big.bin").write_bytes(os.urandom(2 << 20))  # 2 MiB of pre-images
+    ws.rollback()                                     # + 2 MiB kept for the redo
+    (ws / "other.bin").write_bytes(os.urandom(2 << 20))  # needs 2 MiB more: there is room
+    r = ws.cowfs("redo", check=False)
+    assert r.returncode == REFUSED and f"the rollback of layer {layer}" in r.stderr \
+        and "the store needed the room it held" in r.stderr, r.stderr
+    assert ws.json("check")["ok"]
+
+
+@pytest.mark.parametrize("ending", ["checkpoint", "rollback", "commit"])
+def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mounted, ending):
+    """Once a checkpoint, a rollback or a commit ends the chance to redo,
+    what changed since the rollback is the open layer's, like any change of
+    it: rolling that layer back undoes it exactly (also a file the layer had
+    captured before the rollback), committing it keeps it."""
+    ws = mounted
+    (ws / "other").mkdir()
+    (ws / "other" / "kept.txt").write_text("base\n")
+    ws.commit()
+    base_start = ws.snapshot()
+    with open(ws / "other" / "kept.txt", "a") as f:   # captured by the base layer
+        f.write("in the base layer\n")
+    ws.checkpoint()
+    change_everything_but_other(ws)
+    ws.rollback()
+    with open(ws / "other" / "kept.txt", "a") as f:
+        f.write("since the rollback\n")
+    (ws / "other" / "new.txt").write_text("since\n")
+    os.unlink(ws / "dir" / "b.txt")                   # (where the redo acts: refused)
+    live = ws.snapshot()
+    if ending == "commit":
+        ws.commit()                                   # the base layer: permanent
+        assert ws.status() == [] and ws.json("check")["ok"]
+        treesnap.assert_same(live, ws.snapshot())
+        return
+    if ending == "checkpoint":
+        ws.checkpoint()
+        assert ws.json("check")["ok"]
+        r = ws.cowfs("redo", check=False)
+        assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
+    assert ws.json("check")["ok"]
+    ws.rollback(to=layer_ids(ws)[0])
+    treesnap.assert_same(base_start, ws.snapshot())
+    assert ws.json("check")["ok"]

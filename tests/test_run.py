@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from cowfs import StepFailed, Workspace, treesnap
+from cowfs import CowfsError, StepFailed, Workspace, treesnap
+from cowfs.policy import Policy
 
 from .conftest import COWFS, run
 
@@ -37,10 +38,36 @@ def test_a_failing_build_is_rolled_back_exactly(mounted):
     assert runs[-1]["outcome"] == "rolled back" and runs[-1]["exit_status"] == 1
 
 
+def test_a_successful_step_is_its_own_layer(mounted):
+    """By default a successful run keeps its layer, with its message and the
+    run recorded on it: an undo point of its own, to diff or roll back later."""
+    ws = mounted
+    start = ws.snapshot()
+    r = ws.cowfs("--json", "run", "-m", "first edit", "--", "sh", "-c", "echo one > one")
+    first = json.loads(r.stdout)
+    assert first["outcome"] == "kept" and first["layer"] == ws.log()[-1]["id"]
+    assert f"kept as layer {first['layer']}" in r.stderr
+    after_first = ws.snapshot()
+    second = json.loads(ws.cowfs("--json", "run", "--", "sed", "-i", "s/alpha/beta/",
+                                 "a.txt").stdout)
+    layers = ws.log()
+    assert [x["id"] for x in layers[1:]] == [first["layer"], second["layer"]]
+    assert [x["message"] for x in layers[1:]] == ["first edit", "run: sed -i s/alpha/beta/ a.txt"]
+    assert [x["runs"][-1]["outcome"] for x in layers[1:]] == ["kept", "kept"]
+    assert [(c["path"], c["kind"]) for c in first["changes"]] == [("one", "A")]
+    # each step can be looked at and undone on its own
+    assert [c["path"] for c in ws.json("diff", str(second["layer"]))["changes"]] == ["a.txt"]
+    ws.rollback(to=second["layer"])
+    treesnap.assert_same(after_first, ws.snapshot())
+    ws.rollback(to=first["layer"])
+    treesnap.assert_same(start, ws.snapshot())
+
+
 def test_a_successful_step_is_committed_and_recorded(mounted):
     ws = mounted
     (ws / "main.c").write_text(GOOD_C)
-    r = ws.cowfs("--json", "run", "-m", "build", "--", "gcc", "main.c", "-o", "app")
+    r = ws.cowfs("--json", "run", "--on-success", "commit", "-m", "build", "--",
+                 "gcc", "main.c", "-o", "app")
     assert (ws / "app").exists()
     assert len(ws.log()) == 1                    # merged into the base layer
     result = __import__("json").loads(r.stdout.splitlines()[-1])
@@ -73,6 +100,8 @@ def test_on_fail_keep_and_on_success_keep(mounted):
     assert kept["id"] > 1 and kept["runs"][-1]["outcome"] == "kept"
     ws.cowfs("run", "--on-success", "keep", "--", "touch", "y")
     assert len(ws.log()) == 3 and (ws / "y").exists()
+    ws.cowfs("run", "--on-success", "commit", "--", "touch", "z")
+    assert len(ws.log()) == 3 and ws.log()[-1]["runs"][-1]["outcome"] == "committed"
 
 
 def test_ctrl_c_reaches_the_command_and_the_step_is_rolled_back(mounted):
@@ -108,9 +137,10 @@ def _session_runs(sid: int, name: str) -> bool:
 
 
 def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
-                       timeout: float = 60) -> tuple[int, str]:
-    """Run cowfs with a pseudo-terminal as its controlling terminal; type
-    *answer* when it asks."""
+                       timeout: float = 60, prompt: bytes = b"keep these changes?"
+                       ) -> tuple[int, str]:
+    """Run cowfs with a pseudo-terminal as its controlling terminal (and
+    stdin); type *answer* when it asks (*prompt*)."""
     pid, fd = pty.fork()
     if pid == 0:
         os.execv(sys.executable, [*COWFS, *args])
@@ -126,7 +156,7 @@ def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
             if not chunk:
                 break
             out += chunk
-            if answer is not None and b"keep these changes?" in out:
+            if answer is not None and prompt in out:
                 os.write(fd, answer)
                 answer = None
     _, status = os.waitpid(pid, 0)
@@ -148,8 +178,8 @@ def test_an_approval_answered_keep(mounted):
     ws = mounted
     code, out = _run_on_a_terminal(["-C", str(ws.path), "run", "--approve", "--",
                                     "sh", "-c", "echo new > new"], answer=b"k\n")
-    assert code == 0 and "committed" in out, out
-    assert (ws / "new").read_text() == "new\n"
+    assert code == 0 and "kept as layer" in out, out
+    assert (ws / "new").read_text() == "new\n" and len(ws.log()) == 2
 
 
 def test_approve_without_a_terminal_never_hangs(mounted):
@@ -214,13 +244,19 @@ def test_a_command_that_cannot_be_started_says_why(mounted):
     treesnap.assert_same(before, ws.snapshot())
 
 
-def test_api_step_commits_on_success(mounted):
+def test_api_step_is_kept_as_its_own_layer_or_committed(mounted):
     ws = Workspace.attach(mounted.path)
-    with ws.step("edit") as layer:
+    with ws.step("edit") as step:
         (mounted / "a.txt").write_text("edited\n")
-        assert ws.top() == layer
+        assert ws.top() == step.layer
     assert (mounted / "a.txt").read_text() == "edited\n"
-    assert [layer.id for layer in ws.log()] == [1]
+    assert [str(c) for c in step.changes] == ["M a.txt"] and step.outcome == "kept"
+    assert [x.id for x in ws.log()] == [1, step.layer]
+    assert ws.log()[-1].message == "edit" and ws.log()[-1].runs[-1]["outcome"] == "kept"
+    with ws.step("more", on_success="commit") as more:
+        (mounted / "b.txt").write_text("b\n")
+    assert more.outcome == "committed" and more.layer == step.layer
+    assert [x.id for x in ws.log()] == [1, step.layer]
 
 
 def test_api_step_rolls_back_on_exception(mounted):
@@ -238,10 +274,15 @@ def test_api_step_rolls_back_on_failed_verification(mounted):
     ws = Workspace.attach(mounted.path)
     before = mounted.snapshot()
     with pytest.raises(StepFailed) as e:
-        with ws.step("bad edit", verify=["grep", "-q", "alpha", "a.txt"]):
+        with ws.step("bad edit", verify="grep alpha a.txt || { echo no alpha >&2; exit 3; }",
+                     capture_output=True) as step:
             (mounted / "a.txt").write_text("beta\n")
-    assert e.value.verify_status == 1
+    assert e.value.verify_status == 3
+    assert [str(c) for c in e.value.changes] == ["M a.txt"]
+    assert (e.value.stdout, e.value.stderr) == ("", "no alpha\n")
+    assert step.layer is None and step.outcome == "rolled back"
     treesnap.assert_same(before, mounted.snapshot())
+    assert ws.log()[-1].runs[-1]["outcome"] == "rolled back"
 
 
 def test_api_run_status_log_rollback_and_dry_run(mounted):
@@ -249,8 +290,10 @@ def test_api_run_status_log_rollback_and_dry_run(mounted):
     res = ws.run("echo hi > hi && exit 2")
     assert not res.ok and res.status == 2 and res.outcome == "rolled back"
     assert [str(c) for c in res.changes] == ["A hi"]
+    assert res.layer is None
     res = ws.run(["touch", "kept"])
-    assert res.ok and res.outcome == "committed"
+    assert res.ok and res.outcome == "kept" and res.layer == ws.top()
+    ws.commit()
     first = ws.checkpoint("try")
     (mounted / "a.txt").unlink()
     assert [str(c) for c in ws.status().changes] == ["D a.txt"]
@@ -259,7 +302,7 @@ def test_api_run_status_log_rollback_and_dry_run(mounted):
     result = ws.rollback(to=first)
     assert result.dropped == [first] and result.failures == []
     assert (mounted / "a.txt").exists()
-    assert [r["outcome"] for r in ws.log()[0].runs] == ["rolled back", "committed"]
+    assert [r["outcome"] for r in ws.log()[0].runs] == ["rolled back", "kept"]
 
 
 def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
@@ -290,4 +333,66 @@ def test_readme_agent_loop_with_steps(mounted):
             failures.append(e)
             assert not (mounted / "prog.c").exists()     # undone: a clean state again
     assert len(failures) == 1 and attempt == 1
-    assert (mounted / "prog.c").read_text() == GOOD_C and len(ws.log()) == 1
+    assert (mounted / "prog.c").read_text() == GOOD_C
+    assert [x.message for x in ws.log()] == ["base", "attempt 1"]   # the step kept
+
+
+def test_api_run_captures_output_and_reports_changes_and_layer(mounted):
+    ws = Workspace.attach(mounted.path)
+    res = ws.run("echo out; echo err >&2; echo x > made", verify="echo vout; echo verr >&2",
+                 capture_output=True)
+    assert res.ok and res.outcome == "kept" and res.layer == ws.top()
+    assert (res.stdout, res.stderr) == ("out\n", "err\n")
+    assert (res.verify_stdout, res.verify_stderr) == ("vout\n", "verr\n")
+    assert [str(c) for c in res.changes] == ["A made"] and res.changes[0].who["pid"] > 0
+    assert "stdout" not in ws.log()[-1].runs[-1]          # output is not kept on the layer
+    res = ws.run(["sh", "-c", "echo failing; exit 3"], capture_output=True)
+    assert res.status == 3 and res.stdout == "failing\n" and res.layer is None
+    res = ws.run(["no-such-command-here"], capture_output=True)
+    assert res.status == 127 and res.error and (res.stdout, res.stderr) == ("", "")
+    res = ws.run(["true"])                                # passed through: nothing kept
+    assert res.stdout is None and res.verify_stdout is None
+
+
+def test_api_run_without_a_checkpoint_reports_what_it_changed(mounted, tmp_path):
+    """scope "auto": a command the policy calls read-only takes no
+    checkpoint; its result still lists what it changed after all (in the
+    open layer, beside what was changed there before) and names that layer."""
+    ws = Workspace.attach(mounted.path)
+    (mounted / "before.txt").write_text("already changed\n")
+    res = ws.run(["ls"], scope="auto", capture_output=True)
+    assert res.outcome == "no checkpoint" and res.layer == ws.top() and res.changes == []
+    assert "a.txt" in res.stdout
+    rules = tmp_path / "policy.toml"
+    rules.write_text('[[rule]]\nname = "touch reads"\nscope = "none"\nprograms = ["touch"]\n')
+    res = ws.run(["touch", "found.txt"], scope="auto", policy=Policy.load([str(rules)]))
+    assert res.outcome == "no checkpoint" and res.layer == ws.top()
+    assert [str(c) for c in res.changes] == ["A found.txt"]
+
+
+def test_api_step_reports_changes_when_the_block_raises(mounted):
+    ws = Workspace.attach(mounted.path)
+    with pytest.raises(KeyError):
+        with ws.step("doomed") as step:
+            (mounted / "junk").write_text("x\n")
+            raise KeyError("gave up")
+    assert [str(c) for c in step.changes] == ["A junk"] and step.layer is None
+    assert step.outcome == "rolled back" and not (mounted / "junk").exists()
+    [run_] = ws.log()[-1].runs
+    assert run_["outcome"] == "rolled back" and "KeyError" in run_["error"]
+
+
+def test_api_rollback_of_the_base_layer_needs_yes(mounted):
+    ws = Workspace.attach(mounted.path)
+    (mounted / "a.txt").write_text("changed\n")
+    before = mounted.snapshot()
+    with pytest.raises(CowfsError) as e:
+        ws.rollback()
+    assert e.value.code == 14 and "base layer" in str(e.value)
+    treesnap.assert_same(before, mounted.snapshot())
+    base = ws.top()
+    assert ws.rollback(to=base).dropped == [base]         # naming it is explicit
+    (mounted / "a.txt").write_text("changed again\n")
+    base = ws.top()
+    assert ws.rollback(yes=True).dropped == [base]
+    assert (mounted / "a.txt").read_text() == "alpha\n"
