@@ -68,6 +68,8 @@ class LayerInfo:
     changes: int
     bytes: int
     runs: list[dict] = field(default_factory=list)
+    agent: dict | None = None    # the agent event that opened it (cowfs hook), if any
+    turns: list[dict] = field(default_factory=list)   # those of layers merged into it
 
 
 @dataclass
@@ -262,11 +264,15 @@ class Workspace:
     # -- the stack ----------------------------------------------------------------
 
     def checkpoint(self, message: str = "", providers: Sequence[str] = (),
-                   containers: Sequence[str] = (), vms: Sequence[str] = ()) -> int:
+                   containers: Sequence[str] = (), vms: Sequence[str] = (),
+                   agent: dict | None = None) -> int:
         """Open a new layer, with snapshots of the named providers, docker
-        containers and libvirt domains; return its id."""
+        containers and libvirt domains; return its id.  *agent*: the agent
+        event the layer stands for ({"agent", "event", ...}; `cowfs.agents`),
+        kept on the layer (`log`, `rewind`)."""
+        extra = {"agent": agent} if agent is not None else {}
         return self._call("checkpoint", message=message, providers=list(providers),
-                          containers=list(containers), vms=list(vms))["id"]
+                          containers=list(containers), vms=list(vms), **extra)["id"]
 
     def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True
                  ) -> RollbackResult | list[Change]:
@@ -299,7 +305,8 @@ class Workspace:
 
     def log(self) -> list[LayerInfo]:
         return [LayerInfo(d["id"], d["created"], d["message"], d["changes"], d["bytes"],
-                          d.get("runs", [])) for d in self._call("log")["layers"]]
+                          d.get("runs", []), d.get("agent"), d.get("turns", []))
+                for d in self._call("log")["layers"]]
 
     def show(self, path: str, layer: int | None = None) -> bytes:
         """The bytes of file *path* (workspace-relative) as they were when
