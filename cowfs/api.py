@@ -20,10 +20,11 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from . import backing as B
 from . import control
@@ -116,6 +117,9 @@ class RunResult:
     uncaptured: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None    # why the command (or verifier) could not be started
+    output: str | None = None   # with capture: what the command wrote (stdout and stderr)
+    verify_output: str | None = None   # ... and the verifier
+
 
     @property
     def ok(self) -> bool:
@@ -130,6 +134,7 @@ class RunResult:
     def record(self) -> dict:
         """The run as kept on its layer (long lists cut short)."""
         d = asdict(self)
+        del d["output"], d["verify_output"]
         d["changes"] = len(self.changes)
         d["uncaptured"] = {name: lines[:50] + ([f"... and {len(lines) - 50} more"]
                                                if len(lines) > 50 else [])
@@ -163,17 +168,40 @@ def command_line(cmd: Command) -> str:
     return cmd if isinstance(cmd, str) else shlex.join(cmd)
 
 
-def execute(cmd: Command, cwd: str) -> tuple[int, str | None]:
+def execute(cmd: Command, cwd: str, output: BinaryIO | None = None,
+            timeout: float | None = None) -> tuple[int, str | None]:
     """Run *cmd* (an argument list, or a shell string) with the terminal
     passed through.  Ctrl-C goes to the command (the caller ignores it while
     the command runs).  Returns the exit status, 128 + N for signal N, and
     why it could not be started (as a shell says it: 127 not found, 126 not
-    executable), if it could not."""
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    executable), if it could not.
+
+    With *output* (a file), the command instead reads nothing (/dev/null),
+    writes its stdout and stderr to *output* and runs in a session of its
+    own (so a thread may call this).  After *timeout* seconds the command
+    (with *output*: its whole session) is killed: status 124, as
+    timeout(1) says it."""
+    captured = output is not None
+    if not captured:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        rc = proc.wait()
+        if captured:
+            proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+                                    stdin=subprocess.DEVNULL, stdout=output,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        else:
+            proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                     signal.SIG_DFL))
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if captured:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+            return 124, f"timed out after {timeout:g} s; killed"
     except FileNotFoundError:
         if not os.path.isdir(cwd):
             return 127, f"the working directory {cwd} does not exist"
@@ -182,8 +210,23 @@ def execute(cmd: Command, cwd: str) -> tuple[int, str | None]:
         return 126, f"{cmd[0] if not isinstance(cmd, str) else cmd}: cannot run it " \
                     f"({e.strerror.lower()})"
     finally:
-        signal.signal(signal.SIGINT, old)
+        if not captured:
+            signal.signal(signal.SIGINT, old)
     return (128 - rc if rc < 0 else rc), None
+
+
+def head_and_tail(f: BinaryIO, limit: int) -> str:
+    """The text of file *f*, or, past *limit* bytes, its first quarter and
+    last three quarters of *limit* with a line saying what was left out."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if size <= limit:
+        return f.read().decode(errors="replace")
+    head = f.read(limit // 4)
+    f.seek(size - (limit - limit // 4))
+    tail = f.read()
+    return (head.decode(errors="replace") + f"\n[... {size - len(head) - len(tail)} bytes "
+            f"of output left out ...]\n" + tail.decode(errors="replace"))
 
 
 def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
@@ -507,7 +550,8 @@ class Workspace:
             decide: Callable[[RunResult], str] | None = None,
             providers: Sequence[str] = (), containers: Sequence[str] = (),
             vms: Sequence[str] = (), scope: str = "files",
-            policy: Policy | None = None) -> RunResult:
+            policy: Policy | None = None, capture: bool = False,
+            timeout: float | None = None, output_limit: int = 64 << 10) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
         otherwise it is committed into the layer below (``on_success="keep"``
@@ -520,7 +564,13 @@ class Workspace:
         commands take no checkpoint (outcome "no checkpoint"), commands that
         change the system escalate to the configured containers and VMs.
         Containers the run did not snapshot are watched with ``docker diff``:
-        what changed in them is reported in ``uncaptured`` and ``warnings``."""
+        what changed in them is reported in ``uncaptured`` and ``warnings``.
+
+        With *capture*, the command and the verifier read nothing and what
+        they write goes to ``output`` and ``verify_output`` (past
+        *output_limit* bytes, its beginning and end) instead of the
+        terminal.  After *timeout* seconds a command (or verifier) is killed
+        and counts as failed (exit status 124)."""
         if on_fail not in ("rollback", "keep") or on_success not in ("commit", "keep"):
             raise ValueError("on_fail is rollback|keep, on_success is commit|keep")
         cwd = cwd or self._default_cwd()
@@ -534,15 +584,21 @@ class Workspace:
             layer = self.top()
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
-        rc, error = execute(cmd, cwd)
-        vrc, verror = execute(verify, cwd) if verify is not None and rc == 0 else (None, None)
+        with ExitStack() as files:
+            sinks = [files.enter_context(tempfile.TemporaryFile()) if capture else None
+                     for _ in range(2)]
+            rc, error = execute(cmd, cwd, sinks[0], timeout)
+            vrc, verror = execute(verify, cwd, sinks[1], timeout) \
+                if verify is not None and rc == 0 else (None, None)
+            outputs = [f and head_and_tail(f, output_limit) for f in sinks]
         duration = round(time.monotonic() - t0, 3)
         result = RunResult(line, cwd, layer, rc, verify and command_line(verify), vrc,
                            duration, "", self.changes(since=layer) if plan.checkpoint else [],
                            started, plan.verdict.scope if scope == "auto" else scope,
                            plan.providers + plan.containers + plan.vms,
                            plan.verdict.reasons, watch.changes(), list(plan.warnings),
-                           error or (verror and f"the verifier: {verror}"))
+                           error or (verror and f"the verifier: {verror}"),
+                           outputs[0], outputs[1] if vrc is not None else None)
         for name, lines in result.uncaptured.items():
             shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
             result.warnings.append(f"container {name} changed outside the workspace and this "

@@ -262,6 +262,31 @@ def test_api_run_status_log_rollback_and_dry_run(mounted):
     assert [r["outcome"] for r in ws.log()[0].runs] == ["rolled back", "committed"]
 
 
+def test_api_run_captures_output_from_a_thread_and_times_out(mounted):
+    """With capture, a run reads nothing and keeps what the command and the
+    verifier wrote (its beginning and end past the limit), so a server can
+    run steps from a worker thread; a timeout kills the command's session."""
+    import threading
+    ws = Workspace.attach(mounted.path)
+    before = mounted.snapshot()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(ws.run(
+        "cat; seq 1 5000; echo oops >&2; touch made", verify="echo checked; false",
+        capture=True, output_limit=400)))
+    worker.start()
+    worker.join()
+    [res] = results
+    assert (res.outcome, res.exit_status, res.verify_status) == ("rolled back", 0, 1)
+    assert res.output.startswith("1\n2\n") and res.output.endswith("5000\noops\n")
+    assert "bytes of output left out" in res.output and len(res.output) < 500
+    assert res.verify_output == "checked\n"
+    assert "output" not in ws.log()[0].runs[-1]          # not kept on the layer
+    treesnap.assert_same(before, mounted.snapshot())
+    res = ws.run("touch slow; exec sleep 600", capture=True, timeout=0.5)
+    assert (res.exit_status, res.outcome) == (124, "rolled back") and "timed out" in res.error
+    treesnap.assert_same(before, mounted.snapshot())
+
+
 def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
     """The README's example: retry until the build passes."""
     ws = Workspace.attach(mounted.path)
