@@ -17,7 +17,9 @@ import threading
 import time
 from typing import Iterator
 
-from . import control, errors
+from . import agents, control, errors
+from .agents import AGENTS
+from .agents import describe as describe_agent_events
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
@@ -238,6 +240,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", metavar="DIR",
                    help="store of an unmounted workspace (default: PATH/.cowfs)")
     cmd("log", "list all layers")
+
+    def workspace_option(s: argparse.ArgumentParser) -> None:
+        s.add_argument("-C", dest="path", default=argparse.SUPPRESS, metavar="PATH",
+                       help="a path inside the workspace (as the global -C)")
+
+    s = cmd("hooks", "install or remove an agent CLI's hooks that make each turn a checkpoint")
+    hsub = s.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    for action, text in (("install", "write the agent's project hook settings (merged with "
+                                     "what is there)"),
+                         ("uninstall", "remove cowfs's hooks from the agent's project hook "
+                                       "settings (nothing else)")):
+        h = hsub.add_parser(action, help=text, description=text)
+        h.add_argument("agent", choices=tuple(AGENTS), metavar="AGENT",
+                       help=f"one of {', '.join(AGENTS)}")
+        workspace_option(h)
+        h.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="machine-readable output")
+        if action == "install":
+            h.add_argument("--per-tool", action="store_true",
+                           help="also a checkpoint before each shell or file-writing tool call")
+
+    s = cmd("hook", "what agent hooks run: take the checkpoint an agent event (JSON on stdin) "
+                    "asks for; never blocks the agent (exits 0, saying what went wrong)")
+    workspace_option(s)
+    s.add_argument("agent", metavar="AGENT")
+    s.add_argument("event", metavar="EVENT")
+
+    s = cmd("rewind", "roll back the last N agent turns (recorded by cowfs hooks): lists "
+                      "them and asks first")
+    s.add_argument("turns", nargs="?", type=parse_count, default=1, metavar="N",
+                   help="how many turns (default 1)")
+    s.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
+    s.add_argument("--dry-run", action="store_true", help="only list what would be undone")
     return p
 
 
@@ -683,6 +718,7 @@ def do_log(args) -> int:
     for layer in res["layers"]:
         rows.append(f"{layer['id']:>4}  {int(layer['created']):>10}  {layer['changes']:>7}  "
                     f"{layer['bytes']:>10}  {layer['message']}")
+        rows += [f"{'':>39}{line}" for line in describe_agent_events(layer)]
         for d in layer.get("drift", []):
             rows.append(f"{'':>39}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
                         f"while not mounted): {', '.join(d['paths'][:5])}")
@@ -931,6 +967,85 @@ def do_check(args) -> int:
     return 0 if res["ok"] else errors.STORE_ERROR
 
 
+def do_hooks(args) -> int:
+    a = AGENTS[args.agent]
+    try:
+        workspace = find_mount(args.path).mountpoint
+    except NotMounted:
+        workspace = os.path.realpath(args.path)
+        if not os.path.isdir(workspace):
+            raise BadWorkspace(f"workspace {args.path} does not exist or is not a directory")
+        try:
+            located, _ = locate_unmounted(args.path)
+        except NotMounted:
+            located = None
+        if located is not None:
+            raise NotMounted(f"{located} is a cowfs workspace that is not mounted: mount it "
+                             "first (a change made while it is not mounted counts as drift)")
+        print(f"cowfs: warning: {workspace} is not mounted: until it is, the hooks say so "
+              "and take no checkpoints", file=sys.stderr)
+    if args.action == "install":
+        res = agents.install(a, workspace, per_tool=args.per_tool)
+        out(args, f"{'installed' if res['changed'] else 'already installed'}: "
+                  f"{', '.join(res['events'])} hooks of {a.name} in {res['settings']}", res)
+    else:
+        res = agents.uninstall(a, workspace)
+        out(args, (f"removed {a.name}'s cowfs hooks from {res['settings']}"
+                   + (" (and the file, which only they filled)" if res["removed"] else ""))
+            if res["changed"] else f"no cowfs hooks of {a.name} in {res['settings']}", res)
+    return 0
+
+
+def do_hook(args) -> int:
+    """Never blocks or breaks the agent: exit 0 whatever happens; a failure
+    is one line on stderr and, for the agent to show, a systemMessage."""
+    try:
+        said, layer = agents.handle(args.agent, args.event,
+                                    None if args.path == "." else args.path)
+        if layer is None:
+            print(f"cowfs: {said}", file=sys.stderr)
+    except BaseException as e:   # (even Ctrl-C: the agent goes on)
+        line = f"cowfs: no checkpoint taken: {e or type(e).__name__}"
+        print(line, file=sys.stderr)
+        print(json.dumps({"systemMessage": line}))
+    return 0
+
+
+def do_rewind(args) -> int:
+    layers = call(args, "log")["layers"]
+    target, undone = agents.turns_to_rewind(layers, args.turns)
+    changes = call(args, "changes", since=target)["changes"]
+    what = count(args.turns, "turn")
+    ids = f"{target}" if len(undone) == 1 else f"{target} to {undone[-1]['id']}"
+    lines = [f"rewinding {what} rolls back layer{'s' if len(undone) > 1 else ''} {ids}:"]
+    for layer in undone:
+        lines.append(f"  {layer['id']:>4}  {layer['message']}")
+        lines += [f"        {line}" for line in describe_agent_events(layer)]
+    lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
+    lines += [f"  {format_change(c)}" for c in changes[:50]]
+    if len(changes) > 50:
+        lines.append(f"  ... and {len(changes) - 50} more")
+    plan = {"to": target, "layers": undone, "changes": changes}
+    if args.dry_run:
+        out(args, "\n".join(lines), plan | {"rolled_back": None})
+        return 0
+    if not args.yes:
+        if not args.json:
+            print("\n".join(lines))
+        answer = ask(f"cowfs: roll back {what}? [y/N] ", "yn", 300)
+        if answer is None:
+            raise CowfsError("no terminal to confirm on: pass --yes to rewind without asking "
+                             "(--dry-run lists what it would undo)", errors.USAGE)
+        if answer != "y":
+            raise errors.NothingToDo("not rewound")
+    res = call(args, "rollback", to=target, keep_redo=True)
+    out(args, f"rewound {what}: rolled back layer{'s' if len(res['dropped']) > 1 else ''} "
+              f"{', '.join(map(str, res['dropped']))} ({count(res['applied'], 'step')}); open "
+              f"layer is {res['top']} ('cowfs redo' brings them back while nothing changed)",
+        plan | {"rolled_back": res})
+    return 0
+
+
 def do_doctor(args) -> int:
     from .doctor import report
     return report(args.target, args.json, store=args.store)
@@ -942,6 +1057,7 @@ COMMANDS = {
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
     "restore": do_restore, "view": do_view, "audit": do_audit,
+    "hooks": do_hooks, "hook": do_hook, "rewind": do_rewind,
 }
 
 

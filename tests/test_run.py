@@ -108,9 +108,10 @@ def _session_runs(sid: int, name: str) -> bool:
 
 
 def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
-                       timeout: float = 60) -> tuple[int, str]:
+                       timeout: float = 60, question: bytes = b"keep these changes?"
+                       ) -> tuple[int, str]:
     """Run cowfs with a pseudo-terminal as its controlling terminal; type
-    *answer* when it asks."""
+    *answer* when it asks *question*."""
     pid, fd = pty.fork()
     if pid == 0:
         os.execv(sys.executable, [*COWFS, *args])
@@ -126,7 +127,7 @@ def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
             if not chunk:
                 break
             out += chunk
-            if answer is not None and b"keep these changes?" in out:
+            if answer is not None and question in out:
                 os.write(fd, answer)
                 answer = None
     _, status = os.waitpid(pid, 0)
