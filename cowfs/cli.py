@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("-C", dest="path", default=argparse.SUPPRESS, metavar="PATH",
                        help="a path inside the workspace (as the global -C)")
 
+    s = cmd("mcp", "serve the workspace's operations as MCP tools over stdio (for agents "
+                   "that speak the Model Context Protocol)")
+    workspace_option(s)
+    s.add_argument("--mount", action="store_true",
+                   help="mount the workspace first if it is not mounted (it stays mounted)")
+
     s = cmd("hooks", "install or remove an agent CLI's hooks that make each turn a checkpoint")
     hsub = s.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
     for action, text in (("install", "write the agent's project hook settings (merged with "
@@ -611,12 +617,19 @@ def layer_and_paths(rest: list[str]) -> tuple[int | None, list[str]]:
 def do_diff(args) -> int:
     layer, paths = layer_and_paths(list(args.rest))
     res = call(args, "diff", since=layer, paths=paths)
+    rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
+    out(args, "\n".join(rows) or None, res)
+    return 0
+
+
+def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> list[str]:
+    """The lines `cowfs diff` prints for *changes* (op diff's)."""
     rows = []
-    for c in res["changes"]:
+    for c in changes:
         name = format_change(c)
-        if args.name_status:
-            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if args.who else ""))
-        elif args.stat:
+        if name_status:
+            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if who else ""))
+        elif stat:
             counts = ("content unchanged" if same_content(c) else
                       f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
@@ -635,8 +648,7 @@ def do_diff(args) -> int:
                 rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 "
                             f"{c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
-    out(args, "\n".join(rows) or None, res)
-    return 0
+    return rows
 
 
 def same_content(c: dict) -> bool:
@@ -967,6 +979,11 @@ def do_check(args) -> int:
     return 0 if res["ok"] else errors.STORE_ERROR
 
 
+def do_mcp(args) -> int:
+    from .mcpserver import serve
+    return serve(args.path, mount=args.mount)
+
+
 def do_hooks(args) -> int:
     a = AGENTS[args.agent]
     try:
@@ -1057,7 +1074,7 @@ COMMANDS = {
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
     "restore": do_restore, "view": do_view, "audit": do_audit,
-    "hooks": do_hooks, "hook": do_hook, "rewind": do_rewind,
+    "mcp": do_mcp, "hooks": do_hooks, "hook": do_hook, "rewind": do_rewind,
 }
 
 
