@@ -99,8 +99,17 @@ def cowfs_argv() -> list[str]:
     return [sys.executable, "-m", "cowfs"]
 
 
+# What the agent shows if the hook command cannot run at all (cowfs gone, or
+# too old to know `hook`): said as JSON on stdout, with exit 0, so a failure
+# there never blocks the agent either (every agent here runs the command
+# through a shell; exit 2, argparse's, would block Claude Code's prompt).
+FALLBACK = {"systemMessage": "cowfs: the checkpoint hook could not run (is cowfs installed "
+                             "and new enough?); no checkpoint taken"}
+
+
 def hook_command(a: Agent, workspace: str, event: str) -> str:
-    return shlex.join([*cowfs_argv(), "-C", workspace, "hook", a.name, event])
+    return shlex.join([*cowfs_argv(), "-C", workspace, "hook", a.name, event]) + \
+        " || echo " + shlex.quote(json.dumps(FALLBACK))
 
 
 def is_ours(command: object, a: Agent) -> bool:

@@ -166,6 +166,22 @@ def test_a_hook_never_blocks_the_agent(workspace, agent):
     assert b"not one cowfs checkpoints at" in r.stderr
 
 
+def test_an_installed_hook_that_cannot_run_cowfs_still_lets_the_agent_go_on(
+        monkeypatch, tmp_path):
+    """cowfs uninstalled, or one too old to know `hook` (argparse's exit 2
+    would block Claude Code's prompt): the command still exits 0 and says so."""
+    old = tmp_path / "cowfs"
+    old.write_text("#!/bin/sh\necho 'cowfs: invalid choice: hook' >&2\nexit 2\n")
+    old.chmod(0o755)
+    for argv in ([str(old)], [str(tmp_path / "gone" / "cowfs")]):
+        monkeypatch.setattr(agents, "cowfs_argv", lambda: argv)
+        command = agents.hook_command(agents.AGENTS["claude-code"], str(tmp_path),
+                                      "UserPromptSubmit")
+        r = subprocess.run(["sh", "-c", command], input=b"{}", capture_output=True,
+                           timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout) == agents.FALLBACK
+
+
 # -- installing ----------------------------------------------------------------------
 
 USER_SETTINGS = {
@@ -223,7 +239,9 @@ def test_install_keeps_the_users_settings_byte_for_byte(mounted, agent):
     [ours] = [g for g in settings["hooks"][a.prompt_event]
               if any(agents.is_ours(h["command"], a) for h in g["hooks"])]
     command = ours["hooks"][0]["command"]
-    assert shlex.split(command)[-5:] == ["-C", str(ws.path), "hook", agent, a.prompt_event]
+    words = shlex.split(command)
+    assert words[-8:-3] == ["-C", str(ws.path), "hook", agent, a.prompt_event]
+    assert words[-3:-1] == ["||", "echo"] and json.loads(words[-1]) == agents.FALLBACK
     assert a.tool_event not in settings["hooks"] or a.tool_event in mine["hooks"]
     assert os.stat(path).st_mode & 0o777 == 0o640
 
