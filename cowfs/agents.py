@@ -301,7 +301,7 @@ def read_payload(fd: int, limit: int = PAYLOAD_LIMIT, timeout: float = 10.0) -> 
 def first_line(text: object, limit: int = MESSAGE_LIMIT) -> str:
     for line in str(text or "").splitlines():
         if line.strip():
-            line = " ".join(line.split())
+            line = line.strip()
             return line if len(line) <= limit else line[:limit - 1] + "…"
     return ""
 
