@@ -300,8 +300,8 @@ def read_payload(fd: int, limit: int = PAYLOAD_LIMIT, timeout: float = 10.0) -> 
 
 def first_line(text: object, limit: int = MESSAGE_LIMIT) -> str:
     for line in str(text or "").splitlines():
-        if line.strip():
-            line = line.strip()
+        line = line.strip()
+        if line:
             return line if len(line) <= limit else line[:limit - 1] + "…"
     return ""
 
@@ -342,7 +342,8 @@ def checkpoint_for(a: Agent, event: str, payload: dict, workspace: str) -> tuple
     return (f"{tool}: {what}" if what else tool), record
 
 
-def handle(agent_name: str, event: str, path: str | None, stdin_fd: int = 0) -> tuple[str, int | None]:
+def handle(agent_name: str, event: str, path: str | None,
+           stdin_fd: int = 0) -> tuple[str, int | None]:
     """Take the checkpoint an agent's hook event asks for.  Returns what to
     say (one line) and the layer id, or raises CowfsError (the caller says
     it and still exits 0)."""
