@@ -20,10 +20,11 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 from . import backing as B
 from . import control
@@ -76,6 +77,8 @@ class LayerInfo:
     changes: int
     bytes: int
     runs: list[dict] = field(default_factory=list)
+    agent: dict | None = None    # the agent event that opened it (cowfs hook), if any
+    turns: list[dict] = field(default_factory=list)   # those of layers merged into it
 
 
 @dataclass
@@ -208,9 +211,10 @@ def command_line(cmd: Command) -> str:
 
 @dataclass
 class Executed:
-    """How a command ran: its exit status (128 + N for signal N), why it
-    could not be started (as a shell says it: 127 not found, 126 not
-    executable), and its output when captured."""
+    """How a command ran: its exit status (128 + N for signal N; 124 when
+    it was killed after its timeout), why it could not be started (as a
+    shell says it: 127 not found, 126 not executable), and its output when
+    captured."""
 
     status: int
     error: str | None = None
@@ -218,35 +222,73 @@ class Executed:
     stderr: str | None = None
 
 
-def execute(cmd: Command, cwd: str, capture: bool = False) -> Executed:
+def execute(cmd: Command, cwd: str, capture: bool = False, timeout: float | None = None,
+            limit: int = 64 << 10) -> Executed:
     """Run *cmd* (an argument list, or a shell string) with the terminal
-    passed through, or with its output captured (*capture*; stdin is then
-    /dev/null).  Ctrl-C goes to the command (the caller ignores it while
-    the command runs)."""
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE,
-             "stderr": subprocess.PIPE} if capture else {}
-    try:
-        proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str), **pipes,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        out, err = proc.communicate()
-        rc = proc.returncode
-    except FileNotFoundError:
-        if not os.path.isdir(cwd):
-            return Executed(127, f"the working directory {cwd} does not exist", *_empty(capture))
-        return Executed(127, f"{cmd[0] if not isinstance(cmd, str) else cmd}: command not found",
-                        *_empty(capture))
-    except PermissionError as e:
-        return Executed(126, f"{cmd[0] if not isinstance(cmd, str) else cmd}: cannot run it "
-                             f"({e.strerror.lower()})", *_empty(capture))
-    finally:
-        signal.signal(signal.SIGINT, old)
-    return Executed(128 - rc if rc < 0 else rc, None, *(
-        (out.decode(errors="replace"), err.decode(errors="replace")) if capture else ()))
+    passed through; Ctrl-C goes to the command (the caller ignores it while
+    the command runs).
+
+    With *capture*, the command instead reads nothing (/dev/null), its
+    stdout and stderr are kept (each past *limit* bytes: its beginning and
+    end, see ``head_and_tail``) and it runs in a session of its own (so a
+    thread may call this).  After *timeout* seconds the command (with
+    *capture*: its whole session) is killed: status 124, as timeout(1)
+    says it."""
+    name = cmd if isinstance(cmd, str) else cmd[0]
+    if not capture:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with ExitStack() as files:
+        sinks = [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)] \
+            if capture else []
+        try:
+            if capture:
+                proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+                                        stdin=subprocess.DEVNULL, stdout=sinks[0],
+                                        stderr=sinks[1], start_new_session=True)
+            else:
+                proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                         signal.SIG_DFL))
+            try:
+                rc, error = proc.wait(timeout), None
+            except subprocess.TimeoutExpired:
+                if capture:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+                proc.wait()
+                rc, error = 124, f"timed out after {timeout:g} s; killed"
+        except FileNotFoundError:
+            if not os.path.isdir(cwd):
+                return Executed(127, f"the working directory {cwd} does not exist",
+                                *_empty(capture))
+            return Executed(127, f"{name}: command not found", *_empty(capture))
+        except PermissionError as e:
+            return Executed(126, f"{name}: cannot run it ({e.strerror.lower()})",
+                            *_empty(capture))
+        finally:
+            if not capture:
+                signal.signal(signal.SIGINT, old)
+        return Executed(128 - rc if rc < 0 else rc, error,
+                        *(head_and_tail(f, limit) for f in sinks))
 
 
 def _empty(capture: bool) -> tuple:
     return ("", "") if capture else ()
+
+
+def head_and_tail(f: BinaryIO, limit: int) -> str:
+    """The text of file *f*, or, past *limit* bytes, its first quarter and
+    last three quarters of *limit* with a line saying what was left out."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if size <= limit:
+        return f.read().decode(errors="replace")
+    head = f.read(limit // 4)
+    f.seek(size - (limit - limit // 4))
+    tail = f.read()
+    return (head.decode(errors="replace") + f"\n[... {size - len(head) - len(tail)} bytes "
+            f"of output left out ...]\n" + tail.decode(errors="replace"))
 
 
 def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
@@ -327,11 +369,15 @@ class Workspace:
     # -- the stack ----------------------------------------------------------------
 
     def checkpoint(self, message: str = "", providers: Sequence[str] = (),
-                   containers: Sequence[str] = (), vms: Sequence[str] = ()) -> int:
+                   containers: Sequence[str] = (), vms: Sequence[str] = (),
+                   agent: dict | None = None) -> int:
         """Open a new layer, with snapshots of the named providers, docker
-        containers and libvirt domains; return its id."""
+        containers and libvirt domains; return its id.  *agent*: the agent
+        event the layer stands for ({"agent", "event", ...}; `cowfs.agents`),
+        kept on the layer (`log`, `rewind`)."""
+        extra = {"agent": agent} if agent is not None else {}
         return self._call("checkpoint", message=message, providers=list(providers),
-                          containers=list(containers), vms=list(vms))["id"]
+                          containers=list(containers), vms=list(vms), **extra)["id"]
 
     def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
                  yes: bool = False) -> RollbackResult | list[Change]:
@@ -367,7 +413,8 @@ class Workspace:
 
     def log(self) -> list[LayerInfo]:
         return [LayerInfo(d["id"], d["created"], d["message"], d["changes"], d["bytes"],
-                          d.get("runs", [])) for d in self._call("log")["layers"]]
+                          d.get("runs", []), d.get("agent"), d.get("turns", []))
+                for d in self._call("log")["layers"]]
 
     def show(self, path: str, layer: int | None = None) -> bytes:
         """The bytes of file *path* (workspace-relative) as they were when
@@ -568,7 +615,8 @@ class Workspace:
             decide: Callable[[RunResult], str] | None = None,
             providers: Sequence[str] = (), containers: Sequence[str] = (),
             vms: Sequence[str] = (), scope: str = "files",
-            policy: Policy | None = None, capture_output: bool = False) -> RunResult:
+            policy: Policy | None = None, capture_output: bool = False,
+            timeout: float | None = None, output_limit: int = 64 << 10) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
         otherwise its layer stays, an undo point of its own (with *message*,
@@ -576,8 +624,14 @@ class Workspace:
         rolled back or diffed later (``on_success="commit"`` merges it into
         the layer below instead).  *decide*, given the result of a
         successful step, may return "commit", "keep" or "rollback" instead.
-        With *capture_output*, the output of the command and of the
-        verifier is captured into the result instead of passed through.
+        With *capture_output*, the command and the verifier read nothing
+        and what they write goes to ``stdout``/``stderr`` and
+        ``verify_stdout``/``verify_stderr`` (each past *output_limit* bytes:
+        its beginning and end) instead of the terminal; the command then
+        runs in a session of its own, so ``run`` may be called from a
+        thread.  After *timeout* seconds a command (or verifier) is killed
+        (with *capture_output*: its session) and counts as failed (exit
+        status 124).
 
         *scope* "files" snapshots the files (and the named providers,
         containers and VMs); "container" and "vm" also every configured
@@ -601,8 +655,8 @@ class Workspace:
             before = {_key(c) for c in self.status().changes}
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
-        ran = execute(cmd, cwd, capture_output)
-        checked = execute(verify, cwd, capture_output) \
+        ran = execute(cmd, cwd, capture_output, timeout, output_limit)
+        checked = execute(verify, cwd, capture_output, timeout, output_limit) \
             if verify is not None and ran.status == 0 else Executed(None)
         duration = round(time.monotonic() - t0, 3)
         changes = self.changes(since=layer) if plan.checkpoint else \

@@ -120,7 +120,13 @@ EXAMPLES = {
     "gc": "  cowfs gc",
     "check": "  cowfs check\n  cowfs check --repair",
     "doctor": "  cowfs doctor\n  cowfs doctor ~/project",
-    "log": "  cowfs log",
+    "log": "  cowfs log\n  cowfs log -n 5",
+    "mcp": "  cowfs mcp -C ~/project --mount\n"
+           "  claude mcp add cowfs -- cowfs mcp -C ~/project",
+    "hooks": "  cowfs hooks install claude-code\n  cowfs hooks install codex --per-tool\n"
+             "  cowfs hooks uninstall gemini",
+    "hook": "  echo '{\"prompt\": \"fix the build\"}' | cowfs hook claude-code UserPromptSubmit",
+    "rewind": "  cowfs rewind --dry-run 3\n  cowfs rewind          # the last turn, after a question",
 }
 
 
@@ -332,6 +338,52 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     s = cmd("log", "list the layers, newest first, with their messages and runs")
     s.add_argument("-n", type=parse_number, metavar="N", dest="max_count",
                    help="only the N newest layers")
+
+    def workspace_option(s: argparse.ArgumentParser) -> None:
+        s.add_argument("-C", dest="path", default=argparse.SUPPRESS, metavar="PATH",
+                       help="a path inside the workspace (as the global -C)")
+
+    s = cmd("mcp", "serve the workspace's operations as MCP tools over stdio (for agents "
+                   "that speak the Model Context Protocol)")
+    workspace_option(s)
+    s.add_argument("--mount", action="store_true",
+                   help="mount the workspace first if it is not mounted (it stays mounted)")
+
+    agent_names: tuple[str, ...] = ()
+    if only in (None, "hooks", "hook"):      # (the agents module only for these)
+        from .agents import AGENTS
+        agent_names = tuple(AGENTS)
+
+    s = cmd("hooks", "install or remove an agent CLI's hooks that make each turn a checkpoint")
+    hsub = s.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser,
+                            help="install or uninstall")
+    for action, text in (("install", "write the agent's project hook settings (merged with "
+                                     "what is there)"),
+                         ("uninstall", "remove cowfs's hooks from the agent's project hook "
+                                       "settings (nothing else)")):
+        h = hsub.add_parser(action, help=text, description=text)
+        h.add_argument("agent", choices=agent_names, metavar="AGENT",
+                       help=f"one of {', '.join(agent_names)}")
+        workspace_option(h)
+        h.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="machine-readable output")
+        if action == "install":
+            h.add_argument("--per-tool", action="store_true",
+                           help="also a checkpoint before each shell or file-writing tool call")
+
+    s = cmd("hook", "what agent hooks run: take the checkpoint an agent event (JSON on stdin) "
+                    "asks for; never blocks the agent (exits 0, saying what went wrong)")
+    workspace_option(s)
+    s.add_argument("agent", metavar="AGENT", help=f"the agent CLI: one of {', '.join(agent_names)}")
+    s.add_argument("event", metavar="EVENT",
+                   help="the hook event the agent runs it for (e.g. UserPromptSubmit)")
+
+    s = cmd("rewind", "roll back the last N agent turns (recorded by cowfs hooks): lists "
+                      "them and asks first")
+    s.add_argument("turns", nargs="?", type=parse_count, default=1, metavar="N",
+                   help="how many turns (default 1)")
+    s.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
+    s.add_argument("--dry-run", action="store_true", help="only list what would be undone")
     return p
 
 
@@ -790,10 +842,19 @@ def do_diff(args) -> int:
         out(args, "\n".join(rows) or None, res)
         return 0
     res = call(args, "diff", since=layer, paths=paths)
+    rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
+    out(args, "\n".join(rows) or None, res)
+    return 0
+
+
+def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> list[str]:
+    """The lines `cowfs diff` prints for *changes* (op diff's)."""
     rows = []
-    for c in res["changes"]:
+    for c in changes:
         name = format_change(c)
-        if args.stat:
+        if name_status:
+            rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if who else ""))
+        elif stat:
             counts = ("content unchanged" if same_content(c) else
                       f"+{c['added']} -{c['removed']}" if "diff" in c else
                       f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
@@ -812,8 +873,7 @@ def do_diff(args) -> int:
                 rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 "
                             f"{c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
-    out(args, "\n".join(rows) or None, res)
-    return 0
+    return rows
 
 
 def same_content(c: dict) -> bool:
@@ -903,6 +963,7 @@ def do_log(args) -> int:
         rows.append(f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
                     f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
                     f"{human_size(layer['bytes']):>10}  {layer['message']}")
+        rows += [below + line for line in agent_lines(layer)]
         for d in layer.get("drift", []):
             rows.append(f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
                         f"while not mounted): {', '.join(d['paths'][:5])}")
@@ -1155,6 +1216,101 @@ def do_check(args) -> int:
     return 0 if res["ok"] else errors.STORE_ERROR
 
 
+def do_mcp(args) -> int:
+    from .mcpserver import serve
+    return serve(args.path, mount=args.mount)
+
+
+def agent_lines(layer: dict) -> list[str]:
+    """The agent events recorded on *layer* (see ``agents.describe``)."""
+    if not layer.get("agent") and not layer.get("turns"):
+        return []
+    from .agents import describe
+    return describe(layer)
+
+
+def do_hooks(args) -> int:
+    from . import agents
+    a = agents.AGENTS[args.agent]
+    try:
+        workspace = find_mount(args.path).mountpoint
+    except NotMounted:
+        workspace = os.path.realpath(args.path)
+        if not os.path.isdir(workspace):
+            raise BadWorkspace(f"workspace {args.path} does not exist or is not a directory")
+        try:
+            located, _ = locate_unmounted(args.path)
+        except NotMounted:
+            located = None
+        if located is not None:
+            raise NotMounted(f"{located} is a cowfs workspace that is not mounted: mount it "
+                             "first (a change made while it is not mounted counts as drift)")
+        print(f"cowfs: warning: {workspace} is not mounted: until it is, the hooks say so "
+              "and take no checkpoints", file=sys.stderr)
+    if args.action == "install":
+        res = agents.install(a, workspace, per_tool=args.per_tool)
+        out(args, f"{'installed' if res['changed'] else 'already installed'}: "
+                  f"{', '.join(res['events'])} hooks of {a.name} in {res['settings']}", res)
+    else:
+        res = agents.uninstall(a, workspace)
+        out(args, (f"removed {a.name}'s cowfs hooks from {res['settings']}"
+                   + (" (and the file, which only they filled)" if res["removed"] else ""))
+            if res["changed"] else f"no cowfs hooks of {a.name} in {res['settings']}", res)
+    return 0
+
+
+def do_hook(args) -> int:
+    """Never blocks or breaks the agent: exit 0 whatever happens; a failure
+    is one line on stderr and, for the agent to show, a systemMessage."""
+    try:
+        from . import agents
+        said, layer = agents.handle(args.agent, args.event,
+                                    None if args.path == "." else args.path)
+        if layer is None:
+            print(f"cowfs: {said}", file=sys.stderr)
+    except BaseException as e:   # (even Ctrl-C: the agent goes on)
+        line = f"cowfs: no checkpoint taken: {e or type(e).__name__}"
+        print(line, file=sys.stderr)
+        print(json.dumps({"systemMessage": line}))
+    return 0
+
+
+def do_rewind(args) -> int:
+    from . import agents
+    layers = call(args, "log")["layers"]
+    target, undone = agents.turns_to_rewind(layers, args.turns)
+    changes = call(args, "changes", since=target)["changes"]
+    what = count(args.turns, "turn")
+    ids = f"{target}" if len(undone) == 1 else f"{target} to {undone[-1]['id']}"
+    lines = [f"rewinding {what} rolls back layer{'s' if len(undone) > 1 else ''} {ids}:"]
+    for layer in undone:
+        lines.append(f"  {layer['id']:>4}  {layer['message']}")
+        lines += [f"        {line}" for line in agent_lines(layer)]
+    lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
+    lines += [f"  {format_change(c)}" for c in changes[:50]]
+    if len(changes) > 50:
+        lines.append(f"  ... and {len(changes) - 50} more")
+    plan = {"to": target, "layers": undone, "changes": changes}
+    if args.dry_run:
+        out(args, "\n".join(lines), plan | {"rolled_back": None})
+        return 0
+    if not args.yes:
+        if not args.json:
+            print("\n".join(lines))
+        answer = ask(f"cowfs: roll back {what}? [y/N] ", "yn", 300)
+        if answer is None:
+            raise CowfsError("no terminal to confirm on: pass --yes to rewind without asking "
+                             "(--dry-run lists what it would undo)", errors.USAGE)
+        if answer != "y":
+            raise errors.NothingToDo("not rewound")
+    res = call(args, "rollback", to=target, keep_redo=True)
+    out(args, f"rewound {what}: rolled back layer{'s' if len(res['dropped']) > 1 else ''} "
+              f"{', '.join(map(str, res['dropped']))} ({count(res['applied'], 'step')}); open "
+              f"layer is {res['top']} ('cowfs redo' brings them back while nothing changed)",
+        plan | {"rolled_back": res})
+    return 0
+
+
 def do_doctor(args) -> int:
     from .doctor import report
     return report(args.target, args.json, store=args.store)
@@ -1166,6 +1322,7 @@ COMMANDS = {
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
     "restore": do_restore, "view": do_view, "audit": do_audit,
+    "mcp": do_mcp, "hooks": do_hooks, "hook": do_hook, "rewind": do_rewind,
 }
 
 

@@ -557,7 +557,13 @@ class Daemon:
                 **getattr(self.engine, "features", lambda: {})()}
 
     async def op_checkpoint(self, message: str = "", providers: list | None = None,
-                            containers: list | None = None, vms: list | None = None) -> dict:
+                            containers: list | None = None, vms: list | None = None,
+                            agent: dict | None = None) -> dict:
+        """Open a layer (with snapshots of *providers*, *containers* and
+        *vms*).  *agent*: the agent event it stands for (see `agents`), kept
+        on the layer: {"agent": str, "event": str, ...}, at most 16 KiB."""
+        if agent is not None:
+            check_agent_record(agent)
         providers = list(providers or [])
         for kind, key, names in (("docker", "container", containers or []),
                                  ("libvirt", "domain", vms or [])):
@@ -570,7 +576,7 @@ class Daemon:
             raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
         await self._flush()
-        layer = self.stack.checkpoint(message)
+        layer = self.stack.checkpoint(message, agent)
         self._switched(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
@@ -602,7 +608,8 @@ class Daemon:
                              errors.DAEMON_ERROR) from None
         info = self.store.get_layer(layer.id).to_dict()
         self.store.audit("checkpoint", layer=layer.id, message=message,
-                         snapshots=[t["provider"] for t in taken])
+                         snapshots=[t["provider"] for t in taken],
+                         **({"agent": agent} if agent else {}))
         merged = await self._enforce_max_layers()
         if merged:
             info["merged"] = merged
@@ -1055,6 +1062,17 @@ def path_list(paths: list | None) -> list[str]:
     if not all(isinstance(p, str) for p in paths or ()):
         raise CowfsError("bad request: paths are strings", errors.USAGE)
     return list(paths or ())
+
+
+def check_agent_record(agent: dict) -> None:
+    """An agent record (op_checkpoint) names its agent and event (strings)
+    and is small."""
+    for key in ("agent", "event"):
+        if not isinstance(agent.get(key), str) or not agent[key]:
+            raise CowfsError(f"bad request: an agent record needs {key!r} (a string)",
+                             errors.USAGE)
+    if len(json.dumps(agent)) > 16 << 10:
+        raise CowfsError("bad request: the agent record is too large", errors.USAGE)
 
 
 def within(path: str, top: str) -> bool:

@@ -39,7 +39,11 @@ Databases
                                    compared by the next mount while the store
                                    is still in that state
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
-             "message": str}.  The stack is the layers in id order; a layer
+             "message": str} and, where there are any, "runs", "snapshots",
+             "postmortems", "drift" (lists), "agent" (the agent event that
+             opened the layer: {"agent", "event", "kind": "prompt"|"tool",
+             "session", ...}) and "turns" (the "agent" records of layers
+             merged into it, each with its "layer").  The stack is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
              layer's ``start`` (the top layer: to the end of the journal), so
              merging a layer into the one below is deleting its row.

@@ -63,9 +63,9 @@ class Stack:
         return next(self.store.records(layer.start, self.store.layer_end(layer_id)),
                     None) is None
 
-    def checkpoint(self, message: str = "") -> Layer:
+    def checkpoint(self, message: str = "", agent: dict | None = None) -> Layer:
         self.discard_redo("a checkpoint was taken after it")
-        return self.store.push_layer(message)
+        return self.store.push_layer(message, agent)
 
     def discard_redo(self, reason: str, fallback: bool = False) -> None:
         """What the last rollback kept for a redo is no longer needed (see
@@ -244,6 +244,10 @@ class Stack:
             for key in ("runs", "postmortems", "drift"):
                 if getattr(top, key):
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
+            turns = [top.agent | {"layer": top.id, "message": top.message}] if top.agent else []
+            turns += top.turns
+            if turns:   # the agent events of a merged layer stay with the one below
+                st.append_to_layer(below.id, "turns", turns, w)
             w.txn.delete(S.u64(top.id), db=st.db_layers)
             _plan_discards(w, top)
         st.forget_layer_cache()

@@ -41,12 +41,14 @@ class Layer:
     snapshots: tuple = ()   # provider snapshots taken with the layer, in order
     postmortems: tuple = ()  # diagnostics captured before reverting layers above
     drift: tuple = ()       # accepted drift: paths changed while not mounted
+    agent: dict | None = None  # the agent event (prompt, tool call) that opened the layer
+    turns: tuple = ()       # agent events of layers merged into this one, oldest first
 
     def to_dict(self) -> dict:
         return {"id": self.id, "start": self.start, "created": self.created,
                 "message": self.message, "runs": list(self.runs),
                 "snapshots": list(self.snapshots), "postmortems": list(self.postmortems),
-                "drift": list(self.drift)}
+                "drift": list(self.drift), "agent": self.agent, "turns": list(self.turns)}
 
 
 def digest(data: bytes) -> bytes:
@@ -441,7 +443,8 @@ class Store:
                     d = S.from_json(v)
                     out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
                                      tuple(d.get("runs", ())), tuple(d.get("snapshots", ())),
-                                     tuple(d.get("postmortems", ())), tuple(d.get("drift", ()))))
+                                     tuple(d.get("postmortems", ())), tuple(d.get("drift", ())),
+                                     d.get("agent"), tuple(d.get("turns", ()))))
             self._layers = out
         return list(self._layers)
 
@@ -456,12 +459,13 @@ class Store:
                 return b.start
         return self._next_seq
 
-    def push_layer(self, message: str = "") -> Layer:
-        layer = Layer(self._next_layer, self._next_seq, time.time(), message)
+    def push_layer(self, message: str = "", agent: dict | None = None) -> Layer:
+        layer = Layer(self._next_layer, self._next_seq, time.time(), message, agent=agent)
+        record = {"start": layer.start, "created": layer.created, "message": message}
+        if agent:
+            record["agent"] = agent
         with self.write() as w:
-            w.txn.put(S.u64(layer.id), S.to_json(
-                {"start": layer.start, "created": layer.created, "message": message}),
-                db=self.db_layers)
+            w.txn.put(S.u64(layer.id), S.to_json(record), db=self.db_layers)
             self._next_layer += 1
             w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
         self._layers = None
@@ -482,7 +486,7 @@ class Store:
 
     def append_to_layer(self, layer_id: int, key: str, items: list[dict],
                         w: Writer | None = None) -> None:
-        """Append records (``runs``, ``postmortems``) to a layer's record."""
+        """Append records (``runs``, ``postmortems``, ``turns``) to a layer's record."""
         def put(w: Writer) -> None:
             k = S.u64(layer_id)
             d = S.from_json(w.txn.get(k, db=self.db_layers))

@@ -305,6 +305,31 @@ def test_api_run_status_log_rollback_and_dry_run(mounted):
     assert [r["outcome"] for r in ws.log()[0].runs] == ["rolled back", "kept"]
 
 
+def test_api_run_captures_output_from_a_thread_and_times_out(mounted):
+    """With capture, a run reads nothing and keeps what the command and the
+    verifier wrote (its beginning and end past the limit), so a server can
+    run steps from a worker thread; a timeout kills the command's session."""
+    import threading
+    ws = Workspace.attach(mounted.path)
+    before = mounted.snapshot()
+    results = []
+    worker = threading.Thread(target=lambda: results.append(ws.run(
+        "cat; seq 1 5000; echo oops >&2; touch made", verify="echo checked; false",
+        capture_output=True, output_limit=400)))
+    worker.start()
+    worker.join()
+    [res] = results
+    assert (res.outcome, res.exit_status, res.verify_status) == ("rolled back", 0, 1)
+    assert res.stdout.startswith("1\n2\n") and res.stdout.endswith("5000\n")
+    assert "bytes of output left out" in res.stdout and len(res.stdout) < 500
+    assert (res.stderr, res.verify_stdout, res.verify_stderr) == ("oops\n", "checked\n", "")
+    assert not set(ws.log()[0].runs[-1]) & {"stdout", "stderr", "verify_stdout"}  # not kept
+    treesnap.assert_same(before, mounted.snapshot())
+    res = ws.run("touch slow; exec sleep 600", capture_output=True, timeout=0.5)
+    assert (res.exit_status, res.outcome) == (124, "rolled back") and "timed out" in res.error
+    treesnap.assert_same(before, mounted.snapshot())
+
+
 def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
     """The README's example: retry until the build passes."""
     ws = Workspace.attach(mounted.path)

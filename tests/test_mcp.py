@@ -1,0 +1,226 @@
+"""`cowfs mcp`: the workspace's operations as MCP tools, driven by the
+official MCP SDK's own stdio client against ``python -m cowfs mcp -C WS``
+on real mounts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import anyio
+import pytest
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from cowfs import treesnap
+from cowfs.mounts import is_cowfs_mount
+
+from .conftest import COWFS
+
+TOOLS = {"status", "diff", "show", "log", "checkpoint", "rollback", "commit", "redo",
+         "restore", "run"}
+
+
+def serve(path, steps, *extra: str, errlog=None):
+    """Start ``cowfs mcp -C PATH`` through the SDK's stdio client, run
+    ``await steps(session)`` and return what it returns."""
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "cowfs", "mcp", "-C", str(path), *extra],
+                                   env=env, cwd="/")
+
+    async def main():
+        async with stdio_client(params, errlog=errlog or sys.stderr) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await steps(session)
+    return anyio.run(main)
+
+
+async def ok(session: ClientSession, tool: str, **args) -> dict:
+    res = await session.call_tool(tool, args)
+    assert not res.is_error, f"{tool} {args}: {res.content[0].text}"
+    return res.structured_content
+
+
+async def fails(session: ClientSession, tool: str, **args) -> tuple[int, str]:
+    res = await session.call_tool(tool, args)
+    assert res.is_error, f"{tool} {args} succeeded: {res.content[0].text}"
+    return res.structured_content["code"], res.content[0].text
+
+
+def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
+    async def steps(s):
+        return {t.name: t for t in (await s.list_tools()).tools}
+    tools = serve(mounted.path, steps)
+    assert set(tools) == TOOLS
+    for t in tools.values():
+        assert t.description and t.input_schema["type"] == "object"
+    props = {name: set(t.input_schema.get("properties", {})) for name, t in tools.items()}
+    assert {"to", "dry_run", "no_redo", "yes"} <= props["rollback"]
+    assert {"layer", "paths", "stat", "name_status", "max_bytes"} <= props["diff"]
+    assert {"paths", "from"} <= props["restore"]
+    assert {"command", "verify", "message", "on_fail", "on_success", "timeout",
+            "max_bytes"} <= props["run"]
+    assert props["checkpoint"] == {"message"}
+    assert tools["run"].input_schema["required"] == ["command"]
+
+
+def test_checkpoint_change_through_the_mount_roll_back_exactly(mounted):
+    ws = mounted
+    before = ws.snapshot()
+
+    async def steps(s):
+        layer = (await ok(s, "checkpoint", message="before the edits"))["id"]
+        (ws / "a.txt").write_text("changed\n")
+        (ws / "dir" / "b.txt").rename(ws / "moved.txt")
+        (ws / "new").mkdir()
+        (ws / "new" / "c.bin").write_bytes(os.urandom(100_000))
+        os.symlink("a.txt", ws / "link")
+        os.chmod(ws / "a.txt", 0o600)
+        status = await ok(s, "status")
+        kinds = {c["path"]: c["kind"] for c in status["changes"]}
+        assert kinds["a.txt"] == "M" and kinds["new/c.bin"] == "A" and kinds["link"] == "A"
+        assert all("who" not in c for c in status["changes"])
+        dry = await ok(s, "rollback", to=layer, dry_run=True)
+        assert {c["path"] for c in dry["changes"]} == {c["path"] for c in status["changes"]}
+        after = ws.snapshot()
+        done = await ok(s, "rollback", to=layer)
+        assert done["dropped"] == [layer] and not done.get("failures")
+        treesnap.assert_same(before, ws.snapshot())
+        await ok(s, "redo")
+        treesnap.assert_same(after, ws.snapshot())
+        log = await ok(s, "log")
+        assert [x["message"] for x in log["layers"]][-1] == "before the edits"
+    serve(ws.path, steps)
+
+
+def test_a_bad_layer_id_is_a_tool_error_and_the_server_goes_on(mounted, tmp_path):
+    errlog = (tmp_path / "server.err").open("w+")
+
+    async def steps(s):
+        code, text = await fails(s, "rollback", to=999)
+        assert code == 4 and "no layer 999" in text and text.endswith("(exit code 4)")
+        code, _ = await fails(s, "show", layer=999, path="a.txt")
+        assert code == 4
+        code, _ = await fails(s, "diff", layer=999)
+        assert code == 4
+        code, text = await fails(s, "restore", paths=["nowhere"])
+        assert code == 1 and "nowhere" in text
+        code, _ = await fails(s, "commit")          # the base layer holds nothing
+        assert code == 1
+        assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
+        assert (await ok(s, "status"))["changes"] == []
+    serve(mounted.path, steps, errlog=errlog)
+    errlog.seek(0)
+    assert "Traceback" not in errlog.read()
+
+
+def test_a_rollback_of_the_base_layer_needs_yes(mounted):
+    ws = mounted
+    before = ws.snapshot()
+    (ws / "session.txt").write_text("everything since the mount\n")
+    changed = ws.snapshot()
+
+    async def steps(s):
+        code, text = await fails(s, "rollback")
+        assert code == 14 and "base layer" in text
+        treesnap.assert_same(changed, ws.snapshot())    # nothing was changed
+        await ok(s, "rollback", yes=True)
+        treesnap.assert_same(before, ws.snapshot())
+    serve(ws.path, steps)
+
+
+def test_run_captures_output_and_rolls_back_a_failing_step(mounted):
+    ws = mounted
+    before = ws.snapshot()
+
+    async def steps(s):
+        r = await ok(s, "run", command="echo out; echo err >&2; echo x > new.txt; exit 3")
+        assert (r["outcome"], r["exit_status"], r["ok"]) == ("rolled back", 3, False)
+        assert (r["stdout"], r["stderr"], r["changes"]) == ("out\n", "err\n", ["A new.txt"])
+        treesnap.assert_same(before, ws.snapshot())
+        r = await ok(s, "run", command=["sh", "-c", "cat; echo y >> a.txt"],
+                     verify="grep -q nothing a.txt")
+        assert (r["outcome"], r["verify_status"]) == ("rolled back", 1)
+        treesnap.assert_same(before, ws.snapshot())     # cat read nothing: stdin is empty
+        r = await ok(s, "run", command="sleep 600", timeout=1)
+        assert (r["exit_status"], r["outcome"]) == (124, "rolled back")
+        assert "timed out" in r["error"]
+        r = await ok(s, "run", command="seq 1 100000 > numbers; seq 1 100000", cwd="dir",
+                     max_bytes=1000, message="numbers")
+        assert (r["outcome"], r["exit_status"]) == ("kept", 0)
+        assert r["layer"] == (await ok(s, "log"))["layers"][-1]["id"]
+        assert len(r["stdout"].encode()) < 1200 and "left out" in r["stdout"]
+        assert r["stdout"].startswith("1\n2\n") and r["stdout"].endswith("100000\n")
+        assert (ws / "dir" / "numbers").read_text().endswith("\n100000\n")
+        code, _ = await fails(s, "run", command="true", cwd="../..")
+        assert code == 2
+    serve(ws.path, steps)
+
+
+def test_diff_is_cut_at_its_byte_limit_and_show_reads_the_past(mounted):
+    ws = mounted
+
+    async def steps(s):
+        layer = (await ok(s, "checkpoint"))["id"]
+        (ws / "big.txt").write_text("".join(f"line {i}\n" for i in range(5000)))
+        (ws / "a.txt").write_text("alpha\nomega\n")
+        d = await ok(s, "diff", max_bytes=2000)
+        assert d["cut"] and len(d["text"].encode()) < 2200 and "cut at" in d["text"]
+        assert {c["path"] for c in d["changes"]} == {"big.txt", "a.txt"}
+        d = await ok(s, "diff", paths=["a.txt"])
+        assert not d["cut"] and "+omega" in d["text"] and "big.txt" not in d["text"]
+        d = await ok(s, "diff", name_status=True)
+        assert sorted(d["text"].splitlines()) == ["A\tbig.txt", "M\ta.txt"]
+        shown = await ok(s, "show", layer=layer, path="a.txt")
+        assert shown["text"] == "alpha\n" and not shown["binary"]
+        shown = await ok(s, "show", layer=1, path="dir")
+        assert shown["entries"] == ["b.txt"]
+        (ws / "blob").write_bytes(bytes(range(256)) * 4)
+        layer2 = (await ok(s, "checkpoint"))["id"]
+        (ws / "blob").unlink()
+        shown = await ok(s, "show", layer=layer2, path="blob")
+        assert shown["binary"] and shown["size"] == 1024
+        restored = await ok(s, "restore", paths=["a.txt"], **{"from": layer})
+        assert restored["restored"] == ["a.txt"]
+        assert (ws / "a.txt").read_text() == "alpha\n"
+    serve(ws.path, steps)
+
+
+def test_the_server_outlives_an_unmount(mounted):
+    ws = mounted
+
+    async def steps(s):
+        await ok(s, "checkpoint", message="one")
+        ws.unmount()
+        code, text = await fails(s, "status")
+        assert code == 3 and "not inside a mounted cowfs workspace" in text
+        ws.mount()
+        assert [x["message"] for x in (await ok(s, "log"))["layers"]][-1] == "one"
+    serve(ws.path, steps)
+
+
+def test_an_unmounted_workspace_is_refused_or_mounted_with_mount(workspace):
+    (workspace / "f").write_text("x\n")
+    r = subprocess.run([*COWFS, "mcp", "-C", str(workspace.path)], capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert r.returncode == 3 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "not inside a mounted cowfs workspace" in r.stderr
+
+    async def steps(s):
+        assert is_cowfs_mount(str(workspace.path))
+        layer = (await ok(s, "checkpoint"))["id"]
+        (workspace / "f").write_text("y\n")
+        await ok(s, "rollback", to=layer)
+        return (workspace / "f").read_text()
+    assert serve(workspace.path, steps, "--mount") == "x\n"
+    assert is_cowfs_mount(str(workspace.path))      # it stays mounted
+
+
+@pytest.mark.parametrize("args", [["-C"], ["--bogus"]])
+def test_usage_errors_are_one_line(args):
+    r = subprocess.run([*COWFS, "mcp", *args], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
