@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from . import control, errors, listing, progress
+from . import __version__, control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError
 from .errors import NotMounted
 from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
@@ -136,6 +136,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("-C", dest="path", default=".", metavar="PATH",
                    help="a path inside the workspace (default: the current directory)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--version", action="version", version=f"cowfs {__version__}",
+                   help="print the version and exit")
     p.add_argument("--store", dest="offline_store", metavar="DIR",
                    help="status, log, rollback, commit on a workspace that is not mounted: "
                         "its store (default: the nearest WORKSPACE/.cowfs above PATH)")

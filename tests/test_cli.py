@@ -109,3 +109,18 @@ def test_a_busy_unmount_names_the_processes(mounted):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_version_is_said_from_one_place():
+    """`cowfs --version` says the package's version, which pyproject.toml
+    takes from cowfs.__version__ (the one place it is written)."""
+    import tomllib
+
+    import cowfs
+    r = subprocess.run([*COWFS, "--version"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"cowfs {cowfs.__version__}\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cowfs.__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "cowfs.__version__"}
