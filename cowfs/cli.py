@@ -548,7 +548,7 @@ def call(args, op: str, **kw) -> dict:
     except NotMounted:
         if op not in OFFLINE_OPS:
             raise
-        from .daemon import offline
+        from .session import offline
         if args.offline_store:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
