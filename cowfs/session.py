@@ -297,8 +297,8 @@ class Session:
         taken: list[dict] = []
         t0 = time.perf_counter()
         if chosen:   # a crash while capturing: the next open removes what was taken
-            self.store.set_meta_json(S.K_PENDING, {"op": "checkpoint", "layer": layer.id,
-                                                   "providers": providers})
+            self.store.set_pending({"op": "checkpoint", "layer": layer.id,
+                                    "providers": providers})
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
@@ -338,7 +338,7 @@ class Session:
         top = self.store.top()
         if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
             self.stack.commit()
-        self.store.set_meta_json(S.K_PENDING, None)
+        self.store.set_pending(None)
         self._switched(fresh=False)
 
     def _resume_checkpoint(self, pending: dict) -> list[str]:
