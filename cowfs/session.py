@@ -186,13 +186,30 @@ class Session:
         self.recorder = Recorder(self.store)
         self.recorder.ignore = self.rules
 
+    def inspect(self, readonly: bool = True) -> None:
+        """Open the workspace and its store as they are, for `cowfs check`
+        (whose store may be damaged): nothing is resumed or changed (with
+        *readonly*, nothing can be)."""
+        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        try:
+            self.store = Store.open(self.store_dir, self.workspace, create=False,
+                                    readonly=readonly)
+        except BaseException:
+            os.close(self.rootfd)
+            raise
+        inside = os.path.dirname(self.store_dir) == self.workspace
+        self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
+        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        self.recorder = Recorder(self.store)
+
     def attach(self, hooks: MountHooks) -> None:
         """The workspace is mounted: the session calls *hooks* from now on."""
         self.hooks = hooks
         self.stack.on_freed = hooks.after_commit
 
     def close(self) -> None:
-        self.store.sync()
+        if not self.store.readonly:
+            self.store.sync()
         self.store.close()
         os.close(self.rootfd)
 
@@ -226,6 +243,10 @@ class Session:
             self.warnings.append(f"accepted drift of {count(len(drift), 'path')} (recorded in the log): "
                                  + ", ".join(drift[:10]))
         # (no write: the first change captured makes the record stale)
+
+    def holds_changes(self) -> bool:
+        """Whether any layer holds a change."""
+        return any(self.store.layer_records(layer.id) for layer in self.store.layers())
 
     def current_drift(self) -> list[str]:
         """Paths the layers changed that were changed again since the
@@ -785,3 +806,11 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
     result["warnings"] = session.warnings + result.get("warnings", [])
     result["mounted"] = False
     return result
+
+
+def inspect_offline(workspace: str, store: str | None, readonly: bool = True) -> Session:
+    """A session on the store of an unmounted workspace as it is (see
+    Session.inspect): for `cowfs check`, and to look at a store."""
+    session = Session(workspace, store=store)
+    session.inspect(readonly)
+    return session
