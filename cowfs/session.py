@@ -412,7 +412,7 @@ class Session:
             what = f"{do} {step['provider']} of layer {step['layer']}"
             ran.append(what + (" (again: it was interrupted)" if step["state"] == "started"
                                else ""))
-            self.stack.mark_step(i, state="started")
+            self._mark_step(i, state="started")
             t0 = time.perf_counter()
             try:
                 postmortem = await self._apply(do, step["provider"], step["layer"], step["data"])
@@ -422,8 +422,15 @@ class Session:
                 result = {"state": "failed", "error": f"{what}: {e}"}
             if postmortem:  # kept (with the layer the workspace is back at) even on failure
                 result["postmortem"] = {**postmortem, "layer": step["layer"], "time": time.time()}
-            self.stack.mark_step(i, seconds=round(time.perf_counter() - t0, 3), **result)
+            self._mark_step(i, seconds=round(time.perf_counter() - t0, 3), **result)
         return ran
+
+    def _mark_step(self, index: int, **fields: Any) -> None:
+        """Update step *index* of the pending record, durably (even against
+        a power loss) before the step runs or anything follows it."""
+        with self.store.write() as w:
+            w.update_pending(index, **fields)
+        self.store.sync()
 
     async def _carry_out(self) -> tuple[dict | None, RollbackReport | None, list[str]]:
         """Carry out the pending group operation from where it stands:

@@ -120,13 +120,6 @@ class Stack:
     def pending(self) -> dict | None:
         return self.store.pending()
 
-    def mark_step(self, index: int, **fields) -> None:
-        """Update step *index* of the pending record, durably (even against
-        a power loss) before the step runs or anything follows it."""
-        with self.store.write() as w:
-            w.update_pending(index, **fields)
-        self.store.env.sync(True)
-
     def finish(self) -> dict | None:
         """Close the pending group operation: keep the restores' post-mortems
         with the layer the workspace is now at, and clear the record.
