@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import logging
 import select
 import socket
 import struct
@@ -16,8 +15,6 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from . import errors
 from .mounts import MountRecord, not_owner
-
-log = logging.getLogger("cowfs.control")
 
 MAX_REQUEST = 1 << 20
 
@@ -122,7 +119,10 @@ class Host(Protocol):
 async def serve(path: str, host: Host, task_status: Any = None) -> None:
     """Serve control requests on a Unix socket at *path* (mode 0600) until
     cancelled; *task_status* is told once it listens."""
+    import logging
+
     import trio
+    log = logging.getLogger("cowfs.control")    # (here: the client starts without logging)
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -139,14 +139,14 @@ async def serve(path: str, host: Host, task_status: Any = None) -> None:
         """Serve one request; nothing a client sends may escape this (an
         exception here would stop the daemon and its mount)."""
         try:
-            await _serve_one(stream, host)
+            await _serve_one(stream, host, log)
         except Exception:
             log.exception("control connection failed")
 
     await trio.serve_listeners(connection, [listener])
 
 
-async def _serve_one(stream: Any, host: Host) -> None:
+async def _serve_one(stream: Any, host: Host, log: Any) -> None:
     import trio
     async with stream:
         creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
