@@ -24,11 +24,11 @@ import trio
 
 from . import backing as B
 from . import control
+from . import errors
 from . import gravesum
 from . import progress
 from . import schema as S
 from .errors import AlreadyMounted, CowfsError, NoFuse
-from . import errors
 from .launch import clear_view, detach, start_and_wait
 from .mounts import (FSTYPE, MountRecord, check_other_mounts, mount_users, mounts, processes,
                      recover_stale_mount, socket_path, unmount)
