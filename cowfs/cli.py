@@ -548,7 +548,7 @@ def call(args, op: str, **kw) -> dict:
     except NotMounted:
         if op not in OFFLINE_OPS:
             raise
-        from .daemon import offline
+        from .session import offline
         if args.offline_store:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
@@ -1134,12 +1134,12 @@ def do_policy(args) -> int:
 
 
 def ephemeral_store_is_empty(ws_path: str) -> bool:
-    from .store import Store
-    store = Store.open(os.path.join(ws_path, ".cowfs"), ws_path, create=False)
+    from .session import inspect_offline
+    session = inspect_offline(ws_path, None)
     try:
-        return all(not store.layer_records(layer.id) for layer in store.layers())
+        return not session.holds_changes()
     finally:
-        store.close()
+        session.close()
 
 
 def do_provider(args) -> int:
@@ -1165,7 +1165,6 @@ def do_provider(args) -> int:
 
 def do_check(args) -> int:
     """Exit 0 when the store is consistent, 6 when problems remain."""
-    from . import fsck
     try:
         rec = find_mount(args.path)
     except NotMounted:
@@ -1175,13 +1174,17 @@ def do_check(args) -> int:
         store_dir = store_dir or os.path.join(workspace, ".cowfs")
 
     def offline_check(repair: bool) -> dict:
-        from .store import Store
-        store = Store.open(store_dir, workspace, create=False, readonly=not repair)
+        import functools
+
+        import trio
+
+        from .session import inspect_offline
+        session = inspect_offline(workspace, store_dir, readonly=not repair)
         try:
-            done = fsck.repair(store, fsck.check(store)) if repair else None
-            return fsck.check(store).to_dict() | ({"repaired": done} if repair else {})
+            return trio.run(session.repair) if repair else \
+                trio.run(functools.partial(session.check, full=True))
         finally:
-            store.close()
+            session.close()
 
     with progress_shown(args, "check"):
         res = control.call(rec, "check", full=True) if rec else offline_check(False)

@@ -1,16 +1,20 @@
 """The control channel: one JSON request line, one JSON response line, over
 the daemon's Unix socket (in a 0700 runtime directory; the daemon also checks
-SO_PEERCRED and serves only the user who mounted, and root)."""
+SO_PEERCRED and serves only the user who mounted, and root).  Both sides:
+the client (``call``) and the server loop (``serve``) with its request
+parsing and argument checking."""
 
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
-from typing import Callable
+import struct
+from typing import Any, Awaitable, Callable, Protocol
 
 from . import errors
-from .mounts import MountRecord
+from .mounts import MountRecord, not_owner
 
 MAX_REQUEST = 1 << 20
 
@@ -63,3 +67,130 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
     if not resp.get("ok"):
         raise errors.from_dict(resp)
     return resp.get("result") or {}
+
+
+# -- the server side ------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    pass
+
+
+def check_args(op: Callable, args: dict) -> None:
+    """Arguments must be the op's parameters, of their annotated types
+    (bool is not an int here; None only where allowed)."""
+    import inspect
+    import typing
+    params = inspect.signature(op).parameters
+    hints = typing.get_type_hints(op)
+    for name, value in args.items():
+        if name not in params:
+            raise BadRequest(f"unknown argument {name!r}")
+        allowed = typing.get_args(hints[name]) or (hints[name],)
+        ok = any(value is None if t is type(None) else
+                 isinstance(value, t) and not (t is int and isinstance(value, bool))
+                 for t in allowed)
+        if not ok:
+            raise BadRequest(f"argument {name!r} has the wrong type")
+    for name, p in params.items():
+        if p.default is inspect.Parameter.empty and name not in args:
+            raise BadRequest(f"missing argument {name!r}")
+
+
+class Host(Protocol):
+    """What the server loop serves: the operations of a daemon."""
+    owner: int          # the uid served (besides root)
+    mountpoint: str
+    inflight: int       # requests being answered (an unmount's answer goes out before exit)
+
+    def operation(self, name: str) -> Callable:
+        """The operation called *name* (KeyError: no such operation)."""
+        ...
+
+    def run_request(self, name: str, op: Callable, args: dict) -> Awaitable[dict]:
+        """Carry out a checked request; its result (errors are raised)."""
+        ...
+
+    def unanswered(self, name: str, result: dict) -> Awaitable[None]:
+        """The client left before the answer of a successful *name* reached it."""
+        ...
+
+
+async def serve(path: str, host: Host, task_status: Any = None) -> None:
+    """Serve control requests on a Unix socket at *path* (mode 0600) until
+    cancelled; *task_status* is told once it listens."""
+    import logging
+
+    import trio
+    log = logging.getLogger("cowfs.control")    # (here: the client starts without logging)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, 0o600)
+    sock.listen(socket.SOMAXCONN)
+    listener = trio.SocketListener(sock)
+    if task_status is not None:
+        task_status.started()
+
+    async def connection(stream: trio.SocketStream) -> None:
+        """Serve one request; nothing a client sends may escape this (an
+        exception here would stop the daemon and its mount)."""
+        try:
+            await _serve_one(stream, host, log)
+        except Exception:
+            log.exception("control connection failed")
+
+    await trio.serve_listeners(connection, [listener])
+
+
+async def _serve_one(stream: Any, host: Host, log: Any) -> None:
+    import trio
+    async with stream:
+        creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                         struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid not in (0, host.owner):
+            e = not_owner(f"the cowfs workspace mounted at {host.mountpoint}", host.owner)
+            await stream.send_all(encode({"ok": False, **e.to_dict()}))
+            return
+        buf = bytearray()
+        with trio.move_on_after(30):
+            while b"\n" not in buf and len(buf) <= MAX_REQUEST:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        if b"\n" not in buf:
+            return
+        try:
+            req = json.loads(buf[:buf.index(b"\n")])
+            name = req.pop("op")
+            op = host.operation(name)
+            check_args(op, req)
+        except BadRequest as e:
+            await stream.send_all(encode({"ok": False, "code": errors.USAGE,
+                                          "error": f"bad request: {e}"}))
+            return
+        except Exception:  # not JSON, not an object, no such op, too deep, ...
+            await stream.send_all(encode({"ok": False, "code": errors.USAGE,
+                                          "error": "malformed request"}))
+            return
+        host.inflight += 1    # until answered: an unmount's answer goes out before we exit
+        try:
+            try:
+                resp = {"ok": True, "result": await host.run_request(name, op, req)}
+            except errors.CowfsError as e:
+                resp = {"ok": False, **e.to_dict()}
+            except Exception as e:
+                log.exception("control request failed")
+                resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
+            try:
+                await stream.send_all(encode(resp))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if resp["ok"]:
+                    await host.unanswered(name, resp["result"])
+        finally:
+            host.inflight -= 1

@@ -359,7 +359,6 @@ def check_dead(mountpoint: str, rec) -> list[Check]:
 
 def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     from . import backing as B
-    from . import schema as S
     from .errors import AlreadyMounted, CowfsError
     from .stack import Stack
     from .store import Store
@@ -392,7 +391,7 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
             stack = Stack(store, B.Resolver(rootfd, store.grave_fd))
             problems = stack.check()
             summary = _summary(stack.log())
-            pending = store.get_meta_json(S.K_PENDING)
+            pending = store.pending()
         finally:
             os.close(rootfd)
     except Exception as e:

@@ -10,9 +10,10 @@ from typing import NamedTuple
 
 import xxhash
 
-from .errors import AlreadyMounted, NotMounted, NotOwner
+from .errors import AlreadyMounted, BadWorkspace, NotMounted, NotOwner
 
 FSTYPE = "fuse.cowfs"
+VIEW_FSTYPE = "fuse.cowfs-view"     # a read-only view of the past (cowfs/view.py)
 
 
 def runtime_dir() -> str:
@@ -371,3 +372,107 @@ def processes(pids: list[int], limit: int = 10) -> str:
             return str(pid)
     more = f" and {len(pids) - limit} more" if len(pids) > limit else ""
     return ", ".join(map(one, pids[:limit])) + more
+
+
+def within(path: str, top: str) -> bool:
+    """*path* is *top* or lies below it (both absolute and normalised)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def already_mounted(rec: MountRecord) -> AlreadyMounted:
+    where = "over itself" if rec.mountpoint == rec.workspace else f"at {rec.mountpoint}"
+    return AlreadyMounted(f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
+                          f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first")
+
+
+def recover_stale_mount(mountpoint: str) -> str | None:
+    """Clear a dead cowfs mount at *mountpoint* (its daemon is gone); the
+    warning that says so, or None when there was none.  A live one is
+    refused."""
+    if not is_cowfs_mount(mountpoint):
+        return None
+    rec = MountRecord.load(mountpoint)
+    if rec is not None and pid_alive(rec.pid):
+        raise AlreadyMounted(f"{mountpoint} is already mounted by cowfs (pid {rec.pid})")
+    unmount(mountpoint, lazy=True)
+    if rec is not None:
+        rec.remove()
+    return f"cleared the dead mount at {mountpoint}"
+
+
+def check_other_mounts(workspace: str, mountpoint: str, store_dir: str) -> list[str]:
+    """Before mounting: refuse a workspace that is mounted already
+    (anywhere; a dead mount of it is cleared: the warnings say so), a
+    mount point where another workspace is mounted, and any nesting with
+    another mounted workspace, either way: the outer one's layers would
+    capture the inner one's live store, and an outer rollback rewrite it."""
+    warnings = []
+    ws, mp, store = map(os.path.realpath, (workspace, mountpoint, store_dir))
+    ours = {"workspace": ws, "mount point": mp, "store": store}
+    for rec in mounted_workspaces():
+        live = rec.pid > 0 and pid_alive(rec.pid)
+        # (their paths as recorded, absolute: resolving them would ask their
+        # daemons, and one that hangs would hang this mount)
+        theirs = {"workspace": os.path.normpath(rec.workspace),
+                  "mount point": os.path.normpath(rec.mountpoint),
+                  "store": os.path.normpath(rec.store) if rec.store else None}
+        if ws in (theirs["workspace"], theirs["mount point"]) or store == theirs["store"]:
+            if live:
+                raise already_mounted(rec)
+            if rec.pid and theirs["mount point"] != mp:   # (dead, by its record)
+                cleared = recover_stale_mount(rec.mountpoint)
+                if cleared:
+                    warnings.append(cleared)
+            continue
+        if mp == theirs["mount point"]:
+            if live:
+                raise AlreadyMounted(f"{mp} is the mount point of the cowfs workspace "
+                                     f"{rec.workspace} (daemon pid {rec.pid})")
+            continue    # a dead mount there is cleared when the store opens
+        other = rec.workspace + ("" if theirs["mount point"] == theirs["workspace"]
+                                 else f" (mounted at {rec.mountpoint})")
+        for role, path in ours.items():
+            for their_role, their_path in theirs.items():
+                if their_path is None:
+                    continue
+                what = ("the store of " if their_role == "store" else "") + \
+                    f"the mounted cowfs workspace {other}"
+                if within(path, their_path):
+                    where = f"its {role} {path} lies inside {what}"
+                elif within(their_path, path):
+                    where = f"{what} lies inside its {role} {path}"
+                else:
+                    continue
+                raise BadWorkspace(f"cannot mount {ws}: {where}; nested workspaces are "
+                                   "refused (the outer one would capture the inner "
+                                   "one's store)")
+    return warnings
+
+
+def store_in_use(store_dir: str, workspace: str) -> AlreadyMounted:
+    """Why the store's lock is taken: by the daemon of a mount (or of a
+    lazily unmounted one that still serves), or by another process."""
+    store = os.path.realpath(store_dir)
+    for rec in MountRecord.all():
+        if os.path.normpath(rec.store) != store or not pid_alive(rec.pid):
+            continue
+        if is_cowfs_mount(rec.mountpoint):
+            return already_mounted(rec)
+        return AlreadyMounted(
+            f"{rec.workspace} was unmounted lazily from {rec.mountpoint} and its daemon "
+            f"(pid {rec.pid}) still serves the processes using it; it exits when the "
+            "last one leaves")
+    pid = lock_holder(os.path.join(store_dir, "lock"))
+    return AlreadyMounted(f"the store of {workspace} ({store_dir}) is in use "
+                          "by another cowfs process" + (f" (pid {pid})" if pid else ""))
+
+
+def finishing_daemon(store_dir: str) -> int | None:
+    """The pid of the daemon of the last mount of the store at *store_dir*
+    while it is still finishing its unmount (recording the workspace's
+    state, closing the store)."""
+    for rec in MountRecord.all():
+        if rec.finishing and os.path.normpath(rec.store) == os.path.realpath(store_dir) \
+                and pid_alive(rec.pid):
+            return rec.pid
+    return None

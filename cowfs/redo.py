@@ -571,7 +571,7 @@ def start(store: Store) -> None:
         st = S.from_json(w.txn.get(S.K_REDO_STATE, db=store.db_redo))
         st["state"] = REDOING
         _put_state(w, st)
-        w.set_meta(S.K_PENDING, S.to_json({"op": "redo", "files": False, "steps": []}))
+        w.set_pending({"op": "redo", "files": False, "steps": []})
 
 
 def _objects(rec: S.Record) -> tuple[int, ...]:

@@ -86,7 +86,7 @@ class Stack:
     def resume(self) -> RollbackReport | None:
         """Finish the file part of a stack operation that was interrupted by
         a crash.  Provider steps left in the pending record are the caller's
-        (the daemon runs them before and after this); the record is closed
+        (the session runs them before and after this); the record is closed
         here only when none is left."""
         pending = self.pending()
         report = None
@@ -111,20 +111,14 @@ class Stack:
     # -- group operations: the pending record ----------------------------------------
     # A rollback or commit is a group: provider restores (last taken first),
     # then the files, then provider discards.  The pending record in the store
-    # lists every step; each is marked before it runs and after it, so that the
-    # next mount finishes exactly what is left after a crash.
+    # (Writer.set_pending) lists every step; each is marked before it runs and
+    # after it, so that the next session finishes exactly what is left after a
+    # crash.  The stack plans the record, in the transaction that starts the
+    # operation, and carries out its file part; the session (cowfs/session.py)
+    # carries out the rest and resumes it.
 
     def pending(self) -> dict | None:
-        return self.store.get_meta_json(S.K_PENDING)
-
-    def mark_step(self, index: int, **fields) -> None:
-        """Update step *index* of the pending record, durably (even against
-        a power loss) before the step runs or anything follows it."""
-        with self.store.write() as w:
-            pending = _pending_in(w)
-            pending["steps"][index].update(fields)
-            w.set_meta(S.K_PENDING, S.to_json(pending))
-        self.store.env.sync(True)
+        return self.store.pending()
 
     def finish(self) -> dict | None:
         """Close the pending group operation: keep the restores' post-mortems
@@ -139,7 +133,7 @@ class Stack:
         with self.store.write() as w:
             if postmortems:
                 self.store.append_to_layer(top.id, "postmortems", postmortems, w)
-            w.set_meta(S.K_PENDING, None)
+            w.set_pending(None)
         return pending
 
     # -- commit -------------------------------------------------------------------
@@ -339,12 +333,12 @@ class Stack:
                    "VMs before it was not kept")
         try:
             with self.store.write() as w:
-                w.set_meta(S.K_PENDING, S.to_json(pending))
+                w.set_pending(pending)
                 redo.begin(w, to, sorted(layer.id for layer in dropping),
                            [layer.id for layer in layers if layer.id < to], why)
         except OSError:
             # a full disk: the rollback itself must still be possible
-            self.store.set_meta_json(S.K_PENDING, pending)
+            self.store.set_pending(pending)
         return pending
 
     def _give_up_redo(self, keeper: redo.Keeper | None, e: Exception) -> None:
@@ -383,9 +377,7 @@ class Stack:
         report.applied = redo.apply(st, undo, report.failures, describe)
         with st.write() as w:
             report.restored = redo.restore(w)
-            pending = _pending_in(w)
-            pending["files"] = True
-            w.set_meta(S.K_PENDING, S.to_json(pending))
+            w.update_pending(files=True)
         st.forget_layer_cache()
         report.top = self.ensure_base().id
         return report
@@ -477,9 +469,7 @@ class Stack:
                     keeper.keep_layer(w, layer.id)
                 else:
                     w.drop_layer(layer.id)
-            pending = _pending_in(w)
-            pending["files"] = True
-            w.set_meta(S.K_PENDING, S.to_json(pending))
+            w.update_pending(files=True)
 
     # -- views ------------------------------------------------------------------------
 
@@ -631,16 +621,12 @@ def steps_left(pending: dict) -> list[dict]:
     return [step for step in pending.get("steps", ()) if step["state"] not in FINISHED]
 
 
-def _pending_in(w) -> dict:
-    return S.from_json(w.txn.get(S.K_PENDING, db=w.store.db_meta))
-
-
 def _plan_discards(w, layer: Layer) -> None:
     """In the transaction that merges or commits *layer*: its snapshots are
     no longer needed; record their discards as pending."""
     if layer.snapshots:
-        w.set_meta(S.K_PENDING, S.to_json({"op": "commit", "layer": layer.id, "files": True,
-                                           "steps": _steps("discard", [layer])}))
+        w.set_pending({"op": "commit", "layer": layer.id, "files": True,
+                       "steps": _steps("discard", [layer])})
 
 
 class Sameness:

@@ -233,6 +233,24 @@ class Writer:
         else:
             self.txn.put(key, value, db=self.store.db_meta)
 
+    # -- the pending record: the group operation under way (cowfs/session.py
+    # carries it out; the stack and redo plan it, each in the transaction
+    # that starts it) --
+
+    def pending(self) -> dict | None:
+        v = self.txn.get(S.K_PENDING, db=self.store.db_meta)
+        return S.from_json(v) if v is not None else None
+
+    def set_pending(self, record: dict | None) -> None:
+        """Write the pending record (None: the group operation is over)."""
+        self.set_meta(S.K_PENDING, S.to_json(record) if record is not None else None)
+
+    def update_pending(self, step: int | None = None, **fields) -> None:
+        """Update fields of the pending record, or of its step *step*."""
+        record = self.pending()
+        (record if step is None else record["steps"][step]).update(fields)
+        self.set_pending(record)
+
 
 class Store:
     """An opened store directory."""
@@ -481,7 +499,7 @@ class Store:
             d["snapshots"] = snapshots
             w.txn.put(key, S.to_json(d), db=self.db_layers)
             if close_pending:
-                w.set_meta(S.K_PENDING, None)
+                w.set_pending(None)
         self._layers = None
 
     def append_to_layer(self, layer_id: int, key: str, items: list[dict],
@@ -623,6 +641,14 @@ class Store:
     def set_meta_json(self, key: bytes, value) -> None:
         with self.write() as w:
             w.set_meta(key, S.to_json(value) if value is not None else None)
+
+    def pending(self) -> dict | None:
+        """The pending record (see Writer.set_pending), or None."""
+        return self.get_meta_json(S.K_PENDING)
+
+    def set_pending(self, record: dict | None) -> None:
+        with self.write() as w:
+            w.set_pending(record)
 
     def grave_counts(self) -> dict[int, int]:
         """Backing inode -> number of its names held in the grave."""

@@ -33,11 +33,12 @@ from . import backing as B
 from . import errors
 from . import schema as S
 from .errors import CowfsError
+from .mounts import VIEW_FSTYPE
 from .past import History, Past
 from .store import Store
 
 log = logging.getLogger("cowfs.view")
-FSTYPE = "fuse.cowfs-view"
+FSTYPE = VIEW_FSTYPE
 TIMEOUT = 1.0      # the past does not change, but the view must notice its end
 
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer", type=int, required=True)
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
-    from .daemon import detach
+    from .launch import detach
     return serve(a.root_fd, a.store_fd, a.layer, a.mountpoint,
                  os.fsencode(a.hidden) or None, detach(a.ready_fd))
 

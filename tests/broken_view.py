@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import sys
 
-import cowfs.daemon
+import cowfs.launch
 from cowfs import view
 
 
 def main() -> int:
     mode = os.environ.get("BROKEN_VIEW", "garbage")
-    detach = cowfs.daemon.detach
+    detach = cowfs.launch.detach
 
     def broken_detach(ready_fd: int):
         report = detach(ready_fd)
@@ -27,7 +27,7 @@ def main() -> int:
                 os.write(ready_fd, b"garbage\n")
         return broken
 
-    cowfs.daemon.detach = broken_detach     # view.main takes it from there when called
+    cowfs.launch.detach = broken_detach     # view.main takes it from there when called
     return view.main()
 
 

@@ -94,7 +94,7 @@ def test_a_view_that_fails_after_it_started_leaves_no_mount_and_no_process(
     ws = mounted
     layer = ws.checkpoint()
     ws.unmount()
-    code = ("import sys, cowfs.daemon as d\n"
+    code = ("import sys, cowfs.launch as d\n"
             "d.VIEW_MODULE, d.VIEW_TIMEOUT = 'tests.broken_view', 5\n"
             "from cowfs.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")

@@ -1,0 +1,823 @@
+"""The session: one workspace's store opened for control operations --
+checkpoint, rollback, commit, redo, providers, audit, status, log, gc,
+check -- and the group operation a crash interrupted (the pending record),
+resumed when the session opens.
+
+A session is transport-neutral: the daemon serves its operations over the
+control socket while the workspace is mounted, and offline commands call
+them directly on an unmounted workspace.  The mount is a set of hooks the
+session calls (``MountHooks``); a session without a mount has the base
+class's, which do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import resource
+import time
+from typing import Any, Callable
+
+import trio
+
+from . import backing as B
+from . import errors
+from . import fsck
+from . import redo
+from . import schema as S
+from .capture import Recorder
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NotMounted
+from .ignore import IgnoreRules
+from .launch import start_view
+from .mounts import finishing_daemon, is_cowfs_mount, recover_stale_mount, store_in_use, wait_gone
+from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
+from .providers import Registry
+from .stack import FINISHED, RollbackReport, Stack, files_left
+from .store import Store
+from .text import count
+
+AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
+AUDIT_LEVELS = ("hashes", "changes", "events")
+FINISHING_WAIT = 60       # seconds a mount waits for the last mount's daemon to exit
+
+log = logging.getLogger("cowfs.session")
+
+# the control operations a session carries out (methods of these names)
+OPS = frozenset({"checkpoint", "commit", "rollback", "redo", "provider_add",
+                 "provider_remove", "provider_list", "status", "gc", "changes", "show",
+                 "diff", "view", "audit", "audit_prune", "audit_note", "annotate", "check",
+                 "repair", "log"})
+TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
+
+
+def default_store(workspace: str) -> str:
+    return os.path.join(workspace, ".cowfs")
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20
+    if os.geteuid() == 0 and hard < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return
+        except (ValueError, OSError):
+            pass
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class MountHooks:
+    """What a session asks of the mount that serves its workspace.  This
+    base class is no mount at all (an offline session): nothing to flush,
+    no kernel cache to invalidate."""
+
+    async def flush(self) -> None:
+        """Write the kernel's dirty pages of the mount to the daemon, so that
+        every write completed so far belongs to the current layer."""
+
+    async def blocking(self, fn: Callable, *args: Any) -> Any:
+        """Run *fn* in a worker thread (file requests are served meanwhile)."""
+        return await trio.to_thread.run_sync(fn, *args)
+
+    async def wait(self, fn: Callable, *args: Any) -> Any:
+        """Run *fn*, a wait the user may interrupt: offline in the command
+        itself (Ctrl-C must reach it)."""
+        return fn(*args)
+
+    def layer_switched(self) -> None:
+        """The open layer changed: files written through passthrough are
+        captured whole in the new one."""
+
+    async def after_undo(self, touched: Any) -> None:
+        """An undo put things back: the inode table follows, and the
+        kernel forgets what it cached of them."""
+
+    def after_commit(self, freed: list) -> None:
+        """A commit freed these grave entries (the inode table forgets them)."""
+
+    def refused(self) -> dict | None:
+        """The changes --max-store refused since the mount, if any."""
+        return None
+
+    def engine_info(self) -> dict | None:
+        """Which FUSE engine serves the mount, why, and what it negotiated."""
+        return None
+
+
+NO_MOUNT = MountHooks()
+
+
+class Session:
+    def __init__(self, workspace: str, mountpoint: str | None = None,
+                 store: str | None = None, chunk_size: int | None = None,
+                 max_store: int | None = None, max_layers: int | None = None,
+                 accept_drift: bool = False, ignore: list[str] | None = None,
+                 audit: str | None = None):
+        self.workspace = os.path.abspath(workspace)
+        self.mountpoint = os.path.abspath(mountpoint or workspace)
+        self.store_dir = os.path.abspath(store or default_store(self.workspace))
+        self.chunk_size = chunk_size
+        self.limits = {"max_store": max_store, "max_layers": max_layers, "audit": audit}
+        self.accept_drift = accept_drift
+        self.ignore_patterns = ignore     # None: the store's, as the last mount set them
+        self.warnings: list[str] = []
+        self.hooks = NO_MOUNT
+        self._history_cache: tuple | None = None   # (store state, History) for show/diff
+
+    # -- opening and closing ------------------------------------------------------
+
+    def open(self, create: bool = True, recovering: bool = False) -> None:
+        """Open the workspace and its store (*create*: for a mount, which
+        sets the store's limits and checks drift), and finish the group
+        operation a crash interrupted.  *recovering*: a dead mount was
+        cleared, so the stack is checked too."""
+        if not os.path.isdir(self.workspace):
+            raise BadWorkspace(f"workspace {self.workspace} does not exist or is not a directory")
+        if not os.path.isdir(self.mountpoint):
+            raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
+        raise_fd_limit()
+        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        def open_store() -> Store:
+            return Store.open(self.store_dir, self.workspace, create=create,
+                              **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
+        try:
+            self.store = open_store()
+        except AlreadyMounted:
+            # the daemon of the last mount may still be recording its state
+            pid = finishing_daemon(self.store_dir)
+            if pid is None:
+                raise store_in_use(self.store_dir, self.workspace) from None
+            t0 = time.monotonic()
+            if not wait_gone(pid, FINISHING_WAIT):
+                raise AlreadyMounted(
+                    f"the daemon of the last mount of {self.workspace} (pid {pid}) is still "
+                    f"finishing its unmount after {FINISHING_WAIT} s (recording the "
+                    "workspace's state, closing the store); mount again once it has "
+                    "exited") from None
+            self.warnings.append(f"waited {time.monotonic() - t0:.1f} s for the daemon of the "
+                                 f"last mount (pid {pid}) to finish its unmount")
+            self.store = open_store()
+        inside = os.path.dirname(self.store_dir) == self.workspace
+        self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
+        if create:   # a mount: its options (0 clears) change the store's limits
+            self.store.set_limits(**{k: v for k, v in self.limits.items() if v is not None})
+        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        if recovering:
+            self.warnings += [f"store check: {p}" for p in self.stack.check()]
+        self.registry = Registry(self.store.dirfd, self.mountpoint)
+        if create:
+            self._check_drift()
+        # An interrupted rollback resumes under the filters its layers were
+        # captured with; a mount's new --ignore patterns apply from then on.
+        self._load_ignore_rules()
+        self.recorder = Recorder(self.store)     # (what resuming switches, it follows)
+        pending = self.stack.pending()
+        if pending is not None and pending.get("op") == "checkpoint":
+            self.warnings += self._resume_checkpoint(pending)
+        elif pending is not None:
+            self.warnings += trio.run(self._resume)
+        if create and self.ignore_patterns is not None:
+            self.store.set_meta_json(S.K_IGNORE, self.ignore_patterns)
+            self._load_ignore_rules()
+        self.stack.resume()
+        self.recorder = Recorder(self.store)
+        self.recorder.ignore = self.rules
+
+    def inspect(self, readonly: bool = True) -> None:
+        """Open the workspace and its store as they are, for `cowfs check`
+        (whose store may be damaged): nothing is resumed or changed (with
+        *readonly*, nothing can be)."""
+        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        try:
+            self.store = Store.open(self.store_dir, self.workspace, create=False,
+                                    readonly=readonly)
+        except BaseException:
+            os.close(self.rootfd)
+            raise
+        inside = os.path.dirname(self.store_dir) == self.workspace
+        self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
+        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        self.recorder = Recorder(self.store)
+
+    def attach(self, hooks: MountHooks) -> None:
+        """The workspace is mounted: the session calls *hooks* from now on."""
+        self.hooks = hooks
+        self.stack.on_freed = hooks.after_commit
+
+    def close(self) -> None:
+        if not self.store.readonly:
+            self.store.sync()
+        self.store.close()
+        os.close(self.rootfd)
+
+    def _load_ignore_rules(self) -> None:
+        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(S.K_IGNORE) or [])
+        self.stack.ignored = self.rules.matches
+
+    def request_starts(self) -> None:
+        """A control request starts: .cowfsignore applies as it is now."""
+        self.rules.stale = True
+
+    def _check_drift(self) -> None:
+        """Paths the layers changed that were changed again while the
+        workspace was not mounted make the mount refuse (their undo data no
+        longer fits them), unless accepted; accepted drift is logged."""
+        recorded = self.store.get_meta_json(S.K_DRIFT)
+        if recorded is None:
+            return
+        drift = self.stack.drift(recorded)
+        if drift and not self.accept_drift:
+            shown = ", ".join(drift[:10]) + (f" and {len(drift) - 10} more"
+                                            if len(drift) > 10 else "")
+            raise Drift(f"{len(drift)} path{'s' if len(drift) > 1 else ''} the layers changed "
+                        f"were changed while the workspace was not mounted: {shown}; a "
+                        "rollback would mix both; mount with --accept-drift to go on anyway")
+        if drift:
+            self.stack.discard_redo("the workspace was changed while not mounted "
+                                    "(mounted with --accept-drift)")
+            top = self.stack.ensure_base()
+            self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
+            self.warnings.append(f"accepted drift of {count(len(drift), 'path')} (recorded in the log): "
+                                 + ", ".join(drift[:10]))
+        # (no write: the first change captured makes the record stale)
+
+    def holds_changes(self) -> bool:
+        """Whether any layer holds a change."""
+        return any(self.store.layer_records(layer.id) for layer in self.store.layers())
+
+    def current_drift(self) -> list[str]:
+        """Paths the layers changed that were changed again since the
+        workspace's state was recorded (at the last unmount)."""
+        recorded = self.store.get_meta_json(S.K_DRIFT)
+        return self.stack.drift(recorded) if recorded else []
+
+    def record_fingerprint(self) -> None:
+        """At a clean unmount: what the layers' paths look like now."""
+        try:
+            self.store.set_meta_json(S.K_DRIFT, self.stack.fingerprint())
+        except Exception:
+            log.exception("could not record the workspace's state for drift detection")
+
+    # -- the open layer --------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Every write completed so far belongs to the current layer: what
+        the recorder holds, and what the mount's page cache holds."""
+        self.recorder.flush()
+        await self.hooks.flush()
+
+    def _switched(self, fresh: bool, undo: bool = False) -> None:
+        """The open layer changed: the recorder follows it (*fresh*: opened
+        by this process), and files written through passthrough are
+        captured whole in it (after an *undo*, the caller does that once the
+        inode table knows where the undo put everything)."""
+        self.recorder.reset(fresh=fresh)
+        if not undo:
+            self.hooks.layer_switched()
+
+    def give_back_room(self) -> bool:
+        """A change found no room (--max-store, a full disk) while the last
+        rollback still holds what a redo needs: that goes (the change is
+        tried again).  False when nothing was held."""
+        st = redo.state(self.store)
+        if st is None or (st["state"] != redo.READY and st.get("segment") is None):
+            return False
+        self.recorder.flush()
+        self.stack.discard_redo("the store needed the room it held for a change made since",
+                                fallback=True)
+        self.recorder.reset(fresh=False)
+        return True
+
+    # -- checkpoint -------------------------------------------------------------------
+
+    async def checkpoint(self, message: str = "", providers: list | None = None,
+                         containers: list | None = None, vms: list | None = None,
+                         agent: dict | None = None) -> dict:
+        """Open a layer (with snapshots of *providers*, *containers* and
+        *vms*).  *agent*: the agent event it stands for (see `agents`), kept
+        on the layer: {"agent": str, "event": str, ...}, at most 16 KiB."""
+        if agent is not None:
+            check_agent_record(agent)
+        providers = list(providers or [])
+        for kind, key, names in (("docker", "container", containers or []),
+                                 ("libvirt", "domain", vms or [])):
+            for target in names:
+                if not isinstance(target, str) or not target:
+                    raise CowfsError("bad request: container and VM names are strings",
+                                     errors.USAGE)
+                providers.append(self.registry.ensure(kind, key, target))
+        if not all(isinstance(p, str) for p in providers) or len(set(providers)) != len(providers):
+            raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
+        chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
+        await self.flush()
+        layer = self.stack.checkpoint(message, agent)
+        self._switched(fresh=True)
+        taken: list[dict] = []
+        t0 = time.perf_counter()
+        if chosen:   # a crash while capturing: the next open removes what was taken
+            self.store.set_pending({"op": "checkpoint", "layer": layer.id,
+                                    "providers": providers})
+        try:
+            for provider in chosen:
+                ctx = self.registry.context(provider.name, layer.id)
+                data = await self.hooks.blocking(provider.capture, ctx)
+                taken.append({"provider": provider.name, "data": data,
+                              "seconds": round(time.perf_counter() - t0, 3)})
+                t0 = time.perf_counter()
+            if taken:
+                self.store.set_snapshots(layer.id, taken, close_pending=True)
+        except Exception as e:
+            # All or nothing: discard what was taken and drop the new layer.
+            failed = chosen[min(len(taken), len(chosen) - 1)].name
+            leftovers = []
+            for snap in reversed(taken):
+                try:
+                    await self._apply("discard", snap["provider"], layer.id, snap["data"])
+                except Exception as e2:
+                    leftovers.append(f"; discarding {snap['provider']}'s snapshot failed: {e2}")
+            self.registry.drop_state(self.registry.context(failed, layer.id))
+            self._drop_checkpoint(layer.id)
+            raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
+                             "nothing was taken" + "".join(leftovers),
+                             errors.DAEMON_ERROR) from None
+        info = self.store.get_layer(layer.id).to_dict()
+        self.store.audit("checkpoint", layer=layer.id, message=message,
+                         snapshots=[t["provider"] for t in taken],
+                         **({"agent": agent} if agent else {}))
+        merged = await self._enforce_max_layers()
+        if merged:
+            info["merged"] = merged
+        return info
+
+    def _drop_checkpoint(self, layer_id: int) -> None:
+        """Undo a checkpoint that failed (or a crash interrupted) while taking
+        snapshots: its layer merges into the one below, so changes programs
+        made meanwhile are kept, and the pending record is cleared."""
+        top = self.store.top()
+        if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
+            self.stack.commit()
+        self.store.set_pending(None)
+        self._switched(fresh=False)
+
+    def _resume_checkpoint(self, pending: dict) -> list[str]:
+        """A crash interrupted a checkpoint's captures: discard what each
+        provider may have taken for that layer, and drop the checkpoint."""
+        layer, problems = pending["layer"], []
+        for name in pending.get("providers", []):
+            try:
+                ctx = self.registry.context(name, layer)
+                self.registry.get(name).forget(ctx)
+                self.registry.drop_state(ctx)
+            except Exception as e:
+                problems.append(f"discarding what provider {name} took for layer {layer} "
+                                f"failed: {e}")
+        self._drop_checkpoint(layer)
+        return [f"a checkpoint (layer {layer}) was interrupted while taking snapshots of "
+                f"{', '.join(pending.get('providers', []))}: what they took was discarded and "
+                f"the layer merged into the one below"] + problems
+
+    async def _enforce_max_layers(self) -> list[int]:
+        """--max-layers: merge the oldest layers above the base into it
+        (their snapshots are discarded), so undo back to the base is kept."""
+        merged = []
+        limit = self.store.limits().get("max_layers")
+        while limit and len(self.store.layers()) - 1 > limit:
+            merged.append(self.stack.merge_into_base())
+            await self._carry_out()
+        return merged
+
+    # -- group operations (see Stack: the pending record) -----------------------------
+
+    async def _apply(self, do: str, name: str, layer: int, data: dict) -> dict | None:
+        """Restore or discard one provider snapshot; a restore may return a
+        post-mortem."""
+        provider = self.registry.get(name)
+        ctx = self.registry.context(name, layer)
+        if do == "restore":
+            return await self.hooks.blocking(provider.restore, ctx, data)
+        await self.hooks.blocking(provider.discard, ctx, data)
+        self.registry.drop_state(ctx)
+        return None
+
+    async def _provider_steps(self, do: str) -> list[str]:
+        """Run the pending record's *do* steps that have not finished, each
+        marked in the store before it runs and after it; return what ran."""
+        ran = []
+        for i, step in enumerate(self.stack.pending().get("steps", [])):
+            if step["do"] != do or step["state"] in FINISHED:
+                continue
+            what = f"{do} {step['provider']} of layer {step['layer']}"
+            ran.append(what + (" (again: it was interrupted)" if step["state"] == "started"
+                               else ""))
+            self._mark_step(i, state="started")
+            t0 = time.perf_counter()
+            try:
+                postmortem = await self._apply(do, step["provider"], step["layer"], step["data"])
+                result = {"state": "done"}
+            except Exception as e:
+                postmortem = getattr(e, "postmortem", None)
+                result = {"state": "failed", "error": f"{what}: {e}"}
+            if postmortem:  # kept (with the layer the workspace is back at) even on failure
+                result["postmortem"] = {**postmortem, "layer": step["layer"], "time": time.time()}
+            self._mark_step(i, seconds=round(time.perf_counter() - t0, 3), **result)
+        return ran
+
+    def _mark_step(self, index: int, **fields: Any) -> None:
+        """Update step *index* of the pending record, durably (even against
+        a power loss) before the step runs or anything follows it."""
+        with self.store.write() as w:
+            w.update_pending(index, **fields)
+        self.store.sync()
+
+    async def _carry_out(self) -> tuple[dict | None, RollbackReport | None, list[str]]:
+        """Carry out the pending group operation from where it stands:
+        provider restores, the files, provider discards.  Returns the closed
+        pending record, the file rollback's report (when it ran now) and the
+        provider steps that ran now."""
+        if self.stack.pending() is None:
+            return None, None, []
+        ran = await self._provider_steps("restore")
+        report = None
+        pending = self.stack.pending()
+        if files_left(pending):
+            before = self.store.top()
+            try:
+                report = self.stack.apply_files()
+            finally:
+                # a rollback of every layer opens a fresh base, one that
+                # keeps what a redo needs a segment: memory knows all they
+                # hold (nothing); a redo's layers are known from the store
+                top = self.store.top()
+                self._switched(fresh=pending["op"] == "rollback" and top is not None
+                               and before is not None and (
+                                   top.id > before.id or
+                                   redo.segment(self.store) is not None), undo=True)
+            await self.hooks.after_undo(report.touched)
+        ran += await self._provider_steps("discard")
+        return self.stack.finish(), report, ran
+
+    async def _resume(self) -> list[str]:
+        """Finish the group operation a crash interrupted (when the session
+        opens); the warnings that say what was done."""
+        op = self.stack.pending().get("op", "operation")
+        record, report, ran = await self._carry_out()
+        warnings = []
+        if report is not None:
+            warnings.append(f"finished an interrupted {op} ({count(report.applied, 'step')}"
+                            + (f", {len(report.failures)} failed" if report.failures else "")
+                            + ")")
+            warnings += report.failures
+        if ran:
+            warnings.append(f"finished the provider work of an interrupted {op}: "
+                            + ", ".join(ran))
+        return warnings + step_failures(record)
+
+    async def _finish_leftover(self) -> None:
+        """A group operation left pending by an unexpected error is carried
+        out before a new one is planned over it."""
+        if self.stack.pending() is not None:
+            record, report, _ = await self._carry_out()
+            log.warning("finished a pending %s: %s", record.get("op"),
+                        step_failures(record) + (report.failures if report else []))
+
+    async def commit(self) -> dict:
+        await self.flush()
+        await self._finish_leftover()
+        kept = self._audit_changes(self.store.top().id, hashes=self._audit_level() == "hashes")
+        info = self.stack.commit()
+        self.store.audit_many([{"event": "commit", "layer": info["committed"],
+                                "into": info["into"], "changes": len(kept)}]
+                              + [c | {"layer": info["committed"]} for c in kept])
+        self._switched(fresh=info["into"] is None)
+        self.hooks.after_commit(info.pop("freed", []))
+        # The merged (or now permanent) layer's snapshots are no longer needed:
+        # a rollback goes back to the older snapshots of the layer below.  The
+        # commit recorded their discards as pending; carry them out.
+        record, _, _ = await self._carry_out()
+        failures = step_failures(record)
+        if failures:
+            info["warnings"] = failures
+        return info
+
+    async def rollback(self, to: int | None = None, keep_redo: bool = True,
+                       yes: bool = False) -> dict:
+        """Roll back the top layer, or down to and including layer *to*.  A
+        rollback of the top layer when it is the base layer (everything
+        since the mount) is refused unless *yes* (naming it with *to* is
+        explicit enough)."""
+        await self.flush()
+        await self._finish_leftover()
+        # An unknown id, or nothing to roll back, fails before anything runs.
+        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
+        undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
+        # Providers first (they were taken after their layer was opened), last
+        # first; then the files; then the dropped snapshots are discarded.
+        record, report, _ = await self._carry_out()
+        steps = record["steps"]
+        result = report.to_dict()
+        result["restored"] = [{"provider": s["provider"], "layer": s["layer"],
+                               "seconds": s["seconds"]}
+                              for s in steps if s["do"] == "restore" and s["state"] == "done"]
+        # (kept with the layer the workspace is back at)
+        result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
+        failures = report.failures + step_failures(record)
+        self.store.audit_many([{"event": "rollback", "layer": result["top"],
+                                "dropped": result["dropped"], "failures": failures}]
+                              + [c | {"undone": True} for c in undone])
+        if failures:
+            raise errors.PartialFailure(
+                "rollback finished with failures:\n  " + "\n  ".join(failures))
+        return result
+
+    async def redo(self) -> dict:
+        """Undo the last rollback, exactly, if nothing changed since;
+        otherwise say why not and change nothing."""
+        await self.flush()
+        await self._finish_leftover()
+        st = self.stack.plan_redo()
+        _, report, _ = await self._carry_out()
+        result = report.to_dict()
+        redone = self._audit_changes(st["to"], hashes=False)
+        self.store.audit_many([{"event": "redo", "layer": result["top"],
+                                "restored": result["restored"], "failures": report.failures}]
+                              + [c | {"redone": True} for c in redone])
+        if report.failures:
+            raise errors.PartialFailure(
+                "redo finished with failures:\n  " + "\n  ".join(report.failures))
+        return result
+
+    # -- providers ----------------------------------------------------------------------
+
+    def provider_add(self, name: str, type: str, capture: str = "",
+                     restore: str = "", discard: str = "",
+                     container: str = "", domain: str = "",
+                     diagnostics: str = "", health: str = "") -> dict:
+        if type == "docker":
+            config = {"type": type, "container": container}
+        elif type == "libvirt":
+            config = {"type": type, "domain": domain, "diagnostics": diagnostics,
+                      "health": health}
+        else:
+            config = {"type": type, "capture": capture, "restore": restore, "discard": discard}
+        self.registry.add(name, config)
+        return {"name": name}
+
+    def provider_remove(self, name: str) -> dict:
+        in_use = [layer.id for layer in self.store.layers()
+                  if any(s["provider"] == name for s in layer.snapshots)]
+        if in_use:
+            raise CowfsError(f"provider {name!r} has snapshots in layers "
+                             f"{', '.join(map(str, in_use))}; roll back or commit them first",
+                             errors.USAGE)
+        self.registry.remove(name)
+        return {"name": name}
+
+    def provider_list(self) -> dict:
+        return {"providers": [{"name": n, **c} for n, c in self.registry.configs().items()]}
+
+    # -- looking at the stack -------------------------------------------------------------
+
+    async def status(self, paths: list | None = None) -> dict:
+        """The open layer's net changes (under *paths*), the store's usage,
+        the changes --max-store refused since the mount, the redo note."""
+        await self.flush()
+        return self.stack.status(paths=path_list(paths)) | {
+            "usage": self.stack.usage(), "refused": self.hooks.refused(),
+            "redo": self.stack.redo_note(), "engine": self.hooks.engine_info()}
+
+    async def gc(self) -> dict:
+        """Free what nothing needs: unused chunks, grave files no record
+        holds, stale index entries; report what was freed."""
+        await self.flush()
+        result = self.stack.gc()
+        self.recorder.reset(fresh=False)
+        return result
+
+    async def changes(self, since: int | None = None, paths: list | None = None) -> dict:
+        """Net changes since layer *since* was opened (default: the top),
+        under *paths* if given."""
+        await self.flush()
+        top = self.store.top()
+        since = top.id if since is None else since
+        return {"since": since, "changes": self.stack.changes_since(since, path_list(paths))}
+
+    async def log(self, limit: int | None = None) -> dict:
+        """The layers, oldest first (with *limit*: that many of the newest)."""
+        await self.flush()
+        if limit is not None and limit < 1:
+            raise CowfsError("bad request: limit must be positive", errors.USAGE)
+        return {"layers": self.stack.log(limit), "redo": self.stack.redo_note()}
+
+    # -- reading the past (cowfs/past.py) ---------------------------------------------
+
+    def _history(self, layer: int | None) -> History:
+        """The history since *layer* (default: the open layer) was opened,
+        kept while the store does not change."""
+        top = self.store.top()
+        layer = top.id if layer is None else layer
+        key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
+        cached = self._history_cache
+        if cached is None or cached[0] != key:
+            cached = (key, History(self.store, self.stack.resolver, layer, self.hidden))
+            self._history_cache = cached
+        return cached[1]
+
+    async def show(self, layer: int | None = None, path: str = "", offset: int = 0,
+                   size: int = SHOW_PAGE, missing_ok: bool = False) -> dict:
+        """What *path* was when *layer* was opened: its status, and a page of
+        its bytes (base64), its symlink target or its directory entries."""
+        await self.flush()
+        h = self._history(layer)
+        obj = h.need(wpath(path)) if not missing_ok else h.object_at(wpath(path))
+        if obj is None:
+            return {"path": path, "kind": None, "layer": h.layer}
+        return describe_past(h, obj, offset, max(0, min(size, SHOW_PAGE))) | {"layer": h.layer}
+
+    async def diff(self, since: int | None = None, paths: list | None = None,
+                   text_limit: int = 8 << 20) -> dict:
+        """Changes since layer *since* was opened, each with both sides'
+        sizes and hashes and, for text, a unified diff."""
+        await self.flush()
+        h = self._history(since)
+        changes = self.stack.changes_since(h.layer, path_list(paths))
+        return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
+
+    async def view(self, layer: int, mountpoint: str) -> dict:
+        """`cowfs view`: mount the tree as it was when *layer* was opened,
+        read-only, at *mountpoint*, in a process of its own."""
+        self.store.get_layer(layer)
+        await self.flush()
+        return await self.hooks.wait(
+            start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
+
+    # -- the audit log --------------------------------------------------------------------
+
+    def _audit_level(self) -> str:
+        return self.store.limits().get("audit") or "hashes"
+
+    def _audit_changes(self, since: int, hashes: bool) -> list[dict]:
+        """Change events for what changed since layer *since* opened: path,
+        kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
+        up to AUDIT_HASH_LIMIT; larger ones get sizes only).  None at audit
+        level "events"."""
+        if self._audit_level() == "events":
+            return []
+        try:
+            if not hashes:
+                return [{"event": "change", **c} for c in self.stack.changes_since(since)]
+            h = History(self.store, self.stack.resolver, since, self.hidden)
+            out = []
+            for c in self.stack.changes_since(since):
+                d = diff_entry(h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT)
+                out.append({"event": "change", "path": d["path"], "kind": d["kind"],
+                            "from": d.get("from"), "who": d.get("who"),
+                            "before": d.get("old"), "after": d.get("new")})
+            return out
+        except Exception:
+            log.exception("audit: could not list the changes of layer %s", since)
+            return []
+
+    def audit(self, after: int = 0, since_layer: int | None = None,
+              limit: int = 10000) -> dict:
+        """Audit events after number *after* (or from layer *since_layer*'s
+        checkpoint on), at most *limit*."""
+        if since_layer is not None and not self.store.layer_existed(since_layer):
+            raise errors.UnknownLayer(f"no layer {since_layer} (layers so far: 1 to "
+                                      f"{self.store.last_layer_id()})")
+        events = []
+        started = since_layer is None
+        for e in self.store.audit_events(after):
+            if not started:
+                started = e.get("event") == "checkpoint" and e.get("layer") == since_layer \
+                    or (e.get("layer") or 0) >= since_layer
+                if not started:
+                    continue
+            events.append(e)
+            if len(events) >= limit:
+                break
+        return {"events": events}
+
+    def audit_prune(self, days: float) -> dict:
+        """Drop audit events older than *days* (the audit's own retention)."""
+        if days < 0:
+            raise CowfsError("bad request: days must not be negative", errors.USAGE)
+        return {"pruned": self.store.prune_audit(time.time() - days * 86400)}
+
+    def audit_note(self, event: str, fields: dict) -> dict:
+        """An event a client carried out through the mount (restore)."""
+        if event not in ("restore",) or len(json.dumps(fields)) > 1 << 20:
+            raise CowfsError("bad request: unknown audit event", errors.USAGE)
+        self.store.audit(event, layer=self.store.top().id, **fields)
+        return {}
+
+    def annotate(self, layer: int, run: dict) -> dict:
+        """Record a `cowfs run` step on a layer."""
+        required = {"command": str, "outcome": str, "exit_status": int}
+        for key, kind in required.items():
+            if not isinstance(run.get(key), kind) or isinstance(run.get(key), bool):
+                raise CowfsError(f"bad request: a run record needs {key!r} ({kind.__name__})",
+                                 errors.USAGE)
+        if len(json.dumps(run)) > 64 << 10:
+            raise CowfsError("bad request: the run record is too large", errors.USAGE)
+        self.store.get_layer(layer)
+        self.store.append_to_layer(layer, "runs", [run])
+        return {"layer": layer}
+
+    # -- checking the store ---------------------------------------------------------------
+
+    async def check(self, full: bool = False) -> dict:
+        """The stack's quick consistency check, or with *full* `cowfs check`
+        (chunk hashes too).  Both run on the trio thread: the file system's
+        handlers wait, so the store cannot change while it is read."""
+        await self.flush()
+        if not full:
+            return {"problems": self.stack.check()}
+        return fsck.check(self.store).to_dict()
+
+    async def repair(self) -> dict:
+        """`cowfs check --repair`: check, repair what can be repaired without
+        inventing data, check again (with the handlers waiting throughout)."""
+        await self.flush()
+        done = fsck.repair(self.store, fsck.check(self.store), self.stack.discard_redo)
+        self.recorder.reset(fresh=False)
+        return {"repaired": done, **fsck.check(self.store).to_dict()}
+
+
+async def invoke(fn: Callable, **args: Any) -> Any:
+    """Call a session operation, plain or async."""
+    result = fn(**args)
+    return await result if inspect.isawaitable(result) else result
+
+
+def path_list(paths: list | None) -> list[str]:
+    """Workspace-relative paths from a request."""
+    if not all(isinstance(p, str) for p in paths or ()):
+        raise CowfsError("bad request: paths are strings", errors.USAGE)
+    return list(paths or ())
+
+
+def check_agent_record(agent: dict) -> None:
+    """An agent record (checkpoint) names its agent and event (strings)
+    and is small."""
+    for key in ("agent", "event"):
+        if not isinstance(agent.get(key), str) or not agent[key]:
+            raise CowfsError(f"bad request: an agent record needs {key!r} (a string)",
+                             errors.USAGE)
+    if len(json.dumps(agent)) > 16 << 10:
+        raise CowfsError("bad request: the agent record is too large", errors.USAGE)
+
+
+def step_failures(record: dict | None) -> list[str]:
+    """The failed provider steps of a closed pending record, by name."""
+    return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
+
+
+def open_offline(workspace: str, store: str | None) -> Session:
+    """A session on the store of a workspace that is not mounted (a dead
+    mount is cleared first), to run control operations on it directly:
+    recovery never depends on FUSE."""
+    session = Session(workspace, store=store)
+    if not os.path.isdir(session.store_dir) and not is_cowfs_mount(session.workspace):
+        raise NotMounted(f"{session.workspace} is not mounted and has no cowfs store "
+                         f"({session.store_dir})")
+    cleared = recover_stale_mount(session.mountpoint)
+    if cleared:
+        session.warnings.append(cleared)
+    session.open(create=False, recovering=cleared is not None)
+    return session
+
+
+def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
+    """Run control operation *op* on the store of an unmounted workspace;
+    the result carries the warnings of opening it (a resumed rollback, a
+    cleared dead mount) in "warnings"."""
+    if op not in OPS:
+        raise CowfsError(f"no operation {op!r}", errors.USAGE)
+    session = open_offline(workspace, store)
+    try:
+        if op in TREE_OPS:
+            drift = session.current_drift()
+            if drift:
+                raise Drift(f"{', '.join(drift[:10])}: changed while not mounted, after the "
+                            "layers changed them; mount with --accept-drift first")
+        try:
+            result = trio.run(functools.partial(invoke, getattr(session, op), **args))
+        finally:  # what a rollback or commit changed (also when it partly failed)
+            if op in TREE_OPS and session.store.get_meta_json(S.K_DRIFT):
+                session.record_fingerprint()
+    finally:
+        session.close()
+    result["warnings"] = session.warnings + result.get("warnings", [])
+    result["mounted"] = False
+    return result
+
+
+def inspect_offline(workspace: str, store: str | None, readonly: bool = True) -> Session:
+    """A session on the store of an unmounted workspace as it is (see
+    Session.inspect): for `cowfs check`, and to look at a store."""
+    session = Session(workspace, store=store)
+    session.inspect(readonly)
+    return session
