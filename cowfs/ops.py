@@ -12,13 +12,14 @@ with respect to the others and to layer switches.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import stat
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import backing as B
 from . import schema as S
@@ -62,37 +63,48 @@ def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
 
+@contextlib.contextmanager
+def errno_only(name: str, logger: logging.Logger = log) -> Iterator[None]:
+    """How every FUSE request ends (the mount's operations and the view's
+    handlers): with its result, or with an OSError whose errno the engine
+    answers; anything unexpected is logged and becomes EIO, so that no
+    stray exception reaches the engine's loop and takes the mount down."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception:
+        logger.exception("%s failed", name)
+        raise fail(errno.EIO) from None
+
+
 def op(fn: Callable) -> Callable:
     """Every operation: note who asks (captures made for the request are
-    attributed to the process), and anything unexpected becomes EIO (logged):
-    engines answer an OSError's errno."""
+    attributed to the process), and anything unexpected becomes EIO (logged,
+    see errno_only): engines answer an OSError's errno."""
     name = fn.__name__
     takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
                                                  + fn.__code__.co_kwonlyargcount]
 
     @functools.wraps(fn)
-    def wrapper(self: "Ops", *args, ctx: Ctx | None = None, **kw):
+    def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
         self.last_request = time.monotonic()     # (background work waits for a pause)
         self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         if self.rec.ignore is not None:           # .cowfsignore may have changed
             self.rec.ignore.stale = True
-        try:
+        with errno_only(name):
             try:
+                try:
+                    return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
+                except OSError as e:
+                    # a change fails before it touches anything: once the room
+                    # a redo kept is given back, it is tried once more
+                    if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
+                        raise
                 return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-            except OSError as e:
-                # a change fails before it touches anything: once the room
-                # a redo kept is given back, it is tried once more
-                if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
-                    raise
-            return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-        except LimitReached:
-            self._refused(name, args)
-            raise
-        except OSError:
-            raise
-        except Exception:
-            log.exception("%s failed", name)
-            raise fail(errno.EIO) from None
+            except LimitReached:
+                self._refused(name, args)
+                raise
 
     return wrapper
 
