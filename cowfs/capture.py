@@ -108,9 +108,6 @@ class Recorder:
                 elif kind == S.IDX_CHUNK:
                     o.chunks.add(chunk)
 
-    def is_created(self, ino: int) -> bool:
-        return self.obj(ino).created
-
     def write_is_captured(self, ino: int, off: int, size: int) -> bool:
         """Fast path: True when a write of [off, off+size) needs no capture."""
         o = self.objs.get(ino)

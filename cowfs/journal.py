@@ -30,10 +30,6 @@ class Slot:
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
 
 
-def parent_of(path: bytes) -> bytes:
-    return path.rpartition(b"/")[0]
-
-
 class Names:
     """The directory tree as far as the journal has named it, followed
     through renames, exchanges and removals in record order.

@@ -87,9 +87,6 @@ class Writer:
         self.seq += 1
         return seq
 
-    def rewrite(self, seq: int, data: bytes) -> None:
-        self.txn.put(S.u64(seq), data, db=self.store.db_journal)
-
     def delete_record(self, seq: int) -> None:
         """Delete one journal record and release what it references."""
         key = S.u64(seq)
