@@ -699,8 +699,8 @@ def cleanup_libvirt(conn, prefix: str = PREFIX) -> list[str]:
 
 
 # --------------------------------------------------------------------------
-# pytest fixtures: import the ones a test module uses, e.g.
-#   from .engines import docker_client, busybox, libvirt_conn, tiny_vm  # noqa: F401
+# pytest fixtures: tests/conftest.py loads this module as a plugin
+# (pytest_plugins), so every test module can use them
 # --------------------------------------------------------------------------
 
 def _required(engine: str) -> bool:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cowfs import agents, jsonedit, treesnap
 
-from .conftest import COWFS
+from .helpers import COWFS
 from .test_run import _run_on_a_terminal
 
 

@@ -31,7 +31,7 @@ from cowfs.errors import NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
 from . import users
-from .conftest import COWFS, Workspace, managed_workspace, plain
+from .helpers import COWFS, Workspace, managed_workspace, plain
 
 MiB = 1 << 20
 OTHER_UID = 1234
@@ -292,7 +292,7 @@ def test_garbage_gets_an_error_or_a_close_and_the_mount_keeps_working(mounted, g
         took = time.monotonic() - t0
         why = daemon_alive(ws, pid)
         if why is not None:
-            time.sleep(2)
+            time.sleep(2)        # (only for the failure's message: what it is 2 s later)
             later = daemon_alive(ws, pid)
             raise AssertionError(
                 f"after sending {name} ({len(payload)} bytes): {why}"
@@ -333,7 +333,7 @@ def test_valid_requests_in_odd_framing_are_served(mounted):
     with connect(rec.socket) as s:
         for piece in (b'{"o', b'p": "pi', b'ng"', b"}", b"\n"):
             s.sendall(piece)
-            time.sleep(0.05)
+            time.sleep(0.05)     # the pause is what is tested: each piece its own read
         resp = parse_answer(read_all(s))
     assert resp == {"ok": True, "result": resp["result"]} and resp["result"]["pid"] == pid
     resp = parse_answer(exchange(rec.socket, b'  {"op": "ping"}  \nignored garbage \xff'))
@@ -457,7 +457,7 @@ def test_stalled_clients_do_not_block_others_and_are_closed(mounted):
         took = time.monotonic() - t
         assert took < 5, f"file I/O, status and 10 pings took {took:.1f} s"
         # a slow client that does finish its line is served
-        time.sleep(1)
+        time.sleep(1)            # the slowness is what is tested
         slow.sendall(b'ng"}\n')
         resp = parse_answer(read_all(slow))
         slow.close()
@@ -584,7 +584,7 @@ def test_clients_beyond_the_listen_backlog_wait_their_turn(mounted):
     try:
         for t in threads:
             t.start()
-        time.sleep(1)
+        time.sleep(1)            # the stall is what is tested: clients meet a stopped daemon
     finally:
         os.kill(pid, signal.SIGCONT)
     for t in threads:

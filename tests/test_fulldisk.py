@@ -17,7 +17,7 @@ import pytest
 
 from cowfs import treesnap
 
-from .conftest import managed_workspace
+from .helpers import managed_workspace
 from .test_posix import backing_dir
 
 

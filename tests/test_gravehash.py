@@ -26,7 +26,7 @@ from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
 
-from .conftest import managed_workspace
+from .helpers import managed_workspace
 
 CHUNK = 64 << 10
 FS_IOC_FIEMAP = 0xC020660B

@@ -69,7 +69,7 @@ from cowfs.api import Workspace as Workspace_api
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 from cowfs.mounts import MountRecord, mount_table
 
-from .conftest import Workspace
+from .helpers import Workspace
 
 CHUNK = 64 * 1024
 MAX_FILE = 300 * 1024

@@ -20,7 +20,7 @@ from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsErro
 from cowfs.mounts import MountRecord, finish_unmount, is_cowfs_mount, mounts, pid_alive
 from cowfs.store import Store
 
-from .conftest import COWFS, Workspace, managed_workspace, run, view_processes
+from .helpers import COWFS, Workspace, managed_workspace, run, view_processes
 
 REPO = Path(__file__).resolve().parents[1]
 

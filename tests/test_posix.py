@@ -45,7 +45,7 @@ import pytest
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .conftest import Workspace, managed_workspace
+from .helpers import Workspace, managed_workspace
 
 T0 = 1_600_000_000 * 10**9     # an old atime/mtime given to everything before an operation
 USER = 1234                    # an unprivileged uid (and gid)
@@ -133,7 +133,7 @@ def settle() -> None:
     ctimes that this set."""
     for p in entries():
         os.utime(p, ns=(T0, T0), follow_symlinks=False)
-    time.sleep(0.02)
+    time.sleep(0.02)             # a clock tick (the thing waited for), not a condition
 
 
 def tree() -> list[tuple]:

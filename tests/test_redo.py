@@ -19,7 +19,7 @@ from cowfs import treesnap
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
-from .conftest import plain
+from .helpers import plain
 
 
 def layer_ids(ws) -> list[int]:

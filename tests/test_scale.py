@@ -18,7 +18,7 @@ import xxhash
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .conftest import COWFS, managed_workspace
+from .helpers import COWFS, managed_workspace
 from .test_posix import backing_dir
 
 TOP, SUB, FILES = 12, 8, 24            # a base tree of 12 * 8 * 24 = 2,304 files
