@@ -22,9 +22,10 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO, Callable, Iterator, Sequence
+from typing import BinaryIO
 
 from . import backing as B
 from . import control
@@ -49,7 +50,7 @@ class Change:
     dir: bool = False           # a directory (for D: it was one)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Change":
+    def from_dict(cls, d: dict) -> Change:
         return cls(d["path"], d["kind"], d.get("from"), d.get("who"), d.get("dir", False))
 
     def to_dict(self) -> dict:
@@ -343,7 +344,7 @@ class Workspace:
     @classmethod
     def mount(cls, path: str | os.PathLike, store: str | os.PathLike | None = None,
               mountpoint: str | os.PathLike | None = None, max_store: int | None = None,
-              max_layers: int | None = None) -> "Workspace":
+              max_layers: int | None = None) -> Workspace:
         """Mount *path* (over itself unless *mountpoint*) and return it;
         *max_store* (bytes) and *max_layers* as `cowfs mount` takes them."""
         from .daemon import check_fuse, spawn
@@ -354,7 +355,7 @@ class Workspace:
         return cls.attach(msg["mountpoint"])
 
     @classmethod
-    def attach(cls, path: str | os.PathLike) -> "Workspace":
+    def attach(cls, path: str | os.PathLike) -> Workspace:
         """The mounted workspace containing *path*."""
         return cls(find_mount(os.fspath(path)))
 

@@ -17,8 +17,8 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from . import redo
 from . import schema as S

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import select
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from . import errors
 from .mounts import MountRecord

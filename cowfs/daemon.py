@@ -22,7 +22,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 

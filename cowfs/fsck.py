@@ -29,8 +29,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import backing as B
-from . import gravesum
-from . import redo
+from . import gravesum, redo
 from . import schema as S
 from .store import Store, digest
 from .text import count

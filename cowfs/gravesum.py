@@ -13,7 +13,8 @@ The mount daemon's ``Hasher`` reads the file later, in a worker thread
 on the daemon's thread, between requests.  It starts on a file once the
 mount has been quiet for ``QUIET`` (or the file has waited ``PATIENCE_NS``),
 so that a busy mount — an ``rm -rf`` — does not share its disk and CPUs
-with it.  Pending files are hashed at the latest at unmount (within ``UNMOUNT_BUDGET``); after a kill -9 they stay
+with it.  Pending files are hashed at the latest at unmount (within
+``UNMOUNT_BUDGET``); after a kill -9 they stay
 pending — verified by identity only, as before — and the next mount hashes
 them.  A file still open in the mount is hashed once it is closed.
 
@@ -40,7 +41,8 @@ import os
 import stat
 import threading
 import time
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import trio
 import xxhash
@@ -159,7 +161,7 @@ class Hasher:
 
     def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
                  quiet: Callable[[], float] | None = None,
-                 exclusive: Callable[[], ContextManager] = contextlib.nullcontext):
+                 exclusive: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         self.store = store
         self.exclusive = exclusive                # (no file request meanwhile)
         self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed

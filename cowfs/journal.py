@@ -22,7 +22,7 @@ class Slot:
 
     __slots__ = ("name", "parent", "children", "origin", "vacated")
 
-    def __init__(self, name: bytes, parent: "Slot | None", origin: bytes | None):
+    def __init__(self, name: bytes, parent: Slot | None, origin: bytes | None):
         self.name = name
         self.parent = parent
         self.origin = origin                  # the path at T of what is here, if it was

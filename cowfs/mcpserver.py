@@ -13,7 +13,8 @@ import functools
 import inspect
 import json
 import os
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from . import control, errors
 from .api import Workspace
@@ -133,10 +134,11 @@ def build(root: str):
         return answer(lambda ws: clean(ws._call("status"),
                                        frozenset({"who"}) if who else frozenset()))
 
+    # (B006: the default list is never changed; the tool's schema is its signature)
     @tool
     def diff(layer: Layer = None,
              paths: Annotated[list[str], Field(description="only these paths (relative to "
-                                                           "the workspace root)")] = [],
+                                                           "the workspace root)")] = [],  # noqa: B006
              stat: Annotated[bool, Field(description="lines added and removed per file "
                                                      "instead of the diff")] = False,
              name_status: Annotated[bool, Field(description="only the kind and path of "

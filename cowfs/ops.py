@@ -19,7 +19,7 @@ import logging
 import os
 import stat
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from . import backing as B
 from . import schema as S

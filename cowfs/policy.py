@@ -20,9 +20,9 @@ import re
 import shlex
 import shutil
 import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Iterable, Sequence
 
 from . import errors
 from .errors import CowfsError
@@ -57,7 +57,7 @@ class Rule:
     unless_program_inside: bool = False
 
     @classmethod
-    def parse(cls, d: dict, source: str, index: int) -> "Rule":
+    def parse(cls, d: dict, source: str, index: int) -> Rule:
         where = f"{source}: rule {index + 1}"
         if not isinstance(d, dict):
             raise PolicyError(f"{where}: a rule is a table")
@@ -94,7 +94,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
 
-    def widen(self, other: "Verdict") -> None:
+    def widen(self, other: Verdict) -> None:
         if RANK[other.scope] > RANK[self.scope]:
             self.scope, self.reasons = other.scope, list(other.reasons)
         elif other.scope == self.scope:
@@ -150,7 +150,7 @@ class Policy:
             raise PolicyError("policy setting unescalated must be warn or refuse")
 
     @classmethod
-    def load(cls, files: Sequence[str] = ()) -> "Policy":
+    def load(cls, files: Sequence[str] = ()) -> Policy:
         """The built-in policy extended by *files* (given explicitly, they
         must exist) and the user's policy files (read when present)."""
         docs = [(p, read_toml(p)) for p in files]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import tomli_w
 
 from . import backing as B
-from .errors import CowfsError, USAGE
+from .errors import USAGE, CowfsError
 
 CONFIG = "cowfs.toml"
 

@@ -10,7 +10,8 @@ import errno
 import functools
 import logging
 import os
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio

@@ -9,7 +9,7 @@ import logging
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from . import backing as B
 from . import fsck
@@ -278,7 +278,7 @@ class Stack:
             layers.append(seg)
         inos = [c.pop("ino", None) for c in changes]
         found = self.store.who(layers, [i for i in inos if i is not None])
-        for c, ino in zip(changes, inos):
+        for c, ino in zip(changes, inos, strict=True):
             if ino in found:
                 c["who"] = dict(found[ino])
         return changes

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import lmdb
 import xxhash
@@ -74,7 +75,7 @@ class Writer:
     """One write transaction; records, chunks and index entries written
     through it become durable (against a process crash) together."""
 
-    def __init__(self, store: "Store", txn: lmdb.Transaction):
+    def __init__(self, store: Store, txn: lmdb.Transaction):
         self.store = store
         self.txn = txn
         self.seq = store._next_seq
@@ -277,7 +278,7 @@ class Store:
     @classmethod
     def open(cls, path: str, workspace: str, *, create: bool = True,
              chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False,
-             locked: bool = True) -> "Store":
+             locked: bool = True) -> Store:
         """Open (and with *create*, initialise) the store at *path* for the
         workspace root *workspace*; lock it exclusively.  *readonly*: an
         existing store, opened so that nothing in it can be written; and
@@ -451,7 +452,7 @@ class Store:
 
     def layer_end(self, layer_id: int) -> int:
         """First seq after *layer_id*'s records."""
-        for a, b in zip(self.layers(), self.layers()[1:]):
+        for a, b in itertools.pairwise(self.layers()):
             if a.id == layer_id:
                 return b.start
         return self._next_seq
@@ -552,7 +553,7 @@ class Store:
         seen: set[bytes] = set()
         layer = self.get_layer(layer_id)
         with self.env.begin() as txn:
-            for seq, rec in self.records(layer.start, self.layer_end(layer_id)):
+            for _seq, rec in self.records(layer.start, self.layer_end(layer_id)):
                 total += 16
                 if rec.kind == S.CHUNK and rec.fields[4] and rec.fields[4] not in seen:
                     seen.add(rec.fields[4])

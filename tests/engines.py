@@ -38,8 +38,8 @@ import subprocess
 import tarfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 try:
     import pytest
@@ -237,7 +237,8 @@ def docker_cli() -> str:
     """Path of the ``docker`` command-line client, or ``EngineUnavailable``."""
     path = _find("docker")
     if path is None:
-        raise EngineUnavailable("docker: the docker CLI is not installed (Debian package docker.io)")
+        raise EngineUnavailable(
+            "docker: the docker CLI is not installed (Debian package docker.io)")
     return path
 
 

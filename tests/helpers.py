@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from cowfs import treesnap
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive

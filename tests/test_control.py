@@ -241,7 +241,8 @@ def _bad_arguments(base: int) -> list[tuple[str, bytes]]:
     out = [(name, json.dumps(req).encode() + b"\n") for name, req in cases]
     out += [("rollback to NaN", b'{"op": "rollback", "to": NaN}\n'),
             ("rollback to Infinity", b'{"op": "rollback", "to": Infinity}\n'),
-            ("rollback to a 5000-digit number", b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n")]
+            ("rollback to a 5000-digit number",
+             b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n")]
     # last: served, it would drop every layer
     out.append(("rollback to true", b'{"op": "rollback", "to": true}\n'))
     return out
@@ -362,7 +363,7 @@ def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
                 sent += min(MiB, total - sent)
             s.sendall(suffix)
             s.shutdown(socket.SHUT_WR)
-        except socket.timeout:
+        except TimeoutError:
             err = "timeout"
         except OSError as e:
             if e.errno not in CLOSED_ERRNOS:
@@ -370,7 +371,7 @@ def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
             err = errno.errorcode[e.errno]
         try:
             data = read_all(s)
-        except socket.timeout:
+        except TimeoutError:
             data, err = b"", "timeout reading the answer"
     return {"sent": sent, "err": err, "data": data, "took": time.monotonic() - t0}
 
@@ -545,7 +546,8 @@ def test_fifty_concurrent_clients_are_all_answered_correctly(mounted):
         assert isinstance(r["status"]["changes"], list)
         assert r["status"]["id"] in [before_ids[-1], *ids]
         seen = [layer["id"] for layer in r["log"]["layers"]]
-        assert seen == list(range(seen[0], seen[0] + len(seen))) and seen[:len(before_ids)] == before_ids
+        assert seen == list(range(seen[0], seen[0] + len(seen)))
+        assert seen[:len(before_ids)] == before_ids
     log = ws.log()
     assert [layer["id"] for layer in log] == before_ids + ids
     by_id = {r["checkpoint"]["id"]: f"client {i}" for i, r in results.items()}
@@ -692,7 +694,7 @@ def test_another_user_is_refused(mounted):
             pass
         os.rmdir(linkdir)
     assert stat.S_IMODE(os.stat(rec.socket).st_mode) == mode
-    for req, item in zip(requests, items):
+    for req, item in zip(requests, items, strict=False):
         assert "connect_errno" not in item, (req, item)   # it did reach the daemon
         resp = parse_answer(item["data"].encode("latin-1"))
         assert resp is None or (not resp["ok"] and resp["code"] == NOT_OWNER

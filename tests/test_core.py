@@ -13,8 +13,15 @@ import time
 import pytest
 
 from cowfs import treesnap
-from cowfs.errors import (ALREADY_MOUNTED, BAD_WORKSPACE, NO_FUSE, NOT_MOUNTED, NOTHING_TO_DO,
-                          STORE_ERROR, UNKNOWN_LAYER)
+from cowfs.errors import (
+    ALREADY_MOUNTED,
+    BAD_WORKSPACE,
+    NO_FUSE,
+    NOT_MOUNTED,
+    NOTHING_TO_DO,
+    STORE_ERROR,
+    UNKNOWN_LAYER,
+)
 
 from .helpers import run
 
@@ -337,10 +344,10 @@ def test_new_objects_get_caller_owner_and_umask(workspace):
     subprocess.run(["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups",
                     "sh", "-c", "umask 027 && touch f && mkdir d && ln -s f l"],
                    cwd=ws.path, check=True)
-    f, d, l = (os.lstat(ws / n) for n in ("f", "d", "l"))
+    f, d, link = (os.lstat(ws / n) for n in ("f", "d", "l"))
     assert (f.st_uid, f.st_gid, stat.S_IMODE(f.st_mode)) == (1234, 1234, 0o640)
     assert (d.st_uid, d.st_gid, stat.S_IMODE(d.st_mode)) == (1234, 1234, 0o750)
-    assert (l.st_uid, l.st_gid) == (1234, 1234)
+    assert (link.st_uid, link.st_gid) == (1234, 1234)
 
 
 def test_permissions_are_checked_for_other_users(mounted):

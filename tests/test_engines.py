@@ -12,7 +12,6 @@ import pytest
 
 from . import engines
 
-
 # ------------------------------------------------------------------ docker
 
 def test_busybox_image_runs_with_the_cli_and_the_sdk(docker_client, busybox):

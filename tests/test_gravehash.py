@@ -20,9 +20,8 @@ import time
 import lmdb
 import pytest
 
-from cowfs import redo
+from cowfs import redo, treesnap
 from cowfs import schema as S
-from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
 

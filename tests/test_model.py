@@ -57,12 +57,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
-
-import xxhash
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cowfs import control, treesnap
 from cowfs.api import Workspace as Workspace_api

@@ -215,7 +215,8 @@ def test_a_mounted_workspace_mounted_again_says_where(workspace, tmp_path):
 
 # -- unmounting -------------------------------------------------------------------------------
 
-READER = "import sys\nfor name in sys.stdin:\n    print(open(name.strip()).read(), end='', flush=True)\n"
+READER = ("import sys\nfor name in sys.stdin:\n"
+          "    print(open(name.strip()).read(), end='', flush=True)\n")
 
 
 def test_lazy_unmount_returns_at_once_and_the_daemon_serves_until_the_last_user_leaves(mounted):

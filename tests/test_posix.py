@@ -36,9 +36,9 @@ import os
 import pickle
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -84,7 +84,7 @@ def roots(tmp_path_factory, engine):
             for layer in LAYERS:
                 (root / layer).mkdir(parents=True)
             for case in CASES:
-                in_dir(root / "old" / case.sub, lambda: build(case.setup), create=True)
+                in_dir(root / "old" / case.sub, lambda case=case: build(case.setup), create=True)
             for size, _ in APPENDS:
                 (root / "old" / f"append-{size}").write_bytes(APPEND_HEAD)
         ws.mount()

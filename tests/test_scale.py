@@ -169,7 +169,7 @@ def test_tens_of_thousands_of_renames_are_listed_viewed_and_undone_exactly(tmp_p
             == expected_changes(trees[0], now)
 
         # each layer's start, as the view shows it and `show` reads it
-        for layer, snap, tree in zip(layers, snaps, trees):
+        for layer, snap, tree in zip(layers, snaps, trees, strict=False):
             view = tmp_path / f"view{layer}"
             view.mkdir()
             ws.cowfs("view", str(layer), str(view))
