@@ -105,7 +105,7 @@ class Recorder:
                     o.s0 = rec.fields[5] if rec.kind == S.META else 0
                 elif kind == S.IDX_XATTRS:
                     o.xattrs = True
-                elif kind == S.IDX_CHUNK:
+                elif kind == S.IDX_CHUNK and chunk is not None:
                     o.chunks.add(chunk)
 
     def write_is_captured(self, ino: int, off: int, size: int) -> bool:
@@ -134,7 +134,7 @@ class Recorder:
         """A store transaction for captures.  If it fails, what memory says
         was captured in it is forgotten again, so nothing is believed
         captured that the store does not hold."""
-        self._saved: dict[int, tuple] = {}
+        self._saved = {}
         try:
             with self.store.write() as w:
                 if self._pending_created:

@@ -794,7 +794,7 @@ def change_lines(changes: list[dict], every: bool, limit: int | None = None,
     return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
 
 
-def human_size(n: int) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -1179,9 +1179,9 @@ def do_check(args) -> int:
         rec = find_mount(args.path)
     except NotMounted:
         rec = None
-        workspace, store_dir = (os.path.realpath(args.path), args.offline_store) \
+        workspace, found = (os.path.realpath(args.path), args.offline_store) \
             if args.offline_store else locate_unmounted(args.path)
-        store_dir = store_dir or os.path.join(workspace, ".cowfs")
+        store_dir: str = found or os.path.join(workspace, ".cowfs")
 
     def offline_check(repair: bool) -> dict:
         from .store import Store

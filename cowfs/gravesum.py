@@ -150,6 +150,14 @@ def hash_pending(store: Store, gid: int, s: S.GraveSum,
         os.close(fd)
 
 
+def _sound(raw: bytes) -> S.GraveSum:
+    """A hash entry known to decode (the Hasher takes in no other, and
+    writes only what it encoded)."""
+    s = S.decode_sum(raw)
+    assert s is not None
+    return s
+
+
 class Hasher:
     """The mount daemon's background pass over pending grave files.
 
@@ -236,7 +244,7 @@ class Hasher:
             self._scan()
         batch, size = [], 0
         for gid, raw in self.todo.items():
-            s = S.decode_sum(raw)
+            s = _sound(raw)
             if not everything and (self.busy(s.ino) or not self._due(s)):
                 continue
             batch.append((gid, raw))
@@ -251,7 +259,7 @@ class Hasher:
         waits (unless it is overdue)."""
         out = []
         for gid, raw in batch:
-            s = S.decode_sum(raw)
+            s = _sound(raw)
             if not everything and not self._due(s):
                 break
             done, new = hash_pending(self.store, gid, s, self._stopping)
@@ -267,7 +275,7 @@ class Hasher:
             for gid, raw, new in results:
                 if new is not None and w.txn.get(S.u64(gid), db=db) == raw:
                     w.txn.put(S.u64(gid), new, db=db)
-                    written.append((gid, S.decode_sum(new)))
+                    written.append((gid, _sound(new)))
         for gid, raw, _ in results:
             if self.todo.get(gid) == raw:     # (not taken in again since)
                 del self.todo[gid]

@@ -23,12 +23,14 @@ import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Literal, get_args
 
 from . import errors
 from .errors import CowfsError
 
 SCOPES = ("none", "files", "system")
-RUN_SCOPES = ("auto", "files", "container", "vm")
+RunScope = Literal["auto", "files", "container", "vm"]
+RUN_SCOPES: tuple[str, ...] = get_args(RunScope)
 RANK = {s: i for i, s in enumerate(SCOPES)}
 KEYWORDS = {"{", "}", "!", "if", "then", "elif", "else", "fi", "while", "until", "do", "done"}
 RULE_KEYS = {"name", "scope", "programs", "subcommands", "value_options", "if_args",
@@ -406,6 +408,7 @@ class ContainerWatch:
         self.before = {n: self._state(n) for n in self.names} if self.client else {}
 
     def _state(self, name: str) -> dict[str, tuple] | None:
+        assert self.client is not None         # (asked only when there is one)
         try:
             c = self.client.containers.get(name)
             mounts = [m["Destination"] for m in c.attrs.get("Mounts", [])]

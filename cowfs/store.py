@@ -56,7 +56,15 @@ def digest(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def scan(txn: lmdb.Transaction, db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+def need(txn: lmdb.Transaction[bytes], key: bytes, db: lmdb._Database | None = None) -> bytes:
+    """The value at *key*, which a sound store has (StoreError if it lacks it)."""
+    raw = txn.get(key, db=db)
+    if raw is None:
+        raise StoreError(f"the store is damaged: it has no entry {key!r}")
+    return raw
+
+
+def scan(txn: lmdb.Transaction[bytes], db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     """(key, value) of every entry of *db* whose key starts with *prefix*.
     Collect them (list()) before writing to *db* in the same transaction."""
     cur = txn.cursor(db=db)
@@ -75,7 +83,7 @@ class Writer:
     """One write transaction; records, chunks and index entries written
     through it become durable (against a process crash) together."""
 
-    def __init__(self, store: Store, txn: lmdb.Transaction):
+    def __init__(self, store: Store, txn: lmdb.Transaction[bytes]):
         self.store = store
         self.txn = txn
         self.seq = store._next_seq
@@ -249,6 +257,11 @@ class Store:
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
+        self.db_who: lmdb._Database | None
+        self.db_writers: lmdb._Database | None
+        self.db_audit: lmdb._Database | None
+        self.db_redo: lmdb._Database | None
+        self.db_sums: lmdb._Database | None
         try:    # attribution, audit (newer: absent from older stores opened read-only)
             self.db_who, self.db_writers, self.db_audit = [
                 env.open_db(name, create=not readonly)
@@ -266,10 +279,10 @@ class Store:
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
-            self.chunk_size = S.from_u64(txn.get(S.K_CHUNK_SIZE, db=self.db_meta))
-            self._next_seq = S.from_u64(txn.get(S.K_NEXT_SEQ, db=self.db_meta))
-            self._next_layer = S.from_u64(txn.get(S.K_NEXT_LAYER, db=self.db_meta))
-            self._next_grave = S.from_u64(txn.get(S.K_NEXT_GRAVE, db=self.db_meta))
+            self.chunk_size = S.from_u64(need(txn, S.K_CHUNK_SIZE, self.db_meta))
+            self._next_seq = S.from_u64(need(txn, S.K_NEXT_SEQ, self.db_meta))
+            self._next_layer = S.from_u64(need(txn, S.K_NEXT_LAYER, self.db_meta))
+            self._next_grave = S.from_u64(need(txn, S.K_NEXT_GRAVE, self.db_meta))
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
 
@@ -366,7 +379,7 @@ class Store:
             Store._validate(txn, path, ws_st)
 
     @staticmethod
-    def _validate(txn: lmdb.Transaction, path: str, ws_st: os.stat_result) -> None:
+    def _validate(txn: lmdb.Transaction[bytes], path: str, ws_st: os.stat_result) -> None:
         """The store's format is ours and it belongs to this workspace."""
         fmt = txn.get(S.K_FORMAT)
         if fmt is None:
@@ -374,7 +387,7 @@ class Store:
         if S.from_u64(fmt) != S.FORMAT:
             raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
                              f"this cowfs reads format {S.FORMAT}")
-        owner = S.from_json(txn.get(S.K_WORKSPACE))
+        owner = S.from_json(need(txn, S.K_WORKSPACE))
         if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
             raise StoreError(
                 f"store {path} belongs to another workspace ({owner['path']})")
@@ -428,7 +441,7 @@ class Store:
         except lmdb.Error as e:
             raise OSError(self.failure_errno(), f"cowfs store error: {e}") from None
 
-    def read(self) -> lmdb.Transaction:
+    def read(self) -> lmdb.Transaction[bytes]:
         return self.env.begin()
 
     # -- layers ----------------------------------------------------------------
@@ -475,7 +488,7 @@ class Store:
         the pending record of the checkpoint that took them)."""
         with self.write() as w:
             key = S.u64(layer_id)
-            d = S.from_json(w.txn.get(key, db=self.db_layers))
+            d = S.from_json(need(w.txn, key, self.db_layers))
             d["snapshots"] = snapshots
             w.txn.put(key, S.to_json(d), db=self.db_layers)
             if close_pending:
@@ -487,7 +500,7 @@ class Store:
         """Append records (``runs``, ``postmortems``, ``turns``) to a layer's record."""
         def put(w: Writer) -> None:
             k = S.u64(layer_id)
-            d = S.from_json(w.txn.get(k, db=self.db_layers))
+            d = S.from_json(need(w.txn, k, self.db_layers))
             d[key] = d.get(key, []) + items
             w.txn.put(k, S.to_json(d), db=self.db_layers)
         if w is not None:
@@ -581,7 +594,7 @@ class Store:
         self.set_meta_json(S.K_LIMITS, {k: v for k, v in current.items() if v})
         self.max_store = self.limits().get("max_store") or 0
 
-    def data_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+    def data_bytes(self, txn: lmdb.Transaction[bytes] | None = None) -> int:
         """Bytes of LMDB pages in use (pages freed by commits and rollbacks
         are reused, so this falls when data is freed)."""
         def count(txn) -> int:

@@ -35,7 +35,7 @@ from .errors import CowfsError
 from .ops import fail
 from .past import History, Past
 from .pyfuse3_engine import handler
-from .store import Store
+from .store import Store, need
 
 log = logging.getLogger("cowfs.view")
 FSTYPE = "fuse.cowfs-view"
@@ -55,7 +55,7 @@ class View(pyfuse3.Operations):
         self.hidden = hidden
         self.on_init = on_init
         self.h: History | None = None
-        self.seen = None
+        self.seen: tuple | None = None
         self._graves: tuple = (None, {})          # (grave state, grave_counts())
         self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
         self.inos: dict[int, int] = {}            # backing ino at T -> view inode
@@ -72,7 +72,7 @@ class View(pyfuse3.Operations):
 
     def _state(self) -> tuple:
         with self.store.env.begin(db=self.store.db_meta) as txn:
-            seq = S.from_u64(txn.get(S.K_NEXT_SEQ))
+            seq = S.from_u64(need(txn, S.K_NEXT_SEQ))
         with self.store.env.begin(db=self.store.db_layers) as txn:
             layers = tuple(S.from_u64(k) for k, _ in txn.cursor())
         return seq, layers
