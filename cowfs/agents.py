@@ -152,7 +152,7 @@ def _document(a: Agent, text: str, path: str) -> jsonedit.Node:
     return root
 
 
-def _find_ours(a: Agent, root: jsonedit.Node) -> tuple[list, int] | None:
+def _find_ours(a: Agent, root: jsonedit.Node) -> tuple[jsonedit.Node, int] | None:
     """The innermost container holding one of our handlers and its index,
     widened while it would be left empty: a matcher group of ours only, an
     event list of ours only, a hooks object of ours only."""
@@ -246,7 +246,7 @@ def install(a: Agent, workspace: str, per_tool: bool = False) -> dict:
     text = strip_ours(a, EMPTY if before is None else before, path)
     events = [(a.prompt_event, None)] + ([(a.tool_event, a.tool_matcher)] if per_tool else [])
     for event, matcher in events:
-        group = {"matcher": matcher} if matcher else {}
+        group: dict[str, object] = {"matcher": matcher} if matcher else {}
         group["hooks"] = [a.handler(hook_command(a, workspace, event), event)]
         text = add_group(a, text, path, event, group)
     if text != before:

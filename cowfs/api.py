@@ -22,9 +22,10 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO, Callable, Iterator, Sequence
+from typing import BinaryIO, Literal, overload
 
 from . import backing as B
 from . import control
@@ -49,7 +50,7 @@ class Change:
     dir: bool = False           # a directory (for D: it was one)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Change":
+    def from_dict(cls, d: dict) -> Change:
         return cls(d["path"], d["kind"], d.get("from"), d.get("who"), d.get("dir", False))
 
     def to_dict(self) -> dict:
@@ -216,7 +217,7 @@ class Executed:
     shell says it: 127 not found, 126 not executable), and its output when
     captured."""
 
-    status: int
+    status: int | None      # (None: not run)
     error: str | None = None
     stdout: str | None = None
     stderr: str | None = None
@@ -264,7 +265,7 @@ def execute(cmd: Command, cwd: str, capture: bool = False, timeout: float | None
                                 *_empty(capture))
             return Executed(127, f"{name}: command not found", *_empty(capture))
         except PermissionError as e:
-            return Executed(126, f"{name}: cannot run it ({e.strerror.lower()})",
+            return Executed(126, f"{name}: cannot run it ({(e.strerror or str(e)).lower()})",
                             *_empty(capture))
         finally:
             if not capture:
@@ -343,18 +344,19 @@ class Workspace:
     @classmethod
     def mount(cls, path: str | os.PathLike, store: str | os.PathLike | None = None,
               mountpoint: str | os.PathLike | None = None, max_store: int | None = None,
-              max_layers: int | None = None) -> "Workspace":
+              max_layers: int | None = None) -> Workspace:
         """Mount *path* (over itself unless *mountpoint*) and return it;
         *max_store* (bytes) and *max_layers* as `cowfs mount` takes them."""
         from .daemon import check_fuse, spawn
 
         check_fuse()
-        msg = spawn(os.fspath(path), mountpoint and os.fspath(mountpoint),
-                    store and os.fspath(store), max_store=max_store, max_layers=max_layers)
+        msg = spawn(os.fspath(path), os.fspath(mountpoint) if mountpoint is not None else None,
+                    os.fspath(store) if store is not None else None,
+                    max_store=max_store, max_layers=max_layers)
         return cls.attach(msg["mountpoint"])
 
     @classmethod
-    def attach(cls, path: str | os.PathLike) -> "Workspace":
+    def attach(cls, path: str | os.PathLike) -> Workspace:
         """The mounted workspace containing *path*."""
         return cls(find_mount(os.fspath(path)))
 
@@ -378,6 +380,22 @@ class Workspace:
         extra = {"agent": agent} if agent is not None else {}
         return self._call("checkpoint", message=message, providers=list(providers),
                           containers=list(containers), vms=list(vms), **extra)["id"]
+
+    @overload
+    def rollback(self, to: int | None = None, dry_run: Literal[False] = False,
+                 keep_redo: bool = True, yes: bool = False) -> RollbackResult: ...
+
+    @overload
+    def rollback(self, to: int | None = None, *, dry_run: Literal[True],
+                 keep_redo: bool = True, yes: bool = False) -> list[Change]: ...
+
+    @overload
+    def rollback(self, to: int | None, dry_run: Literal[True], keep_redo: bool = True,
+                 yes: bool = False) -> list[Change]: ...
+
+    @overload
+    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
+                 yes: bool = False) -> RollbackResult | list[Change]: ...
 
     def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
                  yes: bool = False) -> RollbackResult | list[Change]:
@@ -656,12 +674,14 @@ class Workspace:
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
         ran = execute(cmd, cwd, capture_output, timeout, output_limit)
+        assert ran.status is not None           # (what execute() ran has a status)
         checked = execute(verify, cwd, capture_output, timeout, output_limit) \
             if verify is not None and ran.status == 0 else Executed(None)
         duration = round(time.monotonic() - t0, 3)
         changes = self.changes(since=layer) if plan.checkpoint else \
             [c for c in self.status().changes if _key(c) not in before]
-        result = RunResult(line, cwd, layer, ran.status, verify and command_line(verify),
+        result = RunResult(line, cwd, layer, ran.status,
+                           command_line(verify) if verify is not None else None,
                            checked.status, duration, "", changes, started,
                            plan.verdict.scope if scope == "auto" else scope,
                            plan.providers + plan.containers + plan.vms,
@@ -730,6 +750,7 @@ class Workspace:
                 record["error"] = f"the verifier: {checked.error}"
         step.changes = self.changes(since=layer)
         if step.verify_status:
+            assert verify is not None                # (a status only from a verifier)
             step.layer, step.outcome, into = self._conclude(layer, "rollback")
             self._note_step(into, step, record, t0)
             raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "

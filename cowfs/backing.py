@@ -13,8 +13,8 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from . import schema as S
 

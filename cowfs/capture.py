@@ -17,8 +17,8 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from . import redo
 from . import schema as S
@@ -105,11 +105,8 @@ class Recorder:
                     o.s0 = rec.fields[5] if rec.kind == S.META else 0
                 elif kind == S.IDX_XATTRS:
                     o.xattrs = True
-                elif kind == S.IDX_CHUNK:
+                elif kind == S.IDX_CHUNK and chunk is not None:
                     o.chunks.add(chunk)
-
-    def is_created(self, ino: int) -> bool:
-        return self.obj(ino).created
 
     def write_is_captured(self, ino: int, off: int, size: int) -> bool:
         """Fast path: True when a write of [off, off+size) needs no capture."""
@@ -137,7 +134,7 @@ class Recorder:
         """A store transaction for captures.  If it fails, what memory says
         was captured in it is forgotten again, so nothing is believed
         captured that the store does not hold."""
-        self._saved: dict[int, tuple] = {}
+        self._saved = {}
         try:
             with self.store.write() as w:
                 if self._pending_created:

@@ -15,15 +15,20 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from . import __version__, control, errors, listing, progress
-from .errors import BadWorkspace, CowfsError
-from .errors import NotMounted
-from .mounts import (MountRecord, find_mount, finish_unmount, is_cowfs_mount, mount_table,
-                     not_owner, processes)
+from .errors import BadWorkspace, CowfsError, NotMounted
+from .mounts import (
+    MountRecord,
+    find_mount,
+    finish_unmount,
+    is_cowfs_mount,
+    mount_table,
+    not_owner,
+    processes,
+)
 from .text import ago, count, duration
-
 
 # = policy.RUN_SCOPES (the policy is loaded by the commands that use it: every
 # command starts by importing this module, and it must stay cheap)
@@ -49,7 +54,8 @@ def parse_size(text: str) -> int:
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
     if n < 4096 or n > (1 << 20) or n & (n - 1):
-        raise argparse.ArgumentTypeError(f"chunk size must be a power of two from 4K to 1M: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"chunk size must be a power of two from 4K to 1M: {text!r}")
     return n
 
 
@@ -98,8 +104,10 @@ class _Unused:
 
 
 EXAMPLES = {
-    "mount": "  cowfs mount ~/project\n  cowfs mount --max-store 2G --ignore 'node_modules/.cache/' .",
-    "unmount": "  cowfs unmount ~/project\n  cowfs unmount --lazy ~/project   # a shell is still in it",
+    "mount": "  cowfs mount ~/project\n"
+             "  cowfs mount --max-store 2G --ignore 'node_modules/.cache/' .",
+    "unmount": "  cowfs unmount ~/project\n"
+               "  cowfs unmount --lazy ~/project   # a shell is still in it",
     "checkpoint": "  cowfs checkpoint -m 'before the upgrade'\n"
                   "  cowfs checkpoint -m 'with the database' --provider db",
     "rollback": "  cowfs rollback                 # the open layer\n"
@@ -126,7 +134,8 @@ EXAMPLES = {
     "hooks": "  cowfs hooks install claude-code\n  cowfs hooks install codex --per-tool\n"
              "  cowfs hooks uninstall gemini",
     "hook": "  echo '{\"prompt\": \"fix the build\"}' | cowfs hook claude-code UserPromptSubmit",
-    "rewind": "  cowfs rewind --dry-run 3\n  cowfs rewind          # the last turn, after a question",
+    "rewind": "  cowfs rewind --dry-run 3\n"
+              "  cowfs rewind          # the last turn, after a question",
 }
 
 
@@ -785,7 +794,7 @@ def change_lines(changes: list[dict], every: bool, limit: int | None = None,
     return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
 
 
-def human_size(n: int) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -1169,9 +1178,9 @@ def do_check(args) -> int:
         rec = find_mount(args.path)
     except NotMounted:
         rec = None
-        workspace, store_dir = (os.path.realpath(args.path), args.offline_store) \
+        workspace, found = (os.path.realpath(args.path), args.offline_store) \
             if args.offline_store else locate_unmounted(args.path)
-        store_dir = store_dir or os.path.join(workspace, ".cowfs")
+        store_dir: str = found or os.path.join(workspace, ".cowfs")
 
     def offline_check(repair: bool) -> dict:
         import functools
@@ -1242,14 +1251,16 @@ def do_hooks(args) -> int:
     except NotMounted:
         workspace = os.path.realpath(args.path)
         if not os.path.isdir(workspace):
-            raise BadWorkspace(f"workspace {args.path} does not exist or is not a directory")
+            raise BadWorkspace(
+                f"workspace {args.path} does not exist or is not a directory") from None
         try:
             located, _ = locate_unmounted(args.path)
         except NotMounted:
             located = None
         if located is not None:
             raise NotMounted(f"{located} is a cowfs workspace that is not mounted: mount it "
-                             "first (a change made while it is not mounted counts as drift)")
+                             "first (a change made while it is not mounted counts as drift)"
+                             ) from None
         print(f"cowfs: warning: {workspace} is not mounted: until it is, the hooks say so "
               "and take no checkpoints", file=sys.stderr)
     if args.action == "install":
@@ -1323,7 +1334,8 @@ def do_doctor(args) -> int:
 
 COMMANDS = {
     "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
-    "rollback": do_rollback, "redo": do_redo, "commit": do_commit, "status": do_status, "log": do_log,
+    "rollback": do_rollback, "redo": do_redo, "commit": do_commit, "status": do_status,
+    "log": do_log,
     "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
     "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
     "restore": do_restore, "view": do_view, "audit": do_audit,

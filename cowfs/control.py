@@ -11,7 +11,8 @@ import os
 import select
 import socket
 import struct
-from typing import Any, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from . import errors
 from .mounts import MountRecord, not_owner

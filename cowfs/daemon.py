@@ -18,20 +18,27 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
 from . import backing as B
-from . import control
-from . import errors
-from . import gravesum
-from . import progress
+from . import control, errors, gravesum, progress
 from . import schema as S
 from .errors import AlreadyMounted, CowfsError, NoFuse
 from .launch import clear_view, detach, start_and_wait
-from .mounts import (FSTYPE, MountRecord, check_other_mounts, mount_users, mounts, processes,
-                     recover_stale_mount, socket_path, unmount)
+from .mounts import (
+    FSTYPE,
+    MountRecord,
+    check_other_mounts,
+    mount_users,
+    mounts,
+    processes,
+    recover_stale_mount,
+    socket_path,
+    unmount,
+)
 from .ops import Ops
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
 

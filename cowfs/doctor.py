@@ -233,8 +233,8 @@ def _locate(path: str):
     """('live', MountRecord) for a path inside a mounted workspace whose daemon
     runs; ('dead', mountpoint, MountRecord | None) inside a cowfs mount whose
     daemon is gone; ('unmounted', workspace) otherwise."""
-    from .mounts import FSTYPE, MountRecord, find_mount, mount_table, pid_alive, runtime_dir
     from .errors import NotMounted
+    from .mounts import FSTYPE, MountRecord, find_mount, mount_table, pid_alive, runtime_dir
 
     p = os.path.realpath(path)  # non-strict: a dead mount's ENOTCONN does not stop it
     table = mount_table()

@@ -29,8 +29,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import backing as B
-from . import gravesum
-from . import redo
+from . import gravesum, redo
 from . import schema as S
 from .store import Store, digest
 from .text import count
@@ -122,10 +121,10 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
         for _, rec in records:
             if rec.kind != S.GRAVE or rec.fields[2] in out:
                 continue
-            why = gravesum.verify(store, rec.fields[1], txn)
-            if why is not None:
+            bad = gravesum.verify(store, rec.fields[1], txn)
+            if bad is not None:
                 out[rec.fields[2]] = (f"{show(rec.fields[0])}: not restored: the removed file "
-                                      f"kept in the store is corrupt: {why}; it stays removed")
+                                      f"kept in the store is corrupt: {bad}; it stays removed")
     return out, set(owners)
 
 
@@ -290,7 +289,7 @@ def check(store: Store, hashes: bool = True) -> Report:
             ok = cur.next()
 
         # graves: entries, files, identity
-        names = set(grave_names(store))
+        grave_files = set(grave_names(store))
         cur = txn.cursor(db=store.db_graves)
         ok = cur.first()
         while ok:
@@ -312,16 +311,16 @@ def check(store: Store, hashes: bool = True) -> Report:
                                             [owner] if owner else [], [path]))
             else:
                 check_sum(store, txn, rep, gid, ino, owner, path, hashes)
-            names.discard(str(gid))
+            grave_files.discard(str(gid))
             ok = cur.next()
         if store.db_sums is not None:
             cur = txn.cursor(db=store.db_sums)
             ok = cur.first()
             while ok:
                 gid = S.from_u64(cur.key())
-                held = txn.get(cur.key(), db=store.db_graves)
+                held_ino = txn.get(cur.key(), db=store.db_graves)
                 s = S.decode_sum(cur.value())
-                if held is None or s is None or s.ino != S.from_u64(held):
+                if held_ino is None or s is None or s.ino != S.from_u64(held_ino):
                     rep.drop_sums.append(gid)
                 ok = cur.next()
             if rep.drop_sums:
@@ -333,8 +332,8 @@ def check(store: Store, hashes: bool = True) -> Report:
                 rep.problems.append(Problem(f"the grave entry of removed object {path} "
                                             f"(grave {gid}) is missing",
                                             [owner] if owner else [], [path]))
-                names.discard(str(gid))
-        for name in sorted(names):
+                grave_files.discard(str(gid))
+        for name in sorted(grave_files):
             rep.problems.append(Problem(f"grave file {name} is held by no record",
                                         repairable=True))
             rep.drop_grave_files.append(name)

@@ -13,7 +13,8 @@ The mount daemon's ``Hasher`` reads the file later, in a worker thread
 on the daemon's thread, between requests.  It starts on a file once the
 mount has been quiet for ``QUIET`` (or the file has waited ``PATIENCE_NS``),
 so that a busy mount — an ``rm -rf`` — does not share its disk and CPUs
-with it.  Pending files are hashed at the latest at unmount (within ``UNMOUNT_BUDGET``); after a kill -9 they stay
+with it.  Pending files are hashed at the latest at unmount (within
+``UNMOUNT_BUDGET``); after a kill -9 they stay
 pending — verified by identity only, as before — and the next mount hashes
 them.  A file still open in the mount is hashed once it is closed.
 
@@ -40,7 +41,8 @@ import os
 import stat
 import threading
 import time
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import trio
 import xxhash
@@ -148,6 +150,14 @@ def hash_pending(store: Store, gid: int, s: S.GraveSum,
         os.close(fd)
 
 
+def _sound(raw: bytes) -> S.GraveSum:
+    """A hash entry known to decode (the Hasher takes in no other, and
+    writes only what it encoded)."""
+    s = S.decode_sum(raw)
+    assert s is not None
+    return s
+
+
 class Hasher:
     """The mount daemon's background pass over pending grave files.
 
@@ -159,7 +169,7 @@ class Hasher:
 
     def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
                  quiet: Callable[[], float] | None = None,
-                 exclusive: Callable[[], ContextManager] = contextlib.nullcontext):
+                 exclusive: Callable[[], AbstractContextManager] = contextlib.nullcontext):
         self.store = store
         self.exclusive = exclusive                # (no file request meanwhile)
         self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed
@@ -234,7 +244,7 @@ class Hasher:
             self._scan()
         batch, size = [], 0
         for gid, raw in self.todo.items():
-            s = S.decode_sum(raw)
+            s = _sound(raw)
             if not everything and (self.busy(s.ino) or not self._due(s)):
                 continue
             batch.append((gid, raw))
@@ -249,7 +259,7 @@ class Hasher:
         waits (unless it is overdue)."""
         out = []
         for gid, raw in batch:
-            s = S.decode_sum(raw)
+            s = _sound(raw)
             if not everything and not self._due(s):
                 break
             done, new = hash_pending(self.store, gid, s, self._stopping)
@@ -265,7 +275,7 @@ class Hasher:
             for gid, raw, new in results:
                 if new is not None and w.txn.get(S.u64(gid), db=db) == raw:
                     w.txn.put(S.u64(gid), new, db=db)
-                    written.append((gid, S.decode_sum(new)))
+                    written.append((gid, _sound(new)))
         for gid, raw, _ in results:
             if self.todo.get(gid) == raw:     # (not taken in again since)
                 del self.todo[gid]

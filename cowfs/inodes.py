@@ -9,7 +9,7 @@ import os
 import resource
 import stat
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 ROOT = 1      # the root's inode number in every FUSE protocol
 
@@ -22,7 +22,7 @@ class Node:
 
     __slots__ = ("ino", "bino", "_fd", "live", "nopen", "nlookup", "parent", "name",
                  "extra", "mode", "nocap", "pt", "pt_writers", "cached", "bfd", "backing")
-    cache: "FdCache"
+    cache: FdCache
 
     def __init__(self, ino: int, bino: int, fd: int, mode: int):
         self.ino = ino
@@ -102,7 +102,7 @@ class FdCache:
         return node._fd
 
     def pin(self, node: Node) -> None:
-        node.fd  # make sure it is open
+        _ = node.fd  # make sure it is open (the property opens it)
         node.nopen += 1
         self.lru.pop(node.ino, None)
 

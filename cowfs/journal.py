@@ -22,16 +22,12 @@ class Slot:
 
     __slots__ = ("name", "parent", "children", "origin", "vacated")
 
-    def __init__(self, name: bytes, parent: "Slot | None", origin: bytes | None):
+    def __init__(self, name: bytes, parent: Slot | None, origin: bytes | None):
         self.name = name
         self.parent = parent
         self.origin = origin                  # the path at T of what is here, if it was
         self.children: dict[bytes, Slot] = {}
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
-
-
-def parent_of(path: bytes) -> bytes:
-    return path.rpartition(b"/")[0]
 
 
 class Names:

@@ -29,10 +29,10 @@ class Node:
     start: int
     end: int
     value: Any = None
-    members: list[tuple[str, int, "Node"]] = field(default_factory=list)
-    items: list["Node"] = field(default_factory=list)
+    members: list[tuple[str, int, Node]] = field(default_factory=list)
+    items: list[Node] = field(default_factory=list)
 
-    def get(self, key: str) -> "Node | None":
+    def get(self, key: str) -> Node | None:
         for k, _, node in self.members:
             if k == key:
                 return node

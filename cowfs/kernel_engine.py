@@ -23,7 +23,7 @@ import stat
 import subprocess
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import trio
 

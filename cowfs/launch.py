@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from . import backing as B
 from . import errors

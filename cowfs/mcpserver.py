@@ -13,13 +13,14 @@ import functools
 import inspect
 import json
 import os
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from . import control, errors
 from .api import Workspace
 from .errors import CowfsError
 from .mounts import find_mount
-from .policy import RUN_SCOPES
+from .policy import RunScope
 
 TEXT_LIMIT = 20_000          # default byte limit of diff, show and run output
 
@@ -115,7 +116,7 @@ def build(root: str):
         @functools.wraps(fn)
         def call(**kw):
             return fn(**{names.get(k, k): v for k, v in kw.items()})
-        call.__signature__ = sig
+        call.__signature__ = sig      # type: ignore[attr-defined]  # (what FastMCP reads)
         server.add_tool(call, name=fn.__name__)
         return fn
 
@@ -133,10 +134,11 @@ def build(root: str):
         return answer(lambda ws: clean(ws._call("status"),
                                        frozenset({"who"}) if who else frozenset()))
 
+    # (B006: the default list is never changed; the tool's schema is its signature)
     @tool
     def diff(layer: Layer = None,
              paths: Annotated[list[str], Field(description="only these paths (relative to "
-                                                           "the workspace root)")] = [],
+                                                           "the workspace root)")] = [],  # noqa: B006
              stat: Annotated[bool, Field(description="lines added and removed per file "
                                                      "instead of the diff")] = False,
              name_status: Annotated[bool, Field(description="only the kind and path of "
@@ -174,7 +176,7 @@ def build(root: str):
                 out["binary"] = text is None or "\0" in text
                 out["cut"] = res["size"] > max_bytes
                 out["text"] = (f"(binary, {res['size']} bytes)" if out["binary"] else
-                               text + (f"\n[... cut at {max_bytes} of {res['size']} bytes]"
+                               (text or "") + (f"\n[... cut at {max_bytes} of {res['size']} bytes]"
                                        if out["cut"] else ""))
             elif res["kind"] == "dir":
                 out["entries"] = res["entries"]
@@ -260,7 +262,7 @@ def build(root: str):
                             "(default), or merge it into the layer below")] = "keep",
             cwd: Annotated[str | None, Field(description="working directory, relative to the "
                                                          "workspace root")] = None,
-            scope: Annotated[Literal[RUN_SCOPES], Field(description="what to snapshot "
+            scope: Annotated[RunScope, Field(description="what to snapshot "
                                                                     "(see cowfs run)")] = "files",
             timeout: Annotated[float | None, Field(gt=0, description="seconds before the "
                                                                      "command is killed")] = 600,

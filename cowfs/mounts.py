@@ -177,7 +177,7 @@ class MountRecord:
         return f"MountRecord({self.as_dict()})"
 
     @classmethod
-    def load(cls, mountpoint: str, dirs: list[str] | None = None) -> "MountRecord | None":
+    def load(cls, mountpoint: str, dirs: list[str] | None = None) -> MountRecord | None:
         """The record of the daemon serving *mountpoint*, from this user's
         runtime directory (or the first of *dirs* that has one)."""
         paths = [os.path.join(d, _key(mountpoint) + ".json") for d in dirs] if dirs \
@@ -189,7 +189,7 @@ class MountRecord:
         return None
 
     @classmethod
-    def _read(cls, path: str) -> "MountRecord | None":
+    def _read(cls, path: str) -> MountRecord | None:
         try:
             with open(path) as f:
                 return cls(**json.load(f))
@@ -197,7 +197,7 @@ class MountRecord:
             return None
 
     @classmethod
-    def all(cls) -> list["MountRecord"]:
+    def all(cls) -> list[MountRecord]:
         """Every record in this user's runtime directory (live or not)."""
         base = runtime_dir()
         found = (cls._read(os.path.join(base, n)) for n in sorted(os.listdir(base))

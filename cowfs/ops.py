@@ -12,13 +12,15 @@ with respect to the others and to layer switches.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import stat
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from . import backing as B
 from . import schema as S
@@ -62,37 +64,48 @@ def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
 
+@contextlib.contextmanager
+def errno_only(name: str, logger: logging.Logger = log) -> Iterator[None]:
+    """How every FUSE request ends (the mount's operations and the view's
+    handlers): with its result, or with an OSError whose errno the engine
+    answers; anything unexpected is logged and becomes EIO, so that no
+    stray exception reaches the engine's loop and takes the mount down."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception:
+        logger.exception("%s failed", name)
+        raise fail(errno.EIO) from None
+
+
 def op(fn: Callable) -> Callable:
     """Every operation: note who asks (captures made for the request are
-    attributed to the process), and anything unexpected becomes EIO (logged):
-    engines answer an OSError's errno."""
+    attributed to the process), and anything unexpected becomes EIO (logged,
+    see errno_only): engines answer an OSError's errno."""
     name = fn.__name__
     takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
                                                  + fn.__code__.co_kwonlyargcount]
 
     @functools.wraps(fn)
-    def wrapper(self: "Ops", *args, ctx: Ctx | None = None, **kw):
+    def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
         self.last_request = time.monotonic()     # (background work waits for a pause)
         self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
         if self.rec.ignore is not None:           # .cowfsignore may have changed
             self.rec.ignore.stale = True
-        try:
+        with errno_only(name):
             try:
+                try:
+                    return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
+                except OSError as e:
+                    # a change fails before it touches anything: once the room
+                    # a redo kept is given back, it is tried once more
+                    if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
+                        raise
                 return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-            except OSError as e:
-                # a change fails before it touches anything: once the room
-                # a redo kept is given back, it is tried once more
-                if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
-                    raise
-            return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-        except LimitReached:
-            self._refused(name, args)
-            raise
-        except OSError:
-            raise
-        except Exception:
-            log.exception("%s failed", name)
-            raise fail(errno.EIO) from None
+            except LimitReached:
+                self._refused(name, args)
+                raise
 
     return wrapper
 
@@ -136,7 +149,7 @@ class Ops:
         self.last_request = time.monotonic()
         # changes refused (ENOSPC) because --max-store was reached: how
         # many since the mount, and the last one's path and time
-        self.refused = {"count": 0, "path": None, "time": None}
+        self.refused: dict[str, Any] = {"count": 0, "path": None, "time": None}
 
     # -- the inode table ---------------------------------------------------------
 
@@ -240,7 +253,7 @@ class Ops:
 
     def _path(self, node: Node) -> bytes:
         """The location of *node* now (workspace path or grave entry)."""
-        parts = []
+        parts: list[bytes] = []
         n = node
         while n is not self.root:
             p = n.parent
@@ -351,7 +364,7 @@ class Ops:
         if o.created:
             return
         own = fd is None
-        if own:
+        if fd is None:
             fd = B.open_noatime(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -486,6 +499,7 @@ class Ops:
                 ns = (cur.st_atime_ns if atime_ns is None else atime_ns,
                       cur.st_mtime_ns if mtime_ns is None else mtime_ns)
                 if node.islnk:
+                    assert node.parent is not None     # (a symlink has a name)
                     os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
                 else:
                     os.utime(B.proc(node.fd), ns=ns)
@@ -535,6 +549,7 @@ class Ops:
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
         if node.islnk:
+            assert node.parent is not None             # (a symlink has a name)
             os.chown(node.name, uid, gid, dir_fd=node.parent.fd, follow_symlinks=False)
         else:
             os.chown(B.proc(node.fd), uid, gid)
@@ -846,15 +861,29 @@ class Ops:
             fd = os.open(B.proc(node.fd), (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE))
         return self._new_handle(node, fd, flags)
 
+    def _file(self, fh: int) -> Handle:
+        """The open file *fh* (EBADF for a directory handle)."""
+        h = self.handles[fh]
+        if not isinstance(h, Handle):
+            raise fail(errno.EBADF)
+        return h
+
+    def _dir(self, fh: int) -> DirHandle:
+        """The open directory *fh* (EBADF for a file handle)."""
+        h = self.handles[fh]
+        if not isinstance(h, DirHandle):
+            raise fail(errno.EBADF)
+        return h
+
     @op
     def read(self, fh, off, size):
-        return os.pread(self.handles[fh].fd, size, off)
+        return os.pread(self._file(fh).fd, size, off)
 
     @op
     def write(self, fh, off, buf, kill_suidgid: bool = False, ctx: Ctx | None = None):
         """*kill_suidgid*: the writer (*ctx*) has no CAP_FSETID (see
         ``_kill_privs``)."""
-        h = self.handles[fh]
+        h = self._file(fh)
         node = h.node
         if kill_suidgid or not node.nocap:
             self._kill_privs(node, kill_suidgid, ctx)
@@ -869,7 +898,7 @@ class Ops:
         """fallocate(2) on the backing file: what a mode changes (the size;
         the bytes a hole or zero range replaces; all bytes from *off* on
         when a collapse or insert shifts them) is captured first."""
-        h = self.handles[fh]
+        h = self._file(fh)
         node = h.node
         if mode & (B.FALLOC_FL_COLLAPSE_RANGE | B.FALLOC_FL_INSERT_RANGE):
             self._capture_data(node, h.fd, off, 1 << 63)
@@ -883,13 +912,13 @@ class Ops:
     @op
     def lseek(self, fh, off: int, whence: int) -> int:
         """SEEK_DATA and SEEK_HOLE (the kernel does the others itself)."""
-        return os.lseek(self.handles[fh].fd, off, whence)
+        return os.lseek(self._file(fh).fd, off, whence)
 
     @op
     def copy_file_range(self, fh_in, off_in: int, fh_out, off_out: int, length: int) -> int:
         """copy_file_range(2) between backing files (reflinked where the
         filesystem can), the range it overwrites captured first."""
-        src, dst = self.handles[fh_in], self.handles[fh_out]
+        src, dst = self._file(fh_in), self._file(fh_out)
         self.rec.who = dst.who
         self._capture_data(dst.node, dst.fd, off_out, off_out + length)
         self._capture_meta(dst.node)
@@ -947,7 +976,8 @@ class Ops:
 
     @op
     def release(self, fh) -> Handle:
-        h = self.handles.pop(fh)
+        h = self._file(fh)
+        del self.handles[fh]
         os.close(h.fd)
         self.writers -= h.writable
         node = h.node
@@ -980,7 +1010,7 @@ class Ops:
         so gets passthrough too, the file captured whole first; and at every
         layer switch, files open for writing this way are captured whole in
         the new top layer (``layer_switched``)."""
-        h = self.handles[fh]
+        h = self._file(fh)
         node = h.node
         ok = stat.S_ISREG(node.mode) and not node.cached and (
             not h.writable or node.pt or self.rec.obj(node.bino).created)
@@ -1030,7 +1060,7 @@ class Ops:
     @op
     def fsync(self, fh, datasync):
         self.store.sync()  # the pre-images first, then the change they protect
-        h = self.handles[fh]
+        h = self._file(fh)
         if datasync:
             os.fdatasync(h.fd)
         else:
@@ -1064,7 +1094,7 @@ class Ops:
         """Hand the entries from position *start* on to *take(name, node,
         stat, next position)* until it says no more fit (False).  The
         kernel holds a reference to each node it took (not to dot entries)."""
-        dh = self.handles[fh]
+        dh = self._dir(fh)
         if start == 0 or not dh.names:
             # (a handle may begin past 0: the kernel's readdir cache goes on
             # where the part it kept ends; positions are those of the listing,

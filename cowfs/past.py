@@ -122,9 +122,9 @@ class History:
             return None
         cur = self.fwd(path)
         st = self.r.lstat(cur) if cur is not None else None
-        if st is not None and (not known or st.st_ino == ino):
+        if cur is not None and st is not None and (not known or st.st_ino == ino):
             return self._past(path, st.st_ino, cur, st)
-        if known:
+        if ino is not None:                     # (known)
             for gid in self.graves.get(ino, []):
                 loc = S.grave_loc(gid)
                 st = self.r.lstat(loc)

@@ -20,15 +20,17 @@ import re
 import shlex
 import shutil
 import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Iterable, Sequence
+from typing import Literal, get_args
 
 from . import errors
 from .errors import CowfsError
 
 SCOPES = ("none", "files", "system")
-RUN_SCOPES = ("auto", "files", "container", "vm")
+RunScope = Literal["auto", "files", "container", "vm"]
+RUN_SCOPES: tuple[str, ...] = get_args(RunScope)
 RANK = {s: i for i, s in enumerate(SCOPES)}
 KEYWORDS = {"{", "}", "!", "if", "then", "elif", "else", "fi", "while", "until", "do", "done"}
 RULE_KEYS = {"name", "scope", "programs", "subcommands", "value_options", "if_args",
@@ -57,7 +59,7 @@ class Rule:
     unless_program_inside: bool = False
 
     @classmethod
-    def parse(cls, d: dict, source: str, index: int) -> "Rule":
+    def parse(cls, d: dict, source: str, index: int) -> Rule:
         where = f"{source}: rule {index + 1}"
         if not isinstance(d, dict):
             raise PolicyError(f"{where}: a rule is a table")
@@ -94,7 +96,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     containers: list[str] = field(default_factory=list)
 
-    def widen(self, other: "Verdict") -> None:
+    def widen(self, other: Verdict) -> None:
         if RANK[other.scope] > RANK[self.scope]:
             self.scope, self.reasons = other.scope, list(other.reasons)
         elif other.scope == self.scope:
@@ -150,7 +152,7 @@ class Policy:
             raise PolicyError("policy setting unescalated must be warn or refuse")
 
     @classmethod
-    def load(cls, files: Sequence[str] = ()) -> "Policy":
+    def load(cls, files: Sequence[str] = ()) -> Policy:
         """The built-in policy extended by *files* (given explicitly, they
         must exist) and the user's policy files (read when present)."""
         docs = [(p, read_toml(p)) for p in files]
@@ -406,6 +408,7 @@ class ContainerWatch:
         self.before = {n: self._state(n) for n in self.names} if self.client else {}
 
     def _state(self, name: str) -> dict[str, tuple] | None:
+        assert self.client is not None         # (asked only when there is one)
         try:
             c = self.client.containers.get(name)
             mounts = [m["Destination"] for m in c.attrs.get("Mounts", [])]

@@ -23,7 +23,7 @@ class Board:
         self.path = path
         self.done = self.total = 0
         self._due = 0.0
-        self.fd = None
+        self.fd: int | None = None
         if path is not None:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                               | os.O_CLOEXEC, 0o600)
@@ -52,7 +52,7 @@ class Board:
         return (self.done, self.total) if self.total else None
 
     def close(self) -> None:
-        if self.fd is not None:
+        if self.fd is not None and self.path is not None:   # (an fd only with a path)
             os.close(self.fd)
             self.fd = None
             try:

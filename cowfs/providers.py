@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import tomli_w
 
 from . import backing as B
-from .errors import CowfsError, USAGE
+from .errors import USAGE, CowfsError
 
 CONFIG = "cowfs.toml"
 
@@ -65,6 +65,11 @@ class Provider:
     def __init__(self, name: str, config: dict):
         self.name = name
         self.config = config
+
+    @staticmethod
+    def validate(config: dict) -> None:
+        """Refuse (CowfsError, USAGE) a configuration this kind cannot use."""
+        raise NotImplementedError
 
     def capture(self, ctx: Context) -> dict:
         """Take a snapshot; return what restore and discard need (JSON)."""
@@ -122,7 +127,7 @@ class CommandProvider(Provider):
             raise CowfsError("the discard command must be a string", USAGE)
 
     def _sh(self, what: str, ctx: Context, **extra: str) -> str:
-        return run_sh(self.name, what, self.config.get(what) or "", ctx, **extra)
+        return run_sh(self.name, what, self.config.get(what) or "", ctx, True, **extra)
 
     def capture(self, ctx: Context) -> dict:
         self._sh("capture", ctx)

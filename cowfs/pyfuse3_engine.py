@@ -7,17 +7,40 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import logging
 import os
-from typing import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
 from .inodes import Node
-from .ops import TIMEOUT, Ops
+from .ops import TIMEOUT, Ops, errno_only
 
 NAME = "pyfuse3"
+T = TypeVar("T")
+
+
+def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A pyfuse3 handler written in the operations' terms (``cowfs.view``'s):
+    it answers an OSError's errno, and anything unexpected is logged (to its
+    module's logger) and answers EIO (``ops.errno_only``).  pyfuse3 lets a
+    handler raise only FUSEError; any other exception would end its loop."""
+    name = fn.__name__
+    logger = logging.getLogger(fn.__module__)
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kw: Any) -> T:
+        try:
+            with errno_only(name, logger):
+                return await fn(*args, **kw)
+        except OSError as e:
+            raise FUSEError(e.errno or errno.EIO) from None
+
+    return wrapper
 
 
 def _call(fn, *args, **kw):

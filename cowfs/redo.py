@@ -46,8 +46,8 @@ import time
 from . import backing as B
 from . import gravesum
 from . import schema as S
-from .journal import Names, Slot
 from .errors import NothingToDo, Refused
+from .journal import Names, Slot
 from .store import Store, Writer, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
@@ -450,9 +450,9 @@ def touched_locations(groups: list[list[S.Record]]) -> tuple[list[bytes], list[b
     names = Names()
     followed: list[tuple[Slot, bool]] = []
     for group in groups:
-        def slots() -> list[tuple[Slot, bool]]:
+        def slots() -> list[tuple[Slot, bool]]:     # (B023: called at once, below)
             return [(names.slot(loc), rec.kind in (S.RENAME, S.EXCHANGE))
-                    for rec in group for loc in _locs(rec)]
+                    for rec in group for loc in _locs(rec)]  # noqa: B023
         followed += slots()
         first = group[0]
         if first.kind == S.RENAME:        # the undo step moved fields[0] to fields[1]

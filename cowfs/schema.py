@@ -231,7 +231,8 @@ def decode_sum(raw: bytes) -> GraveSum | None:
     """None for a value that does not decode (reported by the check)."""
     if len(raw) not in (_SUM.size, _SUM.size + 16):
         return None
-    s = GraveSum(*_SUM.unpack_from(raw), bytes(raw[_SUM.size:]))
+    state, ino, size, mtime_ns, time_ns = _SUM.unpack_from(raw)
+    s = GraveSum(state, ino, size, mtime_ns, time_ns, bytes(raw[_SUM.size:]))
     if s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED) or \
             (s.state == SUM_HASHED) != (len(s.digest) == 16):
         return None

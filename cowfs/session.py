@@ -19,14 +19,13 @@ import logging
 import os
 import resource
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
 from . import backing as B
-from . import errors
-from . import fsck
-from . import redo
+from . import errors, fsck, redo
 from . import schema as S
 from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NotMounted
@@ -240,8 +239,8 @@ class Session:
                                     "(mounted with --accept-drift)")
             top = self.stack.ensure_base()
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
-            self.warnings.append(f"accepted drift of {count(len(drift), 'path')} (recorded in the log): "
-                                 + ", ".join(drift[:10]))
+            self.warnings.append(f"accepted drift of {count(len(drift), 'path')} "
+                                 "(recorded in the log): " + ", ".join(drift[:10]))
         # (no write: the first change captured makes the record stale)
 
     def holds_changes(self) -> bool:

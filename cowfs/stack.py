@@ -8,13 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from . import backing as B
-from . import fsck
-from . import progress
-from . import redo
+from . import fsck, progress, redo
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
 from .journal import Reading
@@ -272,7 +270,7 @@ class Stack:
             layers.append(seg)
         inos = [c.pop("ino", None) for c in changes]
         found = self.store.who(layers, [i for i in inos if i is not None])
-        for c, ino in zip(changes, inos):
+        for c, ino in zip(changes, inos, strict=True):
             if ino in found:
                 c["who"] = dict(found[ino])
         return changes

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import lmdb
 import xxhash
@@ -55,7 +56,15 @@ def digest(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def scan(txn: lmdb.Transaction, db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+def need(txn: lmdb.Transaction[bytes], key: bytes, db: lmdb._Database | None = None) -> bytes:
+    """The value at *key*, which a sound store has (StoreError if it lacks it)."""
+    raw = txn.get(key, db=db)
+    if raw is None:
+        raise StoreError(f"the store is damaged: it has no entry {key!r}")
+    return raw
+
+
+def scan(txn: lmdb.Transaction[bytes], db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     """(key, value) of every entry of *db* whose key starts with *prefix*.
     Collect them (list()) before writing to *db* in the same transaction."""
     cur = txn.cursor(db=db)
@@ -74,7 +83,7 @@ class Writer:
     """One write transaction; records, chunks and index entries written
     through it become durable (against a process crash) together."""
 
-    def __init__(self, store: "Store", txn: lmdb.Transaction):
+    def __init__(self, store: Store, txn: lmdb.Transaction[bytes]):
         self.store = store
         self.txn = txn
         self.seq = store._next_seq
@@ -86,9 +95,6 @@ class Writer:
         self.txn.put(S.u64(seq), data, db=self.store.db_journal)
         self.seq += 1
         return seq
-
-    def rewrite(self, seq: int, data: bytes) -> None:
-        self.txn.put(S.u64(seq), data, db=self.store.db_journal)
 
     def delete_record(self, seq: int) -> None:
         """Delete one journal record and release what it references."""
@@ -269,6 +275,11 @@ class Store:
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
+        self.db_who: lmdb._Database | None
+        self.db_writers: lmdb._Database | None
+        self.db_audit: lmdb._Database | None
+        self.db_redo: lmdb._Database | None
+        self.db_sums: lmdb._Database | None
         try:    # attribution, audit (newer: absent from older stores opened read-only)
             self.db_who, self.db_writers, self.db_audit = [
                 env.open_db(name, create=not readonly)
@@ -286,10 +297,10 @@ class Store:
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
                                 dir_fd=dirfd)
         with env.begin() as txn:
-            self.chunk_size = S.from_u64(txn.get(S.K_CHUNK_SIZE, db=self.db_meta))
-            self._next_seq = S.from_u64(txn.get(S.K_NEXT_SEQ, db=self.db_meta))
-            self._next_layer = S.from_u64(txn.get(S.K_NEXT_LAYER, db=self.db_meta))
-            self._next_grave = S.from_u64(txn.get(S.K_NEXT_GRAVE, db=self.db_meta))
+            self.chunk_size = S.from_u64(need(txn, S.K_CHUNK_SIZE, self.db_meta))
+            self._next_seq = S.from_u64(need(txn, S.K_NEXT_SEQ, self.db_meta))
+            self._next_layer = S.from_u64(need(txn, S.K_NEXT_LAYER, self.db_meta))
+            self._next_grave = S.from_u64(need(txn, S.K_NEXT_GRAVE, self.db_meta))
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
 
@@ -298,7 +309,7 @@ class Store:
     @classmethod
     def open(cls, path: str, workspace: str, *, create: bool = True,
              chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False,
-             locked: bool = True) -> "Store":
+             locked: bool = True) -> Store:
         """Open (and with *create*, initialise) the store at *path* for the
         workspace root *workspace*; lock it exclusively.  *readonly*: an
         existing store, opened so that nothing in it can be written; and
@@ -386,7 +397,7 @@ class Store:
             Store._validate(txn, path, ws_st)
 
     @staticmethod
-    def _validate(txn: lmdb.Transaction, path: str, ws_st: os.stat_result) -> None:
+    def _validate(txn: lmdb.Transaction[bytes], path: str, ws_st: os.stat_result) -> None:
         """The store's format is ours and it belongs to this workspace."""
         fmt = txn.get(S.K_FORMAT)
         if fmt is None:
@@ -394,7 +405,7 @@ class Store:
         if S.from_u64(fmt) != S.FORMAT:
             raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
                              f"this cowfs reads format {S.FORMAT}")
-        owner = S.from_json(txn.get(S.K_WORKSPACE))
+        owner = S.from_json(need(txn, S.K_WORKSPACE))
         if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
             raise StoreError(
                 f"store {path} belongs to another workspace ({owner['path']})")
@@ -448,7 +459,7 @@ class Store:
         except lmdb.Error as e:
             raise OSError(self.failure_errno(), f"cowfs store error: {e}") from None
 
-    def read(self) -> lmdb.Transaction:
+    def read(self) -> lmdb.Transaction[bytes]:
         return self.env.begin()
 
     # -- layers ----------------------------------------------------------------
@@ -472,7 +483,7 @@ class Store:
 
     def layer_end(self, layer_id: int) -> int:
         """First seq after *layer_id*'s records."""
-        for a, b in zip(self.layers(), self.layers()[1:]):
+        for a, b in itertools.pairwise(self.layers()):
             if a.id == layer_id:
                 return b.start
         return self._next_seq
@@ -495,7 +506,7 @@ class Store:
         the pending record of the checkpoint that took them)."""
         with self.write() as w:
             key = S.u64(layer_id)
-            d = S.from_json(w.txn.get(key, db=self.db_layers))
+            d = S.from_json(need(w.txn, key, self.db_layers))
             d["snapshots"] = snapshots
             w.txn.put(key, S.to_json(d), db=self.db_layers)
             if close_pending:
@@ -507,7 +518,7 @@ class Store:
         """Append records (``runs``, ``postmortems``, ``turns``) to a layer's record."""
         def put(w: Writer) -> None:
             k = S.u64(layer_id)
-            d = S.from_json(w.txn.get(k, db=self.db_layers))
+            d = S.from_json(need(w.txn, k, self.db_layers))
             d[key] = d.get(key, []) + items
             w.txn.put(k, S.to_json(d), db=self.db_layers)
         if w is not None:
@@ -573,7 +584,7 @@ class Store:
         seen: set[bytes] = set()
         layer = self.get_layer(layer_id)
         with self.env.begin() as txn:
-            for seq, rec in self.records(layer.start, self.layer_end(layer_id)):
+            for _seq, rec in self.records(layer.start, self.layer_end(layer_id)):
                 total += 16
                 if rec.kind == S.CHUNK and rec.fields[4] and rec.fields[4] not in seen:
                     seen.add(rec.fields[4])
@@ -601,7 +612,7 @@ class Store:
         self.set_meta_json(S.K_LIMITS, {k: v for k, v in current.items() if v})
         self.max_store = self.limits().get("max_store") or 0
 
-    def data_bytes(self, txn: lmdb.Transaction | None = None) -> int:
+    def data_bytes(self, txn: lmdb.Transaction[bytes] | None = None) -> int:
         """Bytes of LMDB pages in use (pages freed by commits and rollbacks
         are reused, so this falls when data is freed)."""
         def count(txn) -> int:

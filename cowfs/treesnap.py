@@ -106,13 +106,13 @@ def _walk(top_fd: int, top_rel: bytes, snap: Snapshot,
     try:
         while stack:
             dir_fd, rel_dir, names = stack[-1]
-            name = next(names, None)
-            if name is None:
+            listed = next(names, None)
+            if listed is None:
                 stack.pop()
                 if dir_fd != top_fd:
                     os.close(dir_fd)
                 continue
-            name = os.fsencode(name)
+            name = os.fsencode(listed)
             if not rel_dir and name in skipped:
                 continue
             rel = rel_dir + b"/" + name if rel_dir else name
@@ -139,6 +139,7 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
     is_file = kind == "file"
     # a short path to the entry itself, for the calls that take no dir fd
     path = b"/proc/self/fd/%d" % dir_fd + (b"/" + name if name is not None else b"")
+    here = name if name is not None else b"."      # relative to dir_fd
     return Entry(
         kind=kind,
         mode=st.st_mode,
@@ -146,8 +147,8 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
         gid=st.st_gid,
         size=st.st_size if is_file else None,
         mtime_ns=st.st_mtime_ns,
-        digest=_digest(dir_fd, name) if is_file and content else None,
-        target=os.readlink(name, dir_fd=dir_fd) if kind == "symlink" else None,
+        digest=_digest(dir_fd, here) if is_file and content else None,
+        target=os.readlink(here, dir_fd=dir_fd) if kind == "symlink" else None,
         rdev=st.st_rdev if kind in ("chardev", "blockdev") else None,
         xattrs=_xattrs(path),
         link=None,

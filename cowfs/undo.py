@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import backing as B
@@ -249,7 +250,7 @@ def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
         pos = run_end
 
 
-_HANDLERS = {
+_HANDLERS: dict[int, Callable[..., None]] = {
     S.CREATE: Undoer._create,
     S.LINK: Undoer._link,
     S.GRAVE: Undoer._grave,

@@ -27,15 +27,16 @@ import sys
 
 import pyfuse3
 import trio
-from pyfuse3 import FUSEError
 
 from . import backing as B
 from . import errors
 from . import schema as S
 from .errors import CowfsError
 from .mounts import VIEW_FSTYPE
+from .ops import fail
 from .past import History, Past
-from .store import Store
+from .pyfuse3_engine import handler
+from .store import Store, need
 
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
@@ -55,7 +56,7 @@ class View(pyfuse3.Operations):
         self.hidden = hidden
         self.on_init = on_init
         self.h: History | None = None
-        self.seen = None
+        self.seen: tuple | None = None
         self._graves: tuple = (None, {})          # (grave state, grave_counts())
         self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
         self.inos: dict[int, int] = {}            # backing ino at T -> view inode
@@ -72,7 +73,7 @@ class View(pyfuse3.Operations):
 
     def _state(self) -> tuple:
         with self.store.env.begin(db=self.store.db_meta) as txn:
-            seq = S.from_u64(txn.get(S.K_NEXT_SEQ))
+            seq = S.from_u64(need(txn, S.K_NEXT_SEQ))
         with self.store.env.begin(db=self.store.db_layers) as txn:
             layers = tuple(S.from_u64(k) for k, _ in txn.cursor())
         return seq, layers
@@ -81,7 +82,7 @@ class View(pyfuse3.Operations):
         state = self._state()
         if state != self.seen or self.h is None:
             if self.layer not in state[1]:
-                raise FUSEError(errno.ESTALE)
+                raise fail(errno.ESTALE)
             self.store._next_seq = state[0]
             self.store.forget_layer_cache()
             self.h = History(self.store, self.resolver, self.layer, self.hidden)
@@ -91,7 +92,7 @@ class View(pyfuse3.Operations):
     def past(self, path: bytes) -> Past:
         obj = self.history().object_at(path)
         if obj is None:
-            raise FUSEError(errno.ENOENT)
+            raise fail(errno.ENOENT)
         return obj
 
     # -- attributes ------------------------------------------------------------------
@@ -147,38 +148,43 @@ class View(pyfuse3.Operations):
         try:
             return self.paths[inode]
         except KeyError:
-            raise FUSEError(errno.ESTALE) from None
+            raise fail(errno.ESTALE) from None
 
     # -- operations --------------------------------------------------------------------
 
+    @handler
     async def getattr(self, inode, ctx=None):
         return self._attr(self.past(self._path(inode)))
 
+    @handler
     async def lookup(self, parent_inode, name, ctx=None):
         parent = self._path(parent_inode)
         if name in (b".", b".."):
-            raise FUSEError(errno.ENOENT)
+            raise fail(errno.ENOENT)
         if parent == b"" and name == self.hidden:
-            raise FUSEError(errno.ENOENT)
+            raise fail(errno.ENOENT)
         obj = self.past(parent + b"/" + name if parent else name)
         if obj.path != (parent + b"/" + name if parent else name):
-            raise FUSEError(errno.ENOENT)
+            raise fail(errno.ENOENT)
         ino = self._ino(obj)
         self.paths[ino] = obj.path         # the name it was reached by
         return self._attr(obj)
 
+    @handler
     async def forget(self, inode_list):
         pass
 
+    @handler
     async def opendir(self, inode, ctx):
         obj = self.past(self._path(inode))
         if not stat.S_ISDIR(obj.mode):
-            raise FUSEError(errno.ENOTDIR)
+            raise fail(errno.ENOTDIR)
         fh = self.next_fh
         self.next_fh += 1
         self.dirs[fh] = [obj.path]
         return fh
 
+    @handler
     async def readdir(self, fh, start_id, token):
         path = self.dirs[fh][0]
         h = self.history()
@@ -199,20 +205,23 @@ class View(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, names[i], attr, i + 1):
                 return
 
+    @handler
     async def releasedir(self, fh):
         self.dirs.pop(fh, None)
 
+    @handler
     async def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise FUSEError(errno.EROFS)
+            raise fail(errno.EROFS)
         obj = self.past(self._path(inode))
         if stat.S_ISDIR(obj.mode):
-            raise FUSEError(errno.EISDIR)
+            raise fail(errno.EISDIR)
         fh = self.next_fh
         self.next_fh += 1
         self.files[fh] = obj.path
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
+    @handler
     async def read(self, fh, off, size):
         path = self.files[fh]
         while True:
@@ -221,34 +230,40 @@ class View(pyfuse3.Operations):
             try:
                 data = h.read(h.need(path), off, size)
             except CowfsError:
-                raise FUSEError(errno.EIO) from None
+                raise fail(errno.EIO) from None
             # A change captured meanwhile has its pre-image in the store by
             # now: read again with it.
             if self._state() == state:
                 return data
 
+    @handler
     async def release(self, fh):
         self.files.pop(fh, None)
 
+    @handler
     async def readlink(self, inode, ctx):
         h = self.history()
         return h.readlink(h.need(self._path(inode)))
 
+    @handler
     async def listxattr(self, inode, ctx):
         h = self.history()
         return [n for n, _ in h.xattrs_of(h.need(self._path(inode)))]
 
+    @handler
     async def getxattr(self, inode, name, ctx):
         h = self.history()
         for n, v in h.xattrs_of(h.need(self._path(inode))):
             if n == name:
                 return v
-        raise FUSEError(errno.ENODATA)
+        raise fail(errno.ENODATA)
 
+    @handler
     async def access(self, inode, mode, ctx):
         if mode & os.W_OK:
-            raise FUSEError(errno.EROFS)
+            raise fail(errno.EROFS)
 
+    @handler
     async def statfs(self, ctx):
         sv = os.fstatvfs(self.rootfd)
         out = pyfuse3.StatvfsData()

@@ -1,4 +1,6 @@
-"""Fixtures: real FUSE mounts driven through the real ``cowfs`` command.
+"""Fixtures: real FUSE mounts driven through the real ``cowfs`` command
+(the helpers they use are in tests/helpers.py; the docker and libvirt
+fixtures in tests/engines.py, loaded as a plugin), and the test tiers.
 
 Every mount made through ``Workspace`` is unmounted and its daemon killed at
 teardown, whether the test passed or not.
@@ -7,22 +9,18 @@ teardown, whether the test passed or not.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from cowfs import treesnap
-from cowfs.mounts import MountRecord, is_cowfs_mount, mount_table, pid_alive
+from cowfs.mounts import mount_table
 
-COWFS = [sys.executable, "-m", "cowfs"]
+from .helpers import managed_workspace, view_processes
+
+pytest_plugins = ["tests.engines"]     # docker_client, busybox, libvirt_conn, tiny_vm
 
 settings.register_profile("ci", max_examples=25, deadline=None, stateful_step_count=30,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -62,122 +60,31 @@ def engine(request):
             os.environ["COWFS_ENGINE"] = old
 
 
+# The tiers (markers registered in pyproject.toml; README, "Tests"): `fuse`
+# for tests that mount, `engines` for those run on each FUSE engine, `slow`
+# for the crash, scale and model tests and those that need dockerd or libvirtd.
+WITHOUT_FUSE = ("test_store", "test_treesnap", "test_engines")
+SLOW = ("test_crash", "test_scale", "test_model", "test_engines", "test_docker_provider",
+        "test_libvirt_provider")
+CONTAINER_FIXTURES = {"docker_client", "busybox", "libvirt_conn", "tiny_vm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if module not in WITHOUT_FUSE:
+            item.add_marker(pytest.mark.fuse)
+        if module in SLOW or CONTAINER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("engine") in ENGINES:
+            item.add_marker(pytest.mark.engines)
+
+
 def pytest_configure(config):
     if os.geteuid() != 0:
         pytest.exit("the cowfs test suite mounts FUSE filesystems as root; run it as root",
                     returncode=2)
-
-
-def run(*args, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the real ``cowfs`` command."""
-    cmd = [*COWFS, *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if check and r.returncode != 0:
-        raise AssertionError(f"cowfs {' '.join(cmd[3:])} exited {r.returncode}: "
-                             f"{r.stderr.strip()}")
-    return r
-
-
-class Workspace:
-    """A workspace directory and its (optional) cowfs mount over itself."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.mounted = False
-
-    def __truediv__(self, other) -> Path:
-        return self.path / other
-
-    def mount(self, *extra) -> None:
-        run("mount", *extra, self.path)
-        assert is_cowfs_mount(str(self.path))
-        self.mounted = True
-
-    def unmount(self) -> None:
-        run("unmount", self.path)
-        self.mounted = False
-        assert not is_cowfs_mount(str(self.path))
-
-    def cowfs(self, *args, check=True) -> subprocess.CompletedProcess:
-        return run("-C", self.path, *args, check=check)
-
-    def json(self, *args):
-        return json.loads(self.cowfs("--json", *args).stdout)
-
-    def checkpoint(self, message: str = "") -> int:
-        return self.json("checkpoint", "-m", message)["id"]
-
-    def rollback(self, to: int | None = None) -> dict:
-        """(--yes: the base layer too, as the tests mean it)"""
-        return self.json("rollback", "--yes", *(["--to", to] if to is not None else []))
-
-    def commit(self) -> dict:
-        return self.json("commit")
-
-    def status(self) -> list[dict]:
-        return self.json("status")["changes"]
-
-    def log(self) -> list[dict]:
-        return self.json("log")
-
-    def snapshot(self, **kw) -> treesnap.Snapshot:
-        return treesnap.snapshot(self.path, **kw)
-
-    def daemon_pid(self) -> int | None:
-        rec = MountRecord.load(str(self.path))
-        return rec.pid if rec else None
-
-    def kill(self) -> None:
-        """kill -9 the daemon (the mount stays behind, dead)."""
-        pid = self.daemon_pid()
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        while pid_alive(pid):
-            time.sleep(0.01)
-
-    def teardown(self) -> None:
-        pid = self.daemon_pid()
-        if is_cowfs_mount(str(self.path)):
-            r = run("unmount", "--lazy", self.path, check=False)
-            if r.returncode != 0 or is_cowfs_mount(str(self.path)):
-                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
-        if pid is not None and pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        rec = MountRecord.load(str(self.path))
-        if rec is not None:
-            rec.remove()
-        self.mounted = False
-
-    def daemon_errors(self) -> list[str]:
-        """Errors the daemon logged (a handler that failed unexpectedly
-        answers EIO and logs it): a test fails on any it did not expect."""
-        log = self.path / ".cowfs" / "daemon.log"
-        if self.mounted or not log.exists():
-            return []
-        return [line for line in log.read_text(errors="replace").splitlines()
-                if " ERROR " in line or "Traceback" in line]
-
-
-def plain(changes: list[dict]) -> list[dict]:
-    """Changes without who made them (for comparing paths and kinds)."""
-    return [{k: v for k, v in c.items() if k != "who"} for c in changes]
-
-
-@contextlib.contextmanager
-def managed_workspace(path: Path) -> Iterator[Workspace]:
-    """A new, empty workspace directory that is always unmounted (and its
-    daemon killed) afterwards; fails if the daemon logged errors."""
-    ws = Workspace(path)
-    ws.path.mkdir()
-    try:
-        yield ws
-    finally:
-        ws.teardown()
-    errors = ws.daemon_errors()
-    assert not errors, f"the daemon of {path} logged errors:\n" + "\n".join(errors)
 
 
 @pytest.fixture
@@ -195,22 +102,6 @@ def mounted(workspace):
     (workspace / "dir" / "b.txt").write_text("beta\n")
     workspace.mount()
     return workspace
-
-
-def view_processes(where: Path) -> list[int]:
-    """Pids of the view processes (``python -m ...view``) started for the
-    directory *where*."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if argv[1:2] == [b"-m"] and argv[2:3] and argv[2].endswith(b"view") \
-                and os.fsencode(where) in argv:
-            found.append(int(pid))
-    return found
 
 
 @pytest.fixture

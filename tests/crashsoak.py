@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     exact = sum(t.exact for t in results)
     resumed = sum(bool(t.interrupted) for t in results)
     print(f"crashsoak: {exact}/{len(results)} exact ({resumed} trials resumed an interrupted "
-          f"rollback, commit or redo at the next mount), {time.monotonic() - t0:.0f} s, seed {seed}")
+          f"rollback, commit or redo at the next mount), {time.monotonic() - t0:.0f} s, "
+          f"seed {seed}")
     return 0 if exact == len(results) == args.trials else 1
 
 

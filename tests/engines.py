@@ -38,8 +38,8 @@ import subprocess
 import tarfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 try:
     import pytest
@@ -237,7 +237,8 @@ def docker_cli() -> str:
     """Path of the ``docker`` command-line client, or ``EngineUnavailable``."""
     path = _find("docker")
     if path is None:
-        raise EngineUnavailable("docker: the docker CLI is not installed (Debian package docker.io)")
+        raise EngineUnavailable(
+            "docker: the docker CLI is not installed (Debian package docker.io)")
     return path
 
 
@@ -699,8 +700,8 @@ def cleanup_libvirt(conn, prefix: str = PREFIX) -> list[str]:
 
 
 # --------------------------------------------------------------------------
-# pytest fixtures: import the ones a test module uses, e.g.
-#   from .engines import docker_client, busybox, libvirt_conn, tiny_vm  # noqa: F401
+# pytest fixtures: tests/conftest.py loads this module as a plugin
+# (pytest_plugins), so every test module can use them
 # --------------------------------------------------------------------------
 
 def _required(engine: str) -> bool:

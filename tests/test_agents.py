@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from cowfs import agents, jsonedit, treesnap
 
-from .conftest import COWFS
+from .helpers import COWFS
 from .test_run import _run_on_a_terminal
-
 
 # -- the payloads each agent documents -------------------------------------------------
 # Claude Code: code.claude.com/docs/en/hooks as of 2026-08-22 (Claude Code 2.1.240):
@@ -135,7 +134,7 @@ def test_documented_events_become_checkpoints(mounted, agent, prompt, tools, mes
     assert (turn["agent"], turn["event"], turn["kind"]) == (agent, a.prompt_event, "prompt")
     assert turn["session"] == prompt["session_id"]
     assert turn.get("turn") == prompt.get("turn_id")
-    for layer, tool in zip(layers[1:], tools):
+    for layer, tool in zip(layers[1:], tools, strict=False):
         rec = layer["agent"]
         assert (rec["kind"], rec["tool"], rec["event"]) == ("tool", tool["tool_name"],
                                                            a.tool_event)
@@ -174,7 +173,7 @@ def test_an_installed_hook_that_cannot_run_cowfs_still_lets_the_agent_go_on(
     old.write_text("#!/bin/sh\necho 'cowfs: invalid choice: hook' >&2\nexit 2\n")
     old.chmod(0o755)
     for argv in ([str(old)], [str(tmp_path / "gone" / "cowfs")]):
-        monkeypatch.setattr(agents, "cowfs_argv", lambda: argv)
+        monkeypatch.setattr(agents, "cowfs_argv", lambda argv=argv: argv)
         command = agents.hook_command(agents.AGENTS["claude-code"], str(tmp_path),
                                       "UserPromptSubmit")
         r = subprocess.run(["sh", "-c", command], input=b"{}", capture_output=True,
@@ -212,7 +211,7 @@ USER_SETTINGS = {
 \t}
 }""",
     "codex": """{"hooks": {"SessionStart": [{"matcher": "startup|resume", "hooks": [{"type": "command", "command": "sh .codex/hooks/session-start.sh", "statusMessage": "Loading context"}]}]}}
-""",
+""",  # noqa: E501 (the user's file as it is, one long line)
 }
 
 

@@ -11,7 +11,7 @@ import subprocess
 from cowfs import treesnap
 from cowfs.errors import CONFIRM, NOTHING_TO_DO
 
-from .conftest import COWFS
+from .helpers import COWFS
 from .test_run import _run_on_a_terminal
 
 REFUSAL = "is the base layer: rolling it back undoes everything since the workspace was mounted"

@@ -140,7 +140,8 @@ def test_a_damaged_record_and_a_removed_grave_object_are_named(damaged):
     ws, layer, before = damaged
     with raw_store(ws) as (txn, dbs):
         recs = records(txn, dbs)
-        meta_seq = next(seq for seq, rec in recs if rec.kind == S.META and rec.fields[0] == b"a.txt")
+        meta_seq = next(seq for seq, rec in recs
+                        if rec.kind == S.META and rec.fields[0] == b"a.txt")
         txn.put(S.u64(meta_seq), b"\x06garbage", db=dbs[S.DB_JOURNAL])
         gid = next(rec.fields[1] for _, rec in recs if rec.kind == S.GRAVE)
     os.unlink(ws / ".cowfs" / "grave" / str(gid))

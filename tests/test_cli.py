@@ -16,7 +16,7 @@ import pytest
 from cowfs import cli
 from cowfs.errors import ALREADY_MOUNTED, NOT_MOUNTED, USAGE
 
-from .conftest import COWFS
+from .helpers import COWFS
 
 
 def cowfs_in(cwd, *args) -> subprocess.CompletedProcess:

@@ -229,7 +229,7 @@ class Writers:
         """Wait until every writer has completed a generation past *gens*
         (if they run)."""
         deadline = time.monotonic() + WAIT
-        while self.pids and not all(d > g for d, g in zip(self.done, gens)):
+        while self.pids and not all(d > g for d, g in zip(self.done, gens, strict=False)):
             for pid in self.pids:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 assert not done, f"writer {pid} ended: {status:#x}"

@@ -31,7 +31,7 @@ from cowfs.errors import NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
 from . import users
-from .conftest import COWFS, Workspace, managed_workspace, plain
+from .helpers import COWFS, Workspace, managed_workspace, plain
 
 MiB = 1 << 20
 OTHER_UID = 1234
@@ -241,7 +241,8 @@ def _bad_arguments(base: int) -> list[tuple[str, bytes]]:
     out = [(name, json.dumps(req).encode() + b"\n") for name, req in cases]
     out += [("rollback to NaN", b'{"op": "rollback", "to": NaN}\n'),
             ("rollback to Infinity", b'{"op": "rollback", "to": Infinity}\n'),
-            ("rollback to a 5000-digit number", b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n")]
+            ("rollback to a 5000-digit number",
+             b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n")]
     # last: served, it would drop every layer
     out.append(("rollback to true", b'{"op": "rollback", "to": true}\n'))
     return out
@@ -292,7 +293,7 @@ def test_garbage_gets_an_error_or_a_close_and_the_mount_keeps_working(mounted, g
         took = time.monotonic() - t0
         why = daemon_alive(ws, pid)
         if why is not None:
-            time.sleep(2)
+            time.sleep(2)        # (only for the failure's message: what it is 2 s later)
             later = daemon_alive(ws, pid)
             raise AssertionError(
                 f"after sending {name} ({len(payload)} bytes): {why}"
@@ -333,7 +334,7 @@ def test_valid_requests_in_odd_framing_are_served(mounted):
     with connect(rec.socket) as s:
         for piece in (b'{"o', b'p": "pi', b'ng"', b"}", b"\n"):
             s.sendall(piece)
-            time.sleep(0.05)
+            time.sleep(0.05)     # the pause is what is tested: each piece its own read
         resp = parse_answer(read_all(s))
     assert resp == {"ok": True, "result": resp["result"]} and resp["result"]["pid"] == pid
     resp = parse_answer(exchange(rec.socket, b'  {"op": "ping"}  \nignored garbage \xff'))
@@ -362,7 +363,7 @@ def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
                 sent += min(MiB, total - sent)
             s.sendall(suffix)
             s.shutdown(socket.SHUT_WR)
-        except socket.timeout:
+        except TimeoutError:
             err = "timeout"
         except OSError as e:
             if e.errno not in CLOSED_ERRNOS:
@@ -370,7 +371,7 @@ def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
             err = errno.errorcode[e.errno]
         try:
             data = read_all(s)
-        except socket.timeout:
+        except TimeoutError:
             data, err = b"", "timeout reading the answer"
     return {"sent": sent, "err": err, "data": data, "took": time.monotonic() - t0}
 
@@ -457,7 +458,7 @@ def test_stalled_clients_do_not_block_others_and_are_closed(mounted):
         took = time.monotonic() - t
         assert took < 5, f"file I/O, status and 10 pings took {took:.1f} s"
         # a slow client that does finish its line is served
-        time.sleep(1)
+        time.sleep(1)            # the slowness is what is tested
         slow.sendall(b'ng"}\n')
         resp = parse_answer(read_all(slow))
         slow.close()
@@ -545,7 +546,8 @@ def test_fifty_concurrent_clients_are_all_answered_correctly(mounted):
         assert isinstance(r["status"]["changes"], list)
         assert r["status"]["id"] in [before_ids[-1], *ids]
         seen = [layer["id"] for layer in r["log"]["layers"]]
-        assert seen == list(range(seen[0], seen[0] + len(seen))) and seen[:len(before_ids)] == before_ids
+        assert seen == list(range(seen[0], seen[0] + len(seen)))
+        assert seen[:len(before_ids)] == before_ids
     log = ws.log()
     assert [layer["id"] for layer in log] == before_ids + ids
     by_id = {r["checkpoint"]["id"]: f"client {i}" for i, r in results.items()}
@@ -584,7 +586,7 @@ def test_clients_beyond_the_listen_backlog_wait_their_turn(mounted):
     try:
         for t in threads:
             t.start()
-        time.sleep(1)
+        time.sleep(1)            # the stall is what is tested: clients meet a stopped daemon
     finally:
         os.kill(pid, signal.SIGCONT)
     for t in threads:
@@ -692,7 +694,7 @@ def test_another_user_is_refused(mounted):
             pass
         os.rmdir(linkdir)
     assert stat.S_IMODE(os.stat(rec.socket).st_mode) == mode
-    for req, item in zip(requests, items):
+    for req, item in zip(requests, items, strict=False):
         assert "connect_errno" not in item, (req, item)   # it did reach the daemon
         resp = parse_answer(item["data"].encode("latin-1"))
         assert resp is None or (not resp["ok"] and resp["code"] == NOT_OWNER

@@ -13,10 +13,17 @@ import time
 import pytest
 
 from cowfs import treesnap
-from cowfs.errors import (ALREADY_MOUNTED, BAD_WORKSPACE, NO_FUSE, NOT_MOUNTED, NOTHING_TO_DO,
-                          STORE_ERROR, UNKNOWN_LAYER)
+from cowfs.errors import (
+    ALREADY_MOUNTED,
+    BAD_WORKSPACE,
+    NO_FUSE,
+    NOT_MOUNTED,
+    NOTHING_TO_DO,
+    STORE_ERROR,
+    UNKNOWN_LAYER,
+)
 
-from .conftest import run
+from .helpers import run
 
 
 def write(path, data: bytes, offset: int | None = None) -> None:
@@ -337,10 +344,10 @@ def test_new_objects_get_caller_owner_and_umask(workspace):
     subprocess.run(["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups",
                     "sh", "-c", "umask 027 && touch f && mkdir d && ln -s f l"],
                    cwd=ws.path, check=True)
-    f, d, l = (os.lstat(ws / n) for n in ("f", "d", "l"))
+    f, d, link = (os.lstat(ws / n) for n in ("f", "d", "l"))
     assert (f.st_uid, f.st_gid, stat.S_IMODE(f.st_mode)) == (1234, 1234, 0o640)
     assert (d.st_uid, d.st_gid, stat.S_IMODE(d.st_mode)) == (1234, 1234, 0o750)
-    assert (l.st_uid, l.st_gid) == (1234, 1234)
+    assert (link.st_uid, link.st_gid) == (1234, 1234)
 
 
 def test_permissions_are_checked_for_other_users(mounted):
@@ -441,7 +448,10 @@ def test_kill_9_then_mount_recovers_and_rolls_back_exactly(mounted):
          "    if i % 50 == 0: open(f'new{i}', 'w').write('x')\n"
          "    i += 1\n"],
         cwd=ws.path, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60                 # the crash hits a writer at work
+    while not (ws / "new100").exists():
+        assert time.monotonic() < deadline and writer.poll() is None, "the writer did not run"
+        time.sleep(0.01)
     ws.kill()
     writer.wait(timeout=30)
     r = run("mount", ws.path)
@@ -494,7 +504,7 @@ def small_fs(tmp_path):
 
 
 def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
-    from .conftest import Workspace
+    from .helpers import Workspace
     ws = Workspace(small_fs / "ws")
     ws.path.mkdir()
     original = os.urandom(2 << 20)

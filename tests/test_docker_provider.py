@@ -8,7 +8,6 @@ import subprocess
 from cowfs import treesnap
 
 from . import engines
-from .engines import busybox, docker_client  # noqa: F401  (fixtures)
 
 
 def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(

@@ -137,8 +137,9 @@ def test_missing_dev_fuse_fails(tmp_path):
 
 
 def test_workspace_mounted_elsewhere_is_found(workspace, tmp_path):
-    from .conftest import run
     from cowfs.mounts import is_cowfs_mount
+
+    from .helpers import run
 
     (workspace / "f").write_text("x")
     mp = tmp_path / "mp"

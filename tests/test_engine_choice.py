@@ -12,7 +12,7 @@ import subprocess
 
 from cowfs import treesnap
 
-from .conftest import COWFS
+from .helpers import COWFS
 
 
 def engine(ws) -> dict:

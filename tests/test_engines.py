@@ -11,8 +11,6 @@ import time
 import pytest
 
 from . import engines
-from .engines import busybox, docker_client, libvirt_conn, tiny_vm  # noqa: F401  (fixtures)
-
 
 # ------------------------------------------------------------------ docker
 

@@ -17,7 +17,7 @@ import pytest
 
 from cowfs import treesnap
 
-from .conftest import managed_workspace
+from .helpers import managed_workspace
 from .test_posix import backing_dir
 
 
@@ -145,7 +145,7 @@ def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(sm
 
         for f in small_ext4.glob("filler-*"):                   # room again
             f.unlink()
-        for name, change in changes(ws.path).items():
+        for change in changes(ws.path).values():
             change()                                            # no remount needed
         assert stat.S_IMODE(os.stat(ws / "moved.txt").st_mode) == 0o600
         assert ws.json("check")["ok"]

@@ -20,13 +20,12 @@ import time
 import lmdb
 import pytest
 
-from cowfs import redo
+from cowfs import redo, treesnap
 from cowfs import schema as S
-from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
 
-from .conftest import managed_workspace
+from .helpers import managed_workspace
 
 CHUNK = 64 << 10
 FS_IOC_FIEMAP = 0xC020660B

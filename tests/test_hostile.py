@@ -23,7 +23,7 @@ import pytest
 from cowfs import treesnap
 from cowfs.errors import PARTIAL
 
-from .conftest import managed_workspace, run
+from .helpers import managed_workspace, run
 
 
 @pytest.fixture

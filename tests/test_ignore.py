@@ -11,7 +11,7 @@ import sys
 
 from cowfs import treesnap
 
-from .conftest import plain
+from .helpers import plain
 
 TRICKY = """\
 # a comment, then patterns

@@ -6,7 +6,6 @@ from __future__ import annotations
 from cowfs import treesnap
 
 from . import engines
-from .engines import libvirt_conn, tiny_vm  # noqa: F401  (fixtures)
 from .test_providers import KillSwitch, crash_during
 
 

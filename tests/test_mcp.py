@@ -16,7 +16,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from cowfs import treesnap
 from cowfs.mounts import is_cowfs_mount
 
-from .conftest import COWFS
+from .helpers import COWFS
 
 TOOLS = {"status", "diff", "show", "log", "checkpoint", "rollback", "commit", "redo",
          "restore", "run"}

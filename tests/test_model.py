@@ -57,19 +57,17 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
-
-import xxhash
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cowfs import control, treesnap
 from cowfs.api import Workspace as Workspace_api
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 from cowfs.mounts import MountRecord, mount_table
 
-from .conftest import Workspace
+from .helpers import Workspace
 
 CHUNK = 64 * 1024
 MAX_FILE = 300 * 1024

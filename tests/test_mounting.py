@@ -6,6 +6,7 @@ workspace mounted twice; lazy unmount while processes use the mount."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsErro
 from cowfs.mounts import MountRecord, finish_unmount, is_cowfs_mount, mounts, pid_alive
 from cowfs.store import Store
 
-from .conftest import COWFS, Workspace, managed_workspace, run, view_processes
+from .helpers import COWFS, Workspace, managed_workspace, run, view_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,6 +111,42 @@ def test_a_view_that_fails_after_it_started_leaves_no_mount_and_no_process(
     assert sorted(os.listdir(view_dir)) == ["a.txt", "dir"]
 
 
+def test_a_view_handler_that_fails_answers_an_errno_and_the_view_goes_on(
+        mounted, view_dir, tmp_path):
+    """A handler's OSError answers its errno, anything unexpected answers EIO
+    and is logged; neither takes the view down (pyfuse3 would end its loop)."""
+    ws = mounted
+    os.symlink("a.txt", ws / "link")
+    layer = ws.checkpoint()
+    ws.unmount()
+    log = tmp_path / "view.log"
+    code = ("import sys, cowfs.daemon as d\n"
+            "d.VIEW_MODULE = 'tests.broken_view'\n"
+            "from cowfs.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = os.environ | {"BROKEN_VIEW": "failing", "BROKEN_VIEW_LOG": str(log),
+                        "PYTHONPATH": os.pathsep.join(
+                            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", code, "-C", str(ws.path), "view", str(layer),
+                        str(view_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    [pid] = view_processes(view_dir)
+    for _ in range(2):
+        with pytest.raises(PermissionError):
+            os.readlink(view_dir / "link")
+        with pytest.raises(OSError) as e:
+            os.getxattr(view_dir / "a.txt", "user.k")
+        assert e.value.errno == errno.EIO
+        assert (view_dir / "a.txt").read_text() == "alpha\n"      # still serving
+        assert sorted(os.listdir(view_dir)) == ["a.txt", "dir", "link"]
+    assert mounts_at(view_dir) == ["fuse.cowfs-view"] and pid_alive(pid)
+    logged = log.read_text()
+    assert "getxattr failed" in logged and "RuntimeError: planted" in logged
+    assert "readlink failed" not in logged                     # an errno is no failure
+    ws.cowfs("unmount", view_dir)
+    assert mounts_at(view_dir) == [] and gone(pid)
+
+
 # -- mount guards -----------------------------------------------------------------------------
 
 
@@ -178,7 +215,8 @@ def test_a_mounted_workspace_mounted_again_says_where(workspace, tmp_path):
 
 # -- unmounting -------------------------------------------------------------------------------
 
-READER = "import sys\nfor name in sys.stdin:\n    print(open(name.strip()).read(), end='', flush=True)\n"
+READER = ("import sys\nfor name in sys.stdin:\n"
+          "    print(open(name.strip()).read(), end='', flush=True)\n")
 
 
 def test_lazy_unmount_returns_at_once_and_the_daemon_serves_until_the_last_user_leaves(mounted):

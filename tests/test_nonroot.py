@@ -21,8 +21,9 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def preload() -> None:
             importlib.import_module(info.name)
         except ImportError:     # an optional extra that is not installed
             pass
-    import lmdb, trio, pyfuse3, xxhash  # noqa: E401,F401
+    import lmdb  # noqa: E401,F401
 
 
 def as_user(fn: Callable[..., Any], *args: Any) -> Any:

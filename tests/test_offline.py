@@ -12,7 +12,7 @@ from cowfs import treesnap
 from cowfs.errors import NOT_MOUNTED, NOTHING_TO_DO, UNKNOWN_LAYER
 from cowfs.mounts import is_cowfs_mount
 
-from .conftest import managed_workspace, run
+from .helpers import managed_workspace, run
 
 
 def test_status_log_rollback_commit_without_a_mount(mounted):

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from .conftest import COWFS
+from .helpers import COWFS
 
 PACKAGES, FILES = 12, 40        # an npm-like tree: 12 packages of 40 files and a lib/
 

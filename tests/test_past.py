@@ -86,7 +86,7 @@ def test_show_reads_any_layer_without_changing_anything(mounted):
 
 
 def ws_cowfs(ws) -> list[str]:
-    from .conftest import COWFS
+    from .helpers import COWFS
     return [*COWFS, "-C", str(ws.path)]
 
 

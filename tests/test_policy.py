@@ -14,8 +14,7 @@ from cowfs.errors import USAGE
 from cowfs.policy import Policy, PolicyError, Where
 
 from . import engines
-from .conftest import COWFS
-from .engines import busybox, docker_client, libvirt_conn, tiny_vm  # noqa: F401  (fixtures)
+from .helpers import COWFS
 
 
 @pytest.fixture(autouse=True)

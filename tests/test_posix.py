@@ -36,16 +36,16 @@ import os
 import pickle
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .conftest import Workspace, managed_workspace
+from .helpers import Workspace, managed_workspace
 
 T0 = 1_600_000_000 * 10**9     # an old atime/mtime given to everything before an operation
 USER = 1234                    # an unprivileged uid (and gid)
@@ -84,7 +84,7 @@ def roots(tmp_path_factory, engine):
             for layer in LAYERS:
                 (root / layer).mkdir(parents=True)
             for case in CASES:
-                in_dir(root / "old" / case.sub, lambda: build(case.setup), create=True)
+                in_dir(root / "old" / case.sub, lambda case=case: build(case.setup), create=True)
             for size, _ in APPENDS:
                 (root / "old" / f"append-{size}").write_bytes(APPEND_HEAD)
         ws.mount()
@@ -133,7 +133,7 @@ def settle() -> None:
     ctimes that this set."""
     for p in entries():
         os.utime(p, ns=(T0, T0), follow_symlinks=False)
-    time.sleep(0.02)
+    time.sleep(0.02)             # a clock tick (the thing waited for), not a condition
 
 
 def tree() -> list[tuple]:

@@ -19,7 +19,7 @@ from cowfs import Workspace, treesnap
 from cowfs.errors import DAEMON_ERROR, PARTIAL, USAGE
 from cowfs.mounts import pid_alive
 
-from .conftest import COWFS, run
+from .helpers import COWFS, run
 
 
 def sql(db, statement: str) -> str:

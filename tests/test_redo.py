@@ -19,7 +19,7 @@ from cowfs import treesnap
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
-from .conftest import plain
+from .helpers import plain
 
 
 def layer_ids(ws) -> list[int]:
@@ -387,6 +387,7 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
     """The store as a crash leaves it between the end of the rollback's files
     and the fingerprint of what a redo touches: the next mount takes it."""
     import lmdb
+
     from cowfs import redo
     from cowfs import schema as S
     ws = mounted

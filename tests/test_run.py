@@ -17,7 +17,7 @@ import pytest
 from cowfs import CowfsError, StepFailed, Workspace, treesnap
 from cowfs.policy import Policy
 
-from .conftest import COWFS, run
+from .helpers import COWFS, run
 
 BROKEN_C = "int main(void) { return missing_function(); }\n"
 GOOD_C = '#include <stdio.h>\nint main(void) { puts("ok"); return 0; }\n'

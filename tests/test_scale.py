@@ -18,7 +18,7 @@ import xxhash
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .conftest import COWFS, managed_workspace
+from .helpers import COWFS, managed_workspace
 from .test_posix import backing_dir
 
 TOP, SUB, FILES = 12, 8, 24            # a base tree of 12 * 8 * 24 = 2,304 files
@@ -169,7 +169,7 @@ def test_tens_of_thousands_of_renames_are_listed_viewed_and_undone_exactly(tmp_p
             == expected_changes(trees[0], now)
 
         # each layer's start, as the view shows it and `show` reads it
-        for layer, snap, tree in zip(layers, snaps, trees):
+        for layer, snap, tree in zip(layers, snaps, trees, strict=False):
             view = tmp_path / f"view{layer}"
             view.mkdir()
             ws.cowfs("view", str(layer), str(view))

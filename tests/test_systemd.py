@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import plain
+from .helpers import plain
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "cowfs@.service"

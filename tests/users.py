@@ -9,7 +9,8 @@ import io
 import os
 import pickle
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cowfs import cli
 

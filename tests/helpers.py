@@ -1,0 +1,149 @@
+"""Helpers the tests share (the fixtures are in conftest.py): the real
+``cowfs`` command, a workspace and its mount, process lookups."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from cowfs import treesnap
+from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+
+COWFS = [sys.executable, "-m", "cowfs"]
+
+
+def run(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real ``cowfs`` command."""
+    cmd = [*COWFS, *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check and r.returncode != 0:
+        raise AssertionError(f"cowfs {' '.join(cmd[3:])} exited {r.returncode}: "
+                             f"{r.stderr.strip()}")
+    return r
+
+
+class Workspace:
+    """A workspace directory and its (optional) cowfs mount over itself."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.mounted = False
+
+    def __truediv__(self, other) -> Path:
+        return self.path / other
+
+    def mount(self, *extra) -> None:
+        run("mount", *extra, self.path)
+        assert is_cowfs_mount(str(self.path))
+        self.mounted = True
+
+    def unmount(self) -> None:
+        run("unmount", self.path)
+        self.mounted = False
+        assert not is_cowfs_mount(str(self.path))
+
+    def cowfs(self, *args, check=True) -> subprocess.CompletedProcess:
+        return run("-C", self.path, *args, check=check)
+
+    def json(self, *args):
+        return json.loads(self.cowfs("--json", *args).stdout)
+
+    def checkpoint(self, message: str = "") -> int:
+        return self.json("checkpoint", "-m", message)["id"]
+
+    def rollback(self, to: int | None = None) -> dict:
+        """(--yes: the base layer too, as the tests mean it)"""
+        return self.json("rollback", "--yes", *(["--to", to] if to is not None else []))
+
+    def commit(self) -> dict:
+        return self.json("commit")
+
+    def status(self) -> list[dict]:
+        return self.json("status")["changes"]
+
+    def log(self) -> list[dict]:
+        return self.json("log")
+
+    def snapshot(self, **kw) -> treesnap.Snapshot:
+        return treesnap.snapshot(self.path, **kw)
+
+    def daemon_pid(self) -> int | None:
+        rec = MountRecord.load(str(self.path))
+        return rec.pid if rec else None
+
+    def kill(self) -> None:
+        """kill -9 the daemon (the mount stays behind, dead)."""
+        pid = self.daemon_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pid_alive(pid):
+            assert time.monotonic() < deadline, f"the daemon {pid} outlived kill -9"
+            time.sleep(0.01)
+
+    def teardown(self) -> None:
+        pid = self.daemon_pid()
+        if is_cowfs_mount(str(self.path)):
+            r = run("unmount", "--lazy", self.path, check=False)
+            if r.returncode != 0 or is_cowfs_mount(str(self.path)):
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+        if pid is not None and pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        rec = MountRecord.load(str(self.path))
+        if rec is not None:
+            rec.remove()
+        self.mounted = False
+
+    def daemon_errors(self) -> list[str]:
+        """Errors the daemon logged (a handler that failed unexpectedly
+        answers EIO and logs it): a test fails on any it did not expect."""
+        log = self.path / ".cowfs" / "daemon.log"
+        if self.mounted or not log.exists():
+            return []
+        return [line for line in log.read_text(errors="replace").splitlines()
+                if " ERROR " in line or "Traceback" in line]
+
+
+def plain(changes: list[dict]) -> list[dict]:
+    """Changes without who made them (for comparing paths and kinds)."""
+    return [{k: v for k, v in c.items() if k != "who"} for c in changes]
+
+
+@contextlib.contextmanager
+def managed_workspace(path: Path) -> Iterator[Workspace]:
+    """A new, empty workspace directory that is always unmounted (and its
+    daemon killed) afterwards; fails if the daemon logged errors."""
+    ws = Workspace(path)
+    ws.path.mkdir()
+    try:
+        yield ws
+    finally:
+        ws.teardown()
+    errors = ws.daemon_errors()
+    assert not errors, f"the daemon of {path} logged errors:\n" + "\n".join(errors)
+
+
+def view_processes(where: Path) -> list[int]:
+    """Pids of the view processes (``python -m ...view``) started for the
+    directory *where*."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:2] == [b"-m"] and argv[2:3] and argv[2].endswith(b"view") \
+                and os.fsencode(where) in argv:
+            found.append(int(pid))
+    return found
