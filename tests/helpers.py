@@ -91,8 +91,14 @@ class Workspace:
     def teardown(self) -> None:
         pid = self.daemon_pid()
         if is_cowfs_mount(str(self.path)):
-            r = run("unmount", "--lazy", self.path, check=False)
-            if r.returncode != 0 or is_cowfs_mount(str(self.path)):
+            try:
+                # (a daemon held up -- say in a provider's restore that a
+                # failed test never lets finish -- is killed below)
+                ok = subprocess.run([*COWFS, "unmount", "--lazy", str(self.path)],
+                                    capture_output=True, timeout=60).returncode == 0
+            except subprocess.TimeoutExpired:
+                ok = False
+            if not ok or is_cowfs_mount(str(self.path)):
                 subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
         if pid is not None and pid_alive(pid):
             try:

@@ -359,6 +359,13 @@ def _stderr_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> str
     return seen
 
 
+def interruptible() -> None:
+    """In the child: Ctrl-C does what it does on a terminal, even when the
+    tests run where SIGINT is ignored (a shell's background job), which the
+    child would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _blocking_rollback(ws, tmp_path, offline: bool = False):
     """A layer with a provider whose restore waits for a file to appear, and
     a `cowfs rollback` started on it (*offline*: unmounted first), held in
@@ -372,7 +379,7 @@ def _blocking_rollback(ws, tmp_path, offline: bool = False):
         ws.unmount()
     proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 60
     while not started.exists():
         assert time.monotonic() < deadline and proc.poll() is None
