@@ -120,7 +120,7 @@ def test_a_view_handler_that_fails_answers_an_errno_and_the_view_goes_on(
     layer = ws.checkpoint()
     ws.unmount()
     log = tmp_path / "view.log"
-    code = ("import sys, cowfs.daemon as d\n"
+    code = ("import sys, cowfs.launch as d\n"
             "d.VIEW_MODULE = 'tests.broken_view'\n"
             "from cowfs.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
