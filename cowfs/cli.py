@@ -46,13 +46,27 @@ class Parser(argparse.ArgumentParser):
                                 f"--help')\n")
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20}
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a number, whole or not, with an optional K/M/G/T
+    suffix (powers of 1024; "K", "KB", "KiB" alike, any case): "500M",
+    "1.5g", "4096"."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = SIZE_UNITS.get(t[-1:], 1)
     try:
-        n = int(t[:-1] if t and t[-1] in "KM" else t) * units[t[-1] if t and t[-1] in "KM" else ""]
-    except (ValueError, KeyError):
+        n = float(t[:-1] if scale > 1 else t)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if not n >= 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(n * scale)
+
+
+def parse_size(text: str) -> int:
+    """--chunk-size: a power of two from 4K to 1M."""
+    n = parse_bytes(text)
     if n < 4096 or n > (1 << 20) or n & (n - 1):
         raise argparse.ArgumentTypeError(
             f"chunk size must be a power of two from 4K to 1M: {text!r}")
@@ -60,29 +74,23 @@ def parse_size(text: str) -> int:
 
 
 def parse_limit(text: str) -> int:
-    """A size with an optional K/M/G/T suffix (powers of 1024)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        n = float(t[:-1] if scale > 1 else t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    return int(n * scale)
+    """--max-store: any size (0: no limit)."""
+    return parse_bytes(text)
 
 
-def parse_number(text: str) -> int:
-    """A positive whole number (of lines, layers)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
-    return int(text)
+def whole_number(what: str, least: int = 0, hint: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in decimal digits, at least *least*;
+    anything else is "not *what*"."""
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < least:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}{hint}")
+        return int(text)
+    return parse
 
 
-def parse_count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a number of layers: {text!r}")
-    return int(text)
+parse_number = whole_number("a positive number", least=1)   # of lines, layers
+parse_count = whole_number("a number of layers")
+layer_id = whole_number("a layer id", hint=" (paths go after --)")
 
 
 def snapshot_options(s: argparse.ArgumentParser) -> None:
@@ -800,12 +808,6 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def layer_id(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a layer id: {text!r} (paths go after --)")
-    return int(text)
 
 
 def workspace_paths(args, paths: list[str]) -> list[str]:
