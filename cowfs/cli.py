@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from . import __version__, control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError, NotMounted
 from .mounts import (
-    MountRecord,
+    default_store,
     find_mount,
     finish_unmount,
     is_cowfs_mount,
+    locate,
     mount_table,
-    not_owner,
     processes,
 )
 from .text import ago, count, duration
@@ -534,25 +534,6 @@ def do_unmount(args) -> int:
     return 0
 
 
-def locate_unmounted(path: str) -> tuple[str, str | None]:
-    """(workspace, store) of the unmounted workspace that contains *path*:
-    the nearest directory above it with a .cowfs store, or a dead mount."""
-    p = os.path.realpath(path)
-    while True:
-        rec = MountRecord.load(p) if is_cowfs_mount(p) else None
-        if rec is not None:
-            return rec.workspace, rec.store
-        if is_cowfs_mount(p) or os.path.isdir(os.path.join(p, ".cowfs", "db")):
-            return p, None
-        store = os.path.join(p, ".cowfs")
-        if os.path.isdir(store) and not os.access(store, os.X_OK):
-            raise not_owner(f"the cowfs store {store}", os.stat(store).st_uid)
-        if p == "/":
-            raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
-                             f".cowfs store); give the store with --store DIR")
-        p = os.path.dirname(p)
-
-
 def call(args, op: str, **kw) -> dict:
     """Ask the daemon of the workspace at -C PATH; when it is not mounted
     (and for status, log, rollback, commit), operate on its store directly.
@@ -569,7 +550,7 @@ def call(args, op: str, **kw) -> dict:
         if args.offline_store:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
-            workspace, store = locate_unmounted(args.path)
+            workspace, store = locate(args.path).unmounted(args.path)
         with finishing(what, "the next cowfs command on this workspace finishes it"), \
                 progress_shown(args, op, progress.LOCAL.read):
             result = offline(workspace, store, op, **kw)
@@ -842,7 +823,7 @@ def workspace_root(args) -> str:
     except NotMounted:
         if args.offline_store:
             return os.path.realpath(args.path)
-        return os.path.realpath(locate_unmounted(args.path)[0])
+        return os.path.realpath(locate(args.path).unmounted(args.path)[0])
 
 
 def do_diff(args) -> int:
@@ -1061,7 +1042,7 @@ def do_run(args) -> int:
         if is_cowfs_mount(ws_path):
             ws = Workspace.attach(ws_path)
         else:
-            created_store = not os.path.exists(os.path.join(ws_path, ".cowfs"))
+            created_store = not os.path.exists(default_store(ws_path))
             ws = Workspace.mount(ws_path)
             ephemeral = (ws_path, created_store)
     else:
@@ -1111,7 +1092,7 @@ def do_run(args) -> int:
             ws.unmount()
             ws_path, created_store = ephemeral
             if created_store and ephemeral_store_is_empty(ws_path):
-                Store.destroy(os.path.join(ws_path, ".cowfs"))
+                Store.destroy(default_store(ws_path))
     return result.status
 
 
@@ -1181,8 +1162,8 @@ def do_check(args) -> int:
     except NotMounted:
         rec = None
         workspace, found = (os.path.realpath(args.path), args.offline_store) \
-            if args.offline_store else locate_unmounted(args.path)
-        store_dir: str = found or os.path.join(workspace, ".cowfs")
+            if args.offline_store else locate(args.path).unmounted(args.path)
+        store_dir: str = found or default_store(workspace)
 
     def offline_check(repair: bool) -> dict:
         import functools
@@ -1256,7 +1237,7 @@ def do_hooks(args) -> int:
             raise BadWorkspace(
                 f"workspace {args.path} does not exist or is not a directory") from None
         try:
-            located, _ = locate_unmounted(args.path)
+            located, _ = locate(args.path).unmounted(args.path)
         except NotMounted:
             located = None
         if located is not None:
