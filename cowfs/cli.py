@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from . import __version__, control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError, NotMounted
 from .mounts import (
-    MountRecord,
+    default_store,
     find_mount,
     finish_unmount,
     is_cowfs_mount,
+    locate,
     mount_table,
-    not_owner,
     processes,
 )
 from .text import ago, count, duration
@@ -46,13 +46,27 @@ class Parser(argparse.ArgumentParser):
                                 f"--help')\n")
 
 
-def parse_size(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20}
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a number, whole or not, with an optional K/M/G/T
+    suffix (powers of 1024; "K", "KB", "KiB" alike, any case): "500M",
+    "1.5g", "4096"."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = SIZE_UNITS.get(t[-1:], 1)
     try:
-        n = int(t[:-1] if t and t[-1] in "KM" else t) * units[t[-1] if t and t[-1] in "KM" else ""]
-    except (ValueError, KeyError):
+        n = float(t[:-1] if scale > 1 else t)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if not n >= 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(n * scale)
+
+
+def parse_size(text: str) -> int:
+    """--chunk-size: a power of two from 4K to 1M."""
+    n = parse_bytes(text)
     if n < 4096 or n > (1 << 20) or n & (n - 1):
         raise argparse.ArgumentTypeError(
             f"chunk size must be a power of two from 4K to 1M: {text!r}")
@@ -60,29 +74,23 @@ def parse_size(text: str) -> int:
 
 
 def parse_limit(text: str) -> int:
-    """A size with an optional K/M/G/T suffix (powers of 1024)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    try:
-        n = float(t[:-1] if scale > 1 else t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    return int(n * scale)
+    """--max-store: any size (0: no limit)."""
+    return parse_bytes(text)
 
 
-def parse_number(text: str) -> int:
-    """A positive whole number (of lines, layers)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive number: {text!r}")
-    return int(text)
+def whole_number(what: str, least: int = 0, hint: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in decimal digits, at least *least*;
+    anything else is "not *what*"."""
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < least:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}{hint}")
+        return int(text)
+    return parse
 
 
-def parse_count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a number of layers: {text!r}")
-    return int(text)
+parse_number = whole_number("a positive number", least=1)   # of lines, layers
+parse_count = whole_number("a number of layers")
+layer_id = whole_number("a layer id", hint=" (paths go after --)")
 
 
 def snapshot_options(s: argparse.ArgumentParser) -> None:
@@ -526,25 +534,6 @@ def do_unmount(args) -> int:
     return 0
 
 
-def locate_unmounted(path: str) -> tuple[str, str | None]:
-    """(workspace, store) of the unmounted workspace that contains *path*:
-    the nearest directory above it with a .cowfs store, or a dead mount."""
-    p = os.path.realpath(path)
-    while True:
-        rec = MountRecord.load(p) if is_cowfs_mount(p) else None
-        if rec is not None:
-            return rec.workspace, rec.store
-        if is_cowfs_mount(p) or os.path.isdir(os.path.join(p, ".cowfs", "db")):
-            return p, None
-        store = os.path.join(p, ".cowfs")
-        if os.path.isdir(store) and not os.access(store, os.X_OK):
-            raise not_owner(f"the cowfs store {store}", os.stat(store).st_uid)
-        if p == "/":
-            raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
-                             f".cowfs store); give the store with --store DIR")
-        p = os.path.dirname(p)
-
-
 def call(args, op: str, **kw) -> dict:
     """Ask the daemon of the workspace at -C PATH; when it is not mounted
     (and for status, log, rollback, commit), operate on its store directly.
@@ -561,7 +550,7 @@ def call(args, op: str, **kw) -> dict:
         if args.offline_store:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
-            workspace, store = locate_unmounted(args.path)
+            workspace, store = locate(args.path).unmounted(args.path)
         with finishing(what, "the next cowfs command on this workspace finishes it"), \
                 progress_shown(args, op, progress.LOCAL.read):
             result = offline(workspace, store, op, **kw)
@@ -802,12 +791,6 @@ def human_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def layer_id(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a layer id: {text!r} (paths go after --)")
-    return int(text)
-
-
 def workspace_paths(args, paths: list[str]) -> list[str]:
     """PATHs as the workspace names them (relative to its root, "." for the
     root), from paths relative to the current directory when it is inside
@@ -840,7 +823,7 @@ def workspace_root(args) -> str:
     except NotMounted:
         if args.offline_store:
             return os.path.realpath(args.path)
-        return os.path.realpath(locate_unmounted(args.path)[0])
+        return os.path.realpath(locate(args.path).unmounted(args.path)[0])
 
 
 def do_diff(args) -> int:
@@ -1059,7 +1042,7 @@ def do_run(args) -> int:
         if is_cowfs_mount(ws_path):
             ws = Workspace.attach(ws_path)
         else:
-            created_store = not os.path.exists(os.path.join(ws_path, ".cowfs"))
+            created_store = not os.path.exists(default_store(ws_path))
             ws = Workspace.mount(ws_path)
             ephemeral = (ws_path, created_store)
     else:
@@ -1109,7 +1092,7 @@ def do_run(args) -> int:
             ws.unmount()
             ws_path, created_store = ephemeral
             if created_store and ephemeral_store_is_empty(ws_path):
-                Store.destroy(os.path.join(ws_path, ".cowfs"))
+                Store.destroy(default_store(ws_path))
     return result.status
 
 
@@ -1179,8 +1162,8 @@ def do_check(args) -> int:
     except NotMounted:
         rec = None
         workspace, found = (os.path.realpath(args.path), args.offline_store) \
-            if args.offline_store else locate_unmounted(args.path)
-        store_dir: str = found or os.path.join(workspace, ".cowfs")
+            if args.offline_store else locate(args.path).unmounted(args.path)
+        store_dir: str = found or default_store(workspace)
 
     def offline_check(repair: bool) -> dict:
         import functools
@@ -1254,7 +1237,7 @@ def do_hooks(args) -> int:
             raise BadWorkspace(
                 f"workspace {args.path} does not exist or is not a directory") from None
         try:
-            located, _ = locate_unmounted(args.path)
+            located, _ = locate(args.path).unmounted(args.path)
         except NotMounted:
             located = None
         if located is not None:

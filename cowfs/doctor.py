@@ -229,45 +229,17 @@ def check_libvirt() -> Check:
 # -- a workspace ------------------------------------------------------------------------------
 
 
-def _locate(path: str):
-    """('live', MountRecord) for a path inside a mounted workspace whose daemon
-    runs; ('dead', mountpoint, MountRecord | None) inside a cowfs mount whose
-    daemon is gone; ('unmounted', workspace) otherwise."""
-    from .errors import NotMounted
-    from .mounts import FSTYPE, MountRecord, find_mount, mount_table, pid_alive, runtime_dir
+def _locate(path: str, store: str | None):
+    """Where the workspace of *path* is (mounts.locate); also a workspace
+    mounted at another mount point.  Given the *store* of an unmounted
+    workspace, *path* itself is that workspace."""
+    from .mounts import UNMOUNTED, Location, locate, mounted_elsewhere
 
-    p = os.path.realpath(path)  # non-strict: a dead mount's ENOTCONN does not stop it
-    table = mount_table()
-    q = p
-    while True:
-        if table.get(q) == FSTYPE:
-            rec = MountRecord.load(q)
-            if rec is None or not pid_alive(rec.pid):
-                return ("dead", q, rec)
-            try:
-                return ("live", find_mount(q))
-            except NotMounted:  # it died just now
-                return ("dead", q, MountRecord.load(q))
-        if q == "/":
-            break
-        q = os.path.dirname(q)
-    # Not under a cowfs mount: it may be a workspace mounted elsewhere
-    # (cowfs mount WORKSPACE MOUNTPOINT).
-    try:
-        names = os.listdir(runtime_dir())
-    except OSError:
-        names = []
-    for n in names:
-        if not n.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(runtime_dir(), n)) as f:
-                rec = MountRecord(**json.load(f))
-        except (OSError, ValueError, TypeError):
-            continue
-        if rec.workspace == p and table.get(rec.mountpoint) == FSTYPE:
-            return ("live", rec) if pid_alive(rec.pid) else ("dead", rec.mountpoint, rec)
-    return ("unmounted", p)
+    where = locate(path)
+    if where.state != UNMOUNTED:
+        return where
+    workspace = os.path.realpath(path) if store else where.root
+    return mounted_elsewhere(workspace) or Location(UNMOUNTED, workspace, None, None)
 
 
 def _space(path: str, label: str, disk: dict | None = None) -> Check:
@@ -368,7 +340,8 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
         out.append(Check("workspace", False, f"{workspace} does not exist or is not a "
                          "directory", ""))
         return out
-    store_dir = os.path.abspath(store_dir or os.path.join(workspace, ".cowfs"))
+    from .mounts import default_store
+    store_dir = os.path.abspath(store_dir or default_store(workspace))
     if not os.path.isdir(store_dir):
         out.append(Check("store", True, f"no store at {store_dir} yet: the first mount "
                          "creates it", "pass --store DIR if it lives elsewhere", info=True))
@@ -422,17 +395,18 @@ def run_checks(path: str | None, store: str | None = None) -> list[Check]:
     checks = [check_dev_fuse(), check_fusermount(), check_kernel(), check_privileges(),
               check_pyfuse3(), check_engine()]
     if path is not None:
+        from .mounts import DEAD, LIVE
         try:
-            where = _locate(path)
+            where = _locate(path, store)
         except Exception as e:
             where = None
             checks.append(Check("mount", False, f"cannot inspect {path}: {e}", ""))
-        if where is not None and where[0] == "live":
-            checks += check_live(where[1])
-        elif where is not None and where[0] == "dead":
-            checks += check_dead(where[1], where[2])
+        if where is not None and where.state == LIVE:
+            checks += check_live(where.record)
+        elif where is not None and where.state == DEAD:
+            checks += check_dead(where.root, where.record)
         elif where is not None:
-            checks += check_unmounted(where[1], store)
+            checks += check_unmounted(where.root, store)
     checks += [check_docker(), check_libvirt()]
     return checks
 

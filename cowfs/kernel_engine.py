@@ -215,9 +215,9 @@ class Engine:
     def _tune_bdi(self) -> None:
         """Read ahead 1 MiB on reads the daemon serves (the default 128 KiB
         made cold sequential reads 1.6x slower here); best effort."""
-        from .mounts import mounts
+        from .mounts import FSTYPE, mounts
         found = [m for m in mounts() if m.mountpoint == self.mountpoint
-                 and m.fstype == "fuse.cowfs"]
+                 and m.fstype == FSTYPE]
         if not found:
             return
         try:

@@ -14,6 +14,11 @@ from .errors import AlreadyMounted, BadWorkspace, NotMounted, NotOwner
 
 FSTYPE = "fuse.cowfs"
 VIEW_FSTYPE = "fuse.cowfs-view"     # a read-only view of the past (cowfs/view.py)
+STORE_DIR = ".cowfs"    # a workspace's store, unless it is given: WORKSPACE/.cowfs
+
+
+def default_store(workspace: str) -> str:
+    return os.path.join(workspace, STORE_DIR)
 
 
 def runtime_dir() -> str:
@@ -225,37 +230,96 @@ class MountRecord:
                 pass
 
 
+LIVE, DEAD, UNMOUNTED = "live", "dead", "unmounted"
+
+
+class Location(NamedTuple):
+    """Where the workspace of a path is, and in what state (see locate)."""
+    state: str                  # LIVE, DEAD or UNMOUNTED
+    root: str                   # the mount point (live, dead); the workspace (unmounted)
+    record: MountRecord | None  # the daemon's record (live; dead: if it left one)
+    store: str | None           # unmounted: the store found there; None: no workspace found
+
+    def mounted(self, path: str) -> MountRecord:
+        """The record of a live mount; NotMounted, saying what to do, otherwise."""
+        if self.state == LIVE and self.record is not None:
+            return self.record
+        if self.state == DEAD:
+            ws = self.record.workspace if self.record else self.root
+            raise NotMounted(f"{self.root}: the cowfs daemon of this mount is gone; "
+                             f"run 'cowfs mount {ws}' to recover it")
+        real = os.path.realpath(path)
+        shown = path if real == path else f"{path} ({real})"
+        raise NotMounted(f"{shown} is not inside a mounted cowfs workspace; mount one "
+                         "with 'cowfs mount DIR'")
+
+    def unmounted(self, path: str) -> tuple[str, str | None]:
+        """(workspace, store) to work on without a mount: a dead mount's (the
+        store None when it is the default), or the nearest store above *path*."""
+        if self.state != UNMOUNTED:
+            return (self.record.workspace, self.record.store) if self.record \
+                else (self.root, None)
+        if self.store is None:
+            raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
+                             f"{STORE_DIR} store); give the store with --store DIR")
+        if not os.access(self.store, os.X_OK):
+            raise not_owner(f"the cowfs store {self.store}", os.stat(self.store).st_uid)
+        return self.root, None
+
+
+def locate(path: str) -> Location:
+    """The workspace that contains *path*: the nearest cowfs mount above it,
+    live (its daemon answers) or dead (its daemon is gone), else the nearest
+    directory above it with a store (STORE_DIR), unmounted; else UNMOUNTED
+    with *path* itself as the root and no store.  Another user's mount is
+    NotOwner (root reads that user's record)."""
+    p = os.path.realpath(path)  # non-strict: a dead mount's ENOTCONN does not stop it
+    table = mount_table()
+    q = p
+    while True:
+        if table.get(q) == FSTYPE:
+            rec = MountRecord.load(q)
+            owner = mount_owner(q) if rec is None else None
+            if owner is not None and owner != os.geteuid():
+                if os.geteuid() != 0:
+                    raise not_owner(f"the cowfs workspace mounted at {q}", owner)
+                rec = MountRecord.load(q, runtime_dirs_of(owner))
+            alive = rec is not None and pid_alive(rec.pid)
+            return Location(LIVE if alive else DEAD, q, rec, None)
+        if q == "/":
+            break
+        q = os.path.dirname(q)
+    q = p
+    while True:
+        store = default_store(q)
+        if os.path.isdir(os.path.join(store, "db")) or \
+                (os.path.isdir(store) and not os.access(store, os.X_OK)):
+            return Location(UNMOUNTED, q, None, store)
+        if q == "/":
+            return Location(UNMOUNTED, p, None, None)
+        q = os.path.dirname(q)
+
+
 def find_mount(path: str) -> MountRecord:
     """The mounted workspace that contains *path*."""
     try:
-        p = os.path.realpath(path)
-    except OSError as e:
-        raise NotMounted(f"{path}: {e.strerror}") from None
-    try:
-        os.lstat(p)
+        os.lstat(os.path.realpath(path))
     except FileNotFoundError:
         raise NotMounted(f"{path}: no such file or directory") from None
     except OSError:
         pass  # e.g. ENOTCONN: a mount whose daemon died, reported below
+    return locate(path).mounted(path)
+
+
+def mounted_elsewhere(workspace: str) -> Location | None:
+    """A workspace mounted at another mount point (cowfs mount WORKSPACE
+    MOUNTPOINT), as its daemon's record in this user's runtime directory has
+    it: live or dead."""
     table = mount_table()
-    while True:
-        if table.get(p) == FSTYPE:
-            rec = MountRecord.load(p)
-            owner = mount_owner(p) if rec is None else None
-            if owner is not None and owner != os.geteuid():
-                if os.geteuid() != 0:
-                    raise not_owner(f"the cowfs workspace mounted at {p}", owner)
-                rec = MountRecord.load(p, runtime_dirs_of(owner))
-            if rec is None or not pid_alive(rec.pid):
-                raise NotMounted(f"{p}: the cowfs daemon of this mount is gone; "
-                                 f"run 'cowfs mount {rec.workspace if rec else p}' to recover it")
-            return rec
-        if p == "/":
-            real = os.path.realpath(path)
-            shown = path if real == path else f"{path} ({real})"
-            raise NotMounted(f"{shown} is not inside a mounted cowfs workspace; mount one "
-                             "with 'cowfs mount DIR'")
-        p = os.path.dirname(p)
+    for rec in MountRecord.all():
+        if rec.workspace == workspace and table.get(rec.mountpoint) == FSTYPE:
+            return Location(LIVE if pid_alive(rec.pid) else DEAD, rec.mountpoint, rec, None)
+    return None
 
 
 def mounted_workspaces() -> list[MountRecord]:

@@ -31,7 +31,14 @@ from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NotMounted
 from .ignore import IgnoreRules
 from .launch import start_view
-from .mounts import finishing_daemon, is_cowfs_mount, recover_stale_mount, store_in_use, wait_gone
+from .mounts import (
+    default_store,
+    finishing_daemon,
+    is_cowfs_mount,
+    recover_stale_mount,
+    store_in_use,
+    wait_gone,
+)
 from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
 from .stack import FINISHED, RollbackReport, Stack, files_left
@@ -50,10 +57,6 @@ OPS = frozenset({"checkpoint", "commit", "rollback", "redo", "provider_add",
                  "diff", "view", "audit", "audit_prune", "audit_note", "annotate", "check",
                  "repair", "log"})
 TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
-
-
-def default_store(workspace: str) -> str:
-    return os.path.join(workspace, ".cowfs")
 
 
 def raise_fd_limit() -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from .mounts import STORE_DIR
+
 __all__ = [
     "Entry",
     "Snapshot",
@@ -71,7 +73,7 @@ class Snapshot(dict[bytes, Entry]):
 
 
 def snapshot(
-    root: Path, *, exclude: Iterable[bytes] = (b".cowfs",), content: bool = True
+    root: Path, *, exclude: Iterable[bytes] = (STORE_DIR.encode(),), content: bool = True
 ) -> Snapshot:
     """Record every entry under ``root`` without following symlinks.
 

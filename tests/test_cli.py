@@ -78,6 +78,49 @@ def test_usage_errors_are_json_with_json(args, says):
     assert says in r.stderr                     # (and the line for people)
 
 
+@pytest.mark.parametrize("text, size", [
+    ("0", 0), ("4096", 4096), ("64K", 64 << 10), ("64k", 64 << 10), ("64KB", 64 << 10),
+    ("64KiB", 64 << 10), ("64kib", 64 << 10), (" 500M ", 500 << 20), ("2G", 2 << 30),
+    ("1.5g", 3 << 29), ("1T", 1 << 40), ("10b", 10),
+])
+def test_sizes_take_a_number_and_a_binary_unit(text, size):
+    assert cli.parse_limit(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "M", "-1", "-1M", "1X", "1.5.2K", "nan", "inf", "1P",
+                                  "ten"])
+def test_what_is_not_a_size_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        cli.parse_limit(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        cli.parse_size(text)
+
+
+@pytest.mark.parametrize("text, size", [("4K", 4096), ("64k", 64 << 10), ("1M", 1 << 20),
+                                        ("65536", 65536), ("128KiB", 128 << 10)])
+def test_a_chunk_size_is_a_power_of_two_from_4k_to_1m(text, size):
+    assert cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["0", "2K", "1000", "96K", "2M", "1G"])
+def test_other_chunk_sizes_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="power of two from 4K to 1M"):
+        cli.parse_size(text)
+
+
+@pytest.mark.parametrize("parse, good, bad, says", [
+    (cli.parse_number, ["1", "10", "007"], ["0", "", "-1", "+1", "1.0", "x", " 1", "\u0663"],
+     "not a positive number"),
+    (cli.parse_count, ["0", "3"], ["", "-1", "two", "1e3"], "not a number of layers"),
+    (cli.layer_id, ["0", "12"], ["HEAD", "-1", "a.txt"], "not a layer id"),
+])
+def test_counts_are_whole_numbers_in_digits(parse, good, bad, says):
+    assert [parse(t) for t in good] == [int(t) for t in good]
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            parse(text)
+
+
 def test_every_command_explains_every_option_and_shows_examples():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

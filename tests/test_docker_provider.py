@@ -6,8 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from cowfs import treesnap
-
-from . import engines
+from tools import provider_engines as engines
 
 
 def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(

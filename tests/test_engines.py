@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from . import engines
+from tools import provider_engines as engines
 
 # ------------------------------------------------------------------ docker
 

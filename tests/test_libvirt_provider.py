@@ -4,8 +4,8 @@ a running VM's memory) is reverted together with the workspace."""
 from __future__ import annotations
 
 from cowfs import treesnap
+from tools import provider_engines as engines
 
-from . import engines
 from .test_providers import KillSwitch, crash_during
 
 

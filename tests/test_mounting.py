@@ -16,8 +16,21 @@ from pathlib import Path
 import pytest
 
 from cowfs import schema as S
-from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsError
-from cowfs.mounts import MountRecord, finish_unmount, is_cowfs_mount, mounts, pid_alive
+from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsError, NotMounted
+from cowfs.mounts import (
+    DEAD,
+    LIVE,
+    UNMOUNTED,
+    MountRecord,
+    default_store,
+    find_mount,
+    finish_unmount,
+    is_cowfs_mount,
+    locate,
+    mounted_elsewhere,
+    mounts,
+    pid_alive,
+)
 from cowfs.store import Store
 
 from .helpers import COWFS, Workspace, managed_workspace, run, view_processes
@@ -352,3 +365,41 @@ def sleeping_daemon(parent: int) -> bool:
         except OSError:
             continue
     return False
+
+
+def test_locate_says_where_a_workspace_is_and_in_what_state(mounted, tmp_path):
+    ws, root = mounted, os.path.realpath(mounted.path)
+    (ws / "d").mkdir()
+    live = locate(str(ws / "d"))
+    assert (live.state, live.root) == (LIVE, root) and live.record is not None
+    assert live.record.pid == ws.daemon_pid() and find_mount(str(ws / "d")) == live.record
+    ws.kill()
+    dead = locate(str(ws / "d"))
+    assert (dead.state, dead.root, dead.record.pid) == (DEAD, root, live.record.pid)
+    with pytest.raises(NotMounted, match="daemon of this mount is gone"):
+        dead.mounted(str(ws / "d"))
+    assert dead.unmounted(str(ws / "d")) == (live.record.workspace, live.record.store)
+    ws.mount()      # (recovers the dead mount)
+    ws.unmount()
+    here = locate(str(ws / "d" / "not yet"))
+    assert (here.state, here.root, here.store) == (UNMOUNTED, root, default_store(root))
+    assert here.unmounted(str(ws / "d")) == (root, None)
+    with pytest.raises(NotMounted, match="not inside a mounted cowfs workspace"):
+        here.mounted(str(ws / "d"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    nowhere = locate(str(outside))
+    assert (nowhere.state, nowhere.root, nowhere.store) == \
+        (UNMOUNTED, os.path.realpath(outside), None)
+    with pytest.raises(NotMounted, match="not inside a cowfs workspace"):
+        nowhere.unmounted(str(outside))
+    assert mounted_elsewhere(root) is None
+
+
+def test_a_workspace_mounted_elsewhere_is_found_by_its_record(workspace, tmp_path):
+    with managed_workspace(tmp_path / "mp") as mp:
+        run("mount", workspace.path, mp.path)
+        found = mounted_elsewhere(os.path.realpath(workspace.path))
+        assert found is not None and found.state == LIVE
+        assert found.root == os.path.realpath(mp.path)
+        run("unmount", mp.path)

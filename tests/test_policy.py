@@ -12,8 +12,8 @@ import pytest
 from cowfs import treesnap
 from cowfs.errors import USAGE
 from cowfs.policy import Policy, PolicyError, Where
+from tools import provider_engines as engines
 
-from . import engines
 from .helpers import COWFS
 
 
