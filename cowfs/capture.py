@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 from . import redo
 from . import schema as S
+from .ignore import IgnoreRules
 from .store import Store, Writer, scan
 
 Loc = Callable[[], bytes]
@@ -54,7 +55,7 @@ class Recorder:
         self._pending_created: list[tuple[int, tuple | None]] = []
         self._saved: dict[int, tuple] = {}
         self.who: tuple[int, int] | None = None     # (pid, uid) of the request
-        self.ignore = None                          # IgnoreRules, when there are any
+        self.ignore: IgnoreRules | None = None      # when there are any
         self._writers: dict[tuple, int] = {}        # (pid, start time) -> writer id
         self._procs: dict[tuple, dict] = {}         # (pid, start time) -> pid, uid, cmd
         self._recent: dict[int, tuple] = {}         # pid -> (until, its _process answer)

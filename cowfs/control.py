@@ -55,7 +55,7 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
             except KeyboardInterrupt:
                 if on_interrupt is None:
                     raise
-                on_interrupt, then = None, on_interrupt
+                then, on_interrupt = on_interrupt, None
                 then()
                 continue
             if not chunk:
@@ -181,6 +181,7 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
             return
         host.inflight += 1    # until answered: an unmount's answer goes out before we exit
         try:
+            resp: dict[str, Any]
             try:
                 resp = {"ok": True, "result": await host.run_request(name, op, req)}
             except errors.CowfsError as e:

@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -41,6 +41,11 @@ from .mounts import (
 )
 from .ops import Ops
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
+
+if TYPE_CHECKING:   # (imported when the engine is made: pyfuse3 may be missing)
+    from . import kernel_engine, pyfuse3_engine
+
+    Engine = kernel_engine.Engine | pyfuse3_engine.Engine
 
 log = logging.getLogger("cowfs.daemon")
 
@@ -148,7 +153,7 @@ class Daemon:
         self.lock = trio.Lock()
         self.inflight = 0
         self.unmounted_by_request = False
-        self.engine = None
+        self.engine: Engine | None = None     # (made by mount)
 
     # -- setting up ---------------------------------------------------------------
 
@@ -167,11 +172,18 @@ class Daemon:
                     "directory inside the workspace; they keep seeing the directory "
                     "underneath the mount and their changes are not captured")
 
+    @property
+    def fuse(self) -> Engine:
+        """The FUSE engine serving the mount (made by mount)."""
+        if self.engine is None:
+            raise RuntimeError("the workspace is not mounted: no FUSE engine yet")
+        return self.engine
+
     def mount(self, on_ready: Callable[[], None]) -> None:
         s = self.session
         fs = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
-        self.engine = make_engine(self.engine_choice, fs)
-        s.attach(Mounted(fs, self.engine, self.mountpoint))
+        self.engine = engine = make_engine(self.engine_choice, fs)
+        s.attach(Mounted(fs, engine, self.mountpoint))
         fs.on_full = s.give_back_room
         self.hasher = fs.sums = gravesum.Hasher(s.store, busy=fs.is_open, quiet=fs.quiet,
                                                 exclusive=self.exclusive)
@@ -183,10 +195,10 @@ class Daemon:
             s.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
             pass
-        s.store.audit("mount", layer=s.store.top().id, mountpoint=self.mountpoint,
+        s.store.audit("mount", layer=s.store.open_layer().id, mountpoint=self.mountpoint,
                       warnings=self.warnings)
         B.clear_umask()   # new objects get the caller's mode, not ours on top
-        self.engine.mount(self.mountpoint, fsname, os.geteuid() == 0, on_ready)
+        engine.mount(self.mountpoint, fsname, os.geteuid() == 0, on_ready)
 
     def run(self) -> None:
         store = self.session.store
@@ -195,11 +207,11 @@ class Daemon:
         finally:
             if not self.unmounted_by_request:
                 try:
-                    self.engine.close(unmount=True)
+                    self.fuse.close(unmount=True)
                 except Exception:
                     log.exception("unmount failed")
             else:
-                self.engine.close(unmount=False)
+                self.fuse.close(unmount=False)
             try:        # (a mount meanwhile waits for us, see Session.open)
                 self.record.finishing = True
                 self.record.save()
@@ -207,7 +219,7 @@ class Daemon:
                 pass
             try:
                 self.session.record_fingerprint()
-                store.audit("unmount", layer=store.top().id)
+                store.audit("unmount", layer=store.open_layer().id)
                 try:
                     store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
                 except OSError:
@@ -225,7 +237,7 @@ class Daemon:
             nursery.start_soon(self._signals)
             nursery.start_soon(self._periodic_sync)
             nursery.start_soon(self.hasher.run)
-            await self.engine.serve()
+            await self.fuse.serve()
             with trio.move_on_after(5):
                 while self.inflight:
                     await trio.sleep(0.01)
@@ -244,9 +256,9 @@ class Daemon:
                 log.info("signal received, unmounting")
                 sd_notify("STOPPING=1")
                 await self.session.flush()
-                with self.engine.exclusive():
+                with self.fuse.exclusive():
                     self.session.store.sync()
-                self.engine.terminate()
+                self.fuse.terminate()
 
     async def _periodic_sync(self) -> None:
         while True:
@@ -279,7 +291,7 @@ class Daemon:
     async def unanswered(self, name: str, result: dict) -> None:
         if name == "view":
             # the client is gone (Ctrl-C): a view nobody was told of goes
-            await self.engine.blocking(clear_view, result["mountpoint"])
+            await self.fuse.blocking(clear_view, result["mountpoint"])
 
     async def op_ping(self) -> dict:
         store = self.session.store
@@ -299,10 +311,10 @@ class Daemon:
         ours = [m for m in mounts()     # (not in the table any more once detached)
                 if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         try:
-            await self.engine.blocking(unmount, self.mountpoint, lazy)
+            await self.fuse.blocking(unmount, self.mountpoint, lazy)
         except OSError as e:
             if e.errno == errno.EBUSY:
-                users = await self.engine.blocking(mount_users, ours[-1]) if ours else []
+                users = await self.fuse.blocking(mount_users, ours[-1]) if ours else []
                 raise AlreadyMounted(
                     f"{self.mountpoint} is busy: "
                     + (f"used by {processes(users)}" if users else
@@ -311,9 +323,9 @@ class Daemon:
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
-        result = {"unmounted": self.mountpoint, "pid": os.getpid()}
+        result: dict[str, Any] = {"unmounted": self.mountpoint, "pid": os.getpid()}
         if lazy and ours:
-            result["users"] = await self.engine.blocking(mount_users, ours[-1])
+            result["users"] = await self.fuse.blocking(mount_users, ours[-1])
             if result["users"]:
                 log.info("detached %s; serving the processes still using it until the "
                          "last one leaves: %s", self.mountpoint,
@@ -324,7 +336,7 @@ class Daemon:
 ENGINES = ("auto", "kernel", "pyfuse3")
 
 
-def make_engine(choice: str, ops: Ops):
+def make_engine(choice: str, ops: Ops) -> Engine:
     """The FUSE engine to serve *ops* with: *choice* "kernel", "pyfuse3",
     or "auto" (the kernel engine wherever it can run)."""
     from . import kernel_engine, pyfuse3_engine

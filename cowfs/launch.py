@@ -129,6 +129,7 @@ def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what:
             break
         buf += chunk
     if not buf:
+        status: int | str
         try:
             status = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

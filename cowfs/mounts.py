@@ -366,9 +366,9 @@ def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
                 return True
         finally:
             os.close(fd)
-    for fd in os.listdir(f"{proc}/fdinfo"):
+    for entry in os.listdir(f"{proc}/fdinfo"):
         try:
-            if _mnt_id(f"{proc}/fdinfo/{fd}") == mnt_id:
+            if _mnt_id(f"{proc}/fdinfo/{entry}") == mnt_id:
                 return True
         except OSError:     # closed meanwhile
             continue

@@ -25,6 +25,7 @@ from typing import Any
 from . import backing as B
 from . import schema as S
 from .capture import Recorder
+from .gravesum import Hasher
 from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
 from .store import LimitReached, Store
 from .undo import Touched
@@ -152,8 +153,8 @@ class Ops:
         self.writers = 0
         self.pt_writers: set[Node] = set()      # written through passthrough
         self.grave_links = store.grave_counts()
-        # told before the bytes of an object change (gravesum.Hasher)
-        self.sums = None
+        # told before the bytes of an object change
+        self.sums: Hasher | None = None
         self.last_request = time.monotonic()
         # changes refused (ENOSPC) because --max-store was reached: how
         # many since the mount, and the last one's path and time

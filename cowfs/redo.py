@@ -42,25 +42,30 @@ from __future__ import annotations
 import os
 import stat
 import time
+from typing import Any
 
 from . import backing as B
 from . import gravesum
 from . import schema as S
 from .errors import NothingToDo, Refused
 from .journal import Names, Slot
-from .store import Store, Writer, scan
+from .store import Store, Writer, need, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 REDO_PRINT = b"f"     # + location: its fingerprint when the rollback ended
 REDO_MOVED = b"m"     # + location: the redo moves what is there (value empty)
 SEGMENT = 1 << 63     # + the rollback's first seq: the segment's index id (no layer has it)
 
+# The note the last rollback left (JSON, at K_REDO_STATE): {"state", "why", "to",
+# "dropped", "kept", "fresh", "seq", "time", and once sealed "moves", "segment"}.
+RedoState = dict[str, Any]
+
 
 def _u8(i: int) -> bytes:
     return bytes((i,))
 
 
-def state(store: Store) -> dict | None:
+def state(store: Store) -> RedoState | None:
     if store.db_redo is None:
         return None
     with store.env.begin(db=store.db_redo) as txn:
@@ -68,7 +73,7 @@ def state(store: Store) -> dict | None:
     return S.from_json(raw) if raw is not None else None
 
 
-def _put_state(w: Writer, st: dict) -> None:
+def _put_state(w: Writer, st: RedoState) -> None:
     w.txn.put(S.K_REDO_STATE, S.to_json(st), db=w.store.db_redo)
 
 
@@ -94,7 +99,7 @@ def segment(store: Store) -> int | None:
     return st.get("segment") if st is not None else None
 
 
-def _dissolve(w: Writer, st: dict, into: int) -> None:
+def _dissolve(w: Writer, st: RedoState, into: int) -> None:
     """The segment (or the fresh base layer a rollback of every layer
     opened) becomes part of layer *into*: its index entries and
     attributions (its records lie after *into*'s already); a fresh base's
@@ -189,6 +194,8 @@ def discard(store: Store, reason: str) -> list[int]:
             txn.delete(key, db=store.db_redo)
         if st.get("segment") is not None:
             # what changed since the rollback belongs to the open layer for good
+            # (a segment is opened only while a layer is open: see Keeper.seal)
+            assert top is not None
             w.merge_index(st["segment"], top.id)
         _put_state(w, {"state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
                        "why": reason, "to": st["to"], "dropped": st["dropped"],
@@ -283,6 +290,8 @@ class Keeper:
             if inv is None:
                 return
             gid = S.grave_id(S.decode_record(inv).fields[1])
+            # (the inverse of a CREATE or LINK moves the object into the grave)
+            assert gid is not None
             if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
                 # the step failed: nothing was moved, nothing to put back
                 for key, _ in list(scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
@@ -313,6 +322,7 @@ class Keeper:
         moves, and open the segment that captures what changes from now on
         (unless *top* is a fresh base layer: that serves)."""
         st = state(self.store)
+        assert st is not None       # (written when the rollback was planned: redo.begin)
         locs, moved = touched_locations(
             list(self.groups.values()) if self.groups is not None
             else [[rec for _, rec in group] for _, group in
@@ -487,7 +497,7 @@ def layers_text(ids: list[int]) -> str:
     return ("layers " if len(ids) > 1 else "layer ") + ", ".join(map(str, ids))
 
 
-def check(store: Store, resolver: B.Resolver) -> dict:
+def check(store: Store, resolver: B.Resolver) -> RedoState:
     """The kept rollback, if a redo can undo it now; else raise NothingToDo
     (there was none) or Refused (saying why not)."""
     st = state(store)
@@ -506,7 +516,7 @@ def _shown(paths: list[str]) -> str:
     return ", ".join(paths[:10]) + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
 
 
-def why_not(store: Store, resolver: B.Resolver, st: dict) -> str | None:
+def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     """Why the kept rollback *st* (ready) cannot be redone now, or None:
     the layers changed, a location the redo touches is not as the rollback
     left it, or a change recorded since lies at one of them or below a
@@ -568,7 +578,7 @@ def start(store: Store) -> None:
     """In one transaction: mark the redo under way and write its pending
     record (resumed by the next mount after a crash)."""
     with store.write() as w:
-        st = S.from_json(w.txn.get(S.K_REDO_STATE, db=store.db_redo))
+        st = S.from_json(need(w.txn, S.K_REDO_STATE, store.db_redo))
         st["state"] = REDOING
         _put_state(w, st)
         w.set_pending({"op": "redo", "files": False, "steps": []})
@@ -622,8 +632,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
             for key, rec in group:
                 if rec.kind == S.CHUNK and rec.fields[4]:
                     w.deref(rec.fields[4])
-                elif rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
-                    gid = S.grave_id(rec.fields[1])
+                elif rec.kind == S.RENAME and (gid := S.grave_id(rec.fields[1])) is not None:
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
                         w.drop_grave(gid)   # out of the grave
                 w.txn.delete(key, db=store.db_redo)
@@ -635,7 +644,7 @@ def restore(w: Writer) -> list[int]:
     (and the base a rollback of every layer opened goes); returns their ids."""
     store = w.store
     txn = w.txn
-    st = S.from_json(txn.get(S.K_REDO_STATE, db=store.db_redo))
+    st = S.from_json(need(txn, S.K_REDO_STATE, store.db_redo))
     targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
                S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
     restored = []
@@ -673,6 +682,7 @@ def held_grave(kind: bytes, rec: S.Record) -> tuple[int, int] | None:
     """(grave id, inode) a record of the redo database holds in the grave."""
     if kind == S.REDO_RECORD and rec.kind == S.GRAVE:
         return rec.fields[1], rec.fields[2]
-    if kind == S.REDO_INVERSE and rec.kind == S.RENAME and S.grave_id(rec.fields[1]) is not None:
-        return S.grave_id(rec.fields[1]), rec.fields[2]
+    if kind == S.REDO_INVERSE and rec.kind == S.RENAME and \
+            (gid := S.grave_id(rec.fields[1])) is not None:
+        return gid, rec.fields[2]
     return None

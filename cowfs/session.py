@@ -42,7 +42,7 @@ from .mounts import (
 from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
 from .stack import FINISHED, RollbackReport, Stack, files_left
-from .store import Store
+from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
 from .text import count
 
 AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
@@ -122,7 +122,8 @@ class Session:
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
-        self.limits = {"max_store": max_store, "max_layers": max_layers, "audit": audit}
+        self.limits: dict[str, int | str | None] = {
+            "max_store": max_store, "max_layers": max_layers, "audit": audit}
         self.accept_drift = accept_drift
         self.ignore_patterns = ignore     # None: the store's, as the last mount set them
         self.warnings: list[str] = []
@@ -144,7 +145,7 @@ class Session:
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
         def open_store() -> Store:
             return Store.open(self.store_dir, self.workspace, create=create,
-                              **({"chunk_size": self.chunk_size} if self.chunk_size else {}))
+                              chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE)
         try:
             self.store = open_store()
         except AlreadyMounted:
@@ -408,7 +409,7 @@ class Session:
         """Run the pending record's *do* steps that have not finished, each
         marked in the store before it runs and after it; return what ran."""
         ran = []
-        for i, step in enumerate(self.stack.pending().get("steps", [])):
+        for i, step in enumerate(self.stack.planned().get("steps", [])):
             if step["do"] != do or step["state"] in FINISHED:
                 continue
             what = f"{do} {step['provider']} of layer {step['layer']}"
@@ -416,6 +417,7 @@ class Session:
                                else ""))
             self._mark_step(i, state="started")
             t0 = time.perf_counter()
+            result: dict[str, Any]
             try:
                 postmortem = await self._apply(do, step["provider"], step["layer"], step["data"])
                 result = {"state": "done"}
@@ -434,7 +436,7 @@ class Session:
             w.update_pending(index, **fields)
         self.store.sync()
 
-    async def _carry_out(self) -> tuple[dict | None, RollbackReport | None, list[str]]:
+    async def _carry_out(self) -> tuple[PendingRecord | None, RollbackReport | None, list[str]]:
         """Carry out the pending group operation from where it stands:
         provider restores, the files, provider discards.  Returns the closed
         pending record, the file rollback's report (when it ran now) and the
@@ -443,7 +445,7 @@ class Session:
             return None, None, []
         ran = await self._provider_steps("restore")
         report = None
-        pending = self.stack.pending()
+        pending = self.stack.planned()
         if files_left(pending):
             before = self.store.top()
             try:
@@ -464,7 +466,7 @@ class Session:
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (when the session
         opens); the warnings that say what was done."""
-        op = self.stack.pending().get("op", "operation")
+        op = self.stack.planned().get("op", "operation")
         record, report, ran = await self._carry_out()
         warnings = []
         if report is not None:
@@ -482,13 +484,15 @@ class Session:
         out before a new one is planned over it."""
         if self.stack.pending() is not None:
             record, report, _ = await self._carry_out()
+            assert record is not None       # (it was pending: now closed)
             log.warning("finished a pending %s: %s", record.get("op"),
                         step_failures(record) + (report.failures if report else []))
 
     async def commit(self) -> dict:
         await self.flush()
         await self._finish_leftover()
-        kept = self._audit_changes(self.store.top().id, hashes=self._audit_level() == "hashes")
+        kept = self._audit_changes(self.store.open_layer().id,
+                                   hashes=self._audit_level() == "hashes")
         info = self.stack.commit()
         self.store.audit_many([{"event": "commit", "layer": info["committed"],
                                 "into": info["into"], "changes": len(kept)}]
@@ -514,10 +518,12 @@ class Session:
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
         self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
-        undone = self._audit_changes(self.stack.pending()["to"], hashes=False)
+        undone = self._audit_changes(self.stack.planned()["to"], hashes=False)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
         record, report, _ = await self._carry_out()
+        # (planned just now, with its file part still to do)
+        assert record is not None and report is not None
         steps = record["steps"]
         result = report.to_dict()
         result["restored"] = [{"provider": s["provider"], "layer": s["layer"],
@@ -541,6 +547,7 @@ class Session:
         await self._finish_leftover()
         st = self.stack.plan_redo()
         _, report, _ = await self._carry_out()
+        assert report is not None   # (planned just now, with its file part still to do)
         result = report.to_dict()
         redone = self._audit_changes(st["to"], hashes=False)
         self.store.audit_many([{"event": "redo", "layer": result["top"],
@@ -602,8 +609,7 @@ class Session:
         """Net changes since layer *since* was opened (default: the top),
         under *paths* if given."""
         await self.flush()
-        top = self.store.top()
-        since = top.id if since is None else since
+        since = self.store.open_layer().id if since is None else since
         return {"since": since, "changes": self.stack.changes_since(since, path_list(paths))}
 
     async def log(self, limit: int | None = None) -> dict:
@@ -618,8 +624,7 @@ class Session:
     def _history(self, layer: int | None) -> History:
         """The history since *layer* (default: the open layer) was opened,
         kept while the store does not change."""
-        top = self.store.top()
-        layer = top.id if layer is None else layer
+        layer = self.store.open_layer().id if layer is None else layer
         key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
         cached = self._history_cache
         if cached is None or cached[0] != key:
@@ -692,7 +697,7 @@ class Session:
         events = []
         started = since_layer is None
         for e in self.store.audit_events(after):
-            if not started:
+            if not started and since_layer is not None:     # (not started: a layer given)
                 started = e.get("event") == "checkpoint" and e.get("layer") == since_layer \
                     or (e.get("layer") or 0) >= since_layer
                 if not started:
@@ -712,7 +717,7 @@ class Session:
         """An event a client carried out through the mount (restore)."""
         if event not in ("restore",) or len(json.dumps(fields)) > 1 << 20:
             raise CowfsError("bad request: unknown audit event", errors.USAGE)
-        self.store.audit(event, layer=self.store.top().id, **fields)
+        self.store.audit(event, layer=self.store.open_layer().id, **fields)
         return {}
 
     def annotate(self, layer: int, run: dict) -> dict:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from . import backing as B
 from . import fsck, progress, redo
 from . import schema as S
-from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
+from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
 from .journal import Reading
 from .past import filter_paths
-from .store import Layer, Store, digest
+from .store import Layer, PendingRecord, Store, digest
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ class Stack:
     def __init__(self, store: Store, resolver: B.Resolver):
         self.store = store
         self.resolver = resolver
-        self.ignored = None   # the capture filter ((path, is_dir) -> bool), if any
+        # the capture filter ((path, is_dir) -> bool), if any
+        self.ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None
         # told the inodes of objects a discarded redo held in the grave
         self.on_freed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None   # why, when even noting it failed
@@ -115,10 +116,18 @@ class Stack:
     # operation, and carries out its file part; the session (cowfs/session.py)
     # carries out the rest and resumes it.
 
-    def pending(self) -> dict | None:
+    def pending(self) -> PendingRecord | None:
         return self.store.pending()
 
-    def finish(self) -> dict | None:
+    def planned(self) -> PendingRecord:
+        """The pending record, where one must be (an operation planned it
+        and it is not finished yet)."""
+        pending = self.pending()
+        if pending is None:
+            raise StoreError("no group operation is pending")
+        return pending
+
+    def finish(self) -> PendingRecord | None:
         """Close the pending group operation: keep the restores' post-mortems
         with the layer the workspace is now at, and clear the record.
         Returns the record as it was."""
@@ -201,6 +210,7 @@ class Stack:
         if note is None:
             return None
         st = redo.state(self.store)
+        assert st is not None       # (summary found it)
         layers = self.store.layers()
         ids = [x.id for x in layers]
         if st.get("fresh") is not None:       # it rolled back the base too
@@ -296,7 +306,7 @@ class Stack:
     # -- rollback -------------------------------------------------------------------
 
     def plan_rollback(self, to: int | None = None, keep_redo: bool = True,
-                      base: bool = True) -> dict:
+                      base: bool = True) -> PendingRecord:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
         layers' snapshots (top layer first, last taken first), the files,
@@ -320,8 +330,9 @@ class Stack:
             raise UnknownLayer(f"no layer {to} (layers: "
                                f"{', '.join(str(layer.id) for layer in layers)})")
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
-        pending = {"op": "rollback", "to": to, "files": False,
-                   "steps": _steps("restore", dropping) + _steps("discard", dropping)}
+        pending: PendingRecord = {
+            "op": "rollback", "to": to, "files": False,
+            "steps": _steps("restore", dropping) + _steps("discard", dropping)}
         self.discard_redo("another rollback was made")
         why = None
         if not keep_redo:
@@ -347,11 +358,10 @@ class Stack:
         if keeper is not None and keeper.held is not None:
             with self.store.write() as w:
                 w.delete_record(keeper.held[0])
-        return None
 
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
-        pending = self.pending()
+        pending = self.planned()
         try:
             if pending["op"] == "redo":
                 return self._redo()
@@ -359,7 +369,7 @@ class Stack:
         finally:
             self.board.end()
 
-    def plan_redo(self) -> dict:
+    def plan_redo(self) -> redo.RedoState:
         """Check that the last rollback can be undone now and write the
         pending record of its redo."""
         if self.redo_blocked is not None:
@@ -386,7 +396,7 @@ class Stack:
         the daemon, which carries out groups with snapshots.)"""
         self.plan_rollback(to)
         report = self.apply_files()
-        if not steps_left(self.pending()):
+        if not steps_left(self.planned()):
             self.finish()
         return report
 
@@ -422,7 +432,8 @@ class Stack:
                                 keep = keeper.before(seq, rec)
                             except Exception as e:
                                 # no room to keep it (or no way): the rollback goes on
-                                keeper = self._give_up_redo(keeper, e)
+                                self._give_up_redo(keeper, e)
+                                keeper = None
                         undo.apply(rec, keep)
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
@@ -431,7 +442,8 @@ class Stack:
                     try:
                         keeper.hold(seq, rec)
                     except OSError as e:     # (a full disk: deleting still works)
-                        keeper = self._give_up_redo(keeper, e)
+                        self._give_up_redo(keeper, e)
+                        keeper = None
                 if keeper is None:
                     with st.write() as w:
                         w.delete_record(seq)
@@ -442,7 +454,8 @@ class Stack:
         except OSError as e:
             if keeper is None:
                 raise
-            keeper = self._give_up_redo(keeper, e)
+            self._give_up_redo(keeper, e)
+            keeper = None
             self._drop_layers(layers, None)
         st.forget_layer_cache()
         report.dropped = [layer.id for layer in layers]
@@ -487,8 +500,7 @@ class Stack:
 
     def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
         """The open layer's net changes (under *paths*, if given)."""
-        top = self.store.top()
-        layer_id = top.id if layer_id is None else layer_id
+        layer_id = self.store.open_layer().id if layer_id is None else layer_id
         recs = self.store.layer_records(layer_id)
         return {"id": layer_id, "changes": self.attribute(
             filter_paths(self._changes(recs), list(paths)), layer_id)}
@@ -547,7 +559,7 @@ class Stack:
                 continue
             cur = names.now(sp)
             st = now(cur)
-            if st is None or st.st_ino != was:
+            if cur is None or st is None or st.st_ino != was:   # (no path, no object)
                 gone.append((sp, was))
                 continue
             present.add(was)
@@ -564,7 +576,7 @@ class Stack:
         for sp, was in gone:
             at = place(sp)
             st = now(at)
-            if st is None or at in out:
+            if at is None or st is None or at in out:          # (no path, no object)
                 if st is None or st.st_ino not in present:
                     deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was,
                                             "dir": was_dir(was)})
@@ -610,12 +622,12 @@ def _steps(do: str, layers: list[Layer]) -> list[dict]:
             for layer in layers for snap in reversed(layer.snapshots)]
 
 
-def files_left(pending: dict) -> bool:
+def files_left(pending: PendingRecord) -> bool:
     """Whether the pending record's file part is still to be done."""
     return pending.get("op") in ("rollback", "redo") and not pending.get("files")
 
 
-def steps_left(pending: dict) -> list[dict]:
+def steps_left(pending: PendingRecord) -> list[dict]:
     return [step for step in pending.get("steps", ()) if step["state"] not in FINISHED]
 
 
@@ -650,7 +662,7 @@ class Sameness:
         oldest records the range holds of it."""
         m = meta[1] if meta is not None else None
         if stat.S_ISREG(st.st_mode) and (chunks or (m is not None and m[5] != st.st_size)):
-            if m is None or m[5] != st.st_size or not self._cached(
+            if meta is None or m is None or m[5] != st.st_size or not self._cached(
                     ("c", meta[0], st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
                     lambda: self._chunks_back(path, chunks or {})):
                 return "M"
@@ -665,7 +677,7 @@ class Sameness:
         """T, M, m or None for *path*, where another object (*st*) now stands
         in for the one the layer removed into grave *gid*."""
         old = B.lstat_at(self.store.grave_fd, str(gid).encode()) if gid is not None else None
-        if old is None:
+        if gid is None or old is None:
             return "M"
         mode = meta[2] if meta is not None else old.st_mode
         if stat.S_IFMT(mode) != stat.S_IFMT(st.st_mode):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 import xxhash
@@ -30,6 +31,11 @@ RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
 AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 FULL_MARGIN = 4 << 20     # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
+
+# The pending record (JSON; see Writer.set_pending): {"op": "rollback", "redo",
+# "commit" or "checkpoint", "files": whether the file part is done, "steps":
+# [{"do", "provider", "layer", "data", "state", ...}], and the op's own fields}.
+PendingRecord = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -243,17 +249,19 @@ class Writer:
     # carries it out; the stack and redo plan it, each in the transaction
     # that starts it) --
 
-    def pending(self) -> dict | None:
+    def pending(self) -> PendingRecord | None:
         v = self.txn.get(S.K_PENDING, db=self.store.db_meta)
         return S.from_json(v) if v is not None else None
 
-    def set_pending(self, record: dict | None) -> None:
+    def set_pending(self, record: PendingRecord | None) -> None:
         """Write the pending record (None: the group operation is over)."""
         self.set_meta(S.K_PENDING, S.to_json(record) if record is not None else None)
 
     def update_pending(self, step: int | None = None, **fields) -> None:
         """Update fields of the pending record, or of its step *step*."""
         record = self.pending()
+        if record is None:
+            raise StoreError("no group operation is pending: there is no record to update")
         (record if step is None else record["steps"][step]).update(fields)
         self.set_pending(record)
 
@@ -481,6 +489,14 @@ class Store:
         layers = self.layers()
         return layers[-1] if layers else None
 
+    def open_layer(self) -> Layer:
+        """The top layer, where there must be one (an opened session's stack
+        always has an open layer: see Stack.ensure_base)."""
+        top = self.top()
+        if top is None:
+            raise StoreError("the store has no open layer")
+        return top
+
     def layer_end(self, layer_id: int) -> int:
         """First seq after *layer_id*'s records."""
         for a, b in itertools.pairwise(self.layers()):
@@ -604,8 +620,8 @@ class Store:
     def limits(self) -> dict:
         return self.get_meta_json(S.K_LIMITS) or {}
 
-    def set_limits(self, **limits: int) -> None:
-        """Set --max-store / --max-layers; 0 removes a limit."""
+    def set_limits(self, **limits: int | str) -> None:
+        """Set --max-store / --max-layers (0 removes a limit) / --audit."""
         if not limits:
             return
         current = self.limits() | limits
@@ -653,11 +669,11 @@ class Store:
         with self.write() as w:
             w.set_meta(key, S.to_json(value) if value is not None else None)
 
-    def pending(self) -> dict | None:
+    def pending(self) -> PendingRecord | None:
         """The pending record (see Writer.set_pending), or None."""
         return self.get_meta_json(S.K_PENDING)
 
-    def set_pending(self, record: dict | None) -> None:
+    def set_pending(self, record: PendingRecord | None) -> None:
         with self.write() as w:
             w.set_pending(record)
 
