@@ -65,13 +65,13 @@ show = S.show_loc
 
 def object_of(rec: S.Record) -> int | None:
     """The object (backing inode) a META, XATTRS or CHUNK record restores."""
-    return rec.fields[1] if rec.kind in (S.META, S.XATTRS, S.CHUNK) else None
+    return rec.ino if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else None
 
 
 def restores(rec: S.Record) -> int | None:
     """The object whose bytes or attributes a record puts back (a GRAVE
     record: the removed object, from the grave)."""
-    return rec.fields[2] if rec.kind == S.GRAVE else object_of(rec)
+    return rec.ino if isinstance(rec, S.Grave) else object_of(rec)
 
 
 def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
@@ -98,17 +98,17 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
     is known that way."""
     out: dict[int, str] = {}
     with store.read() as txn:
-        damaged = {seq for seq, rec in records if rec.kind == S.DAMAGED}
-        names = {rec.fields[1]: rec.fields[0] for _, rec in records
-                 if object_of(rec) is not None}
+        damaged = {seq for seq, rec in records if isinstance(rec, S.Damaged)}
+        names = {rec.ino: rec.loc for _, rec in records
+                 if isinstance(rec, S.Meta | S.Xattrs | S.Chunk)}
         owners = owners_of(store, txn, damaged)
         for seq, ino in owners.items():
             out[ino] = (f"{show(names.get(ino, b'?'))}: not restored: its undo record {seq} "
                         "is damaged; the object is left as it is now")
         for _, rec in records:
-            if rec.kind != S.CHUNK or not rec.fields[4] or rec.fields[1] in out:
+            if not isinstance(rec, S.Chunk) or not rec.digest or rec.ino in out:
                 continue
-            loc, ino, index, length, h = rec.fields
+            loc, ino, index, length, h = rec
             data = txn.get(h, db=store.db_chunks)
             if data is None:
                 why = "is missing"
@@ -119,12 +119,12 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
             out[ino] = (f"{show(loc)}: not restored: its pre-image (chunk {index}) {why}; "
                         "the file is left as it is now")
         for _, rec in records:
-            if rec.kind != S.GRAVE or rec.fields[2] in out:
+            if not isinstance(rec, S.Grave) or rec.ino in out:
                 continue
-            bad = gravesum.verify(store, rec.fields[1], txn)
+            bad = gravesum.verify(store, rec.grave, txn)
             if bad is not None:
-                out[rec.fields[2]] = (f"{show(rec.fields[0])}: not restored: the removed file "
-                                      f"kept in the store is corrupt: {bad}; it stays removed")
+                out[rec.ino] = (f"{show(rec.path)}: not restored: the removed file "
+                                f"kept in the store is corrupt: {bad}; it stays removed")
     return out, set(owners)
 
 
@@ -198,37 +198,38 @@ def check(store: Store, hashes: bool = True) -> Report:
                 rep.problems.append(Problem(f"record {seq} is beyond the journal's counter",
                                             [owner] if owner else []))
             rec = S.decode_or_damaged(cur.value())
-            if rec.kind == S.DAMAGED:
+            if isinstance(rec, S.Damaged):
                 damaged[seq] = owner
                 ok = cur.next()
                 continue
-            loc = rec.fields[0]
-            if object_of(rec) is not None:
-                names[rec.fields[1]] = show(loc)
+            loc = S.record_loc(rec)
+            if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+                names[rec.ino] = show(loc)
             if seq < first:
-                rep.problems.append(Problem(f"record {seq} ({rec.name} of {show(loc)}) "
-                                            "belongs to no layer", repairable=True))
+                rep.problems.append(Problem(f"record {seq} ({S.record_name(rec)} of "
+                                            f"{show(loc)}) belongs to no layer",
+                                            repairable=True))
                 rep.drop_records.append(seq)
-            elif rec.kind == S.CHUNK and rec.fields[4]:
-                uses.setdefault(rec.fields[4], []).append(
-                    (owner, f"{show(loc)} (chunk {rec.fields[2]})"))
-            elif rec.kind == S.GRAVE:
-                graved[rec.fields[1]] = (owner, show(loc))
+            elif isinstance(rec, S.Chunk) and rec.digest:
+                uses.setdefault(rec.digest, []).append(
+                    (owner, f"{show(loc)} (chunk {rec.chunk})"))
+            elif isinstance(rec, S.Grave):
+                graved[rec.grave] = (owner, show(loc))
             ok = cur.next()
 
         # what the last rollback kept for a redo uses chunks and grave entries too
         redo_damaged = 0
         for kind, rec in redo.references(store, txn):
-            if rec.kind == S.DAMAGED:
+            if isinstance(rec, S.Damaged):
                 if kind == S.REDO_INVERSE:
                     redo_damaged += 1
                 else:   # as it was in its layer: a redo brings it back as it is
                     rep.problems.append(Problem("a record of a rolled-back layer (kept for a "
                                                 "redo) is damaged"))
                 continue
-            what = f"{show(rec.fields[0])} (kept for a redo)"
-            if rec.kind == S.CHUNK and rec.fields[4]:
-                uses.setdefault(rec.fields[4], []).append((None, what))
+            what = f"{show(S.record_loc(rec))} (kept for a redo)"
+            if isinstance(rec, S.Chunk) and rec.digest:
+                uses.setdefault(rec.digest, []).append((None, what))
             held = redo.held_grave(kind, rec)
             if held is not None and (kind == S.REDO_INVERSE or
                                      txn.get(S.u64(held[0]), db=store.db_graves) is not None):
@@ -349,9 +350,8 @@ def check(store: Store, hashes: bool = True) -> Report:
         stale = 0
         while ok:
             key = bytes(cur.key())
-            lid = S.split_index_key(key)[0]
+            lid, _, kind, _ = S.split_index_key(key)
             seq = S.from_u64(cur.value())
-            kind = S.split_index_key(key)[2]
             if lid not in ids or (kind not in S.INDEX_FLAGS and (
                     seq not in seqs or layer_of(starts, seq) != ids[lid]
                     or lid == seg and seq < since)):
@@ -365,7 +365,7 @@ def check(store: Store, hashes: bool = True) -> Report:
             cur = txn.cursor(db=store.db_who)
             ok = cur.first()
             while ok:
-                if S.from_u64(cur.key()[:8]) not in ids:
+                if S.key_layer(cur.key()) not in ids:
                     rep.drop_who.append(bytes(cur.key()))
                 ok = cur.next()
             if rep.drop_who:

@@ -13,6 +13,7 @@ of what it holds (its origin), or that it was made after T.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from . import schema as S
 
@@ -159,6 +160,11 @@ class Names:
             rest.append(name)
 
 
+class MetaAt(NamedTuple):
+    seq: int
+    rec: S.Meta
+
+
 class Reading:
     """What the records since T say, read once in order:
 
@@ -167,7 +173,7 @@ class Reading:
     * ``created``: slots where objects were made after T (follow them with
       ``names.where``);
     * ``linked``: slots where hard links were made after T;
-    * ``meta`` (ino -> (seq, META fields)), ``chunks`` (ino -> chunk index ->
+    * ``meta`` (ino -> its META record and that record's seq), ``chunks`` (ino -> chunk index ->
       (length, digest)), ``xattrs`` (ino -> blob): the first record of each
       after T, which holds the object's state at T;
     * ``graves``: ino -> the grave ids it was moved into, in order.
@@ -178,7 +184,7 @@ class Reading:
         self.start: dict[bytes, int | None] = {}
         self.created: list[Slot] = []
         self.linked: list[Slot] = []
-        self.meta: dict[int, tuple[int, tuple]] = {}
+        self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
@@ -196,34 +202,32 @@ class Reading:
         return s
 
     def _read(self, seq: int, rec: S.Record) -> None:
-        f = rec.fields
-        kind = rec.kind
-        if kind == S.CREATE or kind == S.LINK:
-            s = self._seen(f[0], None)
+        if isinstance(rec, S.Create | S.Link):
+            s = self._seen(rec.path, None)
             if s is not None:
                 self.created.append(s)
-                if kind == S.LINK:
+                if isinstance(rec, S.Link):
                     self.linked.append(s)
-        elif kind == S.GRAVE:
-            if self._seen(f[0], f[2]) is not None:
-                self.names.remove(f[0])
-            self.graves.setdefault(f[2], []).append(f[1])
-        elif kind == S.RENAME:
-            s = self._seen(f[0], f[2])
-            self._seen(f[1], None)
-            self.names.move(f[0], f[1])
-            self.created.append(s if s is not None else self.names.slot(f[1]))
-        elif kind == S.EXCHANGE:
-            self._seen(f[0], f[2])
-            self._seen(f[1], f[3])
-            self.names.exchange(f[0], f[1])
-        elif kind == S.META:
-            self._seen(f[0], f[1])
-            self.meta.setdefault(f[1], (seq, f))
-        elif kind == S.CHUNK:
-            self.chunks.setdefault(f[1], {}).setdefault(f[2], (f[3], f[4]))
-        elif kind == S.XATTRS:
-            self.xattrs.setdefault(f[1], f[2])
+        elif isinstance(rec, S.Grave):
+            if self._seen(rec.path, rec.ino) is not None:
+                self.names.remove(rec.path)
+            self.graves.setdefault(rec.ino, []).append(rec.grave)
+        elif isinstance(rec, S.Rename):
+            s = self._seen(rec.src, rec.ino)
+            self._seen(rec.dst, None)
+            self.names.move(rec.src, rec.dst)
+            self.created.append(s if s is not None else self.names.slot(rec.dst))
+        elif isinstance(rec, S.Exchange):
+            self._seen(rec.a, rec.ino_a)
+            self._seen(rec.b, rec.ino_b)
+            self.names.exchange(rec.a, rec.b)
+        elif isinstance(rec, S.Meta):
+            self._seen(rec.loc, rec.ino)
+            self.meta.setdefault(rec.ino, MetaAt(seq, rec))
+        elif isinstance(rec, S.Chunk):
+            self.chunks.setdefault(rec.ino, {}).setdefault(rec.chunk, (rec.length, rec.digest))
+        elif isinstance(rec, S.Xattrs):
+            self.xattrs.setdefault(rec.ino, rec.blob)
 
     def touched(self) -> set[bytes]:
         """Every path (now) whose state the records describe: where each

@@ -38,8 +38,9 @@ def parent(path: bytes) -> bytes:
     return path.rpartition(b"/")[0]
 
 
-def _at_t(index: int, attr: str) -> property:
-    return property(lambda self: self.meta[index] if self.meta else getattr(self.now, attr))
+def _at_t(name: str) -> property:
+    attr = "st_" + name
+    return property(lambda self: getattr(self.meta, name) if self.meta else getattr(self.now, attr))
 
 
 @dataclass
@@ -50,17 +51,17 @@ class Past:
     ino: int
     loc: bytes                  # where it is now: a workspace path or a grave entry
     now: os.stat_result         # its status now
-    meta: tuple | None = None   # the META record holding its state at T, if any
+    meta: S.Meta | None = None  # the META record holding its state at T, if any
     chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     xattrs_blob: bytes | None = None
 
     # each from the META record when there is one (the state at T), else now
-    mode = _at_t(2, "st_mode")
-    uid = _at_t(3, "st_uid")
-    gid = _at_t(4, "st_gid")
-    size = _at_t(5, "st_size")
-    atime_ns = _at_t(6, "st_atime_ns")
-    mtime_ns = _at_t(7, "st_mtime_ns")
+    mode = _at_t("mode")
+    uid = _at_t("uid")
+    gid = _at_t("gid")
+    size = _at_t("size")
+    atime_ns = _at_t("atime_ns")
+    mtime_ns = _at_t("mtime_ns")
 
     @property
     def kind(self) -> int:
@@ -106,7 +107,8 @@ class History:
 
     def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
         meta = self.j.meta.get(ino)
-        return Past(path, ino, loc, now, meta and meta[1], self.j.chunks.get(ino, {}),
+        return Past(path, ino, loc, now, meta.rec if meta is not None else None,
+                    self.j.chunks.get(ino, {}),
                     self.j.xattrs.get(ino))
 
     def object_at(self, path: bytes) -> Past | None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from . import backing as B
@@ -52,17 +53,11 @@ from .journal import Names, Slot
 from .store import Store, Writer, need, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
-REDO_PRINT = b"f"     # + location: its fingerprint when the rollback ended
-REDO_MOVED = b"m"     # + location: the redo moves what is there (value empty)
 SEGMENT = 1 << 63     # + the rollback's first seq: the segment's index id (no layer has it)
 
 # The note the last rollback left (JSON, at K_REDO_STATE): {"state", "why", "to",
 # "dropped", "kept", "fresh", "seq", "time", and once sealed "moves", "segment"}.
 RedoState = dict[str, Any]
-
-
-def _u8(i: int) -> bytes:
-    return bytes((i,))
 
 
 def state(store: Store) -> RedoState | None:
@@ -151,7 +146,7 @@ def complete(store: Store) -> bool:
     if st is None or st["state"] != BUILDING:
         return False
     with store.env.begin(db=store.db_redo) as txn:
-        return all(txn.get(S.REDO_LAYER + S.u64(i)) is not None for i in st["dropped"])
+        return all(txn.get(S.redo_layer_key(i)) is not None for i in st["dropped"])
 
 
 def building(store: Store, to: int) -> bool:
@@ -179,12 +174,12 @@ def discard(store: Store, reason: str) -> list[int]:
         keys = []
         for key, val in scan(txn, store.db_redo, b""):
             keys.append(key)
-            kind = key[:1]
+            kind, _ = S.split_redo_key(key)
             if kind not in (S.REDO_RECORD, S.REDO_INVERSE):
                 continue
             rec = S.decode_or_damaged(val)
-            if rec.kind == S.CHUNK and rec.fields[4]:
-                w.deref(rec.fields[4])
+            if isinstance(rec, S.Chunk) and rec.digest:
+                w.deref(rec.digest)
             held = held_grave(kind, rec)
             if held is not None and txn.get(S.u64(held[0]), db=store.db_graves) is not None:
                 w.drop_grave(held[0])
@@ -208,14 +203,6 @@ def discard(store: Store, reason: str) -> list[int]:
 
 # -- keeping, during a rollback ---------------------------------------------------------
 
-def _rec(kind: int, *fields) -> S.Record:
-    return S.Record(kind, fields)
-
-
-def _meta(loc: bytes, st: os.stat_result) -> S.Record:
-    return S.Record(S.META, S.meta_fields(loc, st))
-
-
 class Keeper:
     """Keeps, step by step, what a redo of the rollback under way needs.
 
@@ -232,34 +219,35 @@ class Keeper:
         self.C = store.chunk_size
         self.held: tuple[int, S.Record] | None = None
         with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
-            self.kept = {S.from_u64(k[1:9]) for k, _ in scan(txn, store.db_redo,
-                                                               S.REDO_INVERSE)}
+            self.kept = {S.redo_inverse_seq(k) for k, _ in scan(txn, store.db_redo,
+                                                                  S.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
-        self.groups: dict[int, list[S.Record]] | None = {} if not self.kept else None
+        self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
 
     def before(self, seq: int, rec: S.Record) -> int | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
         Returns the grave id the step must move the object it removes to
         (CREATE, LINK), if any."""
-        key = S.REDO_INVERSE + S.u64(seq)
         if seq in self.kept:
             with self.store.env.begin(db=self.store.db_redo) as txn:
-                first = txn.get(key + _u8(0))
+                first = txn.get(S.redo_inverse_key(seq, 0))
             inverses = [S.decode_record(first)] if first is not None else []
         else:
             with self.store.write() as w:
                 self._keep_held(w)
                 group = self._inverse(w, rec)
                 for i, inv in enumerate(group):
-                    w.txn.put(key + _u8(i), S.encode_record(inv.kind, *inv.fields),
+                    w.txn.put(S.redo_inverse_key(seq, i), S.encode_record(inv),
                               db=self.store.db_redo)
             self.held = None
             self.kept.add(seq)
             if self.groups is not None and group:
                 self.groups[seq] = group
             inverses = group[:1]
-        if rec.kind in (S.CREATE, S.LINK) and inverses:
-            return S.grave_id(inverses[0].fields[1])
+        if isinstance(rec, S.Create | S.Link) and inverses and \
+                isinstance(inverses[0], S.Rename):
+            # (the inverse of a CREATE or LINK moves the object into the grave)
+            return S.grave_id(inverses[0].dst)
         return None
 
     def hold(self, seq: int, rec: S.Record) -> None:
@@ -283,25 +271,26 @@ class Keeper:
         raw = w.txn.get(S.u64(seq), db=st.db_journal)
         if raw is None:
             return
-        w.txn.put(S.REDO_RECORD + S.u64(seq), raw, db=st.db_redo)
+        w.txn.put(S.redo_record_key(seq), raw, db=st.db_redo)
         w.txn.delete(S.u64(seq), db=st.db_journal)
-        if rec.kind in (S.CREATE, S.LINK):
-            inv = w.txn.get(S.REDO_INVERSE + S.u64(seq) + _u8(0), db=st.db_redo)
-            if inv is None:
+        if isinstance(rec, S.Create | S.Link):
+            raw_inv = w.txn.get(S.redo_inverse_key(seq, 0), db=st.db_redo)
+            if raw_inv is None:
                 return
-            gid = S.grave_id(S.decode_record(inv).fields[1])
+            inv = S.decode_record(raw_inv)
             # (the inverse of a CREATE or LINK moves the object into the grave)
+            gid = S.grave_id(inv.dst) if isinstance(inv, S.Rename) else None
             assert gid is not None
             if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
                 # the step failed: nothing was moved, nothing to put back
-                for key, _ in list(scan(w.txn, st.db_redo, S.REDO_INVERSE + S.u64(seq))):
+                for key, _ in list(scan(w.txn, st.db_redo, S.redo_inverse_key(seq))):
                     w.txn.delete(key, db=st.db_redo)
                 w.drop_grave(gid)
                 if self.groups is not None:
                     self.groups.pop(seq, None)
-        elif rec.kind == S.GRAVE and \
-                B.lstat_at(st.grave_fd, str(rec.fields[1]).encode()) is None:
-            w.drop_grave(rec.fields[1])   # put back
+        elif isinstance(rec, S.Grave) and \
+                B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None:
+            w.drop_grave(rec.grave)   # put back
 
     def keep_layer(self, w: Writer, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions."""
@@ -309,11 +298,11 @@ class Keeper:
         prefix = S.index_prefix(layer_id)
         for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
             for key, val in list(scan(w.txn, db, prefix)):
-                w.txn.put(kind + key, val, db=st.db_redo)
+                w.txn.put(S.redo_kept_key(kind, key), val, db=st.db_redo)
                 w.txn.delete(key, db=db)
         row = w.txn.get(S.u64(layer_id), db=st.db_layers)
         if row is not None:
-            w.txn.put(S.REDO_LAYER + S.u64(layer_id), row, db=st.db_redo)
+            w.txn.put(S.redo_layer_key(layer_id), row, db=st.db_redo)
             w.txn.delete(S.u64(layer_id), db=st.db_layers)
 
     def seal(self, top: int) -> None:
@@ -331,9 +320,9 @@ class Keeper:
             prints = [(loc, S.to_json(fingerprint(self.r, loc))) for loc in locs]
         with self.store.write() as w:
             for loc, value in prints:
-                w.txn.put(REDO_PRINT + loc, value, db=self.store.db_redo)
+                w.txn.put(S.redo_kept_key(S.REDO_PRINT, loc), value, db=self.store.db_redo)
             for loc in moved:
-                w.txn.put(REDO_MOVED + loc, b"", db=self.store.db_redo)
+                w.txn.put(S.redo_kept_key(S.REDO_MOVED, loc), b"", db=self.store.db_redo)
             st["state"] = READY
             st["fresh"] = None if top in st["kept"] else top
             st["moves"] = True      # (a rollback by an older cowfs did not note them)
@@ -342,10 +331,11 @@ class Keeper:
 
     # -- inverses -------------------------------------------------------------------
 
-    def _parents(self, *paths: bytes) -> list[S.Record]:
+    def _parents(self, *paths: bytes) -> list[S.Change]:
         """The attributes (times) of the directories holding *paths*, which
         a change of their entries touches."""
-        out, seen = [], set()
+        out: list[S.Change] = []
+        seen: set[bytes] = set()
         for p in paths:
             if S.grave_id(p) is not None or not p:
                 continue
@@ -355,11 +345,11 @@ class Keeper:
             seen.add(parent)
             st = self.r.lstat(parent)
             if st is not None:
-                out.append(_meta(parent, st))
+                out.append(S.meta_record(parent, st))
         return out
 
     def _bytes(self, w: Writer, d: int, name: bytes, loc: bytes, ino: int, index: int,
-               end: int, length: int | None = None) -> S.Record:
+               end: int, length: int | None = None) -> S.Chunk:
         """A CHUNK record holding chunk *index* of the object as it is now
         (up to *length* bytes of it, never past *end*, its size)."""
         off = index * self.C
@@ -373,52 +363,52 @@ class Keeper:
             finally:
                 os.close(fd)
         h = b"" if data == bytes(len(data)) else w.put_chunk(data)
-        return _rec(S.CHUNK, loc, ino, index, len(data), h)
+        return S.Chunk(loc, ino, index, len(data), h)
 
     @staticmethod
-    def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Record]:
+    def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Change]:
         pairs = B.list_xattrs(*B.xattr_target(d, n))
-        return [_rec(S.XATTRS, loc, ino, S.encode_xattrs(pairs))] \
+        return [S.Xattrs(loc, ino, S.encode_xattrs(pairs))] \
             if pairs or always else []
 
-    def _inverse(self, w: Writer, rec: S.Record) -> list[S.Record]:
+    def _inverse(self, w: Writer, rec: S.Record) -> list[S.Change]:
         """Records that undo *rec*'s undo step, in the order a redo applies
         them; taken before the step."""
-        k, f = rec.kind, rec.fields
-        if k in (S.CREATE, S.LINK):
-            st = self.r.lstat(f[0])
+        if isinstance(rec, S.Create | S.Link):
+            st = self.r.lstat(rec.path)
             if st is None:
                 return []
             gid = w.new_grave(st.st_ino, st)
-            return [_rec(S.RENAME, f[0], S.grave_loc(gid), st.st_ino),
-                    *self._parents(f[0])]
-        if k == S.GRAVE:
-            return [_rec(S.RENAME, S.grave_loc(f[1]), f[0], f[2]), *self._parents(f[0])]
-        if k == S.RENAME:
-            return [_rec(S.RENAME, f[1], f[0], f[2]), *self._parents(f[0], f[1])]
-        if k == S.EXCHANGE:
-            return [_rec(S.EXCHANGE, f[0], f[1], f[3], f[2]),
-                    *self._parents(f[0], f[1])]
-        if k not in (S.META, S.XATTRS, S.CHUNK):
+            return [S.Rename(rec.path, S.grave_loc(gid), st.st_ino),
+                    *self._parents(rec.path)]
+        if isinstance(rec, S.Grave):
+            return [S.Rename(S.grave_loc(rec.grave), rec.path, rec.ino),
+                    *self._parents(rec.path)]
+        if isinstance(rec, S.Rename):
+            return [S.Rename(rec.dst, rec.src, rec.ino), *self._parents(rec.src, rec.dst)]
+        if isinstance(rec, S.Exchange):
+            return [S.Exchange(rec.a, rec.b, rec.ino_b, rec.ino_a),
+                    *self._parents(rec.a, rec.b)]
+        if not isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
             return []
-        loc, ino = f[0], f[1]
+        loc, ino = rec.loc, rec.ino
         try:
             with self.r.at(loc) as (d, n):
                 st = B.lstat_at(d, n)
                 if st is None or st.st_ino != ino:
                     return []       # the step cannot apply either; it is reported
-                if k == S.XATTRS:
+                if isinstance(rec, S.Xattrs):
                     return self._xattrs(d, n, loc, ino)
-                if k == S.CHUNK:
-                    return [self._bytes(w, d, n, loc, ino, f[2], st.st_size, f[3]),
-                            _meta(loc, st)]
-                out = []
-                if stat.S_ISREG(st.st_mode) and st.st_size > f[5]:
+                if isinstance(rec, S.Chunk):
+                    return [self._bytes(w, d, n, loc, ino, rec.chunk, st.st_size, rec.length),
+                            S.meta_record(loc, st)]
+                out: list[S.Change] = []
+                if stat.S_ISREG(st.st_mode) and st.st_size > rec.size:
                     # the step truncates: keep what it cuts off
                     out += [self._bytes(w, d, n, loc, ino, i, st.st_size)
-                            for i in range(f[5] // self.C, (st.st_size - 1) // self.C + 1)]
-                out.append(_meta(loc, st))
-                if (st.st_uid, st.st_gid) != (f[3], f[4]):
+                            for i in range(rec.size // self.C, (st.st_size - 1) // self.C + 1)]
+                out.append(S.meta_record(loc, st))
+                if (st.st_uid, st.st_gid) != (rec.uid, rec.gid):
                     # a change of owner drops capabilities
                     out += self._xattrs(d, n, loc, ino, always=False)
                 return out
@@ -433,7 +423,7 @@ def _inverse_groups(store: Store, reverse: bool = False):
     groups: list[tuple[int, list]] = []
     with store.env.begin(db=store.db_redo) as txn:
         for key, val in scan(txn, store.db_redo, S.REDO_INVERSE):
-            seq = S.from_u64(key[1:9])
+            seq = S.redo_inverse_seq(key)
             if not groups or groups[-1][0] != seq:
                 groups.append((seq, []))
             groups[-1][1].append((key, S.decode_or_damaged(val)))
@@ -441,14 +431,16 @@ def _inverse_groups(store: Store, reverse: bool = False):
 
 
 def _locs(rec: S.Record) -> list[bytes]:
-    if rec.kind in (S.RENAME, S.EXCHANGE):
-        return [rec.fields[0], rec.fields[1]]
-    if rec.kind in (S.META, S.XATTRS, S.CHUNK):
-        return [rec.fields[0]]
+    if isinstance(rec, S.Rename):
+        return [rec.src, rec.dst]
+    if isinstance(rec, S.Exchange):
+        return [rec.a, rec.b]
+    if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+        return [rec.loc]
     return []
 
 
-def touched_locations(groups: list[list[S.Record]]) -> tuple[list[bytes], list[bytes]]:
+def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:
     """Every location a redo would act on, as it is named at the end of the
     rollback, and those of them where it moves what is there (renames,
     exchanges, moves into and out of the grave).  *groups*: the inverses,
@@ -461,16 +453,16 @@ def touched_locations(groups: list[list[S.Record]]) -> tuple[list[bytes], list[b
     followed: list[tuple[Slot, bool]] = []
     for group in groups:
         def slots() -> list[tuple[Slot, bool]]:     # (B023: called at once, below)
-            return [(names.slot(loc), rec.kind in (S.RENAME, S.EXCHANGE))
+            return [(names.slot(loc), isinstance(rec, S.Rename | S.Exchange))
                     for rec in group for loc in _locs(rec)]  # noqa: B023
         followed += slots()
         first = group[0]
-        if first.kind == S.RENAME:        # the undo step moved fields[0] to fields[1]
-            names.move(first.fields[0], first.fields[1])
-            if S.grave_id(first.fields[1]) is not None:
-                names.prune(first.fields[1])
-        elif first.kind == S.EXCHANGE:
-            names.exchange(first.fields[0], first.fields[1])
+        if isinstance(first, S.Rename):    # the undo step moved src to dst
+            names.move(first.src, first.dst)
+            if S.grave_id(first.dst) is not None:
+                names.prune(first.dst)
+        elif isinstance(first, S.Exchange):
+            names.exchange(first.a, first.b)
         followed += slots()  # what it left
     now = [(names.where(slot), moves) for slot, moves in followed]
     return (sorted({loc for loc, _ in now if loc is not None}),
@@ -528,8 +520,9 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
     with store.env.begin(db=store.db_redo) as txn:
-        prints = {bytes(k[1:]): v for k, v in scan(txn, store.db_redo, REDO_PRINT)}
-        moved = {bytes(k[1:]) for k, _ in scan(txn, store.db_redo, REDO_MOVED)}
+        prints = {bytes(S.split_redo_key(k)[1]): v
+                  for k, v in scan(txn, store.db_redo, S.REDO_PRINT)}
+        moved = {bytes(S.split_redo_key(k)[1]) for k, _ in scan(txn, store.db_redo, S.REDO_MOVED)}
     changed = []
     with resolver.reading():
         for loc, val in prints.items():
@@ -539,7 +532,7 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
         return f"{_shown(changed)} changed since the rollback"
     inside: dict[str, str] = {}
     for _, rec in store.records(st["seq"], store._next_seq):
-        if rec.kind == S.DAMAGED:
+        if isinstance(rec, S.Damaged):
             return "a record of a change made since the rollback is damaged"
         for loc in record_locs(rec):
             if loc in prints:
@@ -555,11 +548,13 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     return None
 
 
-def record_locs(rec: S.Record) -> list[bytes]:
+def record_locs(rec: S.Change) -> list[bytes]:
     """The locations a journal record names."""
-    if rec.kind in (S.RENAME, S.EXCHANGE):
-        return [rec.fields[0], rec.fields[1]]
-    return [rec.fields[0]]
+    if isinstance(rec, S.Rename):
+        return [rec.src, rec.dst]
+    if isinstance(rec, S.Exchange):
+        return [rec.a, rec.b]
+    return [S.record_loc(rec)]
 
 
 def _moved_above(loc: bytes, moved: set[bytes]) -> bytes | None:
@@ -586,11 +581,11 @@ def start(store: Store) -> None:
 
 def _objects(rec: S.Record) -> tuple[int, ...]:
     """The objects (inodes) an inverse record moves or changes."""
-    if rec.kind == S.RENAME:
-        return (rec.fields[2],)
-    if rec.kind == S.EXCHANGE:
-        return rec.fields[2], rec.fields[3]
-    return (rec.fields[1],) if rec.kind in (S.META, S.XATTRS, S.CHUNK) else ()
+    if isinstance(rec, S.Rename):
+        return (rec.ino,)
+    if isinstance(rec, S.Exchange):
+        return rec.ino_a, rec.ino_b
+    return (rec.ino,) if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else ()
 
 
 def _corrupt(store: Store, groups) -> dict[int, str]:
@@ -600,11 +595,13 @@ def _corrupt(store: Store, groups) -> dict[int, str]:
     out: dict[int, str] = {}
     for _, group in groups:
         for _, rec in group:
-            gid = S.grave_id(rec.fields[1]) if rec.kind == S.RENAME else None
+            if not isinstance(rec, S.Rename):
+                continue
+            gid = S.grave_id(rec.dst)
             why = gravesum.verify(store, gid) if gid is not None else None
             if why is not None:
-                out[rec.fields[2]] = (f"{S.show_loc(rec.fields[0])}: not redone: the file "
-                                      f"kept in the store is corrupt: {why}; it stays removed")
+                out[rec.ino] = (f"{S.show_loc(rec.src)}: not redone: the file "
+                                f"kept in the store is corrupt: {why}; it stays removed")
     return out
 
 
@@ -630,9 +627,9 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                 failures.append(f"{describe(rec)}: {e}")
         with store.write() as w:
             for key, rec in group:
-                if rec.kind == S.CHUNK and rec.fields[4]:
-                    w.deref(rec.fields[4])
-                elif rec.kind == S.RENAME and (gid := S.grave_id(rec.fields[1])) is not None:
+                if isinstance(rec, S.Chunk) and rec.digest:
+                    w.deref(rec.digest)
+                elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
                         w.drop_grave(gid)   # out of the grave
                 w.txn.delete(key, db=store.db_redo)
@@ -649,16 +646,16 @@ def restore(w: Writer) -> list[int]:
                S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
     restored = []
     for key, val in list(scan(txn, store.db_redo, b"")):
-        kind = key[:1]
+        kind, original = S.split_redo_key(key)
         if kind in targets:
-            txn.put(key[1:], val, db=targets[kind])
+            txn.put(original, val, db=targets[kind])
             if kind == S.REDO_LAYER:
-                restored.append(S.from_u64(key[1:]))
+                restored.append(S.from_u64(original))
             elif kind == S.REDO_RECORD:
                 rec = S.decode_or_damaged(val)
-                if rec.kind == S.GRAVE and \
-                        B.lstat_at(store.grave_fd, str(rec.fields[1]).encode()) is not None:
-                    w.regrave(rec.fields[1], rec.fields[2])
+                if isinstance(rec, S.Grave) and \
+                        B.lstat_at(store.grave_fd, str(rec.grave).encode()) is not None:
+                    w.regrave(rec.grave, rec.ino)
         txn.delete(key, db=store.db_redo)
     # what changed since the rollback came after all of it: the top layer's now
     _dissolve(w, st, max(restored))
@@ -674,15 +671,16 @@ def references(store: Store, txn):
     if store.db_redo is None:
         return
     for key, val in scan(txn, store.db_redo, b""):
-        if key[:1] in (S.REDO_RECORD, S.REDO_INVERSE):
-            yield key[:1], S.decode_or_damaged(val)
+        kind, _ = S.split_redo_key(key)
+        if kind in (S.REDO_RECORD, S.REDO_INVERSE):
+            yield kind, S.decode_or_damaged(val)
 
 
 def held_grave(kind: bytes, rec: S.Record) -> tuple[int, int] | None:
     """(grave id, inode) a record of the redo database holds in the grave."""
-    if kind == S.REDO_RECORD and rec.kind == S.GRAVE:
-        return rec.fields[1], rec.fields[2]
-    if kind == S.REDO_INVERSE and rec.kind == S.RENAME and \
-            (gid := S.grave_id(rec.fields[1])) is not None:
-        return gid, rec.fields[2]
+    if kind == S.REDO_RECORD and isinstance(rec, S.Grave):
+        return rec.grave, rec.ino
+    if kind == S.REDO_INVERSE and isinstance(rec, S.Rename) and \
+            (gid := S.grave_id(rec.dst)) is not None:
+        return gid, rec.ino
     return None

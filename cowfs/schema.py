@@ -1,5 +1,7 @@
 """The LMDB schema of the layer store: every named database, every key layout
-and the encoding of every value. No other module builds keys by hand.
+and the encoding of every value.  Keys are built and taken apart only here
+(``u64``, ``index_key``, ``who_key``, ``redo_*_key``, ...); values are encoded
+here too (``to_json``, ``encode_record``, ``encode_sum``, ``encode_xattrs``).
 
 Integers in keys are unsigned 64-bit big-endian so that they sort numerically.
 
@@ -13,11 +15,13 @@ Databases
              ``next_seq``    u64   next journal sequence number
              ``next_layer``  u64   next layer id
              ``next_grave``  u64   next grave id
+             ``next_writer`` u64   next writer id (absent: 1)
              ``pending``     JSON  the group operation under way, resumed
-                                   by the next mount if a crash interrupts it:
+                                   by the next mount if a crash interrupts it
+                                   (see ``Writer.set_pending``):
                                    ``{"op": "rollback", "to": ID}``,
                                    ``{"op": "commit", "layer": ID}`` or
-                                   ``{"op": "redo"}``, plus
+                                   ``{"op": "redo"}``, each with
                                    ``"files"``: bool, the file part is done,
                                    and ``"steps"``: the provider steps, in
                                    order, each ``{"do": "restore"|"discard",
@@ -28,14 +32,21 @@ Databases
                                    Restores run before the files, discards
                                    after; the layers' post-mortems move to
                                    the top layer when the record is closed.
-             ``state``       JSON  {"mounted": bool, "pid": int} clean-state record
+                                   Or ``{"op": "checkpoint", "layer": ID,
+                                   "providers": [names]}`` while a checkpoint
+                                   takes provider snapshots: after a crash,
+                                   what they took is discarded and the layer
+                                   merged into the one below.
+             ``state``       JSON  {"mounted": bool, "pid": int or null}: the
+                                   clean-state record
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
              ``ignore``      JSON  the mount's --ignore patterns (a list)
              ``drift``       JSON  written at a clean unmount: {"seq", "layers":
                                    the store's state then, "paths": workspace
                                    path -> [size, mtime_ns, ctime_ns, ino] (null:
-                                   absent) of every path the layers changed};
+                                   absent; ["unreachable"]: a directory above is
+                                   not one) of every path the layers changed};
                                    compared by the next mount while the store
                                    is still in that state
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,
@@ -43,23 +54,29 @@ Databases
              "postmortems", "drift" (lists), "agent" (the agent event that
              opened the layer: {"agent", "event", "kind": "prompt"|"tool",
              "session", ...}) and "turns" (the "agent" records of layers
-             merged into it, each with its "layer").  The stack is the layers in id order; a layer
+             merged into it, each with its "layer" and "message").  The stack
+             is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
              layer's ``start`` (the top layer: to the end of the journal), so
              merging a layer into the one below is deleting its row.
-``journal``  u64 seq -> an undo record (see ``encode_record``).  Replaying a
-             layer's records from the last to the first restores the tree as
-             it was when the layer was opened.
-``index``    u64 layer + u64 ino + 1-byte kind [+ u64 chunk] -> u64 seq.
+``journal``  u64 seq -> an undo record (one NamedTuple per kind, below:
+             ``encode_record``).  Replaying a layer's records from the last to
+             the first restores the tree as it was when the layer was opened.
+``index``    u64 layer + u64 ino + 1-byte kind [+ u64 chunk] -> u64 seq
+             (``index_key``, ``split_index_key``).
              Which objects (backing inode numbers) a layer has already
              captured, so later changes record nothing (while the last
              rollback can be redone, the open layer's changes since it are
              indexed under its *segment*, 2**63 + the rollback's first seq,
              a layer id no layer has; see ``redo``):
              ``N`` created in this layer (value: 0), ``M`` metadata captured,
-             ``X`` xattrs captured, ``C`` + chunk number: that chunk captured.
+             ``X`` xattrs captured, ``C`` + chunk number: that chunk captured,
+             ``P`` pinned (value: 0): seen at a captured path, so captured in
+             this layer wherever it moves, even to an ignored path.
+             ``N`` and ``P`` name no record (``INDEX_FLAGS``).
 ``chunks``   16-byte xxh3-128 digest -> chunk bytes (content-addressed).
-``refs``     16-byte digest -> u64 number of journal records using it.
+``refs``     16-byte digest -> u64 number of records using it (in the journal
+             and, for a redo, in ``redo``).
 ``graves``   u64 grave id -> u64 backing inode number of the object that was
              moved into ``STORE/grave/<id>`` (whole-file pre-images).
 ``gravesums`` u64 grave id -> what is known of the bytes of a regular file
@@ -78,18 +95,19 @@ Databases
                    hashed): verified by identity only.
              No entry (not a regular file, or removed by older cowfs):
              verified by identity only, as the ``graves`` entry says.
-``who``      u64 layer + u64 ino -> u64 writer id: the process that first
-             changed that object in that layer (kept by merges: the lower
-             layer's entry wins, it is older; a segment's, like its index).
+``who``      u64 layer + u64 ino (``who_key``) -> u64 writer id: the process
+             that first changed that object in that layer (kept by merges: the
+             lower layer's entry wins, it is older; a segment's, like its index).
 ``writers``  u64 writer id -> JSON {"pid", "uid", "cmd": [argv...]}, one per
              process seen changing something (``next_writer`` in meta).
-``audit``    u64 event number -> JSON event {"time", "event", "layer", ...}:
-             mount, unmount, checkpoint, commit, rollback, restore, redo and
-             every kept or undone change.  Independent of the layers: kept
-             through commits and rollbacks until pruned (``cowfs audit
-             --prune DAYS``).
+``audit``    u64 event number -> JSON event {"n": the number, "time", "event",
+             "layer", ...}: mount, unmount, checkpoint, commit, rollback,
+             restore, redo and every kept or undone change.  Independent of the
+             layers: kept through commits and rollbacks until pruned (``cowfs
+             audit --prune DAYS``).
 ``redo``     what the last rollback kept so that ``cowfs redo`` can undo it
-             (see ``redo``), keyed by a one-byte kind:
+             (see ``redo``); ``state``, and every other key begins with a
+             one-byte kind (``redo_*_key``, ``split_redo_key``):
              ``state``             JSON {"state": "building" | "ready" |
                                    "redoing" | "unavailable" | "gone", "why",
                                    "to", "dropped": [ids], "kept": [ids left],
@@ -101,8 +119,9 @@ Databases
                                    the index id of the changes made since (or
                                    null: none, or the fresh base serves)}
              ``f`` + location      its fingerprint when the rollback ended
-                                   (JSON: inode, mode, owner, size, mtime,
-                                   ctime; null: nothing there)
+                                   (JSON [ino, mode, uid, gid, size, mtime_ns,
+                                   ctime_ns]; null: nothing there;
+                                   ["unreachable"]: a directory above is not one)
              ``m`` + location      the redo moves what is there (empty)
              ``L`` + u64 layer     a dropped layer's row, as it was
              ``r`` + u64 seq       a dropped layer's journal record, verbatim
@@ -120,7 +139,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_type_hints
 
 FORMAT = 1
 
@@ -151,14 +170,6 @@ K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_IGNORE = b"ignore"
-
-# keys of the redo database
-K_REDO_STATE = b"state"
-REDO_LAYER = b"L"
-REDO_RECORD = b"r"
-REDO_INVERSE = b"v"
-REDO_INDEX = b"i"
-REDO_WHO = b"w"
 
 _U64 = struct.Struct(">Q")
 
@@ -198,11 +209,80 @@ def index_key(layer: int, ino: int, kind: bytes, chunk: int | None = None) -> by
     return key + u64(chunk) if chunk is not None else key
 
 
-def split_index_key(key: bytes) -> tuple[int, int, bytes, int | None]:
+class IndexKey(NamedTuple):
+    layer: int
+    ino: int
+    kind: bytes
+    chunk: int | None
+
+
+def split_index_key(key: bytes) -> IndexKey:
     layer, ino = from_u64(key[:8]), from_u64(key[8:16])
     kind = key[16:17]
     chunk = from_u64(key[17:25]) if len(key) > 17 else None
-    return layer, ino, kind, chunk
+    return IndexKey(layer, ino, kind, chunk)
+
+
+# -- attribution keys -----------------------------------------------------------
+# (like index keys, they begin with their layer: index_prefix finds both)
+
+
+def who_key(layer: int, ino: int) -> bytes:
+    return u64(layer) + u64(ino)
+
+
+def key_layer(key: bytes) -> int:
+    """The layer an index or attribution key belongs to."""
+    return from_u64(key[:8])
+
+
+def with_layer(key: bytes, layer: int) -> bytes:
+    """The same index or attribution key, in layer *layer*."""
+    return u64(layer) + key[8:]
+
+
+# -- keys of the redo database -------------------------------------------------------
+# (each but the state begins with one byte naming what it holds; see ``redo`` above)
+
+K_REDO_STATE = b"state"
+REDO_LAYER = b"L"
+REDO_RECORD = b"r"
+REDO_INVERSE = b"v"
+REDO_INDEX = b"i"
+REDO_WHO = b"w"
+REDO_PRINT = b"f"
+REDO_MOVED = b"m"
+
+
+def redo_layer_key(layer: int) -> bytes:
+    return REDO_LAYER + u64(layer)
+
+
+def redo_record_key(seq: int) -> bytes:
+    return REDO_RECORD + u64(seq)
+
+
+def redo_inverse_key(seq: int, i: int | None = None) -> bytes:
+    """The key of inverse *i* of record *seq*'s undo step (None: the prefix
+    of them all)."""
+    return REDO_INVERSE + u64(seq) + (bytes((i,)) if i is not None else b"")
+
+
+def redo_kept_key(kind: bytes, key: bytes) -> bytes:
+    """Where the redo database keeps *key* of a dropped layer (kind
+    ``REDO_LAYER``, ``REDO_RECORD``, ``REDO_INDEX``, ``REDO_WHO``) or a
+    location's note (``REDO_PRINT``, ``REDO_MOVED``)."""
+    return kind + key
+
+
+def split_redo_key(key: bytes) -> tuple[bytes, bytes]:
+    """(kind, the rest): the original key of a kept entry, the location of a
+    note, the seq (+ u8) of an inverse."""
+    return key[:1], key[1:]
+
+
+def redo_inverse_seq(key: bytes) -> int:
+    return from_u64(key[1:9])
 
 
 # -- content hashes of grave objects ---------------------------------------------
@@ -263,19 +343,20 @@ def show_loc(loc: bytes) -> str:
 
 
 # -- undo records ---------------------------------------------------------------
-# Each record says how to undo one change.  They are applied last first.
+# Each record says how to undo one change.  They are applied last first.  A
+# journal value is the kind byte, then each field in order: ``i`` + i64 for an
+# integer, ``b`` + u32 length + the bytes, (``n`` for None, never written).
+# Every kind's first field is the location it names.
 
-CREATE = 1    # (path,)                  an object was created at path: remove it
-LINK = 2      # (path,)                  a hard link was made at path: unlink it
-GRAVE = 3     # (path, gid, ino)         path was moved to grave gid: move it back
-RENAME = 4    # (src, dst, ino)          ino was renamed src -> dst: rename back
-EXCHANGE = 5  # (a, b, ino_a, ino_b)     a and b were exchanged: exchange again
-META = 6      # (loc, ino, mode, uid, gid, size, atime_ns, mtime_ns)
-XATTRS = 7    # (loc, ino, blob)         all xattrs before the first xattr change
-CHUNK = 8     # (loc, ino, index, length, digest)  old bytes of one chunk;
-              #   an empty digest means the chunk was all zeros (a hole)
-
-DAMAGED = 0   # (raw bytes,)             a record that does not decode (never written)
+CREATE = 1
+LINK = 2
+GRAVE = 3
+RENAME = 4
+EXCHANGE = 5
+META = 6
+XATTRS = 7
+CHUNK = 8
+DAMAGED = 0   # a record that does not decode (never written)
 
 KIND_NAMES = {
     DAMAGED: "damaged record",
@@ -284,31 +365,153 @@ KIND_NAMES = {
 }
 
 
-def meta_fields(loc: bytes, st: os.stat_result) -> tuple:
-    """The fields of a META record of the object *st* describes, at *loc*."""
-    return (loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
-            st.st_atime_ns, st.st_mtime_ns)
+class Create(NamedTuple):
+    """An object was created at *path*: remove it."""
 
-
-class Record(NamedTuple):
-    kind: int
-    fields: tuple
+    path: bytes
 
     @property
-    def name(self) -> str:
-        return KIND_NAMES.get(self.kind, str(self.kind))
+    def kind(self) -> int:
+        return CREATE
+
+
+class Link(NamedTuple):
+    """A hard link was made at *path*: unlink it."""
+
+    path: bytes
+
+    @property
+    def kind(self) -> int:
+        return LINK
+
+
+class Grave(NamedTuple):
+    """The object *ino* at *path* was moved into grave entry *grave*: move it back."""
+
+    path: bytes
+    grave: int
+    ino: int
+
+    @property
+    def kind(self) -> int:
+        return GRAVE
+
+
+class Rename(NamedTuple):
+    """Object *ino* was renamed *src* -> *dst*: rename it back."""
+
+    src: bytes
+    dst: bytes
+    ino: int
+
+    @property
+    def kind(self) -> int:
+        return RENAME
+
+
+class Exchange(NamedTuple):
+    """*a* (object *ino_a*) and *b* (*ino_b*) were exchanged: exchange them again."""
+
+    a: bytes
+    b: bytes
+    ino_a: int
+    ino_b: int
+
+    @property
+    def kind(self) -> int:
+        return EXCHANGE
+
+
+class Meta(NamedTuple):
+    """The attributes of object *ino* (at *loc*) before its first change."""
+
+    loc: bytes
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+
+    @property
+    def kind(self) -> int:
+        return META
+
+
+class Xattrs(NamedTuple):
+    """All xattrs of object *ino* before its first xattr change (``encode_xattrs``)."""
+
+    loc: bytes
+    ino: int
+    blob: bytes
+
+    @property
+    def kind(self) -> int:
+        return XATTRS
+
+
+class Chunk(NamedTuple):
+    """The old bytes of chunk number *chunk* of object *ino*: *length* bytes
+    stored under *digest* in ``chunks``; an empty digest: the chunk was all
+    zeros (a hole)."""
+
+    loc: bytes
+    ino: int
+    chunk: int
+    length: int
+    digest: bytes
+
+    @property
+    def kind(self) -> int:
+        return CHUNK
+
+
+class Damaged(NamedTuple):
+    """A journal value that does not decode (corruption), kept to be reported."""
+
+    raw: bytes
+
+    @property
+    def kind(self) -> int:
+        return DAMAGED
+
+
+Record = Create | Link | Grave | Rename | Exchange | Meta | Xattrs | Chunk | Damaged
+Change = Create | Link | Grave | Rename | Exchange | Meta | Xattrs | Chunk  # (written)
+
+RECORD_TYPES: dict[int, type[Change]] = {
+    CREATE: Create, LINK: Link, GRAVE: Grave, RENAME: Rename, EXCHANGE: Exchange,
+    META: Meta, XATTRS: Xattrs, CHUNK: Chunk,
+}
+# the type of each field, for checking what a journal value decodes to
+_SHAPES: dict[int, tuple[type, ...]] = {
+    kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()}
+
+
+def record_name(rec: Record) -> str:
+    return KIND_NAMES[rec.kind]
+
+
+def record_loc(rec: Change) -> bytes:
+    """The location a record names first (its path, source, or the object's)."""
+    return rec[0]
+
+
+def meta_record(loc: bytes, st: os.stat_result) -> Meta:
+    """The META record of the object *st* describes, at *loc*."""
+    return Meta(loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
+                st.st_atime_ns, st.st_mtime_ns)
 
 
 _I = struct.Struct(">q")
 _L = struct.Struct(">I")
 
 
-def encode_record(kind: int, *fields: int | bytes | None) -> bytes:
-    out = [bytes((kind,))]
-    for f in fields:
-        if f is None:
-            out.append(b"n")
-        elif isinstance(f, int):
+def encode_record(rec: Change) -> bytes:
+    out = [bytes((rec.kind,))]
+    for f in rec:
+        if isinstance(f, int):
             out.append(b"i" + _I.pack(f))
         else:
             out.append(b"b" + _L.pack(len(f)) + bytes(f))
@@ -318,7 +521,9 @@ def encode_record(kind: int, *fields: int | bytes | None) -> bytes:
 _TAG_INT, _TAG_BYTES, _TAG_NONE = ord("i"), ord("b"), ord("n")
 
 
-def decode_record(data: bytes) -> Record:
+def decode_record(data: bytes) -> Change:
+    """ValueError for a value that is not a record of a known kind with the
+    fields of its kind."""
     kind = data[0]
     fields: list[int | bytes | None] = []
     add = fields.append
@@ -339,20 +544,20 @@ def decode_record(data: bytes) -> Record:
             pos += 1
         else:
             raise ValueError(f"corrupt journal record (tag {tag})")
-    return Record(kind, tuple(fields))
+    shape = _SHAPES.get(kind)
+    if shape is None or tuple(map(type, fields)) != shape:
+        raise ValueError(f"corrupt journal record (kind {kind}, fields "
+                         f"{[type(f).__name__ for f in fields]})")
+    return RECORD_TYPES[kind]._make(fields)
 
 
 def decode_or_damaged(data: bytes) -> Record:
     """Decode a journal record; one that does not decode (corruption) comes
-    back as a DAMAGED record holding its bytes, so readers can report it."""
+    back as a Damaged record holding its bytes, so readers can report it."""
     try:
-        rec = decode_record(data)
-        if rec.kind not in KIND_NAMES or rec.kind == DAMAGED or not rec.fields \
-                or not isinstance(rec.fields[0], bytes):
-            raise ValueError("unknown kind")
-        return rec
+        return decode_record(data)
     except (ValueError, IndexError, struct.error):
-        return Record(DAMAGED, (bytes(data),))
+        return Damaged(bytes(data))
 
 
 def encode_xattrs(pairs: list[tuple[bytes, bytes]]) -> bytes:

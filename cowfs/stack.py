@@ -15,7 +15,7 @@ from . import backing as B
 from . import fsck, progress, redo
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
-from .journal import Reading
+from .journal import MetaAt, Reading
 from .past import filter_paths
 from .store import Layer, PendingRecord, Store, digest
 from .undo import Touched, Undoer, describe
@@ -260,9 +260,9 @@ class Stack:
         graves, freed = [], []
         with st.write() as w:
             for seq, rec in st.records(base.start, st.layer_end(base.id)):
-                if rec.kind == S.GRAVE:
-                    graves.append(rec.fields[1])
-                    freed.append(rec.fields[2])
+                if isinstance(rec, S.Grave):
+                    graves.append(rec.grave)
+                    freed.append(rec.ino)
                 w.delete_record(seq)
             w.drop_layer(base.id)
             _plan_discards(w, base)
@@ -417,7 +417,7 @@ class Stack:
                 self.board.step()
                 ino = fsck.restores(rec)
                 try:
-                    if rec.kind == S.DAMAGED:
+                    if isinstance(rec, S.Damaged):
                         if seq not in known:   # else reported with its object
                             report.failures.append(f"record {seq} is damaged and cannot be "
                                                    "applied; what it would undo stays as it is")
@@ -537,7 +537,7 @@ class Stack:
             """Whether the object *ino* the layer removed was a directory."""
             m = j.meta.get(ino)
             if m is not None:
-                return stat.S_ISDIR(m[1][2])
+                return stat.S_ISDIR(m.rec.mode)
             gids = j.graves.get(ino)
             st = B.lstat_at(self.store.grave_fd, str(gids[0]).encode()) if gids else None
             return st is not None and stat.S_ISDIR(st.st_mode)
@@ -583,7 +583,8 @@ class Stack:
                 continue              # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
-            kind = self.same.replaced(at, st, gids[0] if gids else None, m and m[1],
+            kind = self.same.replaced(at, st, gids[0] if gids else None,
+                                      m.rec if m is not None else None,
                                       j.xattrs.get(was))
             stands_in.add(at)
             if kind:
@@ -654,32 +655,32 @@ class Sameness:
         self.resolver = resolver
         self.cache: dict[tuple, bool] = {}
 
-    def modified(self, path: bytes, st: os.stat_result, meta: tuple[int, tuple] | None,
+    def modified(self, path: bytes, st: os.stat_result, meta: MetaAt | None,
                  chunks: dict[int, tuple[int, bytes]] | None, xattrs: bytes | None
                  ) -> str | None:
         """M, m or None for the object at *path* (*st*), which was there at
-        the start: *meta* (seq, fields), *chunks* and *xattrs* are the
+        the start: *meta* (and its seq), *chunks* and *xattrs* are the
         oldest records the range holds of it."""
-        m = meta[1] if meta is not None else None
-        if stat.S_ISREG(st.st_mode) and (chunks or (m is not None and m[5] != st.st_size)):
-            if meta is None or m is None or m[5] != st.st_size or not self._cached(
-                    ("c", meta[0], st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+        m = meta.rec if meta is not None else None
+        if stat.S_ISREG(st.st_mode) and (chunks or (m is not None and m.size != st.st_size)):
+            if meta is None or m is None or m.size != st.st_size or not self._cached(
+                    ("c", meta.seq, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
                     lambda: self._chunks_back(path, chunks or {})):
                 return "M"
         if xattrs is not None and self._xattrs_now(path) != S.decode_xattrs(xattrs):
             return "m"
         if m is None:
             return None
-        return "m" if self._attrs_differ(st, m[2], m[3], m[4], m[7]) else None
+        return "m" if self._attrs_differ(st, m.mode, m.uid, m.gid, m.mtime_ns) else None
 
     def replaced(self, path: bytes, st: os.stat_result, gid: int | None,
-                 meta: tuple | None, xattrs: bytes | None) -> str | None:
+                 meta: S.Meta | None, xattrs: bytes | None) -> str | None:
         """T, M, m or None for *path*, where another object (*st*) now stands
         in for the one the layer removed into grave *gid*."""
         old = B.lstat_at(self.store.grave_fd, str(gid).encode()) if gid is not None else None
         if gid is None or old is None:
             return "M"
-        mode = meta[2] if meta is not None else old.st_mode
+        mode = meta.mode if meta is not None else old.st_mode
         if stat.S_IFMT(mode) != stat.S_IFMT(st.st_mode):
             return "T"
         gloc = S.grave_loc(gid)
@@ -697,7 +698,7 @@ class Sameness:
         if was != self._xattrs_now(path):
             return "m"
         if meta is not None:
-            differ = self._attrs_differ(st, meta[2], meta[3], meta[4], meta[7])
+            differ = self._attrs_differ(st, meta.mode, meta.uid, meta.gid, meta.mtime_ns)
         else:
             differ = self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid,
                                         old.st_mtime_ns)

@@ -109,10 +109,10 @@ class Writer:
         if data is None:
             return
         rec = S.decode_or_damaged(data)
-        if rec.kind == S.CHUNK and rec.fields[4]:
-            self.deref(rec.fields[4])
-        elif rec.kind == S.GRAVE:
-            self.drop_grave(rec.fields[1])
+        if isinstance(rec, S.Chunk) and rec.digest:
+            self.deref(rec.digest)
+        elif isinstance(rec, S.Grave):
+            self.drop_grave(rec.grave)
         self.txn.delete(key, db=self.store.db_journal)
 
     def reserve(self, n: int) -> None:
@@ -218,16 +218,16 @@ class Writer:
             elif not lower_has:
                 txn.put(below, val, db=st.db_index)
         if st.db_who is not None:
-            for key, writer in list(scan(txn, st.db_who, S.u64(upper))):
+            for key, writer in list(scan(txn, st.db_who, S.index_prefix(upper))):
                 txn.delete(key, db=st.db_who)
-                lower_key = S.u64(lower) + key[8:]
+                lower_key = S.with_layer(key, lower)
                 if txn.get(lower_key, db=st.db_who) is None:
                     txn.put(lower_key, writer, db=st.db_who)
 
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is
         attributed already (the first writer wins)."""
-        key = S.u64(layer) + S.u64(ino)
+        key = S.who_key(layer, ino)
         if self.txn.get(key, db=self.store.db_who) is None:
             self.txn.put(key, S.u64(writer), db=self.store.db_who)
 
@@ -602,13 +602,13 @@ class Store:
         with self.env.begin() as txn:
             for _seq, rec in self.records(layer.start, self.layer_end(layer_id)):
                 total += 16
-                if rec.kind == S.CHUNK and rec.fields[4] and rec.fields[4] not in seen:
-                    seen.add(rec.fields[4])
-                    data = txn.get(rec.fields[4], db=self.db_chunks)
+                if isinstance(rec, S.Chunk) and rec.digest and rec.digest not in seen:
+                    seen.add(rec.digest)
+                    data = txn.get(rec.digest, db=self.db_chunks)
                     total += len(data) if data is not None else 0
-                elif rec.kind == S.GRAVE:
+                elif isinstance(rec, S.Grave):
                     try:
-                        st = os.stat(str(rec.fields[1]), dir_fd=self.grave_fd,
+                        st = os.stat(str(rec.grave), dir_fd=self.grave_fd,
                                      follow_symlinks=False)
                         total += st.st_blocks * 512
                     except OSError:
@@ -779,7 +779,7 @@ class Store:
         with self.env.begin() as txn:
             for ino in inos:
                 for layer in sorted(layers):
-                    wid = txn.get(S.u64(layer) + S.u64(ino), db=self.db_who)
+                    wid = txn.get(S.who_key(layer, ino), db=self.db_who)
                     if wid is not None:
                         if wid not in writers:
                             info = txn.get(wid, db=self.db_writers)

@@ -48,11 +48,11 @@ class Undoer:
     def apply(self, rec: S.Record, keep: int | None = None) -> None:
         """Apply one undo record.  *keep*: move the object a CREATE or LINK
         step removes into grave entry *keep* instead (kept for a redo)."""
-        if keep is not None and rec.kind in (S.CREATE, S.LINK):
-            self._keep(rec.fields[0], keep)
+        if keep is not None and isinstance(rec, S.Create | S.Link):
+            self._keep(rec.path, keep)
             return
         handler = _HANDLERS[rec.kind]
-        handler(self, *rec.fields)
+        handler(self, *rec)        # (the handlers take the record's fields in order)
 
     # -- names -------------------------------------------------------------------
 
@@ -271,5 +271,6 @@ def _show(loc: bytes) -> str:
 
 def describe(rec: S.Record) -> str:
     """A short human description of a record, for error reports."""
-    first = rec.fields[0] if rec.fields else b""
-    return f"{rec.name} {_show(first) if isinstance(first, bytes) else first}"
+    if isinstance(rec, S.Damaged):
+        return S.record_name(rec)
+    return f"{S.record_name(rec)} {_show(S.record_loc(rec))}"

@@ -33,15 +33,15 @@ def raw_store(ws):
         env.close()
 
 
-def records(txn, dbs) -> list[tuple[int, S.Record]]:
+def records(txn, dbs) -> list[tuple[int, S.Change]]:
     return [(S.from_u64(k), S.decode_record(v)) for k, v in txn.cursor(db=dbs[S.DB_JOURNAL])]
 
 
 def chunk_of(txn, dbs, path: bytes) -> bytes:
     """The digest of the first non-zero pre-image chunk recorded for *path*."""
     for _, rec in records(txn, dbs):
-        if rec.kind == S.CHUNK and rec.fields[0] == path and rec.fields[4]:
-            return rec.fields[4]
+        if isinstance(rec, S.Chunk) and rec.loc == path and rec.digest:
+            return rec.digest
     raise AssertionError(f"no chunk recorded for {path!r}")
 
 
@@ -141,9 +141,9 @@ def test_a_damaged_record_and_a_removed_grave_object_are_named(damaged):
     with raw_store(ws) as (txn, dbs):
         recs = records(txn, dbs)
         meta_seq = next(seq for seq, rec in recs
-                        if rec.kind == S.META and rec.fields[0] == b"a.txt")
+                        if isinstance(rec, S.Meta) and rec.loc == b"a.txt")
         txn.put(S.u64(meta_seq), b"\x06garbage", db=dbs[S.DB_JOURNAL])
-        gid = next(rec.fields[1] for _, rec in recs if rec.kind == S.GRAVE)
+        gid = next(rec.grave for _, rec in recs if isinstance(rec, S.Grave))
     os.unlink(ws / ".cowfs" / "grave" / str(gid))
     code, res, _ = check(ws)
     assert code == STORE_ERROR

@@ -114,13 +114,13 @@ def graves(ws) -> dict[bytes, int]:
     (GRAVE records, and files a rollback kept for a redo); unmounted."""
     store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False, readonly=True)
     try:
-        out = {rec.fields[0]: rec.fields[1] for _, rec in store.records(0, store._next_seq)
-               if rec.kind == S.GRAVE}
+        out = {rec.path: rec.grave for _, rec in store.records(0, store._next_seq)
+               if isinstance(rec, S.Grave)}
         with store.read() as txn:
             for kind, rec in redo.references(store, txn):
                 held = redo.held_grave(kind, rec)
-                if held is not None and kind == S.REDO_INVERSE:
-                    out[rec.fields[0]] = held[0]
+                if held is not None and isinstance(rec, S.Rename) and kind == S.REDO_INVERSE:
+                    out[rec.src] = held[0]
         return out
     finally:
         store.close()

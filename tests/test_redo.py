@@ -403,7 +403,7 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
         with env.begin(write=True, db=db) as txn:
             state = S.from_json(txn.get(S.K_REDO_STATE))
             assert state["state"] == redo.READY
-            for key in [k for k, _ in txn.cursor() if k.startswith(redo.REDO_PRINT)]:
+            for key in [k for k, _ in txn.cursor() if k.startswith(S.REDO_PRINT)]:
                 txn.delete(key)
             txn.put(S.K_REDO_STATE, S.to_json(state | {"state": redo.BUILDING, "fresh": None}))
     finally:

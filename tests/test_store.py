@@ -119,8 +119,8 @@ def test_merge_keeps_the_lower_entry_and_drops_redundant_ones(h):
     h.rec.reset(fresh=False)
     merged = h.store.layer_records(h.store.top().id)
     assert len(merged) == lower + 1
-    chunks = [r for _, r in merged if r.kind == S.CHUNK]
-    assert sorted(r.fields[2] for r in chunks) == [0, 1]
+    chunks = [r for _, r in merged if isinstance(r, S.Chunk)]
+    assert sorted(r.chunk for r in chunks) == [0, 1]
     assert h.chunk_count() == 2
     h.stack.rollback()
     treesnap.assert_same(before, h.snapshot())
@@ -186,8 +186,8 @@ def test_a_failed_capture_is_not_believed_captured(h):
 
 
 def test_records_round_trip():
-    rec = S.encode_record(S.CHUNK, b"a/\xffb", 7, 3, 65536, b"\x00" * 16)
-    assert S.decode_record(rec) == S.Record(S.CHUNK, (b"a/\xffb", 7, 3, 65536, b"\x00" * 16))
+    rec = S.encode_record(S.Chunk(b"a/\xffb", 7, 3, 65536, b"\x00" * 16))
+    assert S.decode_record(rec) == S.Chunk(b"a/\xffb", 7, 3, 65536, b"\x00" * 16)
     pairs = [(b"user.a", b"\x00\x01"), (b"user.b", b"")]
     assert S.decode_xattrs(S.encode_xattrs(pairs)) == pairs
     assert S.grave_id(S.grave_loc(42)) == 42 and S.grave_id(b"x/y") is None
