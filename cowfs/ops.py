@@ -20,6 +20,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterator
+from time import monotonic
 from typing import Any
 
 from . import backing as B
@@ -98,23 +99,31 @@ def op(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
-        self.last_request = time.monotonic()     # (background work waits for a pause)
-        self.rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
-        if self.rec.ignore is not None:           # .cowfsignore may have changed
-            self.rec.ignore.stale = True
-        with errno_only(name):
+        self.last_request = monotonic()          # (background work waits for a pause)
+        rec = self.rec
+        rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
+        if rec.ignore is not None:                # .cowfsignore may have changed
+            rec.ignore.stale = True
+        if takes_ctx:
+            kw["ctx"] = ctx
+        # (errno_only's rule, written out: this runs for every request)
+        try:
             try:
-                try:
-                    return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-                except OSError as e:
-                    # a change fails before it touches anything: once the room
-                    # a redo kept is given back, it is tried once more
-                    if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
-                        raise
-                return fn(self, *args, ctx=ctx, **kw) if takes_ctx else fn(self, *args, **kw)
-            except LimitReached:
-                self._refused(name, args)
-                raise
+                return fn(self, *args, **kw)
+            except OSError as e:
+                # a change fails before it touches anything: once the room
+                # a redo kept is given back, it is tried once more
+                if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
+                    raise
+            return fn(self, *args, **kw)
+        except LimitReached:
+            self._refused(name, args)
+            raise
+        except OSError:
+            raise
+        except Exception:
+            log.exception("%s failed", name)
+            raise fail(errno.EIO) from None
 
     return wrapper
 
