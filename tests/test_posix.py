@@ -67,8 +67,11 @@ def backing_dir(ws: Workspace) -> Path:
     attribute cache would hide)."""
     fds = Path(f"/proc/{ws.daemon_pid()}/fd")
     for fd in fds.iterdir():
-        if os.readlink(fd) == str(ws.path):
-            return fd
+        try:
+            if os.readlink(fd) == str(ws.path):
+                return fd
+        except FileNotFoundError:    # closed meanwhile (the daemon is running)
+            continue
     raise AssertionError("the daemon holds no fd on the workspace root")
 
 
