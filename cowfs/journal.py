@@ -176,7 +176,10 @@ class Reading:
     * ``meta`` (ino -> its META record and that record's seq), ``chunks`` (ino -> chunk index ->
       (length, digest)), ``xattrs`` (ino -> blob): the first record of each
       after T, which holds the object's state at T;
-    * ``graves``: ino -> the grave ids it was moved into, in order.
+    * ``graves``: ino -> the grave ids it was moved into, in order;
+    * ``removed``: ino -> how many of the names it had at T were removed
+      since (moved into the grave): a name made after T and removed again
+      is not one of them.
     """
 
     def __init__(self, records: Iterable[tuple[int, S.Record]]):
@@ -188,6 +191,7 @@ class Reading:
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
+        self.removed: dict[int, int] = {}
         for seq, rec in records:
             self._read(seq, rec)
 
@@ -209,7 +213,10 @@ class Reading:
                 if isinstance(rec, S.Link):
                     self.linked.append(s)
         elif isinstance(rec, S.Grave):
-            if self._seen(rec.path, rec.ino) is not None:
+            s = self._seen(rec.path, rec.ino)
+            if s is not None:
+                if s.origin is not None and self.start.get(s.origin) == rec.ino:
+                    self.removed[rec.ino] = self.removed.get(rec.ino, 0) + 1
                 self.names.remove(rec.path)
             self.graves.setdefault(rec.ino, []).append(rec.grave)
         elif isinstance(rec, S.Rename):

@@ -125,12 +125,13 @@ class View(pyfuse3.Operations):
 
     def nlink(self, obj: Past) -> int:
         """Names the object had at T: its names now (the grave's excluded),
-        plus those removed since T, minus those linked since T."""
+        plus those it had at T and lost since, minus the links made since T
+        that are still there."""
         if stat.S_ISDIR(obj.mode):
             return 2
         h = self.history()
         buried = self._grave_counts().get(obj.ino, 0)
-        removed = len(h.graves.get(obj.ino, []))
+        removed = h.j.removed.get(obj.ino, 0)
         linked = h.links.get(obj.ino, 0)
         return max(1, obj.now.st_nlink - buried + removed - linked)
 

@@ -220,6 +220,27 @@ def test_view_is_the_past_read_only_and_ends_with_its_layer(mounted, tmp_path):
             raise AssertionError("a view outlived its layer")
 
 
+def test_a_view_counts_only_the_names_an_object_had_then(mounted, tmp_path):
+    """A hard link made after the viewed layer opened, then replaced by a
+    rename over it or removed, is no name the object had then: the view
+    shows the link count of that time (found by the model test)."""
+    ws = mounted
+    (ws / "b.txt").write_text("bravo\n")
+    (ws / "c.txt").write_text("charlie\n")
+    layer = ws.checkpoint("viewed")
+    then = ws.snapshot()
+    os.link(ws / "a.txt", ws / "dir" / "to-a")
+    os.link(ws / "c.txt", ws / "dir" / "to-c")
+    ws.checkpoint("later")
+    os.rename(ws / "b.txt", ws / "dir" / "to-a")         # over the link
+    os.unlink(ws / "dir" / "to-c")
+    with view_of(ws, layer, tmp_path / "view") as v:
+        treesnap.assert_same(then, treesnap.snapshot(v))
+        assert os.stat(v / "a.txt").st_nlink == os.stat(v / "c.txt").st_nlink == 1
+    ws.rollback(to=layer)
+    treesnap.assert_same(then, ws.snapshot())
+
+
 def test_view_of_an_unmounted_workspace(mounted, tmp_path):
     ws = mounted
     layer = ws.checkpoint()
