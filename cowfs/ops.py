@@ -12,14 +12,13 @@ with respect to the others and to layer switches.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
@@ -74,19 +73,26 @@ def fail(code: int) -> OSError:
     return OSError(code, os.strerror(code))
 
 
-@contextlib.contextmanager
-def errno_only(name: str, logger: logging.Logger = log) -> Iterator[None]:
+class errno_only:
     """How every FUSE request ends (the mount's operations and the view's
     handlers): with its result, or with an OSError whose errno the engine
     answers; anything unexpected is logged and becomes EIO, so that no
-    stray exception reaches the engine's loop and takes the mount down."""
-    try:
-        yield
-    except OSError:
-        raise
-    except Exception:
-        logger.exception("%s failed", name)
-        raise fail(errno.EIO) from None
+    stray exception reaches the engine's loop and takes the mount down.
+    A context manager made once per handler (``with guard:`` costs a
+    fraction of a generator-based one, on every request)."""
+
+    __slots__ = ("name", "logger")
+
+    def __init__(self, name: str, logger: logging.Logger = log):
+        self.name, self.logger = name, logger
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None and issubclass(kind, Exception) and not issubclass(kind, OSError):
+            self.logger.error("%s failed", self.name, exc_info=(kind, exc, tb))
+            raise fail(errno.EIO) from None
 
 
 def op(fn: Callable) -> Callable:
@@ -97,6 +103,8 @@ def op(fn: Callable) -> Callable:
     takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
                                                  + fn.__code__.co_kwonlyargcount]
 
+    guard = errno_only(name)
+
     @functools.wraps(fn)
     def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
         self.last_request = monotonic()          # (background work waits for a pause)
@@ -106,24 +114,19 @@ def op(fn: Callable) -> Callable:
             rec.ignore.stale = True
         if takes_ctx:
             kw["ctx"] = ctx
-        # (errno_only's rule, written out: this runs for every request)
-        try:
+        with guard:
             try:
+                try:
+                    return fn(self, *args, **kw)
+                except OSError as e:
+                    # a change fails before it touches anything: once the room
+                    # a redo kept is given back, it is tried once more
+                    if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
+                        raise
                 return fn(self, *args, **kw)
-            except OSError as e:
-                # a change fails before it touches anything: once the room
-                # a redo kept is given back, it is tried once more
-                if e.errno != errno.ENOSPC or self.on_full is None or not self.on_full():
-                    raise
-            return fn(self, *args, **kw)
-        except LimitReached:
-            self._refused(name, args)
-            raise
-        except OSError:
-            raise
-        except Exception:
-            log.exception("%s failed", name)
-            raise fail(errno.EIO) from None
+            except LimitReached:
+                self._refused(name, args)
+                raise
 
     return wrapper
 

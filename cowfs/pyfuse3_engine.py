@@ -29,13 +29,12 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     it answers an OSError's errno, and anything unexpected is logged (to its
     module's logger) and answers EIO (``ops.errno_only``).  pyfuse3 lets a
     handler raise only FUSEError; any other exception would end its loop."""
-    name = fn.__name__
-    logger = logging.getLogger(fn.__module__)
+    guard = errno_only(fn.__name__, logging.getLogger(fn.__module__))
 
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kw: Any) -> T:
         try:
-            with errno_only(name, logger):
+            with guard:
                 return await fn(*args, **kw)
         except OSError as e:
             raise FUSEError(e.errno or errno.EIO) from None
