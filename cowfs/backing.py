@@ -187,6 +187,10 @@ class Resolver:
         self.rootfd = rootfd
         self.grave_fd = grave_fd
         self._dirs: dict[bytes, int] | None = None
+        self._acting = False
+        self._held = 0                  # `at` blocks open on cached fds
+        self._retired: list[int] = []   # fds dropped from the cache while held
+        self.generation = 0             # counts `moved` calls
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -204,10 +208,32 @@ class Resolver:
             self._close_dirs()
             self._dirs = None
 
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        """Within it, ``at`` takes directories from the cache too: for an
+        undo or a redo, the only thing that changes the tree meanwhile (the
+        file requests are held off), which calls ``moved`` after each step
+        that moves or removes a directory."""
+        outer = self._acting
+        self._acting = True
+        try:
+            with self.reading():
+                yield
+        finally:
+            self._acting = outer
+
+    def moved(self) -> None:
+        """A directory was moved or removed: the cached paths may be wrong."""
+        self.generation += 1
+        self._close_dirs()
+
     def _close_dirs(self) -> None:
-        for fd in (self._dirs or {}).values():
-            os.close(fd)
         if self._dirs:
+            if self._held:                  # (in use: closed once released)
+                self._retired += self._dirs.values()
+            else:
+                for fd in self._dirs.values():
+                    os.close(fd)
             self._dirs.clear()
 
     def _dir(self, path: bytes) -> int:
@@ -238,6 +264,18 @@ class Resolver:
             yield self.rootfd, b"."
             return
         parent, name = split(loc)
+        if self._acting:
+            fd = self._dir(parent)
+            self._held += 1
+            try:
+                yield fd, name
+            finally:
+                self._held -= 1
+                if not self._held and self._retired:
+                    for old in self._retired:
+                        os.close(old)
+                    self._retired.clear()
+            return
         fd = open_dir(self.rootfd, parent)
         try:
             yield fd, name

@@ -223,6 +223,9 @@ class Keeper:
                                                                   S.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
+        # directories whose times are kept already (valid while no directory moves)
+        self.dir_times: set[bytes] = set()
+        self.generation = resolver.generation
 
     def before(self, seq: int, rec: S.Record) -> int | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
@@ -285,6 +288,7 @@ class Keeper:
                 # the step failed: nothing was moved, nothing to put back
                 for key, _ in list(scan(w.txn, st.db_redo, S.redo_inverse_key(seq))):
                     w.txn.delete(key, db=st.db_redo)
+                self.dir_times.clear()      # (they may have been the first kept)
                 w.drop_grave(gid)
                 if self.groups is not None:
                     self.groups.pop(seq, None)
@@ -333,18 +337,25 @@ class Keeper:
 
     def _parents(self, *paths: bytes) -> list[S.Change]:
         """The attributes (times) of the directories holding *paths*, which
-        a change of their entries touches."""
+        a change of their entries touches: the first time the rollback
+        touches each.  A redo applies the inverses in the reverse order, so
+        that one is applied last, and leaves the times the rollback found
+        (the others would be overwritten).  A directory moved meanwhile
+        starts over: the names may hold other directories now."""
         out: list[S.Change] = []
-        seen: set[bytes] = set()
+        if self.generation != self.r.generation:
+            self.generation = self.r.generation
+            self.dir_times.clear()
+        seen = self.dir_times
         for p in paths:
             if S.grave_id(p) is not None or not p:
                 continue
             parent = B.split(p)[0]
             if parent in seen:
                 continue
-            seen.add(parent)
             st = self.r.lstat(parent)
             if st is not None:
+                seen.add(parent)
                 out.append(S.meta_record(parent, st))
         return out
 

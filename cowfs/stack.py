@@ -363,9 +363,10 @@ class Stack:
         """The file part of the pending rollback or redo (resumable)."""
         pending = self.planned()
         try:
-            if pending["op"] == "redo":
-                return self._redo()
-            return self._rollback_to(pending["to"])
+            with self.resolver.acting():    # (file requests are held off meanwhile)
+                if pending["op"] == "redo":
+                    return self._redo()
+                return self._rollback_to(pending["to"])
         finally:
             self.board.end()
 

@@ -72,6 +72,8 @@ class Undoer:
                     B.remove_tree_at(d, n)
             else:
                 os.unlink(n, dir_fd=d)
+        if stat.S_ISDIR(st.st_mode):
+            self.r.moved()
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
         else:
@@ -89,6 +91,8 @@ class Undoer:
             if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
                 raise OSError(errno.ENOTEMPTY, "directory not empty")
             B.renameat2(d, n, self.store.grave_fd, str(gid).encode(), B.RENAME_NOREPLACE)
+        if stat.S_ISDIR(st.st_mode):
+            self.r.moved()
         self.touched.entry(path)
         self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
         self.touched.objects.add(st.st_ino)         # (names in the grave are not counted)
@@ -139,6 +143,8 @@ class Undoer:
                 return
             with self.r.at(src) as (sd, sn):
                 B.renameat2(dd, dn, sd, sn, B.RENAME_NOREPLACE)
+        if stat.S_ISDIR(st.st_mode):
+            self.r.moved()
         self.touched.entry(src)
         self.touched.entry(dst)
         self.touched.moves.append((ino, src))
@@ -158,6 +164,8 @@ class Undoer:
                 B.renameat2(bd, bn, ad, an, B.RENAME_NOREPLACE)
             else:
                 return
+        if any(x is not None and stat.S_ISDIR(x.st_mode) for x in (sa, sb)):
+            self.r.moved()
         self.touched.entry(a)
         self.touched.entry(b)
         self.touched.moves.append((ino_a, a))
