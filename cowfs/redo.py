@@ -204,20 +204,26 @@ def discard(store: Store, reason: str) -> list[int]:
 # -- keeping, during a rollback ---------------------------------------------------------
 
 class Keeper:
-    """Keeps, step by step, what a redo of the rollback under way needs.
+    """Keeps what a redo of the rollback under way needs, a batch of steps
+    at a time.
 
-    For each record the rollback takes: `before` its undo step, `hold`
-    after it.  A held record leaves the journal in the transaction that
-    keeps the next step's inverse (one transaction per step, as without
-    keeping); `flush` writes the last.  Until then it is still in the
-    journal, and a resumed rollback applies it again (steps are idempotent)
-    without taking its inverse again."""
+    For the records the rollback takes next: `batch` (or `before`, for one)
+    keeps the inverses of their undo steps, all taken before any of them
+    runs; `hold` after each step.  Held records leave the journal in the
+    transaction that keeps the next batch's inverses; `flush` writes the
+    last.  Until then they are still in the journal, and a resumed rollback
+    applies them again, in order, without taking their inverses again: a
+    batch holds only steps that act on different objects at different
+    places (none below another), each checking the object it acts on, so
+    applying the batch again from any point changes nothing it did."""
+
+    BATCH = 512
 
     def __init__(self, store: Store, resolver: B.Resolver):
         self.store = store
         self.r = resolver
         self.C = store.chunk_size
-        self.held: tuple[int, S.Record] | None = None
+        self.held: list[tuple[int, S.Record]] = []
         with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
             self.kept = {S.redo_inverse_seq(k) for k, _ in scan(txn, store.db_redo,
                                                                   S.REDO_INVERSE)}
@@ -227,74 +233,99 @@ class Keeper:
         self.dir_times: set[bytes] = set()
         self.generation = resolver.generation
 
-    def before(self, seq: int, rec: S.Record) -> int | None:
+    def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
-        Returns the grave id the step must move the object it removes to
-        (CREATE, LINK), if any."""
-        if seq in self.kept:
-            with self.store.env.begin(db=self.store.db_redo) as txn:
-                first = txn.get(S.redo_inverse_key(seq, 0))
-            inverses = [S.decode_record(first)] if first is not None else []
-        else:
-            with self.store.write() as w:
-                self._keep_held(w)
-                group = self._inverse(w, rec)
-                for i, inv in enumerate(group):
-                    w.txn.put(S.redo_inverse_key(seq, i), S.encode_record(inv),
+        Returns (grave id, inode): where the step must move the object it
+        removes (CREATE, LINK), and which object that is, if any."""
+        if seq not in self.kept:
+            return self._keep([(seq, rec, None)])[0]
+        with self.store.env.begin(db=self.store.db_redo) as txn:
+            first = txn.get(S.redo_inverse_key(seq, 0))
+        return _keep_of(rec, [S.decode_record(first)] if first is not None else [])
+
+    def batch(self, records: Sequence[tuple[int, S.Record]], i: int,
+              skip) -> list[tuple[int, int] | None]:
+        """Keep the inverses of the undo steps of records[i:i+n], for the
+        longest run (n >= 1) that makes a batch (see the class); *skip*:
+        (seq, record) -> whether the rollback leaves that record unapplied.
+        Returns what `before` returns, for each."""
+        plan = _Batch(self.r)
+        chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
+        for seq, rec in records[i:i + self.BATCH]:
+            if seq in self.kept or skip(seq, rec):
+                break
+            took = plan.admit(rec)
+            if took is None:
+                break
+            chosen.append((seq, rec, took[1]))
+        if len(chosen) <= 1:
+            seq, rec = records[i]
+            return [self.before(seq, rec)]
+        return self._keep(chosen)
+
+    def _keep(self, chosen: list[tuple[int, S.Record, os.stat_result | None]]
+              ) -> list[tuple[int, int] | None]:
+        """One transaction: the held records leave the journal, the inverses
+        of *chosen* ((seq, record, what a CREATE or LINK step removes, as
+        the plan found it)) are kept."""
+        out = []
+        with self.store.write() as w:
+            self._keep_held(w)
+            groups = [(seq, self._inverse(w, rec, st)) for seq, rec, st in chosen]
+            for seq, group in groups:
+                for k, inv in enumerate(group):
+                    w.txn.put(S.redo_inverse_key(seq, k), S.encode_record(inv),
                               db=self.store.db_redo)
-            self.held = None
+        self.held = []
+        for (seq, group), (_, rec, _) in zip(groups, chosen, strict=True):
             self.kept.add(seq)
             if self.groups is not None and group:
                 self.groups[seq] = group
-            inverses = group[:1]
-        if isinstance(rec, S.Create | S.Link) and inverses and \
-                isinstance(inverses[0], S.Rename):
-            # (the inverse of a CREATE or LINK moves the object into the grave)
-            return S.grave_id(inverses[0].dst)
-        return None
+            out.append(_keep_of(rec, group))
+        return out
 
     def hold(self, seq: int, rec: S.Record) -> None:
         """After *rec*'s undo step (applied, failed or skipped)."""
-        if self.held is not None:
+        self.held.append((seq, rec))
+        if len(self.held) > self.BATCH:
             self.flush()
-        self.held = (seq, rec)
 
     def flush(self) -> None:
-        if self.held is not None:
+        if self.held:
             with self.store.write() as w:
                 self._keep_held(w)
-            self.held = None
+            self.held = []
 
     def _keep_held(self, w: Writer) -> None:
-        """Move the held record out of the journal into the redo database."""
-        if self.held is None:
-            return
-        seq, rec = self.held
+        """Move the held records out of the journal into the redo database."""
         st = self.store
-        raw = w.txn.get(S.u64(seq), db=st.db_journal)
-        if raw is None:
-            return
-        w.txn.put(S.redo_record_key(seq), raw, db=st.db_redo)
-        w.txn.delete(S.u64(seq), db=st.db_journal)
-        if isinstance(rec, S.Create | S.Link):
-            raw_inv = w.txn.get(S.redo_inverse_key(seq, 0), db=st.db_redo)
-            if raw_inv is None:
-                return
-            inv = S.decode_record(raw_inv)
-            # (the inverse of a CREATE or LINK moves the object into the grave)
-            gid = S.grave_id(inv.dst) if isinstance(inv, S.Rename) else None
-            assert gid is not None
-            if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
-                # the step failed: nothing was moved, nothing to put back
-                for key, _ in list(scan(w.txn, st.db_redo, S.redo_inverse_key(seq))):
-                    w.txn.delete(key, db=st.db_redo)
-                self.dir_times.clear()      # (they may have been the first kept)
-                w.drop_grave(gid)
-                if self.groups is not None:
-                    self.groups.pop(seq, None)
-        elif isinstance(rec, S.Grave) and \
-                B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None:
-            w.drop_grave(rec.grave)   # put back
+        for seq, rec in self.held:
+            raw = w.txn.get(S.u64(seq), db=st.db_journal)
+            if raw is None:
+                continue
+            w.txn.put(S.redo_record_key(seq), raw, db=st.db_redo)
+            w.txn.delete(S.u64(seq), db=st.db_journal)
+            if isinstance(rec, S.Create | S.Link):
+                first = S.redo_inverse_key(seq, 0)
+                raw_inv = w.txn.get(first, db=st.db_redo)
+                if raw_inv is None:
+                    continue
+                inv = S.decode_record(raw_inv)
+                # (the inverse of a CREATE or LINK moves the object into the grave)
+                gid = S.grave_id(inv.dst) if isinstance(inv, S.Rename) else None
+                assert gid is not None
+                if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
+                    # the step failed: nothing was moved, nothing to put back
+                    # (the directories' times stay: they may be the first kept)
+                    w.txn.delete(first, db=st.db_redo)
+                    w.drop_grave(gid)
+                    if self.groups is not None and seq in self.groups:
+                        self.groups[seq] = self.groups[seq][1:]
+                        if not self.groups[seq]:
+                            del self.groups[seq]
+            elif isinstance(rec, S.Grave) and \
+                    B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None:
+                w.drop_grave(rec.grave)   # put back
 
     def keep_layer(self, w: Writer, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions."""
@@ -321,7 +352,7 @@ class Keeper:
             else [[rec for _, rec in group] for _, group in
                   _inverse_groups(self.store, reverse=True)])
         with self.r.reading():
-            prints = [(loc, S.to_json(fingerprint(self.r, loc))) for loc in locs]
+            prints = [(loc, print_json(fingerprint(self.r, loc))) for loc in locs]
         with self.store.write() as w:
             for loc, value in prints:
                 w.txn.put(S.redo_kept_key(S.REDO_PRINT, loc), value, db=self.store.db_redo)
@@ -382,11 +413,14 @@ class Keeper:
         return [S.Xattrs(loc, ino, S.encode_xattrs(pairs))] \
             if pairs or always else []
 
-    def _inverse(self, w: Writer, rec: S.Record) -> list[S.Change]:
+    def _inverse(self, w: Writer, rec: S.Record, st: os.stat_result | None = None
+                 ) -> list[S.Change]:
         """Records that undo *rec*'s undo step, in the order a redo applies
-        them; taken before the step."""
+        them; taken before the step (*st*: for a CREATE or LINK in a batch,
+        what the step will find at its path, as the plan knows it)."""
         if isinstance(rec, S.Create | S.Link):
-            st = self.r.lstat(rec.path)
+            if st is None:
+                st = self.r.lstat(rec.path)
             if st is None:
                 return []
             gid = w.new_grave(st.st_ino, st)
@@ -427,6 +461,118 @@ class Keeper:
             return []               # (a path component is gone: likewise)
 
 
+def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
+    """(grave id, inode) a CREATE or LINK step moves its object to, from
+    its inverse (which moves it into the grave)."""
+    if isinstance(rec, S.Create | S.Link) and inverses and isinstance(inverses[0], S.Rename):
+        gid = S.grave_id(inverses[0].dst)
+        if gid is not None:
+            return gid, inverses[0].ino
+    return None
+
+
+class _Batch:
+    """Which undo steps make a batch (see Keeper): no two act on the same
+    object or place, or one below the other's; none moves or removes a
+    directory.  The one exception: a CREATE or LINK step may remove what a
+    step before it in the batch moved to its place (``sed -i``'s temporary
+    file, renamed back and then removed): the plan follows the objects the
+    batch moves, so that the inverse of each step is what it would be
+    just before it."""
+
+    def __init__(self, resolver: B.Resolver):
+        self.r = resolver
+        self.places: set[bytes] = set()           # where the batch acts
+        self.above: set[bytes] = set()            # directories holding those
+        self.objects: set[int] = set()            # what it acts on
+        self.changed: set[int] = set()            # ... changing more than its name
+        self.holds: dict[bytes, int | None] = {}  # place -> what will be there
+        self.stats: dict[int, os.stat_result] = {}
+
+    def _free(self, loc: bytes) -> bool:
+        if loc in self.above:
+            return False
+        if S.grave_id(loc) is not None:
+            return loc not in self.places
+        while True:
+            if loc in self.places:
+                return False
+            if not loc:
+                return True
+            loc = loc.rpartition(b"/")[0]
+
+    def _claim(self, loc: bytes) -> None:
+        self.places.add(loc)
+        if S.grave_id(loc) is None:
+            while loc:
+                loc = loc.rpartition(b"/")[0]
+                self.above.add(loc)
+
+    def _there(self, loc: bytes) -> tuple[bool, os.stat_result | None]:
+        """(whether *loc* can be looked at -- the batch does not act there
+        or below it, and its directory is there -- what will be there when
+        the batch gets to it)."""
+        if loc in self.holds:
+            ino = self.holds[loc]
+            return True, None if ino is None else self.stats[ino]
+        if not self._free(loc):
+            return False, None
+        try:
+            return True, self.r.lstat_strict(loc)
+        except OSError:
+            return False, None
+
+    def admit(self, rec: S.Record) -> tuple[S.Record, os.stat_result | None] | None:
+        """Add *rec*'s step to the batch, or None when it cannot join it;
+        with, for a CREATE or LINK, what its step will remove."""
+        if isinstance(rec, S.Create | S.Link):
+            ok, st = self._there(rec.path)
+            if not ok or st is None or stat.S_ISDIR(st.st_mode) or st.st_ino in self.changed \
+                    or (rec.path not in self.holds and st.st_ino in self.objects):
+                return None
+            self._claim(rec.path)
+            self.holds[rec.path] = None
+            self.objects.add(st.st_ino)
+            return rec, st
+        if isinstance(rec, S.Rename):          # the step moves rec.ino from dst to src
+            ok, st = self._there(rec.dst)
+            ok_src, st_src = self._there(rec.src)
+            if not ok or not ok_src or st is None or st.st_ino != rec.ino or \
+                    st_src is not None or stat.S_ISDIR(st.st_mode) or \
+                    rec.ino in self.changed or \
+                    (rec.dst not in self.holds and rec.ino in self.objects):
+                return None
+            self._claim(rec.dst)
+            self._claim(rec.src)
+            self.holds[rec.dst] = None
+            self.holds[rec.src] = rec.ino
+            self.stats[rec.ino] = st
+            self.objects.add(rec.ino)
+            return rec, None
+        if isinstance(rec, S.Grave):           # the step moves it out of the grave
+            gloc = S.grave_loc(rec.grave)
+            ok, st = self._there(gloc)
+            ok_at, st_at = self._there(rec.path)
+            if not ok or not ok_at or st is None or st.st_ino != rec.ino or \
+                    st_at is not None or stat.S_ISDIR(st.st_mode) or rec.ino in self.objects:
+                return None
+            self._claim(gloc)
+            self._claim(rec.path)
+            self.holds[gloc] = None
+            self.holds[rec.path] = rec.ino
+            self.stats[rec.ino] = st
+            self.objects.add(rec.ino)
+            return rec, None
+        if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+            if rec.loc in self.holds or not self._free(rec.loc) or rec.ino in self.objects:
+                return None
+            self._claim(rec.loc)
+            self.objects.add(rec.ino)
+            self.changed.add(rec.ino)
+            return rec, None
+        return None             # (an EXCHANGE: a step of its own)
+
+
 # -- where a redo acts, and whether anything changed there --------------------------------
 
 def _inverse_groups(store: Store, reverse: bool = False):
@@ -461,21 +607,30 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     moved into the grave is not followed: the redo brings the directory
     back first)."""
     names = Names()
-    followed: list[tuple[Slot, bool]] = []
+    followed: dict[Slot, bool] = {}     # slot -> whether the redo moves what is there
+
+    def note(group: Sequence[S.Record]) -> None:
+        for rec in group:
+            moves = isinstance(rec, S.Rename | S.Exchange)
+            for loc in _locs(rec):
+                s = names.slot(loc)
+                if moves:
+                    followed[s] = True
+                else:
+                    followed.setdefault(s, False)
+
     for group in groups:
-        def slots() -> list[tuple[Slot, bool]]:     # (B023: called at once, below)
-            return [(names.slot(loc), isinstance(rec, S.Rename | S.Exchange))
-                    for rec in group for loc in _locs(rec)]  # noqa: B023
-        followed += slots()
+        note(group)
         first = group[0]
         if isinstance(first, S.Rename):    # the undo step moved src to dst
             names.move(first.src, first.dst)
             if S.grave_id(first.dst) is not None:
                 names.prune(first.dst)
+            note(group)  # what it left
         elif isinstance(first, S.Exchange):
             names.exchange(first.a, first.b)
-        followed += slots()  # what it left
-    now = [(names.where(slot), moves) for slot, moves in followed]
+            note(group)
+    now = [(names.where(slot), moves) for slot, moves in followed.items()]
     return (sorted({loc for loc, _ in now if loc is not None}),
             sorted({loc for loc, moves in now if loc is not None and moves}))
 
@@ -494,6 +649,16 @@ def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
         return None
     return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
             st.st_ctime_ns]
+
+
+def print_json(fp: list | None) -> bytes:
+    """A fingerprint as JSON (the text ``to_json`` makes of it: this runs
+    for every location a rollback touched)."""
+    if fp is None:
+        return b"null"
+    if all(type(x) is int for x in fp):
+        return ("[" + ", ".join(map(str, fp)) + "]").encode()
+    return S.to_json(fp)
 
 
 def layers_text(ids: list[int]) -> str:

@@ -484,9 +484,10 @@ RECORD_TYPES: dict[int, type[Change]] = {
     CREATE: Create, LINK: Link, GRAVE: Grave, RENAME: Rename, EXCHANGE: Exchange,
     META: Meta, XATTRS: Xattrs, CHUNK: Chunk,
 }
-# the type of each field, for checking what a journal value decodes to
+# the type of each field (int or bytes), for checking what a journal value decodes to
 _SHAPES: dict[int, tuple[type, ...]] = {
     kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()}
+assert all(t in (int, bytes) for shape in _SHAPES.values() for t in shape)
 
 
 def record_name(rec: Record) -> str:
@@ -518,37 +519,41 @@ def encode_record(rec: Change) -> bytes:
     return b"".join(out)
 
 
-_TAG_INT, _TAG_BYTES, _TAG_NONE = ord("i"), ord("b"), ord("n")
+_TAG_INT, _TAG_BYTES = ord("i"), ord("b")
+
+
+# kind -> (record type, the tag of each field in order)
+_DECODERS: dict[int, tuple[type[Change], bytes]] = {
+    kind: (cls, bytes(_TAG_INT if t is int else _TAG_BYTES for t in _SHAPES[kind]))
+    for kind, cls in RECORD_TYPES.items()}
 
 
 def decode_record(data: bytes) -> Change:
     """ValueError for a value that is not a record of a known kind with the
     fields of its kind."""
     kind = data[0]
-    fields: list[int | bytes | None] = []
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ValueError(f"corrupt journal record (kind {kind})")
+    cls, tags = decoder
+    fields: list[int | bytes] = []
     add = fields.append
     pos = 1
-    end = len(data)
-    while pos < end:
-        tag = data[pos]
-        if tag == _TAG_BYTES:
-            n = _L.unpack_from(data, pos + 1)[0]
-            pos += 5
-            add(bytes(data[pos:pos + n]))
-            pos += n
-        elif tag == _TAG_INT:
+    for tag in tags:
+        if data[pos] != tag:
+            raise ValueError(f"corrupt journal record (kind {kind}: field {len(fields)})")
+        if tag == _TAG_INT:
             add(_I.unpack_from(data, pos + 1)[0])
             pos += 9
-        elif tag == _TAG_NONE:
-            add(None)
-            pos += 1
         else:
-            raise ValueError(f"corrupt journal record (tag {tag})")
-    shape = _SHAPES.get(kind)
-    if shape is None or tuple(map(type, fields)) != shape:
-        raise ValueError(f"corrupt journal record (kind {kind}, fields "
-                         f"{[type(f).__name__ for f in fields]})")
-    return RECORD_TYPES[kind]._make(fields)
+            end = pos + 5 + _L.unpack_from(data, pos + 1)[0]
+            if end > len(data):
+                raise ValueError(f"corrupt journal record (kind {kind}: truncated)")
+            add(bytes(data[pos + 5:end]))
+            pos = end
+    if pos != len(data):
+        raise ValueError(f"corrupt journal record (kind {kind}: bytes past its fields)")
+    return cls._make(fields)
 
 
 def decode_or_damaged(data: bytes) -> Record:

@@ -805,15 +805,17 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
         raise CowfsError(f"no operation {op!r}", errors.USAGE)
     session = open_offline(workspace, store)
     try:
+        recorded = False
         if op in TREE_OPS:
             drift = session.current_drift()
             if drift:
                 raise Drift(f"{', '.join(drift[:10])}: changed while not mounted, after the "
                             "layers changed them; mount with --accept-drift first")
+            recorded = session.store.get_meta_json(S.K_DRIFT) is not None
         try:
             result = trio.run(functools.partial(invoke, getattr(session, op), **args))
         finally:  # what a rollback or commit changed (also when it partly failed)
-            if op in TREE_OPS and session.store.get_meta_json(S.K_DRIFT):
+            if recorded:
                 session.record_fingerprint()
     finally:
         session.close()

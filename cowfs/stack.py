@@ -355,9 +355,10 @@ class Stack:
         record the keeper held is deleted like the others."""
         self.discard_redo(f"what a redo needs could not be kept "
                           f"({getattr(e, 'strerror', None) or e})", fallback=True)
-        if keeper is not None and keeper.held is not None:
+        if keeper is not None and keeper.held:
             with self.store.write() as w:
-                w.delete_record(keeper.held[0])
+                for seq, _ in keeper.held:
+                    w.delete_record(seq)
 
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
@@ -414,7 +415,12 @@ class Stack:
             # whole (left as it is now), never restored in part.
             unrestorable, known = fsck.unrestorable(st, records)
             reported: set[int] = set()
-            for seq, rec in records:
+
+            def skipped(seq: int, rec: S.Record) -> bool:
+                return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
+
+            keeps: list[tuple[int, int] | None] = []    # for the rest of the batch, last first
+            for i, (seq, rec) in enumerate(records):
                 self.board.step()
                 ino = fsck.restores(rec)
                 try:
@@ -430,11 +436,14 @@ class Stack:
                         keep = None
                         if keeper is not None:
                             try:
-                                keep = keeper.before(seq, rec)
+                                if not keeps:
+                                    keeps = keeper.batch(records, i, skipped)[::-1]
+                                keep = keeps.pop()
                             except Exception as e:
                                 # no room to keep it (or no way): the rollback goes on
                                 self._give_up_redo(keeper, e)
                                 keeper = None
+                                keeps = []
                         undo.apply(rec, keep)
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
@@ -445,6 +454,7 @@ class Stack:
                     except OSError as e:     # (a full disk: deleting still works)
                         self._give_up_redo(keeper, e)
                         keeper = None
+                        keeps = []
                 if keeper is None:
                     with st.write() as w:
                         w.delete_record(seq)

@@ -254,8 +254,12 @@ class Writer:
         return S.from_json(v) if v is not None else None
 
     def set_pending(self, record: PendingRecord | None) -> None:
-        """Write the pending record (None: the group operation is over)."""
+        """Write the pending record (None: the group operation is over).
+        The files are about to change by cowfs's own hand: what the last
+        unmount recorded of them (drift detection) no longer holds."""
         self.set_meta(S.K_PENDING, S.to_json(record) if record is not None else None)
+        if record is not None:
+            self.set_meta(S.K_DRIFT, None)
 
     def update_pending(self, step: int | None = None, **fields) -> None:
         """Update fields of the pending record, or of its step *step*."""

@@ -45,11 +45,12 @@ class Undoer:
         self.touched = touched if touched is not None else Touched()
         self.ignored = ignored    # (path, is_dir) -> bool: the capture filter, if any
 
-    def apply(self, rec: S.Record, keep: int | None = None) -> None:
-        """Apply one undo record.  *keep*: move the object a CREATE or LINK
-        step removes into grave entry *keep* instead (kept for a redo)."""
+    def apply(self, rec: S.Record, keep: tuple[int, int] | None = None) -> None:
+        """Apply one undo record.  *keep*: (grave id, inode): move the object
+        a CREATE or LINK step removes into that grave entry instead (kept for
+        a redo), if it is that object."""
         if keep is not None and isinstance(rec, S.Create | S.Link):
-            self._keep(rec.path, keep)
+            self._keep(rec.path, *keep)
             return
         handler = _HANDLERS[rec.kind]
         handler(self, *rec)        # (the handlers take the record's fields in order)
@@ -80,14 +81,16 @@ class Undoer:
             self.touched.objects.add(st.st_ino)     # its other names: one link fewer
         self.touched.entry(path)
 
-    def _keep(self, path: bytes, gid: int) -> None:
-        """Remove what was created at *path* by moving it into the grave:
-        a directory only when it holds nothing but ignored paths, as
+    def _keep(self, path: bytes, gid: int, ino: int) -> None:
+        """Remove object *ino*, created at *path*, by moving it into the
+        grave: a directory only when it holds nothing but ignored paths, as
         `_remove` would."""
         with self.r.at(path) as (d, n):
             st = B.lstat_at(d, n)
             if st is None:
                 return
+            if st.st_ino != ino:
+                raise UndoError(f"{_show(path)}: a different object is there")
             if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
                 raise OSError(errno.ENOTEMPTY, "directory not empty")
             B.renameat2(d, n, self.store.grave_fd, str(gid).encode(), B.RENAME_NOREPLACE)

@@ -606,3 +606,65 @@ def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mo
     ws.rollback(to=layer_ids(ws)[0])
     treesnap.assert_same(base_start, ws.snapshot())
     assert ws.json("check")["ok"]
+
+
+# -- a rollback killed in the middle of a batch of steps ---------------------------------
+
+KILL_AT = """
+import os, sys
+from cowfs import session, undo
+count, apply = [0], undo.Undoer.apply
+def dying(self, rec, keep=None):
+    count[0] += 1
+    if count[0] > int(sys.argv[2]):
+        os._exit(9)       # (as a kill -9 would: nothing more is written)
+    return apply(self, rec, keep)
+undo.Undoer.apply = dying
+session.offline(sys.argv[1], None, "rollback", yes=True)
+"""
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 57, 120, 140])
+def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
+    """The rollback keeps what a redo needs a batch of steps at a time, and
+    applies the steps of a batch again when it resumes: killed after any
+    step, it ends with the tree at the checkpoint, and its redo with the
+    tree before it.  The layer holds what `sed -i` does (a temporary file
+    renamed over each name, and one into a new name), new files and
+    directories, writes, mode changes and removals, in two directories."""
+    ws = mounted
+    for d in ("p", "q"):
+        (ws / d).mkdir()
+        for i in range(40):
+            (ws / d / f"f{i}").write_text(f"{d} {i}\n")
+    ws.commit()
+    at_checkpoint = ws.snapshot()
+    ws.checkpoint()
+    for d in ("p", "q"):
+        for i in range(40):
+            f = ws / d / f"f{i}"
+            if i % 4 == 0:
+                subprocess.run(["sed", "-i", "s/ / changed /", str(f)], check=True)
+            elif i % 4 == 1:
+                (ws / d / f"new{i}.tmp").write_text("new\n")
+                os.rename(ws / d / f"new{i}.tmp", ws / d / f"new{i}")
+            elif i % 4 == 2:
+                with open(f, "a") as fh:
+                    fh.write("more\n")
+                os.chmod(f, 0o600)
+            else:
+                os.unlink(f)
+        (ws / d / "sub").mkdir()
+        (ws / d / "sub" / "inside").write_text("inside\n")
+    before = ws.snapshot()
+    ws.unmount()
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))}
+    r = subprocess.run([sys.executable, "-c", KILL_AT, str(ws.path), str(steps)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 9, f"the rollback took fewer than {steps} steps: {r.stderr}"
+    ws.mount()          # (finishes the rollback)
+    treesnap.assert_same(at_checkpoint, ws.snapshot())
+    assert ws.json("status")["redo"]["available"] is True
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
