@@ -474,11 +474,13 @@ def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
 class _Batch:
     """Which undo steps make a batch (see Keeper): no two act on the same
     object or place, or one below the other's; none moves or removes a
-    directory.  The one exception: a CREATE or LINK step may remove what a
-    step before it in the batch moved to its place (``sed -i``'s temporary
-    file, renamed back and then removed): the plan follows the objects the
-    batch moves, so that the inverse of each step is what it would be
-    just before it."""
+    directory.  The exceptions: a step may act where a RENAME step before
+    it in the batch moved an object to or from -- a CREATE or LINK step may
+    remove what it moved there (``sed -i``'s temporary file, renamed back
+    and then removed) -- as the plan follows what RENAME steps move, so
+    that the inverse of each step is what it would be just before it, and
+    each step, applied again after those that follow it, finds that what
+    it acted on is gone and does nothing."""
 
     def __init__(self, resolver: B.Resolver):
         self.r = resolver
@@ -531,7 +533,9 @@ class _Batch:
                     or (rec.path not in self.holds and st.st_ino in self.objects):
                 return None
             self._claim(rec.path)
-            self.holds[rec.path] = None
+            # nothing may come there later in the batch: applied again, the
+            # step would find it, not the object it removed
+            self.holds.pop(rec.path, None)
             self.objects.add(st.st_ino)
             return rec, st
         if isinstance(rec, S.Rename):          # the step moves rec.ino from dst to src
@@ -557,11 +561,8 @@ class _Batch:
                     st_at is not None or stat.S_ISDIR(st.st_mode) or rec.ino in self.objects:
                 return None
             self._claim(gloc)
-            self._claim(rec.path)
-            self.holds[gloc] = None
-            self.holds[rec.path] = rec.ino
-            self.stats[rec.ino] = st
-            self.objects.add(rec.ino)
+            self._claim(rec.path)       # (and no later step there: applied again, the
+            self.objects.add(rec.ino)   # step would miss the object in the grave)
             return rec, None
         if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
             if rec.loc in self.holds or not self._free(rec.loc) or rec.ino in self.objects:

@@ -624,14 +624,15 @@ session.offline(sys.argv[1], None, "rollback", yes=True)
 """
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 57, 120, 140])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 140])
 def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
     """The rollback keeps what a redo needs a batch of steps at a time, and
     applies the steps of a batch again when it resumes: killed after any
     step, it ends with the tree at the checkpoint, and its redo with the
     tree before it.  The layer holds what `sed -i` does (a temporary file
     renamed over each name, and one into a new name), new files and
-    directories, writes, mode changes and removals, in two directories."""
+    directories, writes, mode changes and removals, a name used twice, a
+    file made and removed again, in two directories."""
     ws = mounted
     for d in ("p", "q"):
         (ws / d).mkdir()
@@ -656,6 +657,14 @@ def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted,
                 os.unlink(f)
         (ws / d / "sub").mkdir()
         (ws / d / "sub" / "inside").write_text("inside\n")
+        (ws / d / "made").write_text("made\n")      # made and removed again
+        os.unlink(ws / d / "made")
+        (ws / d / "t").write_text("1\n")            # a name used twice
+        os.rename(ws / d / "t", ws / d / "u")
+        (ws / d / "t").write_text("2\n")
+        os.rename(ws / d / "f1", ws / d / "f2")     # one renamed over another
+        os.unlink(ws / d / "f5")                    # removed and made anew
+        (ws / d / "f5").write_text("anew\n")
     before = ws.snapshot()
     ws.unmount()
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
