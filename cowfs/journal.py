@@ -12,10 +12,12 @@ of what it holds (its origin), or that it was made after T.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from . import schema as S
+
+_GRAVE = S.GRAVE_PREFIX
 
 
 class Slot:
@@ -52,20 +54,26 @@ class Names:
         self._at: dict[bytes, Slot] = {b"": self.root}
 
     def slot(self, path: bytes) -> Slot:
-        s = self._at.get(path)
+        at = self._at
+        s = at.get(path)
         if s is not None:
             return s
         parent_path, _, name = path.rpartition(b"/")
-        p = self.slot(parent_path)
+        p = at.get(parent_path)
+        if p is None:
+            p = self.slot(parent_path)
         s = p.children.get(name)
         if s is None:
-            origin = None
-            if p.origin is not None and not (p.vacated and name in p.vacated):
-                origin = p.origin + b"/" + name if p.origin else name
+            origin = p.origin
+            if origin is not None:
+                if p.vacated and name in p.vacated:
+                    origin = None
+                else:
+                    origin = origin + b"/" + name if origin else name
             s = p.children[name] = Slot(name, p, origin)
             if origin is not None:
                 self.by_origin[origin] = s
-        self._at[path] = s
+        at[path] = s
         return s
 
     def _moved(self, s: Slot, path: bytes) -> None:
@@ -192,49 +200,63 @@ class Reading:
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
         self.removed: dict[int, int] = {}
+        read = self._READ
         for seq, rec in records:
-            self._read(seq, rec)
+            f = read.get(type(rec))
+            if f is not None:       # (a damaged record says nothing)
+                f(self, seq, rec)
 
     def _seen(self, path: bytes, ino: int | None) -> Slot | None:
         """*path* (as named when the record was written) held *ino* just
         before (None: nothing); note what that says about T."""
-        if path.startswith(S.GRAVE_PREFIX):
+        if path.startswith(_GRAVE):
             return None
         s = self.names.slot(path)
         if s.origin is not None and s.origin not in self.start:
             self.start[s.origin] = ino
         return s
 
-    def _read(self, seq: int, rec: S.Record) -> None:
-        if isinstance(rec, S.Create | S.Link):
-            s = self._seen(rec.path, None)
-            if s is not None:
-                self.created.append(s)
-                if isinstance(rec, S.Link):
-                    self.linked.append(s)
-        elif isinstance(rec, S.Grave):
-            s = self._seen(rec.path, rec.ino)
-            if s is not None:
-                if s.origin is not None and self.start.get(s.origin) == rec.ino:
-                    self.removed[rec.ino] = self.removed.get(rec.ino, 0) + 1
-                self.names.remove(rec.path)
-            self.graves.setdefault(rec.ino, []).append(rec.grave)
-        elif isinstance(rec, S.Rename):
-            s = self._seen(rec.src, rec.ino)
-            self._seen(rec.dst, None)
-            self.names.move(rec.src, rec.dst)
-            self.created.append(s if s is not None else self.names.slot(rec.dst))
-        elif isinstance(rec, S.Exchange):
-            self._seen(rec.a, rec.ino_a)
-            self._seen(rec.b, rec.ino_b)
-            self.names.exchange(rec.a, rec.b)
-        elif isinstance(rec, S.Meta):
-            self._seen(rec.loc, rec.ino)
-            self.meta.setdefault(rec.ino, MetaAt(seq, rec))
-        elif isinstance(rec, S.Chunk):
-            self.chunks.setdefault(rec.ino, {}).setdefault(rec.chunk, (rec.length, rec.digest))
-        elif isinstance(rec, S.Xattrs):
-            self.xattrs.setdefault(rec.ino, rec.blob)
+    def _create(self, seq: int, rec: S.Create | S.Link) -> None:
+        s = self._seen(rec.path, None)
+        if s is not None:
+            self.created.append(s)
+            if type(rec) is S.Link:
+                self.linked.append(s)
+
+    def _grave(self, seq: int, rec: S.Grave) -> None:
+        s = self._seen(rec.path, rec.ino)
+        if s is not None:
+            if s.origin is not None and self.start.get(s.origin) == rec.ino:
+                self.removed[rec.ino] = self.removed.get(rec.ino, 0) + 1
+            self.names.remove(rec.path)
+        self.graves.setdefault(rec.ino, []).append(rec.grave)
+
+    def _rename(self, seq: int, rec: S.Rename) -> None:
+        s = self._seen(rec.src, rec.ino)
+        self._seen(rec.dst, None)
+        self.names.move(rec.src, rec.dst)
+        self.created.append(s if s is not None else self.names.slot(rec.dst))
+
+    def _exchange(self, seq: int, rec: S.Exchange) -> None:
+        self._seen(rec.a, rec.ino_a)
+        self._seen(rec.b, rec.ino_b)
+        self.names.exchange(rec.a, rec.b)
+
+    def _meta(self, seq: int, rec: S.Meta) -> None:
+        self._seen(rec.loc, rec.ino)
+        if rec.ino not in self.meta:
+            self.meta[rec.ino] = MetaAt(seq, rec)
+
+    def _chunk(self, seq: int, rec: S.Chunk) -> None:
+        self.chunks.setdefault(rec.ino, {}).setdefault(rec.chunk, (rec.length, rec.digest))
+
+    def _xattrs(self, seq: int, rec: S.Xattrs) -> None:
+        self.xattrs.setdefault(rec.ino, rec.blob)
+
+    # what each kind of record says (by type: this runs for every record)
+    _READ: dict[type, Callable[[Reading, int, Any], None]] = {
+        S.Create: _create, S.Link: _create, S.Grave: _grave, S.Rename: _rename,
+        S.Exchange: _exchange, S.Meta: _meta, S.Chunk: _chunk, S.Xattrs: _xattrs}
 
     def touched(self) -> set[bytes]:
         """Every path (now) whose state the records describe: where each
