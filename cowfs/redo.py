@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import backing as B
@@ -231,7 +231,7 @@ class Keeper:
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
         self.dir_times: set[bytes] = set()
-        self.generation = resolver.generation
+        self.generation = self.began = resolver.generation
 
     def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
@@ -347,10 +347,14 @@ class Keeper:
         (unless *top* is a fresh base layer: that serves)."""
         st = state(self.store)
         assert st is not None       # (written when the rollback was planned: redo.begin)
-        locs, moved = touched_locations(
-            list(self.groups.values()) if self.groups is not None
-            else [[rec for _, rec in group] for _, group in
-                  _inverse_groups(self.store, reverse=True)])
+        if self.groups is not None and self.r.generation == self.began:
+            # no directory moved: each location names the same place throughout
+            locs, moved = _locations(self.groups.values())
+        else:
+            locs, moved = touched_locations(
+                list(self.groups.values()) if self.groups is not None
+                else [[rec for _, rec in group] for _, group in
+                      _inverse_groups(self.store, reverse=True)])
         with self.r.reading():
             prints = [(loc, print_json(fingerprint(self.r, loc))) for loc in locs]
         with self.store.write() as w:
@@ -598,6 +602,22 @@ def _locs(rec: S.Record) -> list[bytes]:
     return []
 
 
+def _locations(groups: Iterable[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:
+    """What `touched_locations` finds when no undo step moved a directory:
+    every location the inverses name, and those of the moves.  (The places
+    an object moved by one step takes are named by the steps that move it,
+    and a name it leaves is noted again by the step that leaves it.)"""
+    locs: set[bytes] = set()
+    moved: set[bytes] = set()
+    for group in groups:
+        for rec in group:
+            here = _locs(rec)
+            locs.update(here)
+            if isinstance(rec, S.Rename | S.Exchange):
+                moved.update(here)
+    return sorted(locs), sorted(moved)
+
+
 def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:
     """Every location a redo would act on, as it is named at the end of the
     rollback, and those of them where it moves what is there (renames,
@@ -783,12 +803,28 @@ def _corrupt(store: Store, groups) -> dict[int, str]:
 
 
 def apply(store: Store, undo, failures: list[str], describe) -> int:
-    """Apply the kept inverses, last kept first (resumable: each group is
-    deleted once applied); returns how many records were applied.  An
-    object whose file kept in the grave is corrupt is skipped as a whole."""
+    """Apply the kept inverses, last kept first; returns how many records
+    were applied.  Resumable: applied groups are deleted a batch at a time,
+    and a resumed redo applies those of the last batch again, in order --
+    each inverse checks the object it acts on, so that changes nothing.
+    An object whose file kept in the grave is corrupt is skipped as a
+    whole."""
     applied = 0
     groups = _inverse_groups(store)
     corrupt = _corrupt(store, groups)
+    done: list[tuple[bytes, S.Record]] = []
+
+    def forget() -> None:
+        with store.write() as w:
+            for key, rec in done:
+                if isinstance(rec, S.Chunk) and rec.digest:
+                    w.deref(rec.digest)
+                elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
+                    if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
+                        w.drop_grave(gid)   # out of the grave
+                w.txn.delete(key, db=store.db_redo)
+        done.clear()
+
     for _, group in groups:
         for _, rec in group:
             bad = [ino for ino in _objects(rec) if ino in corrupt]
@@ -802,14 +838,10 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                 applied += 1
             except Exception as e:  # report by name, keep going
                 failures.append(f"{describe(rec)}: {e}")
-        with store.write() as w:
-            for key, rec in group:
-                if isinstance(rec, S.Chunk) and rec.digest:
-                    w.deref(rec.digest)
-                elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
-                    if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
-                        w.drop_grave(gid)   # out of the grave
-                w.txn.delete(key, db=store.db_redo)
+        done += group
+        if len(done) >= Keeper.BATCH:
+            forget()
+    forget()
     return applied
 
 

@@ -152,7 +152,7 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
         digest=_digest(dir_fd, here) if is_file and content else None,
         target=os.readlink(here, dir_fd=dir_fd) if kind == "symlink" else None,
         rdev=st.st_rdev if kind in ("chardev", "blockdev") else None,
-        xattrs=_xattrs(path),
+        xattrs=_xattrs(path, follow=name is None),   # (the directory: through its fd)
         link=None,
     )
 
@@ -170,12 +170,13 @@ def _digest(dir_fd: int, name: bytes) -> str:
     return hasher.hexdigest()
 
 
-def _xattrs(path: bytes) -> XattrPairs:
-    """Return sorted (name, value) xattr pairs; empty where xattrs are unsupported."""
+def _xattrs(path: bytes, follow: bool = False) -> XattrPairs:
+    """Return sorted (name, value) xattr pairs; empty where xattrs are
+    unsupported.  *follow*: *path* is the /proc link of an fd on the object."""
     try:
         pairs = [
-            (os.fsencode(name), os.getxattr(path, name, follow_symlinks=False))
-            for name in os.listxattr(path, follow_symlinks=False)
+            (os.fsencode(name), os.getxattr(path, name, follow_symlinks=follow))
+            for name in os.listxattr(path, follow_symlinks=follow)
         ]
     except OSError as e:
         if e.errno in _XATTR_UNAVAILABLE:

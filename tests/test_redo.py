@@ -14,8 +14,11 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from cowfs import treesnap
+from cowfs import redo, treesnap
+from cowfs import schema as S
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
@@ -616,24 +619,32 @@ from cowfs import session, undo
 count, apply = [0], undo.Undoer.apply
 def dying(self, rec, keep=None):
     count[0] += 1
-    if count[0] > int(sys.argv[2]):
+    if count[0] > int(sys.argv[3]):
         os._exit(9)       # (as a kill -9 would: nothing more is written)
     return apply(self, rec, keep)
 undo.Undoer.apply = dying
-session.offline(sys.argv[1], None, "rollback", yes=True)
+session.offline(sys.argv[1], None, sys.argv[2], **({"yes": True} if sys.argv[2] == "rollback"
+                                                   else {}))
 """
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 140])
-def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
-    """The rollback keeps what a redo needs a batch of steps at a time, and
-    applies the steps of a batch again when it resumes: killed after any
-    step, it ends with the tree at the checkpoint, and its redo with the
-    tree before it.  The layer holds what `sed -i` does (a temporary file
-    renamed over each name, and one into a new name), new files and
-    directories, writes, mode changes and removals, a name used twice, a
-    file made and removed again, in two directories."""
-    ws = mounted
+def kill_within(ws, op: str, steps: int) -> None:
+    """Run *op* on the unmounted workspace and kill it (as kill -9 would)
+    after *steps* of its undo steps."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))}
+    r = subprocess.run([sys.executable, "-c", KILL_AT, str(ws.path), op, str(steps)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 9, f"the {op} took fewer than {steps} steps: {r.stderr}"
+
+
+def a_layer_of_many_kinds(ws) -> tuple[treesnap.Snapshot, treesnap.Snapshot]:
+    """Two directories of files, committed; then a layer that holds what
+    `sed -i` does (a temporary file renamed over each name, and one into a
+    new name), new files and directories, writes, mode changes and
+    removals, a name used twice, a file renamed over another, one made and
+    removed again, one removed and made anew.  Returns the tree at its
+    checkpoint and at its end."""
     for d in ("p", "q"):
         (ws / d).mkdir()
         for i in range(40):
@@ -657,23 +668,71 @@ def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted,
                 os.unlink(f)
         (ws / d / "sub").mkdir()
         (ws / d / "sub" / "inside").write_text("inside\n")
-        (ws / d / "made").write_text("made\n")      # made and removed again
+        (ws / d / "made").write_text("made\n")
         os.unlink(ws / d / "made")
-        (ws / d / "t").write_text("1\n")            # a name used twice
+        (ws / d / "t").write_text("1\n")
         os.rename(ws / d / "t", ws / d / "u")
         (ws / d / "t").write_text("2\n")
-        os.rename(ws / d / "f1", ws / d / "f2")     # one renamed over another
-        os.unlink(ws / d / "f5")                    # removed and made anew
+        os.rename(ws / d / "f1", ws / d / "f2")
+        os.unlink(ws / d / "f5")
         (ws / d / "f5").write_text("anew\n")
-    before = ws.snapshot()
+    return at_checkpoint, ws.snapshot()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 140])
+def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
+    """The rollback keeps what a redo needs a batch of steps at a time, and
+    applies the steps of a batch again when it resumes: killed after any
+    step, it ends with the tree at the checkpoint, and its redo with the
+    tree before it."""
+    ws = mounted
+    at_checkpoint, before = a_layer_of_many_kinds(ws)
     ws.unmount()
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))}
-    r = subprocess.run([sys.executable, "-c", KILL_AT, str(ws.path), str(steps)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 9, f"the rollback took fewer than {steps} steps: {r.stderr}"
+    kill_within(ws, "rollback", steps)
     ws.mount()          # (finishes the rollback)
     treesnap.assert_same(at_checkpoint, ws.snapshot())
     assert ws.json("status")["redo"]["available"] is True
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5, 40, 100])
+def test_a_redo_killed_within_a_batch_resumes_exactly(mounted, steps):
+    """A redo forgets the inverses it applied a batch at a time: killed
+    after any step, the next mount finishes it, exactly."""
+    ws = mounted
+    at_checkpoint, before = a_layer_of_many_kinds(ws)
+    ws.rollback()
+    treesnap.assert_same(at_checkpoint, ws.snapshot())
+    ws.unmount()
+    kill_within(ws, "redo", steps)
+    ws.mount()          # (finishes the redo)
+    treesnap.assert_same(before, ws.snapshot())
+
+
+# -- where a redo acts, when no directory moved -----------------------------------------
+
+_FILES = [b"d/a", b"d/b", b"d/c", b"e/a", b"e/f", S.grave_loc(1), S.grave_loc(2)]
+
+
+@st.composite
+def _inverse_group(draw):
+    """The inverses of one undo step that moves no directory: a move of a
+    file (into or out of the grave too) or an exchange, with the times of
+    the directories it touches; or attribute and byte records."""
+    kind = draw(st.sampled_from(["rename", "exchange", "meta"]))
+    ino = draw(st.integers(1, 9))
+    if kind == "meta":
+        loc = draw(st.sampled_from(_FILES))
+        return [S.Meta(loc, ino, 0o100644, 0, 0, 1, 0, 0), S.Chunk(loc, ino, 0, 1, b"")]
+    a, b = draw(st.lists(st.sampled_from(_FILES), min_size=2, max_size=2, unique=True))
+    first = S.Rename(a, b, ino) if kind == "rename" else S.Exchange(a, b, ino, ino + 1)
+    parents = {p.rpartition(b"/")[0] for p in (a, b) if S.grave_id(p) is None}
+    return [first, *(S.Meta(p, 100, 0o40755, 0, 0, 1, 0, 0) for p in sorted(parents))]
+
+
+@given(st.lists(_inverse_group(), max_size=30))
+def test_the_locations_of_a_rollback_that_moved_no_directory(groups):
+    """What a redo touches, found without following names (no directory
+    moved, so none holds other places) is what following them finds."""
+    assert redo._locations(groups) == redo.touched_locations(groups)
