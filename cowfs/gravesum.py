@@ -243,9 +243,16 @@ class Hasher:
         if self.store._next_grave != self.scanned:
             self._scan()
         batch, size = [], 0
+        quiet = everything or self.quiet() >= QUIET
+        now = time.time_ns()
         for gid, raw in self.todo.items():
             s = _sound(raw)
-            if not everything and (self.busy(s.ino) or not self._due(s)):
+            if not quiet and now - s.time_ns < PATIENCE_NS:
+                # (entries are taken in the order they were made: the rest are
+                # younger still -- so a pass costs nothing while files are
+                # removed by the thousand, however many wait)
+                break
+            if not everything and self.busy(s.ino):
                 continue
             batch.append((gid, raw))
             size += s.size
