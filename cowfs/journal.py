@@ -193,7 +193,7 @@ class Reading:
     def __init__(self, records: Iterable[tuple[int, S.Record]]):
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
-        self.created: list[Slot] = []
+        self.created: dict[Slot, None] = {}      # (in order; a slot renamed once)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
@@ -219,7 +219,7 @@ class Reading:
     def _create(self, seq: int, rec: S.Create | S.Link) -> None:
         s = self._seen(rec.path, None)
         if s is not None:
-            self.created.append(s)
+            self.created[s] = None
             if type(rec) is S.Link:
                 self.linked.append(s)
 
@@ -235,7 +235,7 @@ class Reading:
         s = self._seen(rec.src, rec.ino)
         self._seen(rec.dst, None)
         self.names.move(rec.src, rec.dst)
-        self.created.append(s if s is not None else self.names.slot(rec.dst))
+        self.created[s if s is not None else self.names.slot(rec.dst)] = None
 
     def _exchange(self, seq: int, rec: S.Exchange) -> None:
         self._seen(rec.a, rec.ino_a)

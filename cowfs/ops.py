@@ -1179,6 +1179,18 @@ class Ops:
     @op
     def setxattr(self, inode, name, value, ctx, flags: int = 0):
         node = self._node(inode)
+        if flags & (os.XATTR_CREATE | os.XATTR_REPLACE):
+            # a flag that makes it fail fails before anything is recorded
+            path, follow = self._xpath(node)
+            there: bool | None = True
+            try:
+                os.getxattr(path, name, follow_symlinks=follow)
+            except OSError as e:        # (another error: setxattr says what it says)
+                there = False if e.errno == errno.ENODATA else None
+            if there and flags & os.XATTR_CREATE:
+                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
+            if there is False and flags & os.XATTR_REPLACE:
+                raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)

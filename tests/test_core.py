@@ -381,6 +381,21 @@ def test_special_files_and_xattrs(mounted):
     treesnap.assert_same(before, ws.snapshot())
 
 
+def test_a_setxattr_its_flag_fails_records_nothing(mounted):
+    """XATTR_REPLACE of a missing xattr and XATTR_CREATE of one that is
+    there fail (ENODATA, EEXIST) as on the disk, before anything is
+    recorded: the layer stays empty."""
+    ws = mounted
+    os.setxattr(ws / "a.txt", "user.k", b"v")
+    ws.checkpoint()
+    for path, name, flag, err in ((ws / "dir", "user.none", os.XATTR_REPLACE, errno.ENODATA),
+                                  (ws / "a.txt", "user.k", os.XATTR_CREATE, errno.EEXIST)):
+        with pytest.raises(OSError) as e:
+            os.setxattr(path, name, b"x", flag)
+        assert e.value.errno == err
+    assert ws.log()[-1]["records"] == 0 and ws.status() == []
+
+
 def test_readdir_is_complete_in_large_directories(mounted):
     ws = mounted
     names = {f"file-{i:05d}" for i in range(3000)}
