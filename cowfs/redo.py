@@ -6,10 +6,11 @@ what a redo needs in the ``redo`` database (layout in ``schema``):
 * before each undo step, the step's *inverse*: records in the journal's own
   format that put back what the step is about to change — the bytes it
   overwrites or truncates away, the attributes and times it resets
-  (including those of the directories whose entries it changes), the
-  xattrs it replaces; an object the step removes (created in a dropped
-  layer) is moved into the grave instead of being deleted, so it keeps its
-  inode and content;
+  (including those of the directories whose entries it changes, the first
+  time the rollback changes them), the xattrs it replaces; an object the
+  step removes (created in a dropped layer) is moved into the grave
+  instead of being deleted, so it keeps its inode and content.  They are
+  taken for a batch of steps at a time, in one transaction (see Keeper);
 * the dropped layers themselves: rows, journal records, index entries and
   attributions are moved there instead of being deleted.
 
