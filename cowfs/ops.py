@@ -1181,16 +1181,11 @@ class Ops:
         node = self._node(inode)
         if flags & (os.XATTR_CREATE | os.XATTR_REPLACE):
             # a flag that makes it fail fails before anything is recorded
-            path, follow = self._xpath(node)
-            there: bool | None = True
-            try:
-                os.getxattr(path, name, follow_symlinks=follow)
-            except OSError as e:        # (another error: setxattr says what it says)
-                there = False if e.errno == errno.ENODATA else None
+            there = self._has_xattr(node, name)
             if there and flags & os.XATTR_CREATE:
-                raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
-            if there is False and flags & os.XATTR_REPLACE:
-                raise OSError(errno.ENODATA, os.strerror(errno.ENODATA))
+                raise fail(errno.EEXIST)
+            if not there and flags & os.XATTR_REPLACE:
+                raise fail(errno.ENODATA)
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
@@ -1198,11 +1193,23 @@ class Ops:
         if name == CAPABILITY:
             node.nocap = False
 
+    def _has_xattr(self, node: Node, name) -> bool:
+        """Whether the object has xattr *name* (a change that depends on it
+        fails before anything is recorded); another error is raised."""
+        path, follow = self._xpath(node)
+        try:
+            os.getxattr(path, name, follow_symlinks=follow)
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise
+            return False
+        return True
+
     @op
     def removexattr(self, inode, name, ctx):
         node = self._node(inode)
-        path, follow = self._xpath(node)
-        os.getxattr(path, name, follow_symlinks=follow)  # ENODATA: nothing to remove or record
+        if not self._has_xattr(node, name):
+            raise fail(errno.ENODATA)           # (nothing to remove or record)
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)

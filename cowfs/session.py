@@ -260,9 +260,7 @@ class Session:
     def record_fingerprint(self) -> None:
         """At a clean unmount: what the layers' paths look like now."""
         try:
-            value = json.dumps(self.stack.fingerprint()).encode()   # (a path each: unsorted)
-            with self.store.write() as w:
-                w.set_meta(S.K_DRIFT, value)
+            self.store.set_meta_json(S.K_DRIFT, self.stack.fingerprint())
         except Exception:
             log.exception("could not record the workspace's state for drift detection")
 
