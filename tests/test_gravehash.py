@@ -361,3 +361,28 @@ def test_redo_skips_a_kept_file_that_is_corrupt_and_keeps_hashes_through_redo(on
     assert r.returncode == PARTIAL
     assert "made.bin: not redone: the file kept in the store is corrupt" in r.stderr
     treesnap.assert_same(without(done, b"made.bin"), ws.snapshot())
+
+
+def test_removed_files_are_hashed_while_requests_never_pause(workspace):
+    """Files removed while requests keep coming are hashed once they have
+    waited long enough (the pass does not wait for a pause for ever), and
+    those still open are passed over without holding up the others."""
+    ws = workspace
+    mounted_tree(ws)
+    held = [open(ws / "src" / "pkg" / f"m{i}.py", "rb") for i in range(10, 13)]
+    try:
+        rm_rf(ws / "src", ws / "big.bin")
+        deadline = time.monotonic() + 60
+        while True:
+            for i in range(25):                  # a request every few ms, no pause
+                os.chmod(ws / "keep.txt", 0o600 if i % 2 else 0o644)   # (SETATTR: never cached)
+                time.sleep(0.002)
+            _, res = check(ws)
+            if res["graves_pending"] == len(held):
+                break
+            assert res["graves_pending"] > len(held) and time.monotonic() < deadline, res
+    finally:
+        for f in held:
+            f.close()
+    res = wait_hashed(ws)
+    assert res["ok"] and hashed_all(res)
