@@ -254,29 +254,29 @@ class Recorder:
     # -- name records -------------------------------------------------------------
 
     def create(self, w: Writer, path: bytes) -> None:
-        w.append(S.encode_record(S.Create(path)))
+        w.record(S.Create(path))
 
     def link(self, w: Writer, path: bytes) -> None:
-        w.append(S.encode_record(S.Link(path)))
+        w.record(S.Link(path))
 
     def grave(self, w: Writer, path: bytes, st: os.stat_result) -> int:
         """*path* (the object *st* describes) goes to the grave: record it."""
         ino = st.st_ino
         self.attribute(w, ino)
         gid = w.new_grave(ino, st)
-        w.append(S.encode_record(S.Grave(path, gid, ino)))
+        w.record(S.Grave(path, gid, ino))
         return gid
 
     def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
         self.attribute(w, ino)
         if not self.obj(ino).created:
             self.pin(w, ino)     # captured here: wherever it goes now, it stays so
-        w.append(S.encode_record(S.Rename(src, dst, ino)))
+        w.record(S.Rename(src, dst, ino))
 
     def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
         self.attribute(w, ino_a)
         self.attribute(w, ino_b)
-        w.append(S.encode_record(S.Exchange(a, b, ino_a, ino_b)))
+        w.record(S.Exchange(a, b, ino_a, ino_b))
 
     # -- object records -------------------------------------------------------------
 
@@ -289,7 +289,7 @@ class Recorder:
             return o
         self._changing(ino, o)
         self.attribute(w, ino)
-        seq = w.append(S.encode_record(S.meta_record(loc(), st)))
+        seq = w.record(S.meta_record(loc(), st))
         w.index_put(self.layer, ino, S.IDX_META, seq)
         o.meta = True
         o.s0 = st.st_size
@@ -302,7 +302,7 @@ class Recorder:
             return
         self._changing(ino, o)
         self.attribute(w, ino)
-        seq = w.append(S.encode_record(S.Xattrs(loc(), ino, S.encode_xattrs(pairs()))))
+        seq = w.record(S.Xattrs(loc(), ino, S.encode_xattrs(pairs())))
         w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
         o.xattrs = True
 
@@ -337,7 +337,7 @@ class Recorder:
                     data += bytes(length - len(data))
                 zero = data == self._zero if length == C else data == bytes(length)
             h = b"" if zero else w.put_chunk(data)
-            seq = w.append(S.encode_record(S.Chunk(where, ino, k, length, h)))
+            seq = w.record(S.Chunk(where, ino, k, length, h))
             w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
             o.chunks.add(k)
 

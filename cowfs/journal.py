@@ -12,10 +12,17 @@ of what it holds (its origin), or that it was made after T.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import schema as S
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
 
 _GRAVE = S.GRAVE_PREFIX
 
@@ -200,11 +207,21 @@ class Reading:
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
         self.removed: dict[int, int] = {}
+        self.feed(records)
+
+    def feed(self, records: Iterable[tuple[int, S.Record]]) -> int:
+        """Read *records* (the ones after those read so far, in order);
+        return how many there were.  Queries never change what a reading
+        holds, so one kept between them and fed what is written meanwhile
+        says what one read afresh would."""
         read = self._READ
+        n = 0
         for seq, rec in records:
+            n += 1
             f = read.get(type(rec))
             if f is not None:       # (a damaged record says nothing)
                 f(self, seq, rec)
+        return n
 
     def _seen(self, path: bytes, ino: int | None) -> Slot | None:
         """*path* (as named when the record was written) held *ino* just
@@ -275,3 +292,74 @@ class Reading:
                 out.add(where)
         out.discard(b"")
         return out
+
+
+class Kept:
+    """Readings of the journal from a layer's start up to now, kept between
+    requests, so that status, diff, the audit of a rollback and the
+    fingerprint at unmount do not read a large layer again each time.  A
+    kept reading is fed the records each write transaction appends as it
+    commits (``Store.on_append``) and reads what it missed on demand; it is
+    dropped when the store's epoch moves on (records deleted or put back).
+    At most KEEP readings, of at most LIMIT records in all (a reading holds
+    some 500 bytes a record): past that, a layer is read afresh each time.
+    """
+
+    KEEP = 3
+    LIMIT = 250_000
+
+    def __init__(self, store: Store):
+        self.store = store
+        # start -> [epoch, next sequence number to read, records read, reading];
+        # the most recently used last
+        self._kept: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
+        store.on_append = self._appended
+
+    def get(self, start: int) -> Reading:
+        """What the records from sequence number *start* on say (the reading
+        is the caller's to query, not to keep past the request)."""
+        st = self.store
+        with self._lock:
+            e = self._kept.pop(start, None)
+            end = st._next_seq
+            if e is None or e[0] != st.epoch or e[1] > end:
+                e = [st.epoch, start, 0, Reading(())]
+            if e[1] < end:
+                e[2] += e[3].feed(st.records(e[1], end))
+                e[1] = end
+            self._kept[start] = e
+            self._trim()
+            return e[3]
+
+    def opened(self, start: int) -> None:
+        """A layer was opened at *start* (now): its reading is empty."""
+        with self._lock:
+            if start == self.store._next_seq:
+                self._kept.pop(start, None)
+                self._kept[start] = [self.store.epoch, start, 0, Reading(())]
+                self._trim()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def _appended(self, first: int, records: list[tuple[int, S.Record]]) -> None:
+        with self._lock:
+            epoch = self.store.epoch
+            for start, e in list(self._kept.items()):
+                if e[0] == epoch and e[1] == first:
+                    try:
+                        e[2] += e[3].feed(records)
+                    except Exception:           # (never fail a write that committed)
+                        log.exception("journal: dropped the kept reading from %d", start)
+                        del self._kept[start]
+                        continue
+                    e[1] = records[-1][0] + 1
+            self._trim()
+
+    def _trim(self) -> None:
+        kept = self._kept
+        while kept and (len(kept) > self.KEEP or
+                        sum(e[2] for e in kept.values()) > self.LIMIT):
+            del kept[next(iter(kept))]

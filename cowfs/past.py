@@ -73,13 +73,16 @@ class History:
     moment (T)."""
 
     def __init__(self, store: Store, resolver: B.Resolver, layer_id: int,
-                 hidden: bytes | None = None):
+                 hidden: bytes | None = None, reading: Reading | None = None):
+        """*reading*: of the records since the layer was opened, if the
+        caller keeps one (``Stack.reading``)."""
         self.store = store
         self.r = resolver
         self.hidden = hidden          # the store's name in the root, when it is there
         layer = store.get_layer(layer_id)
         self.layer = layer_id
-        self.j = Reading(store.records(layer.start, store._next_seq))
+        self.j = reading if reading is not None else \
+            Reading(store.records(layer.start, store._next_seq))
         self.start = self.j.start     # path at T -> object there (None: absent)
         self.graves = self.j.graves
         self._links: dict[int, int] | None = None

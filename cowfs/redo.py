@@ -300,6 +300,7 @@ class Keeper:
     def _keep_held(self, w: Writer) -> None:
         """Move the held records out of the journal into the redo database."""
         st = self.store
+        w.rewrites()
         for seq, rec in self.held:
             raw = w.txn.get(S.u64(seq), db=st.db_journal)
             if raw is None:
@@ -851,6 +852,7 @@ def restore(w: Writer) -> list[int]:
     (and the base a rollback of every layer opened goes); returns their ids."""
     store = w.store
     txn = w.txn
+    w.rewrites()
     st = S.from_json(need(txn, S.K_REDO_STATE, store.db_redo))
     targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
                S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}

@@ -249,7 +249,7 @@ class Session:
 
     def holds_changes(self) -> bool:
         """Whether any layer holds a change."""
-        return any(self.store.layer_records(layer.id) for layer in self.store.layers())
+        return any(not self.stack.layer_is_empty(layer.id) for layer in self.store.layers())
 
     def current_drift(self) -> list[str]:
         """Paths the layers changed that were changed again since the
@@ -628,7 +628,8 @@ class Session:
         key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
         cached = self._history_cache
         if cached is None or cached[0] != key:
-            cached = (key, History(self.store, self.stack.resolver, layer, self.hidden))
+            cached = (key, History(self.store, self.stack.resolver, layer, self.hidden,
+                                   self.stack.reading(layer, since=True)))
             self._history_cache = cached
         return cached[1]
 
@@ -675,7 +676,8 @@ class Session:
         try:
             if not hashes:
                 return [{"event": "change", **c} for c in self.stack.changes_since(since)]
-            h = History(self.store, self.stack.resolver, since, self.hidden)
+            h = History(self.store, self.stack.resolver, since, self.hidden,
+                        self.stack.reading(since, since=True))
             out = []
             for c in self.stack.changes_since(since):
                 d = diff_entry(h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT)

@@ -15,7 +15,7 @@ from . import backing as B
 from . import fsck, progress, redo
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
-from .journal import MetaAt, Reading
+from .journal import Kept, MetaAt, Reading
 from .past import filter_paths
 from .store import Layer, PendingRecord, Store, digest
 from .undo import Touched, Undoer, describe
@@ -48,6 +48,7 @@ class Stack:
         self.on_freed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None   # why, when even noting it failed
         self.same = Sameness(store, resolver)
+        self.kept = Kept(store)           # readings of the journal up to now
         self.board = progress.LOCAL       # where a rollback notes how far it has got
 
     # -- basics -----------------------------------------------------------------
@@ -59,12 +60,13 @@ class Stack:
 
     def layer_is_empty(self, layer_id: int) -> bool:
         layer = self.store.get_layer(layer_id)
-        return next(self.store.records(layer.start, self.store.layer_end(layer_id)),
-                    None) is None
+        return not self.store.count_records(layer.start, self.store.layer_end(layer_id), 1)
 
     def checkpoint(self, message: str = "", agent: dict | None = None) -> Layer:
         self.discard_redo("a checkpoint was taken after it")
-        return self.store.push_layer(message, agent)
+        layer = self.store.push_layer(message, agent)
+        self.kept.opened(layer.start)
+        return layer
 
     def discard_redo(self, reason: str, fallback: bool = False) -> None:
         """What the last rollback kept for a redo is no longer needed (see
@@ -177,7 +179,7 @@ class Stack:
         layers = self.store.layers()
         out: dict[str, list | None] = {}
         if layers:
-            j = Reading(self.store.records(layers[0].start, self.store._next_seq))
+            j = self.kept.get(layers[0].start)
             with self.resolver.reading():
                 for path in j.touched():
                     out[os.fsdecode(path)] = self._stat(path)
@@ -502,9 +504,8 @@ class Stack:
         layers = self.store.layers()
         for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
-            recs = self.store.layer_records(layer.id)
-            d["changes"] = len(self._changes(recs))    # (counted, not attributed)
-            d["records"] = len(recs)
+            d["changes"] = len(self._changes(layer.id))    # (counted, not attributed)
+            d["records"] = self.store.count_records(layer.start, self.store.layer_end(layer.id))
             d["bytes"] = self.store.layer_bytes(layer.id)
             out.append(d)
         return out
@@ -512,25 +513,34 @@ class Stack:
     def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
         """The open layer's net changes (under *paths*, if given)."""
         layer_id = self.store.open_layer().id if layer_id is None else layer_id
-        recs = self.store.layer_records(layer_id)
         return {"id": layer_id, "changes": self.attribute(
-            filter_paths(self._changes(recs), list(paths)), layer_id)}
+            filter_paths(self._changes(layer_id), list(paths)), layer_id)}
 
     def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> list[dict]:
         """Net changes since layer *layer_id* was opened (what a rollback
         --to it would undo), under *paths* if given."""
-        layer = self.store.get_layer(layer_id)
-        changes = self._changes(list(self.store.records(layer.start, self.store._next_seq)))
+        changes = self._changes(layer_id, since=True)
         return self.attribute(filter_paths(changes, list(paths)), layer_id)
 
-    def _changes(self, recs: Iterable[tuple[int, S.Record]]) -> list[dict]:
-        """Net changes of a layer, like ``git status --short``: A added,
-        D deleted, M modified, T type changed, R renamed, m attributes only.
+    def reading(self, layer_id: int, since: bool = False) -> Reading:
+        """What the records of layer *layer_id* (with *since*: those
+        since it was opened) say; kept while they are read up to now."""
+        layer = self.store.get_layer(layer_id)
+        end = self.store._next_seq if since else self.store.layer_end(layer_id)
+        if end == self.store._next_seq:
+            return self.kept.get(layer.start)
+        return Reading(self.store.records(layer.start, end))
+
+    def _changes(self, layer_id: int, since: bool = False) -> list[dict]:
+        """Net changes of a layer (with *since*: since it was opened),
+        like ``git status --short``: A added, D deleted, M modified, T type
+        changed, R renamed, m attributes only.
 
         Records name paths as they were when written; ``journal.Reading``
         maps them to the layer's start and to now, in one pass."""
+        j = self.reading(layer_id, since)
         with self.resolver.reading():
-            return self._net(Reading(recs))
+            return self._net(j)
 
     def _net(self, j: Reading) -> list[dict]:
         """The net changes *j* describes, compared with the tree now.  An

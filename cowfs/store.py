@@ -14,7 +14,7 @@ import itertools
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -94,16 +94,28 @@ class Writer:
         self.txn = txn
         self.seq = store._next_seq
         self.used: int | None = None     # store bytes in use, once --max-store asks
+        # what was appended (for Store.on_append); None once a record already
+        # written is deleted or put back (the journal's epoch moves on)
+        self.written: list[tuple[int, S.Record]] | None = []
 
-    def append(self, data: bytes) -> int:
+    def record(self, rec: S.Change) -> int:
+        """Append *rec* to the journal; return its sequence number."""
+        data = S.encode_record(rec)
         self.reserve(len(data) + RECORD_OVERHEAD)
         seq = self.seq
         self.txn.put(S.u64(seq), data, db=self.store.db_journal)
         self.seq += 1
+        if self.written is not None:
+            self.written.append((seq, rec))
         return seq
+
+    def rewrites(self) -> None:
+        """This transaction deletes or puts back journal records."""
+        self.written = None
 
     def delete_record(self, seq: int) -> None:
         """Delete one journal record and release what it references."""
+        self.rewrites()
         key = S.u64(seq)
         data = self.txn.get(key, db=self.store.db_journal)
         if data is None:
@@ -315,6 +327,12 @@ class Store:
             self._next_grave = S.from_u64(need(txn, S.K_NEXT_GRAVE, self.db_meta))
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
+        # The journal's epoch: it moves on when a record already written is
+        # deleted or put back, so that what was read of it is read again.
+        # Records appended in a transaction are passed to on_append (first
+        # sequence number, records) once it commits.
+        self.epoch = 0
+        self.on_append: Callable[[int, list[tuple[int, S.Record]]], None] | None = None
 
     # -- opening ------------------------------------------------------------
 
@@ -465,7 +483,11 @@ class Store:
                 yield w
                 if w.seq != self._next_seq:
                     txn.put(S.K_NEXT_SEQ, S.u64(w.seq), db=self.db_meta)
-            self._next_seq = w.seq
+            first, self._next_seq = self._next_seq, w.seq
+            if w.written is None:
+                self.epoch += 1
+            elif w.written and self.on_append is not None:
+                self.on_append(first, w.written)
         except lmdb.MapFullError as e:
             raise OSError(errno.ENOSPC, f"cowfs store full: {e}") from None
         except lmdb.Error as e:
@@ -578,6 +600,20 @@ class Store:
                         break
                     items.append((seq, decode(value)))
         return iter(items)
+
+    def count_records(self, start: int, end: int, limit: int | None = None) -> int:
+        """How many journal records have start <= seq < end (counted up to
+        *limit*, if given)."""
+        n = 0
+        with self.env.begin(db=self.db_journal) as txn:
+            cur = txn.cursor()
+            if cur.set_range(S.u64(start)):
+                stop = S.u64(end)
+                for key in cur.iternext(values=False):
+                    if key >= stop or n == limit:
+                        break
+                    n += 1
+        return n
 
     def layer_existed(self, layer_id: int) -> bool:
         """Whether *layer_id* was ever given to a layer of this store."""
