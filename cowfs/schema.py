@@ -182,8 +182,11 @@ def from_u64(b: bytes) -> int:
     return _U64.unpack(b)[0]
 
 
+_ENCODE = json.JSONEncoder(sort_keys=True).encode   # (made once: json.dumps makes one a call)
+
+
 def to_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True).encode()
+    return _ENCODE(obj).encode()
 
 
 def from_json(b: bytes) -> Any:

@@ -365,6 +365,7 @@ class Stack:
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
         pending = self.planned()
+        self.kept.clear()       # (what it reads of the journal now is moved or deleted)
         try:
             with self.resolver.acting():    # (file requests are held off meanwhile)
                 if pending["op"] == "redo":

@@ -816,10 +816,13 @@ class Store:
         if self.db_who is None:
             return out
         writers: dict[bytes, dict] = {}
+        layers = sorted(layers)
+        key, db = S.who_key, self.db_who
         with self.env.begin() as txn:
+            get = txn.get
             for ino in inos:
-                for layer in sorted(layers):
-                    wid = txn.get(S.who_key(layer, ino), db=self.db_who)
+                for layer in layers:
+                    wid = get(key(layer, ino), db=db)
                     if wid is not None:
                         if wid not in writers:
                             info = txn.get(wid, db=self.db_writers)
