@@ -106,6 +106,7 @@ def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(t
     store = open_store(tmp_path)
     try:
         kept = Kept(store)
+        kept.WAIT = 3                                # (read in the write's wake, or when asked)
         start = store._next_seq
         kept.opened(start)
         write(store, S.Create(b"a.tmp"), S.Rename(b"a.tmp", b"a", 7))
