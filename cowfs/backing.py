@@ -236,6 +236,11 @@ class Resolver:
                     os.close(fd)
             self._dirs.clear()
 
+    def dir_fd(self, path: bytes) -> int:
+        """An O_PATH fd on directory *path*, from the cache (within
+        ``reading``; valid until the next call)."""
+        return self._dir(path)
+
     def _dir(self, path: bytes) -> int:
         """An O_PATH fd on directory *path*, from the cache (see reading)."""
         if not path:

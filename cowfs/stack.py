@@ -359,7 +359,7 @@ class Stack:
                           f"({getattr(e, 'strerror', None) or e})", fallback=True)
         if keeper is not None and keeper.held:
             with self.store.write() as w:
-                for seq, _ in keeper.held:
+                for seq, _, _ in keeper.held:
                     w.delete_record(seq)
 
     def apply_files(self) -> RollbackReport:
@@ -423,9 +423,11 @@ class Stack:
                 return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
 
             keeps: list[tuple[int, int] | None] = []    # for the rest of the batch, last first
+            taken = -1          # the seq of a step taken with the one before it
             for i, (seq, rec) in enumerate(records):
                 self.board.step()
                 ino = fsck.restores(rec)
+                moved = False
                 try:
                     if isinstance(rec, S.Damaged):
                         if seq not in known:   # else reported with its object
@@ -447,13 +449,24 @@ class Stack:
                                 self._give_up_redo(keeper, e)
                                 keeper = None
                                 keeps = []
-                        undo.apply(rec, keep)
+                        if seq == taken:
+                            moved = True
+                        elif isinstance(rec, S.Rename) and _removes_next(records, i, skipped):
+                            # (the next record's step removes what this one puts back)
+                            nxt = keeps[-1] if keeper is not None and keeps else None
+                            if (keeper is None or nxt is not None) and \
+                                    undo.put_back_and_remove(rec, nxt, src_free=nxt is not None):
+                                taken = records[i + 1][0]
+                            else:
+                                undo.apply(rec, keep)
+                        else:
+                            moved = undo.apply(rec, keep)
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
                     report.failures.append(f"{describe(rec)}: {e}")
                 if keeper is not None:
                     try:
-                        keeper.hold(seq, rec)
+                        keeper.hold(seq, rec, moved)
                     except OSError as e:     # (a full disk: deleting still works)
                         self._give_up_redo(keeper, e)
                         keeper = None
@@ -635,6 +648,19 @@ class Stack:
 # -- the pending record's steps ------------------------------------------------------
 
 FINISHED = ("done", "failed")
+
+
+def _removes_next(records: list[tuple[int, S.Record]], i: int, skipped) -> bool:
+    """Whether records[i], a RENAME, is one whose undo step puts a file back
+    where the next record, the CREATE that made it there, has it removed
+    (applied): a file written under a temporary name and renamed into
+    place (see ``Undoer.put_back_and_remove``)."""
+    rec = records[i][1]
+    if i + 1 == len(records):
+        return False
+    seq, nxt = records[i + 1]
+    return isinstance(nxt, S.Create) and isinstance(rec, S.Rename) and nxt.path == rec.src \
+        and not skipped(seq, nxt)
 
 
 def _steps(do: str, layers: list[Layer]) -> list[dict]:

@@ -45,15 +45,55 @@ class Undoer:
         self.touched = touched if touched is not None else Touched()
         self.ignored = ignored    # (path, is_dir) -> bool: the capture filter, if any
 
-    def apply(self, rec: S.Record, keep: tuple[int, int] | None = None) -> None:
+    def apply(self, rec: S.Record, keep: tuple[int, int] | None = None) -> bool:
         """Apply one undo record.  *keep*: (grave id, inode): move the object
         a CREATE or LINK step removes into that grave entry instead (kept for
-        a redo), if it is that object."""
+        a redo), if it is that object.  Returns whether the step moved an
+        object into the grave (keeping it) or out of it (a GRAVE record)."""
         if keep is not None and isinstance(rec, S.Create | S.Link):
-            self._keep(rec.path, *keep)
-            return
+            return self._keep(rec.path, *keep)
+        if isinstance(rec, S.Grave):
+            return self._grave(*rec)
         handler = _HANDLERS[rec.kind]
         handler(self, *rec)        # (the handlers take the record's fields in order)
+        return False
+
+    def put_back_and_remove(self, ren: S.Rename, keep: tuple[int, int] | None,
+                            src_free: bool = False) -> bool:
+        """The undo steps of a file written under a temporary name and
+        renamed into place -- RENAME src -> dst, and before it the CREATE of
+        src -- taken as one: the file goes from dst straight to where the
+        CREATE step puts it (into grave entry *keep*, kept for a redo, when
+        that is its (grave id, inode); else nowhere).  The tree ends as the
+        two steps leave it, with one rename or unlink instead of two; applied
+        again, each of them finds the file gone from its name and does
+        nothing.  Only for a file that is no directory, at dst, with nothing
+        at src (*src_free*: the caller has seen that); returns False, having
+        done nothing, otherwise: the steps are then applied one by one."""
+        src, dst, ino = ren.src, ren.dst, ren.ino
+        if keep is not None and keep[1] != ino:
+            return False
+        if not src_free and self.r.lstat(src) is not None:
+            return False
+        with self.r.at(dst) as (d, n):
+            st = B.lstat_at(d, n)
+            if st is None or st.st_ino != ino or stat.S_ISDIR(st.st_mode):
+                return False
+            if keep is not None:
+                B.renameat2(d, n, self.store.grave_fd, str(keep[0]).encode(),
+                            B.RENAME_NOREPLACE)
+            else:
+                os.unlink(n, dir_fd=d)
+        self.touched.entry(src)
+        self.touched.entry(dst)
+        if keep is not None:
+            self.touched.moves.append((ino, S.grave_loc(keep[0])))
+            self.touched.objects.add(ino)   # (names in the grave are not counted)
+        elif st.st_nlink == 1:
+            self.touched.removed.append(ino)
+        else:
+            self.touched.objects.add(ino)   # its other names: one link fewer
+        return True
 
     # -- names -------------------------------------------------------------------
 
@@ -81,14 +121,14 @@ class Undoer:
             self.touched.objects.add(st.st_ino)     # its other names: one link fewer
         self.touched.entry(path)
 
-    def _keep(self, path: bytes, gid: int, ino: int) -> None:
+    def _keep(self, path: bytes, gid: int, ino: int) -> bool:
         """Remove object *ino*, created at *path*, by moving it into the
         grave: a directory only when it holds nothing but ignored paths, as
         `_remove` would."""
         with self.r.at(path) as (d, n):
             st = B.lstat_at(d, n)
             if st is None:
-                return
+                return False
             if st.st_ino != ino:
                 raise UndoError(f"{_show(path)}: a different object is there")
             if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
@@ -99,6 +139,7 @@ class Undoer:
         self.touched.entry(path)
         self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
         self.touched.objects.add(st.st_ino)         # (names in the grave are not counted)
+        return True
 
     def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
         """Whether directory *n* holds nothing but ignored paths (true when
@@ -124,13 +165,13 @@ class Undoer:
     def _link(self, path: bytes) -> None:
         self._remove(path)
 
-    def _grave(self, path: bytes, gid: int, ino: int) -> None:
+    def _grave(self, path: bytes, gid: int, ino: int) -> bool:
         g = str(gid).encode()
         if B.lstat_at(self.store.grave_fd, g) is None:
             with self.r.at(path) as (d, n):
                 st = B.lstat_at(d, n)
             if st is not None and st.st_ino == ino:
-                return          # put back already (a resumed rollback)
+                return False    # put back already (a resumed rollback)
             raise UndoError(f"{_show(path)}: not restored: the removed object "
                             f"(grave {gid}) is missing from the store")
         with self.r.at(path) as (d, n):
@@ -138,6 +179,7 @@ class Undoer:
         self.touched.entry(path)
         self.touched.moves.append((ino, path))
         self.touched.objects.add(ino)               # (names in the grave are not counted)
+        return True
 
     def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
         with self.r.at(dst) as (dd, dn):
@@ -261,7 +303,7 @@ def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
         pos = run_end
 
 
-_HANDLERS: dict[int, Callable[..., None]] = {
+_HANDLERS: dict[int, Callable[..., object]] = {
     S.CREATE: Undoer._create,
     S.LINK: Undoer._link,
     S.GRAVE: Undoer._grave,

@@ -616,13 +616,16 @@ def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mo
 KILL_AT = """
 import os, sys
 from cowfs import session, undo
-count, apply = [0], undo.Undoer.apply
-def dying(self, rec, keep=None):
-    count[0] += 1
-    if count[0] > int(sys.argv[3]):
-        os._exit(9)       # (as a kill -9 would: nothing more is written)
-    return apply(self, rec, keep)
-undo.Undoer.apply = dying
+count = [0]
+def dying(step):
+    def counted(*args, **kwargs):
+        count[0] += 1
+        if count[0] > int(sys.argv[3]):
+            os._exit(9)       # (as a kill -9 would: nothing more is written)
+        return step(*args, **kwargs)
+    return counted
+undo.Undoer.apply = dying(undo.Undoer.apply)
+undo.Undoer.put_back_and_remove = dying(undo.Undoer.put_back_and_remove)
 session.offline(sys.argv[1], None, sys.argv[2], **({"yes": True} if sys.argv[2] == "rollback"
                                                    else {}))
 """
@@ -679,7 +682,7 @@ def a_layer_of_many_kinds(ws) -> tuple[treesnap.Snapshot, treesnap.Snapshot]:
     return at_checkpoint, ws.snapshot()
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 140])
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 130, 135])
 def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
     """The rollback keeps what a redo needs a batch of steps at a time, and
     applies the steps of a batch again when it resumes: killed after any
@@ -736,3 +739,35 @@ def test_the_locations_of_a_rollback_that_moved_no_directory(groups):
     """What a redo touches, found without following names (no directory
     moved, so none holds other places) is what following them finds."""
     assert redo._locations(groups) == redo.touched_locations(groups)
+
+
+def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
+    """`fingerprints` (what a rollback seals) gives, for every kind of
+    location, the bytes `fingerprint` and `print_json` give one by one: a
+    file, a directory, a symlink, nothing, a name under a file or under a
+    missing directory, the root, grave entries present and absent."""
+    from cowfs import backing as B
+    root, graves = tmp_path / "root", tmp_path / "graves"
+    (root / "d" / "e").mkdir(parents=True)
+    graves.mkdir()
+    (root / "d" / "f").write_text("f\n")
+    (root / "d" / "e" / "g").write_bytes(b"\0" * 5000)
+    os.symlink("f", root / "d" / "link")
+    (graves / "7").write_text("kept\n")
+    os.chmod(root / "d" / "f", 0o600)
+    locs = sorted([b"", b"d", b"d/e", b"d/e/g", b"d/f", b"d/f/under", b"d/link", b"d/none",
+                   b"gone/x", b"gone/y/z", b"top", S.grave_loc(7), S.grave_loc(8)])
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    gravefd = os.open(graves, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        r = B.Resolver(rootfd, gravefd)
+        with r.reading():
+            fast = redo.fingerprints(r, locs)
+        slow = [(loc, redo.print_json(redo.fingerprint(r, loc))) for loc in locs]
+    finally:
+        os.close(rootfd)
+        os.close(gravefd)
+    assert fast == slow
+    got = dict(fast)
+    assert got[b"d/none"] == b"null" and got[b"d/f/under"] == b'["unreachable"]' \
+        and got[S.grave_loc(8)] == b"null" and json.loads(got[S.grave_loc(7)])[4] == 5
