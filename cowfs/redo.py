@@ -232,6 +232,8 @@ class Keeper:
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
         self.dir_times: set[bytes] = set()
+        # location -> the seq of the step that left nothing there (see `emptied_by`)
+        self.emptied: dict[bytes, int] = {}
         self.generation = self.began = resolver.generation
 
     def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
@@ -284,6 +286,14 @@ class Keeper:
                 self.groups[seq] = group
             out.append(_keep_of(rec, group))
         return out
+
+    def emptied_by(self, seq: int, *locs: bytes) -> None:
+        """The step of record *seq* left nothing at *locs* (it moved what
+        was there away, and the batch plan saw nothing at the others): the
+        seal need not look there, if no later step acts there and no
+        directory moves (which would change what the names refer to)."""
+        for loc in locs:
+            self.emptied[loc] = seq
 
     def hold(self, seq: int, rec: S.Record, moved: bool = False) -> None:
         """After *rec*'s undo step (applied, failed or skipped); *moved*:
@@ -354,16 +364,21 @@ class Keeper:
         (unless *top* is a fresh base layer: that serves)."""
         st = state(self.store)
         assert st is not None       # (written when the rollback was planned: redo.begin)
+        prints: list[tuple[bytes, bytes]] = []
         if self.groups is not None and self.r.generation == self.began:
             # no directory moved: each location names the same place throughout
-            locs, moved = _locations(self.groups.values())
+            locs, moved, last = _locations(self.groups.items())
+            # where a step left nothing and no step after it acted, nothing is
+            known = {loc for loc, seq in self.emptied.items() if last.get(loc, -1) >= seq}
+            prints = [(loc, b"null") for loc in sorted(known)]
+            locs = [loc for loc in locs if loc not in known]
         else:
             locs, moved = touched_locations(
                 list(self.groups.values()) if self.groups is not None
                 else [[rec for _, rec in group] for _, group in
                       _inverse_groups(self.store, reverse=True)])
         with self.r.reading():
-            prints = fingerprints(self.r, locs)
+            prints += fingerprints(self.r, locs)
         with self.store.write() as w:
             for loc, value in prints:
                 w.txn.put(S.redo_kept_key(S.REDO_PRINT, loc), value, db=self.store.db_redo)
@@ -609,20 +624,24 @@ def _locs(rec: S.Record) -> list[bytes]:
     return []
 
 
-def _locations(groups: Iterable[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:
+def _locations(groups: Iterable[tuple[int, Sequence[S.Record]]]
+               ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
     """What `touched_locations` finds when no undo step moved a directory:
     every location the inverses name, and those of the moves.  (The places
     an object moved by one step takes are named by the steps that move it,
-    and a name it leaves is noted again by the step that leaves it.)"""
-    locs: set[bytes] = set()
+    and a name it leaves is noted again by the step that leaves it.)  Also,
+    for each location, the last step that named it (the seq of its record;
+    *groups*: (seq, inverses) in the rollback's order, highest seq first)."""
+    last: dict[bytes, int] = {}
     moved: set[bytes] = set()
-    for group in groups:
+    for seq, group in groups:
         for rec in group:
             here = _locs(rec)
-            locs.update(here)
+            for loc in here:
+                last[loc] = seq
             if isinstance(rec, S.Rename | S.Exchange):
                 moved.update(here)
-    return sorted(locs), sorted(moved)
+    return sorted(last), sorted(moved), last
 
 
 def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:

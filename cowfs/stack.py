@@ -457,6 +457,8 @@ class Stack:
                             if (keeper is None or nxt is not None) and \
                                     undo.put_back_and_remove(rec, nxt, src_free=nxt is not None):
                                 taken = records[i + 1][0]
+                                if keeper is not None:
+                                    keeper.emptied_by(taken, rec.src, rec.dst)
                             else:
                                 undo.apply(rec, keep)
                         else:

@@ -771,3 +771,60 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
     got = dict(fast)
     assert got[b"d/none"] == b"null" and got[b"d/f/under"] == b'["unreachable"]' \
         and got[S.grave_loc(8)] == b"null" and json.loads(got[S.grave_loc(7)])[4] == 5
+
+
+def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mounted,
+                                                                          monkeypatch):
+    """The seal takes some fingerprints from the steps themselves (a file
+    written under a temporary name and renamed into place leaves nothing at
+    either name): every one it keeps is what looking at the location gives
+    once the rollback is done -- with names used again by later changes, a
+    file renamed over another, and `sed -i`."""
+    from cowfs import backing as B
+    from cowfs import session
+    from cowfs.store import Store, scan
+    ws = mounted
+    for d in ("p", "q"):
+        (ws / d).mkdir()
+        for i in range(20):
+            (ws / d / f"f{i}").write_text(f"{d} {i}\n")
+    ws.commit()
+    ws.checkpoint()
+    for d in ("p", "q"):
+        for i in range(30):
+            (ws / d / f"n{i}.tmp").write_text(f"{i}\n")
+            os.rename(ws / d / f"n{i}.tmp", ws / d / f"n{i}")
+        for i in range(0, 20, 3):
+            subprocess.run(["sed", "-i", "s/ / changed /", str(ws / d / f"f{i}")], check=True)
+        (ws / d / "t").write_text("1\n")
+        os.rename(ws / d / "t", ws / d / "u")
+        (ws / d / "t").write_text("2\n")
+        os.rename(ws / d / "t", ws / d / "n3")          # over a new file
+        os.rename(ws / d / "f1", ws / d / "f2")         # over an old one
+        os.link(ws / d / "n4", ws / d / "n4.link")
+        (ws / d / "n5.tmp").write_text("again\n")
+        os.rename(ws / d / "n5.tmp", ws / d / "n5")
+        os.chmod(ws / d / "n6", 0o600)
+    before = ws.snapshot()
+    ws.unmount()
+    looked: list[bytes] = []
+    fingerprints = redo.fingerprints
+    monkeypatch.setattr(redo, "fingerprints",
+                        lambda r, locs: looked.extend(locs) or fingerprints(r, locs))
+    session.offline(str(ws.path), None, "rollback", yes=True)
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
+    rootfd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with store.env.begin(db=store.db_redo) as txn:
+            kept = {bytes(S.split_redo_key(k)[1]): bytes(v)
+                    for k, v in scan(txn, store.db_redo, S.REDO_PRINT)}
+        r = B.Resolver(rootfd, store.grave_fd)
+        now = {loc: redo.print_json(redo.fingerprint(r, loc)) for loc in kept}
+    finally:
+        store.close()
+        os.close(rootfd)
+    assert kept == now
+    assert b"p/n7.tmp" in kept and b"p/n7.tmp" not in looked and len(looked) < len(kept) - 100
+    ws.mount()
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
