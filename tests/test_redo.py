@@ -738,7 +738,10 @@ def _inverse_group(draw):
 def test_the_locations_of_a_rollback_that_moved_no_directory(groups):
     """What a redo touches, found without following names (no directory
     moved, so none holds other places) is what following them finds."""
-    assert redo._locations(groups) == redo.touched_locations(groups)
+    locs, moved, last = redo._locations(enumerate(groups))
+    assert (locs, moved) == redo.touched_locations(groups)
+    assert last == {loc: i for i, group in enumerate(groups) for rec in group
+                    for loc in redo._locs(rec)}
 
 
 def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
