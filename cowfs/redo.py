@@ -232,6 +232,9 @@ class Keeper:
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
         self.dir_times: set[bytes] = set()
+        # seq -> what the CREATE or LINK step of that record will find at its path,
+        # as the plan of the batch under way has it (acting on nothing else)
+        self.planned: dict[int, os.stat_result] = {}
         # location -> the seq of the step that left nothing there (see `emptied_by`)
         self.emptied: dict[bytes, int] = {}
         self.generation = self.began = resolver.generation
@@ -272,6 +275,8 @@ class Keeper:
         of *chosen* ((seq, record, what a CREATE or LINK step removes, as
         the plan found it)) are kept."""
         out = []
+        # (what a CREATE or LINK step will find, for the step itself: see `planned`)
+        self.planned = {seq: st for seq, _, st in chosen if st is not None}
         with self.store.write() as w:
             self._keep_held(w)
             groups = [(seq, self._inverse(w, rec, st)) for seq, rec, st in chosen]

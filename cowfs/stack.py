@@ -451,16 +451,9 @@ class Stack:
                                 keeps = []
                         if seq == taken:
                             moved = True
-                        elif isinstance(rec, S.Rename) and _removes_next(records, i, skipped):
-                            # (the next record's step removes what this one puts back)
-                            nxt = keeps[-1] if keeper is not None and keeps else None
-                            if (keeper is None or nxt is not None) and \
-                                    undo.put_back_and_remove(rec, nxt, src_free=nxt is not None):
-                                taken = records[i + 1][0]
-                                if keeper is not None:
-                                    keeper.emptied_by(taken, rec.src, rec.dst)
-                            else:
-                                undo.apply(rec, keep)
+                        elif isinstance(rec, S.Rename) and _removes_next(records, i, skipped) \
+                                and _both_steps(undo, keeper, keeps, rec, records[i + 1][0]):
+                            taken = records[i + 1][0]
                         else:
                             moved = undo.apply(rec, keep)
                         report.applied += 1
@@ -663,6 +656,20 @@ def _removes_next(records: list[tuple[int, S.Record]], i: int, skipped) -> bool:
     seq, nxt = records[i + 1]
     return isinstance(nxt, S.Create) and isinstance(rec, S.Rename) and nxt.path == rec.src \
         and not skipped(seq, nxt)
+
+
+def _both_steps(undo: Undoer, keeper: redo.Keeper | None, keeps: list[tuple[int, int] | None],
+                ren: S.Rename, seq: int) -> bool:
+    """Take the undo steps of *ren* and of the CREATE of record *seq* after
+    it as one (see ``Undoer.put_back_and_remove``), with nothing kept for a
+    redo or with the CREATE's inverse kept in the batch under way (*keeps*:
+    the keeps of the rest of the batch, last first).  Whether it was done."""
+    if keeper is None:
+        return undo.put_back_and_remove(ren, None)
+    if not keeps or not undo.put_back_and_remove(ren, keeps[-1], keeper.planned.get(seq)):
+        return False
+    keeper.emptied_by(seq, ren.src, ren.dst)
+    return True
 
 
 def _steps(do: str, layers: list[Layer]) -> list[dict]:

@@ -59,7 +59,7 @@ class Undoer:
         return False
 
     def put_back_and_remove(self, ren: S.Rename, keep: tuple[int, int] | None,
-                            src_free: bool = False) -> bool:
+                            seen: os.stat_result | None = None) -> bool:
         """The undo steps of a file written under a temporary name and
         renamed into place -- RENAME src -> dst, and before it the CREATE of
         src -- taken as one: the file goes from dst straight to where the
@@ -68,15 +68,16 @@ class Undoer:
         two steps leave it, with one rename or unlink instead of two; applied
         again, each of them finds the file gone from its name and does
         nothing.  Only for a file that is no directory, at dst, with nothing
-        at src (*src_free*: the caller has seen that); returns False, having
+        at src (*seen*: what the caller's plan has at dst, having seen
+        nothing at src; else both are looked at); returns False, having
         done nothing, otherwise: the steps are then applied one by one."""
         src, dst, ino = ren.src, ren.dst, ren.ino
         if keep is not None and keep[1] != ino:
             return False
-        if not src_free and self.r.lstat(src) is not None:
+        if seen is None and self.r.lstat(src) is not None:
             return False
         with self.r.at(dst) as (d, n):
-            st = B.lstat_at(d, n)
+            st = B.lstat_at(d, n) if seen is None else seen
             if st is None or st.st_ino != ino or stat.S_ISDIR(st.st_mode):
                 return False
             if keep is not None:
