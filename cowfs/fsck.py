@@ -180,7 +180,7 @@ def check(store: Store, hashes: bool = True) -> Report:
     if [s for s, _ in starts] != sorted(s for s, _ in starts):
         rep.problems.append(Problem("layer boundaries are out of order",
                                     [layer.id for layer in layers]))
-    first = starts[0][0] if starts else store._next_seq
+    first = starts[0][0] if starts else store.next_seq
     uses: dict[bytes, list[tuple[int | None, str]]] = {}
     damaged: dict[int, int | None] = {}      # seq -> layer
     names: dict[int, str] = {}               # inode -> a path it had
@@ -194,7 +194,7 @@ def check(store: Store, hashes: bool = True) -> Report:
             seqs.add(seq)
             rep.records += 1
             owner = layer_of(starts, seq)
-            if seq >= store._next_seq:
+            if seq >= store.next_seq:
                 rep.problems.append(Problem(f"record {seq} is beyond the journal's counter",
                                             [owner] if owner else []))
             rec = S.decode_or_damaged(cur.value())

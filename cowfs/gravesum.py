@@ -190,7 +190,7 @@ class Hasher:
 
     def _scan(self) -> None:
         """Take in the entries of graves made since the last look."""
-        start, self.scanned = self.scanned, self.store._next_grave
+        start, self.scanned = self.scanned, self.store.next_grave
         db = self.store.db_sums
         if db is None:
             return
@@ -212,7 +212,7 @@ class Hasher:
         its removal, or another name of it), mark its entries changed
         first.  Raises OSError (the request fails) when the store cannot
         take that."""
-        if self.store._next_grave != self.scanned:
+        if self.store.next_grave != self.scanned:
             self._scan()
         gids = self.live.get(ino)
         if not gids:
@@ -240,7 +240,7 @@ class Hasher:
         return self.quiet() >= QUIET or time.time_ns() - s.time_ns >= PATIENCE_NS
 
     def _batch(self, everything: bool = False) -> list[tuple[int, bytes]]:
-        if self.store._next_grave != self.scanned:
+        if self.store.next_grave != self.scanned:
             self._scan()
         batch, size = [], 0
         quiet = everything or self.quiet() >= QUIET

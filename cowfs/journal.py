@@ -342,7 +342,7 @@ class Kept:
         st = self.store
         with self._lock:
             e = self._kept.pop(start, None)
-            end = st._next_seq
+            end = st.next_seq
             if e is None or e.epoch != st.epoch or e.upto > end:
                 e = _Entry(st.epoch, start)
             e.catch_up()
@@ -356,7 +356,7 @@ class Kept:
     def opened(self, start: int) -> None:
         """A layer was opened at *start* (now): its reading is empty."""
         with self._lock:
-            if start == self.store._next_seq:
+            if start == self.store.next_seq:
                 self._kept.pop(start, None)
                 self._kept[start] = _Entry(self.store.epoch, start)
                 self._trim()

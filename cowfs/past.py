@@ -82,7 +82,7 @@ class History:
         layer = store.get_layer(layer_id)
         self.layer = layer_id
         self.j = reading if reading is not None else \
-            Reading(store.records(layer.start, store._next_seq))
+            Reading(store.records(layer.start, store.next_seq))
         self.start = self.j.start     # path at T -> object there (None: absent)
         self.graves = self.j.graves
         self._links: dict[int, int] | None = None

@@ -123,7 +123,7 @@ def begin(w: Writer, to: int, dropping: list[int], kept: list[int],
     rollback kept must have been discarded already."""
     _put_state(w, {"state": BUILDING if why is None else UNAVAILABLE, "why": why or "",
                    "to": to, "dropped": dropping, "kept": kept, "fresh": None,
-                   "seq": w.store._next_seq, "time": time.time()})
+                   "seq": w.store.next_seq, "time": time.time()})
 
 
 def mark_unavailable(store: Store, reason: str) -> None:
@@ -781,7 +781,7 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     expect = st["kept"] + ([st["fresh"]] if st["fresh"] is not None else [])
     if [x.id for x in store.layers()] != expect:
         return "the layers changed since"
-    if store._next_seq != st["seq"] and not st.get("moves"):
+    if store.next_seq != st["seq"] and not st.get("moves"):
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
     with store.env.begin(db=store.db_redo) as txn:
@@ -796,7 +796,7 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     if changed:
         return f"{_shown(changed)} changed since the rollback"
     inside: dict[str, str] = {}
-    for _, rec in store.records(st["seq"], store._next_seq):
+    for _, rec in store.records(st["seq"], store.next_seq):
         if isinstance(rec, S.Damaged):
             return "a record of a change made since the rollback is damaged"
         for loc in record_locs(rec):

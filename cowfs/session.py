@@ -625,7 +625,7 @@ class Session:
         """The history since *layer* (default: the open layer) was opened,
         kept while the store does not change."""
         layer = self.store.open_layer().id if layer is None else layer
-        key = (layer, self.store._next_seq, tuple(x.id for x in self.store.layers()))
+        key = (layer, self.store.next_seq, tuple(x.id for x in self.store.layers()))
         cached = self._history_cache
         if cached is None or cached[0] != key:
             cached = (key, History(self.store, self.stack.resolver, layer, self.hidden,

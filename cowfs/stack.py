@@ -183,7 +183,7 @@ class Stack:
             with self.resolver.reading():
                 for path in j.touched():
                     out[os.fsdecode(path)] = self._stat(path)
-        return {"seq": self.store._next_seq, "layers": [x.id for x in layers], "paths": out}
+        return {"seq": self.store.next_seq, "layers": [x.id for x in layers], "paths": out}
 
     def _stat(self, path: bytes) -> list | None:
         try:
@@ -196,7 +196,7 @@ class Stack:
         """The recorded paths that are not as they were at unmount.  A
         record the store has moved on from (a mount since then that did
         not end cleanly) describes nothing any more."""
-        if recorded.get("seq") != self.store._next_seq or \
+        if recorded.get("seq") != self.store.next_seq or \
                 recorded.get("layers") != [x.id for x in self.store.layers()]:
             return []
         with self.resolver.reading():
@@ -412,7 +412,7 @@ class Stack:
         undo = Undoer(st, self.resolver, report.touched, self.ignored)
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         if layers:
-            records = list(st.records(layers[0].start, st._next_seq, reverse=True))
+            records = list(st.records(layers[0].start, st.next_seq, reverse=True))
             self.board.start(len(records))
             # An object with a corrupt or missing pre-image is skipped as a
             # whole (left as it is now), never restored in part.
@@ -535,8 +535,8 @@ class Stack:
         """What the records of layer *layer_id* (with *since*: those
         since it was opened) say; kept while they are read up to now."""
         layer = self.store.get_layer(layer_id)
-        end = self.store._next_seq if since else self.store.layer_end(layer_id)
-        if end == self.store._next_seq:
+        end = self.store.next_seq if since else self.store.layer_end(layer_id)
+        if end == self.store.next_seq:
             return self.kept.get(layer.start)
         return Reading(self.store.records(layer.start, end))
 

@@ -523,6 +523,22 @@ class Store:
             raise StoreError("the store has no open layer")
         return top
 
+    @property
+    def next_seq(self) -> int:
+        """The seq the next record gets: the end of the journal."""
+        return self._next_seq
+
+    @property
+    def next_grave(self) -> int:
+        """The id the next grave entry gets."""
+        return self._next_grave
+
+    def follow(self, next_seq: int) -> None:
+        """Read the journal as ending before *next_seq* (a reader following
+        a store another process writes: it read the number there)."""
+        self._next_seq = next_seq
+        self.forget_layer_cache()
+
     def layer_end(self, layer_id: int) -> int:
         """First seq after *layer_id*'s records."""
         for a, b in itertools.pairwise(self.layers()):

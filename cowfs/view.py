@@ -83,8 +83,7 @@ class View(pyfuse3.Operations):
         if state != self.seen or self.h is None:
             if self.layer not in state[1]:
                 raise fail(errno.ESTALE)
-            self.store._next_seq = state[0]
-            self.store.forget_layer_cache()
+            self.store.follow(state[0])
             self.h = History(self.store, self.resolver, self.layer, self.hidden)
             self.seen = state
         return self.h

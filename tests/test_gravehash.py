@@ -114,7 +114,7 @@ def graves(ws) -> dict[bytes, int]:
     (GRAVE records, and files a rollback kept for a redo); unmounted."""
     store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False, readonly=True)
     try:
-        out = {rec.path: rec.grave for _, rec in store.records(0, store._next_seq)
+        out = {rec.path: rec.grave for _, rec in store.records(0, store.next_seq)
                if isinstance(rec, S.Grave)}
         with store.read() as txn:
             for kind, rec in redo.references(store, txn):

@@ -107,20 +107,20 @@ def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(t
     try:
         kept = Kept(store)
         kept.WAIT = 3                                # (read in the write's wake, or when asked)
-        start = store._next_seq
+        start = store.next_seq
         kept.opened(start)
         write(store, S.Create(b"a.tmp"), S.Rename(b"a.tmp", b"a", 7))
         j = kept.get(start)
         write(store, S.Create(b"d"), S.Rename(b"a", b"d/a", 7))
         assert kept.get(start) is j                  # (fed as the transaction committed)
-        assert said(j) == said(Reading(store.records(start, store._next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq)))
         assert said(j)["created"] == [b"d/a", b"d"]
 
         with store.write() as w:                     # (a rollback's or commit's kind of write)
             w.delete_record(start + 3)
         fresh = kept.get(start)
         assert fresh is not j
-        assert said(fresh) == said(Reading(store.records(start, store._next_seq)))
+        assert said(fresh) == said(Reading(store.records(start, store.next_seq)))
         assert said(fresh)["created"] == [b"a", b"d"]      # (the move is gone)
     finally:
         store.close()
@@ -129,14 +129,14 @@ def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(t
 def test_a_reading_not_kept_when_appends_came_past_it_catches_up(tmp_path):
     store = open_store(tmp_path)
     try:
-        start = store._next_seq
+        start = store.next_seq
         write(store, S.Create(b"x"))
         kept = Kept(store)                # (it was not there for the first write)
         j = kept.get(start)
         store.on_append = None            # (nobody told of this one)
         write(store, S.Rename(b"x", b"y", 3))
         assert kept.get(start) is j       # (read on demand from where it got to)
-        assert said(j) == said(Reading(store.records(start, store._next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq)))
         assert j.names.now(b"x") == b"y"
     finally:
         store.close()
@@ -147,20 +147,20 @@ def test_a_reading_past_the_limit_is_not_kept_yet_says_the_same(tmp_path):
     try:
         kept = Kept(store)
         kept.LIMIT = 10
-        start = store._next_seq
+        start = store.next_seq
         kept.opened(start)
         for i in range(8):
             write(store, S.Create(b"f%d" % i), S.Rename(b"f%d" % i, b"g%d" % i, i + 1))
         j = kept.get(start)
         assert kept.get(start) is not j
-        assert said(j) == said(Reading(store.records(start, store._next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq)))
         # the newest readings are the ones kept
         kept.LIMIT = 1000
-        others = [store._next_seq]
+        others = [store.next_seq]
         kept.opened(others[0])
         for _ in range(Kept.KEEP):
-            write(store, S.Create(b"n%d" % store._next_seq))
-            others.append(store._next_seq)
+            write(store, S.Create(b"n%d" % store.next_seq))
+            others.append(store.next_seq)
             kept.opened(others[-1])
         kept_now = [kept.get(s) for s in others[-Kept.KEEP:]]
         assert [kept.get(s) for s in others[-Kept.KEEP:]] == kept_now

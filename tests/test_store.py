@@ -156,7 +156,7 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
     from cowfs.undo import Undoer
     undo = Undoer(h.store, h.stack.resolver)
     (seq1, rec1), (seq2, rec2) = list(
-        h.store.records(layer.start, h.store._next_seq, reverse=True))[:2]
+        h.store.records(layer.start, h.store.next_seq, reverse=True))[:2]
     undo.apply(rec1)
     with h.store.write() as w:
         w.delete_record(seq1)
