@@ -8,16 +8,27 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_API = ("Change", "CommitResult", "LayerInfo", "RollbackResult", "RunResult", "Status",
-        "Step", "StepFailed", "Workspace")
+_API = (
+    "Change",
+    "CommitResult",
+    "LayerInfo",
+    "RollbackResult",
+    "RunResult",
+    "Status",
+    "Step",
+    "StepFailed",
+    "Workspace",
+)
 __all__ = [*_API, "CowfsError", "__version__"]
 
 
 def __getattr__(name: str):
     if name in _API:
         from . import api
+
         return getattr(api, name)
     if name == "CowfsError":
         from .errors import CowfsError
+
         return CowfsError
     raise AttributeError(f"module 'cowfs' has no attribute {name!r}")

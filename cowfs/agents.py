@@ -39,21 +39,21 @@ from dataclasses import dataclass
 from . import control, errors, jsonedit
 from .errors import CowfsError
 
-HOOK_TIMEOUT = 60           # seconds an agent waits for our hook (we give up first)
-CONTROL_TIMEOUT = 45        # seconds the hook waits for the daemon
-MESSAGE_LIMIT = 200         # characters of a prompt's first line kept as the message
-PAYLOAD_LIMIT = 64 << 20    # bytes of event JSON read from stdin
+HOOK_TIMEOUT = 60  # seconds an agent waits for our hook (we give up first)
+CONTROL_TIMEOUT = 45  # seconds the hook waits for the daemon
+MESSAGE_LIMIT = 200  # characters of a prompt's first line kept as the message
+PAYLOAD_LIMIT = 64 << 20  # bytes of event JSON read from stdin
 
 
 @dataclass(frozen=True)
 class Agent:
     name: str
-    settings: str            # the project-level hook settings, relative to the workspace
-    prompt_event: str        # fires when the user submits a prompt: a turn begins
-    tool_event: str          # fires before a tool runs
-    tool_matcher: str        # the tools that run commands or write files
-    timeout_unit: int        # the settings' timeout is in seconds (1) or ms (1000)
-    comments: bool = False   # the settings file may hold // and /* */ comments
+    settings: str  # the project-level hook settings, relative to the workspace
+    prompt_event: str  # fires when the user submits a prompt: a turn begins
+    tool_event: str  # fires before a tool runs
+    tool_matcher: str  # the tools that run commands or write files
+    timeout_unit: int  # the settings' timeout is in seconds (1) or ms (1000)
+    comments: bool = False  # the settings file may hold // and /* */ comments
 
     def handler(self, command: str, event: str) -> dict:
         h: dict = {"type": "command", "command": command}
@@ -69,22 +69,45 @@ class Agent:
         return {self.prompt_event: "prompt", self.tool_event: "tool"}.get(event)
 
 
-AGENTS = {a.name: a for a in (
-    Agent("claude-code", ".claude/settings.json", "UserPromptSubmit", "PreToolUse",
-          "Bash|PowerShell|Write|Edit|NotebookEdit", 1),
-    Agent("gemini", ".gemini/settings.json", "BeforeAgent", "BeforeTool",
-          "^(run_shell_command|write_file|replace)$", 1000, comments=True),
-    Agent("codex", ".codex/hooks.json", "UserPromptSubmit", "PreToolUse",
-          "^(Bash|apply_patch)$", 1),
-)}
+AGENTS = {
+    a.name: a
+    for a in (
+        Agent(
+            "claude-code",
+            ".claude/settings.json",
+            "UserPromptSubmit",
+            "PreToolUse",
+            "Bash|PowerShell|Write|Edit|NotebookEdit",
+            1,
+        ),
+        Agent(
+            "gemini",
+            ".gemini/settings.json",
+            "BeforeAgent",
+            "BeforeTool",
+            "^(run_shell_command|write_file|replace)$",
+            1000,
+            comments=True,
+        ),
+        Agent(
+            "codex",
+            ".codex/hooks.json",
+            "UserPromptSubmit",
+            "PreToolUse",
+            "^(Bash|apply_patch)$",
+            1,
+        ),
+    )
+}
 
 
 def agent(name: str) -> Agent:
     try:
         return AGENTS[name]
     except KeyError:
-        raise CowfsError(f"unknown agent {name!r} (one of {', '.join(AGENTS)})",
-                         errors.USAGE) from None
+        raise CowfsError(
+            f"unknown agent {name!r} (one of {', '.join(AGENTS)})", errors.USAGE
+        ) from None
 
 
 # -- the hook command and which hooks are ours --------------------------------------
@@ -103,13 +126,18 @@ def cowfs_argv() -> list[str]:
 # too old to know `hook`): said as JSON on stdout, with exit 0, so a failure
 # there never blocks the agent either (every agent here runs the command
 # through a shell; exit 2, argparse's, would block Claude Code's prompt).
-FALLBACK = {"systemMessage": "cowfs: the checkpoint hook could not run (is cowfs installed "
-                             "and new enough?); no checkpoint taken"}
+FALLBACK = {
+    "systemMessage": "cowfs: the checkpoint hook could not run (is cowfs installed "
+    "and new enough?); no checkpoint taken"
+}
 
 
 def hook_command(a: Agent, workspace: str, event: str) -> str:
-    return shlex.join([*cowfs_argv(), "-C", workspace, "hook", a.name, event]) + \
-        " || echo " + shlex.quote(json.dumps(FALLBACK))
+    return (
+        shlex.join([*cowfs_argv(), "-C", workspace, "hook", a.name, event])
+        + " || echo "
+        + shlex.quote(json.dumps(FALLBACK))
+    )
 
 
 def is_ours(command: object, a: Agent) -> bool:
@@ -124,8 +152,9 @@ def is_ours(command: object, a: Agent) -> bool:
     for i in range(len(words) - 1):
         if words[i] == "hook" and words[i + 1] == a.name:
             before = words[:i]
-            return any(os.path.basename(w) == "cowfs" for w in before[:1]) or \
-                any(before[j:j + 2] == ["-m", "cowfs"] for j in range(len(before)))
+            return any(os.path.basename(w) == "cowfs" for w in before[:1]) or any(
+                before[j : j + 2] == ["-m", "cowfs"] for j in range(len(before))
+            )
     return False
 
 
@@ -140,15 +169,14 @@ def _document(a: Agent, text: str, path: str) -> jsonedit.Node:
     try:
         root = jsonedit.parse(text, comments=a.comments)
     except jsonedit.JSONTextError as e:
-        raise CowfsError(f"{path} is not valid JSON ({e}); nothing was changed",
-                         errors.USAGE) from None
+        raise CowfsError(
+            f"{path} is not valid JSON ({e}); nothing was changed", errors.USAGE
+        ) from None
     if root.kind != "object":
-        raise CowfsError(f"{path} does not hold a JSON object; nothing was changed",
-                         errors.USAGE)
+        raise CowfsError(f"{path} does not hold a JSON object; nothing was changed", errors.USAGE)
     hooks = root.get("hooks")
     if hooks is not None and hooks.kind != "object":
-        raise CowfsError(f"{path}: \"hooks\" is not an object; nothing was changed",
-                         errors.USAGE)
+        raise CowfsError(f'{path}: "hooks" is not an object; nothing was changed', errors.USAGE)
     return root
 
 
@@ -196,12 +224,11 @@ def add_group(a: Agent, text: str, path: str, event: str, group: dict) -> str:
     if groups is None:
         return jsonedit.append(text, hooks, [group], key=event)
     if groups.kind != "array":
-        raise CowfsError(f"{path}: hooks.{event} is not a list; nothing was changed",
-                         errors.USAGE)
+        raise CowfsError(f"{path}: hooks.{event} is not a list; nothing was changed", errors.USAGE)
     return jsonedit.append(text, groups, group)
 
 
-EMPTY = "{}\n"      # what is left of a settings file that only we wrote
+EMPTY = "{}\n"  # what is left of a settings file that only we wrote
 
 
 def _read(path: str) -> str | None:
@@ -211,8 +238,7 @@ def _read(path: str) -> str | None:
     except FileNotFoundError:
         return None
     except UnicodeDecodeError:
-        raise CowfsError(f"{path} is not UTF-8 text; nothing was changed",
-                         errors.USAGE) from None
+        raise CowfsError(f"{path} is not UTF-8 text; nothing was changed", errors.USAGE) from None
 
 
 def _write(path: str, text: str | None) -> None:
@@ -251,8 +277,13 @@ def install(a: Agent, workspace: str, per_tool: bool = False) -> dict:
         text = add_group(a, text, path, event, group)
     if text != before:
         _write(path, text)
-    return {"agent": a.name, "settings": path, "events": [e for e, _ in events],
-            "created": before is None, "changed": text != before}
+    return {
+        "agent": a.name,
+        "settings": path,
+        "events": [e for e, _ in events],
+        "created": before is None,
+        "changed": text != before,
+    }
 
 
 def uninstall(a: Agent, workspace: str) -> dict:
@@ -302,14 +333,14 @@ def first_line(text: object, limit: int = MESSAGE_LIMIT) -> str:
     for line in str(text or "").splitlines():
         line = line.strip()
         if line:
-            return line if len(line) <= limit else line[:limit - 1] + "…"
+            return line if len(line) <= limit else line[: limit - 1] + "…"
     return ""
 
 
 def _relative(path: object, workspace: str) -> str:
     p = str(path or "")
     root = workspace.rstrip("/") + "/"
-    return p[len(root):] if p.startswith(root) else p
+    return p[len(root) :] if p.startswith(root) else p
 
 
 def tool_summary(tool: str, tool_input: object, workspace: str) -> str:
@@ -317,8 +348,9 @@ def tool_summary(tool: str, tool_input: object, workspace: str) -> str:
     file a tool writes, the files a patch touches."""
     args = tool_input if isinstance(tool_input, dict) else {}
     if tool == "apply_patch":
-        files = re.findall(r"^\*\*\* (?:Add|Update|Delete) File: (.+)$",
-                           str(args.get("command") or ""), re.M)
+        files = re.findall(
+            r"^\*\*\* (?:Add|Update|Delete) File: (.+)$", str(args.get("command") or ""), re.M
+        )
         return first_line(", ".join(_relative(f.strip(), workspace) for f in files))
     for key in ("file_path", "notebook_path", "path"):
         if args.get(key):
@@ -330,8 +362,12 @@ def checkpoint_for(a: Agent, event: str, payload: dict, workspace: str) -> tuple
     """The message and the agent record of the checkpoint for *event*."""
     kind = a.kind(event)
     record = {"agent": a.name, "event": event, "kind": kind}
-    for key, field_ in (("session", "session_id"), ("turn", "turn_id"), ("turn", "prompt_id"),
-                        ("tool_use", "tool_use_id")):
+    for key, field_ in (
+        ("session", "session_id"),
+        ("turn", "turn_id"),
+        ("turn", "prompt_id"),
+        ("tool_use", "tool_use_id"),
+    ):
         if isinstance(payload.get(field_), str) and key not in record:
             record[key] = payload[field_][:200]
     if kind == "prompt":
@@ -342,8 +378,9 @@ def checkpoint_for(a: Agent, event: str, payload: dict, workspace: str) -> tuple
     return (f"{tool}: {what}" if what else tool), record
 
 
-def handle(agent_name: str, event: str, path: str | None,
-           stdin_fd: int = 0) -> tuple[str, int | None]:
+def handle(
+    agent_name: str, event: str, path: str | None, stdin_fd: int = 0
+) -> tuple[str, int | None]:
     """Take the checkpoint an agent's hook event asks for.  Returns what to
     say (one line) and the layer id, or raises CowfsError (the caller says
     it and still exits 0)."""
@@ -352,15 +389,18 @@ def handle(agent_name: str, event: str, path: str | None,
     a = agent(agent_name)
     kind = a.kind(event)
     if kind is None:
-        return (f"{a.name} event {event!r} is not one cowfs checkpoints at "
-                f"({a.prompt_event}, {a.tool_event}); nothing done", None)
+        return (
+            f"{a.name} event {event!r} is not one cowfs checkpoints at "
+            f"({a.prompt_event}, {a.tool_event}); nothing done",
+            None,
+        )
     payload = read_payload(stdin_fd)
-    where = path or (payload.get("cwd") if isinstance(payload.get("cwd"), str) else None) \
-        or os.getcwd()
+    where = (
+        path or (payload.get("cwd") if isinstance(payload.get("cwd"), str) else None) or os.getcwd()
+    )
     rec = find_mount(where)
     message, record = checkpoint_for(a, event, payload, rec.mountpoint)
-    res = control.call(rec, "checkpoint", timeout=CONTROL_TIMEOUT, message=message,
-                       agent=record)
+    res = control.call(rec, "checkpoint", timeout=CONTROL_TIMEOUT, message=message, agent=record)
     return f"checkpoint {res['id']}: {message}", res["id"]
 
 
@@ -372,12 +412,17 @@ def turns_to_rewind(layers: list[dict], n: int) -> tuple[int, list[dict]]:
     layers it undoes (each with its agent record, if any)."""
     prompts = [x for x in layers if (x.get("agent") or {}).get("kind") == "prompt"]
     if not prompts:
-        raise errors.NothingToDo("no agent turns are recorded in this workspace's layers "
-                                 "(cowfs hooks install AGENT records them)")
+        raise errors.NothingToDo(
+            "no agent turns are recorded in this workspace's layers "
+            "(cowfs hooks install AGENT records them)"
+        )
     if n < 1 or n > len(prompts):
-        raise CowfsError(f"cannot rewind {n} turn{'s' if n != 1 else ''}: "
-                         f"{len(prompts)} turn{'s are' if len(prompts) != 1 else ' is'} "
-                         "recorded", errors.USAGE)
+        raise CowfsError(
+            f"cannot rewind {n} turn{'s' if n != 1 else ''}: "
+            f"{len(prompts)} turn{'s are' if len(prompts) != 1 else ' is'} "
+            "recorded",
+            errors.USAGE,
+        )
     target = prompts[-n]["id"]
     return target, [x for x in layers if x["id"] >= target]
 
@@ -385,13 +430,16 @@ def turns_to_rewind(layers: list[dict], n: int) -> tuple[int, list[dict]]:
 def describe(layer: dict) -> list[str]:
     """Lines for a layer an agent event opened (and those merged into it)."""
     rows = []
-    for rec, message in [(layer.get("agent"), layer.get("message"))] + \
-            [(t, t.get("message")) for t in layer.get("turns") or []]:
+    for rec, message in [(layer.get("agent"), layer.get("message"))] + [
+        (t, t.get("message")) for t in layer.get("turns") or []
+    ]:
         if not rec:
             continue
         what = "turn" if rec.get("kind") == "prompt" else f"before {rec.get('tool', 'a tool')}"
         merged = f"layer {rec['layer']}, merged: " if "layer" in rec else ""
         session = f", session {str(rec['session'])[:8]}" if rec.get("session") else ""
-        rows.append(f"{merged}{rec.get('agent')} {what} ({rec.get('event')}{session})"
-                    + (f": {message}" if merged else ""))
+        rows.append(
+            f"{merged}{rec.get('agent')} {what} ({rec.get('event')}{session})"
+            + (f": {message}" if merged else "")
+        )
     return rows

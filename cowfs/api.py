@@ -46,8 +46,8 @@ class Change:
     path: str
     kind: str
     source: str | None = None
-    who: dict | None = None     # the process that first made it: pid, uid, cmd
-    dir: bool = False           # a directory (for D: it was one)
+    who: dict | None = None  # the process that first made it: pid, uid, cmd
+    dir: bool = False  # a directory (for D: it was one)
 
     @classmethod
     def from_dict(cls, d: dict) -> Change:
@@ -55,10 +55,13 @@ class Change:
 
     def to_dict(self) -> dict:
         """As the JSON outputs have it."""
-        return {"path": self.path, "kind": self.kind,
-                **({"from": self.source} if self.source is not None else {}),
-                **({"dir": True} if self.dir else {}),
-                **({"who": self.who} if self.who is not None else {})}
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            **({"from": self.source} if self.source is not None else {}),
+            **({"dir": True} if self.dir else {}),
+            **({"who": self.who} if self.who is not None else {}),
+        }
 
     def __str__(self) -> str:
         return f"R {self.source} -> {self.path}" if self.kind == "R" else f"{self.kind} {self.path}"
@@ -78,8 +81,8 @@ class LayerInfo:
     changes: int
     bytes: int
     runs: list[dict] = field(default_factory=list)
-    agent: dict | None = None    # the agent event that opened it (cowfs hook), if any
-    turns: list[dict] = field(default_factory=list)   # those of layers merged into it
+    agent: dict | None = None  # the agent event that opened it (cowfs hook), if any
+    turns: list[dict] = field(default_factory=list)  # those of layers merged into it
 
 
 @dataclass
@@ -92,7 +95,7 @@ class RollbackResult:
 
 @dataclass
 class RedoResult:
-    restored: list[int]     # the layers brought back
+    restored: list[int]  # the layers brought back
     applied: int
     top: int
 
@@ -129,7 +132,7 @@ class RunResult:
     reasons: list[str] = field(default_factory=list)
     uncaptured: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    error: str | None = None    # why the command (or verifier) could not be started
+    error: str | None = None  # why the command (or verifier) could not be started
     stdout: str | None = None
     stderr: str | None = None
     verify_stdout: str | None = None
@@ -152,9 +155,10 @@ class RunResult:
         for key in OUTPUTS:
             del d[key]
         d["changes"] = len(self.changes)
-        d["uncaptured"] = {name: lines[:50] + ([f"... and {len(lines) - 50} more"]
-                                               if len(lines) > 50 else [])
-                           for name, lines in self.uncaptured.items()}
+        d["uncaptured"] = {
+            name: lines[:50] + ([f"... and {len(lines) - 50} more"] if len(lines) > 50 else [])
+            for name, lines in self.uncaptured.items()
+        }
         return d
 
 
@@ -197,8 +201,14 @@ class StepFailed(Exception):
     the step's ``changes`` (undone now), the verifier's ``verify_status``
     and, with ``capture_output``, its ``stdout`` and ``stderr``."""
 
-    def __init__(self, message: str, verify_status: int, changes: list[Change] | None = None,
-                 stdout: str | None = None, stderr: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        verify_status: int,
+        changes: list[Change] | None = None,
+        stdout: str | None = None,
+        stderr: str | None = None,
+    ):
         super().__init__(message)
         self.verify_status = verify_status
         self.changes = changes or []
@@ -217,14 +227,19 @@ class Executed:
     shell says it: 127 not found, 126 not executable), and its output when
     captured."""
 
-    status: int | None      # (None: not run)
+    status: int | None  # (None: not run)
     error: str | None = None
     stdout: str | None = None
     stderr: str | None = None
 
 
-def execute(cmd: Command, cwd: str, capture: bool = False, timeout: float | None = None,
-            limit: int = 64 << 10) -> Executed:
+def execute(
+    cmd: Command,
+    cwd: str,
+    capture: bool = False,
+    timeout: float | None = None,
+    limit: int = 64 << 10,
+) -> Executed:
     """Run *cmd* (an argument list, or a shell string) with the terminal
     passed through; Ctrl-C goes to the command (the caller ignores it while
     the command runs).
@@ -239,17 +254,25 @@ def execute(cmd: Command, cwd: str, capture: bool = False, timeout: float | None
     if not capture:
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     with ExitStack() as files:
-        sinks = [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)] \
-            if capture else []
+        sinks = [files.enter_context(tempfile.TemporaryFile()) for _ in range(2)] if capture else []
         try:
             if capture:
-                proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
-                                        stdin=subprocess.DEVNULL, stdout=sinks[0],
-                                        stderr=sinks[1], start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    shell=isinstance(cmd, str),
+                    stdin=subprocess.DEVNULL,
+                    stdout=sinks[0],
+                    stderr=sinks[1],
+                    start_new_session=True,
+                )
             else:
-                proc = subprocess.Popen(cmd, cwd=cwd, shell=isinstance(cmd, str),
-                                        preexec_fn=lambda: signal.signal(signal.SIGINT,
-                                                                         signal.SIG_DFL))
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    shell=isinstance(cmd, str),
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                )
             try:
                 rc, error = proc.wait(timeout), None
             except subprocess.TimeoutExpired:
@@ -261,17 +284,20 @@ def execute(cmd: Command, cwd: str, capture: bool = False, timeout: float | None
                 rc, error = 124, f"timed out after {timeout:g} s; killed"
         except FileNotFoundError:
             if not os.path.isdir(cwd):
-                return Executed(127, f"the working directory {cwd} does not exist",
-                                *_empty(capture))
+                return Executed(
+                    127, f"the working directory {cwd} does not exist", *_empty(capture)
+                )
             return Executed(127, f"{name}: command not found", *_empty(capture))
         except PermissionError as e:
-            return Executed(126, f"{name}: cannot run it ({(e.strerror or str(e)).lower()})",
-                            *_empty(capture))
+            return Executed(
+                126, f"{name}: cannot run it ({(e.strerror or str(e)).lower()})", *_empty(capture)
+            )
         finally:
             if not capture:
                 signal.signal(signal.SIGINT, old)
-        return Executed(128 - rc if rc < 0 else rc, error,
-                        *(head_and_tail(f, limit) for f in sinks))
+        return Executed(
+            128 - rc if rc < 0 else rc, error, *(head_and_tail(f, limit) for f in sinks)
+        )
 
 
 def _empty(capture: bool) -> tuple:
@@ -288,8 +314,10 @@ def head_and_tail(f: BinaryIO, limit: int) -> str:
     head = f.read(limit // 4)
     f.seek(size - (limit - limit // 4))
     tail = f.read()
-    return (head.decode(errors="replace") + f"\n[... {size - len(head) - len(tail)} bytes "
-            f"of output left out ...]\n" + tail.decode(errors="replace"))
+    return (
+        head.decode(errors="replace") + f"\n[... {size - len(head) - len(tail)} bytes "
+        f"of output left out ...]\n" + tail.decode(errors="replace")
+    )
 
 
 def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
@@ -328,8 +356,11 @@ def _set_attrs(path: str, info: dict) -> None:
         os.chown(path, info["uid"], info["gid"], follow_symlinks=False)
     if not link:
         os.chmod(path, stat.S_IMODE(info["mode"]))
-        B.set_all_xattrs(os.fsencode(path), False, [
-            (base64.b64decode(n), base64.b64decode(v)) for n, v in info["xattrs"]])
+        B.set_all_xattrs(
+            os.fsencode(path),
+            False,
+            [(base64.b64decode(n), base64.b64decode(v)) for n, v in info["xattrs"]],
+        )
     os.utime(path, ns=(info["atime_ns"], info["mtime_ns"]), follow_symlinks=False)
 
 
@@ -342,17 +373,26 @@ class Workspace:
     # -- getting one ------------------------------------------------------------
 
     @classmethod
-    def mount(cls, path: str | os.PathLike, store: str | os.PathLike | None = None,
-              mountpoint: str | os.PathLike | None = None, max_store: int | None = None,
-              max_layers: int | None = None) -> Workspace:
+    def mount(
+        cls,
+        path: str | os.PathLike,
+        store: str | os.PathLike | None = None,
+        mountpoint: str | os.PathLike | None = None,
+        max_store: int | None = None,
+        max_layers: int | None = None,
+    ) -> Workspace:
         """Mount *path* (over itself unless *mountpoint*) and return it;
         *max_store* (bytes) and *max_layers* as `cowfs mount` takes them."""
         from .daemon import check_fuse, spawn
 
         check_fuse()
-        msg = spawn(os.fspath(path), os.fspath(mountpoint) if mountpoint is not None else None,
-                    os.fspath(store) if store is not None else None,
-                    max_store=max_store, max_layers=max_layers)
+        msg = spawn(
+            os.fspath(path),
+            os.fspath(mountpoint) if mountpoint is not None else None,
+            os.fspath(store) if store is not None else None,
+            max_store=max_store,
+            max_layers=max_layers,
+        )
         return cls.attach(msg["mountpoint"])
 
     @classmethod
@@ -370,35 +410,68 @@ class Workspace:
 
     # -- the stack ----------------------------------------------------------------
 
-    def checkpoint(self, message: str = "", providers: Sequence[str] = (),
-                   containers: Sequence[str] = (), vms: Sequence[str] = (),
-                   agent: dict | None = None) -> int:
+    def checkpoint(
+        self,
+        message: str = "",
+        providers: Sequence[str] = (),
+        containers: Sequence[str] = (),
+        vms: Sequence[str] = (),
+        agent: dict | None = None,
+    ) -> int:
         """Open a new layer, with snapshots of the named providers, docker
         containers and libvirt domains; return its id.  *agent*: the agent
         event the layer stands for ({"agent", "event", ...}; `cowfs.agents`),
         kept on the layer (`log`, `rewind`)."""
         extra = {"agent": agent} if agent is not None else {}
-        return self._call("checkpoint", message=message, providers=list(providers),
-                          containers=list(containers), vms=list(vms), **extra)["id"]
+        return self._call(
+            "checkpoint",
+            message=message,
+            providers=list(providers),
+            containers=list(containers),
+            vms=list(vms),
+            **extra,
+        )["id"]
 
     @overload
-    def rollback(self, to: int | None = None, dry_run: Literal[False] = False,
-                 keep_redo: bool = True, yes: bool = False) -> RollbackResult: ...
+    def rollback(
+        self,
+        to: int | None = None,
+        dry_run: Literal[False] = False,
+        keep_redo: bool = True,
+        yes: bool = False,
+    ) -> RollbackResult: ...
 
     @overload
-    def rollback(self, to: int | None = None, *, dry_run: Literal[True],
-                 keep_redo: bool = True, yes: bool = False) -> list[Change]: ...
+    def rollback(
+        self,
+        to: int | None = None,
+        *,
+        dry_run: Literal[True],
+        keep_redo: bool = True,
+        yes: bool = False,
+    ) -> list[Change]: ...
 
     @overload
-    def rollback(self, to: int | None, dry_run: Literal[True], keep_redo: bool = True,
-                 yes: bool = False) -> list[Change]: ...
+    def rollback(
+        self, to: int | None, dry_run: Literal[True], keep_redo: bool = True, yes: bool = False
+    ) -> list[Change]: ...
 
     @overload
-    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
-                 yes: bool = False) -> RollbackResult | list[Change]: ...
+    def rollback(
+        self,
+        to: int | None = None,
+        dry_run: bool = False,
+        keep_redo: bool = True,
+        yes: bool = False,
+    ) -> RollbackResult | list[Change]: ...
 
-    def rollback(self, to: int | None = None, dry_run: bool = False, keep_redo: bool = True,
-                 yes: bool = False) -> RollbackResult | list[Change]:
+    def rollback(
+        self,
+        to: int | None = None,
+        dry_run: bool = False,
+        keep_redo: bool = True,
+        yes: bool = False,
+    ) -> RollbackResult | list[Change]:
         """Undo the top layer, or every layer down to and including *to*.
         With *dry_run*, change nothing and return what would be undone.
         Without *keep_redo*, nothing is kept for `redo` (faster).  When the
@@ -430,9 +503,19 @@ class Workspace:
         return [Change.from_dict(c) for c in self._call("changes", since=since)["changes"]]
 
     def log(self) -> list[LayerInfo]:
-        return [LayerInfo(d["id"], d["created"], d["message"], d["changes"], d["bytes"],
-                          d.get("runs", []), d.get("agent"), d.get("turns", []))
-                for d in self._call("log")["layers"]]
+        return [
+            LayerInfo(
+                d["id"],
+                d["created"],
+                d["message"],
+                d["changes"],
+                d["bytes"],
+                d.get("runs", []),
+                d.get("agent"),
+                d.get("turns", []),
+            )
+            for d in self._call("log")["layers"]
+        ]
 
     def show(self, path: str, layer: int | None = None) -> bytes:
         """The bytes of file *path* (workspace-relative) as they were when
@@ -443,8 +526,9 @@ class Workspace:
         res = first or self._call("show", layer=layer, path=path)
         if res["kind"] != "file":
             raise CowfsError(f"{path} was a {res['kind']}, not a file, then", USAGE)
-        return show_pages(res, lambda offset: self._call("show", layer=layer, path=path,
-                                                         offset=offset))
+        return show_pages(
+            res, lambda offset: self._call("show", layer=layer, path=path, offset=offset)
+        )
 
     def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
         """Put *paths* (files or whole subtrees, workspace-relative) back as
@@ -455,22 +539,29 @@ class Workspace:
         within what is restored are linked again; a name is never written
         through to others it shares its object with now."""
         done: list[str] = []
-        linked: dict[int, str] = {}     # object then -> the first path restored for it
+        linked: dict[int, str] = {}  # object then -> the first path restored for it
         rels = [os.fsdecode(wpath(path)) for path in paths]
         if not all(rels):
-            raise CowfsError("restore takes paths inside the workspace; to put back "
-                             "everything, use rollback", USAGE)
-        for rel in rels:                # every path names something, then or now
+            raise CowfsError(
+                "restore takes paths inside the workspace; to put back everything, use rollback",
+                USAGE,
+            )
+        for rel in rels:  # every path names something, then or now
             if _lstat(self._abs(rel)) is None:
                 info = self._call("show", layer=layer, path=rel, missing_ok=True)
                 if info["kind"] is None:
-                    raise NothingToDo(f"{rel}: no such path, now or when layer "
-                                      f"{info['layer']} was opened; nothing restored")
+                    raise NothingToDo(
+                        f"{rel}: no such path, now or when layer "
+                        f"{info['layer']} was opened; nothing restored"
+                    )
         for rel in rels:
             self._restore_parents(rel, layer, done)
             self._restore(rel, layer, done, linked)
-        self._call("audit_note", event="restore",
-                   fields={"paths": list(paths), "from": layer, "restored": done[:1000]})
+        self._call(
+            "audit_note",
+            event="restore",
+            fields={"paths": list(paths), "from": layer, "restored": done[:1000]},
+        )
         return done
 
     def _abs(self, rel: str) -> str:
@@ -487,21 +578,23 @@ class Workspace:
                 continue
             info = self._call("show", layer=layer, path=d, missing_ok=True)
             if info["kind"] != "dir":
-                raise CowfsError(f"{d} was not a directory when layer {info['layer']} was "
-                                 "opened", USAGE)
+                raise CowfsError(
+                    f"{d} was not a directory when layer {info['layer']} was opened", USAGE
+                )
             if st is not None:
                 _remove(self._abs(d))
             os.mkdir(self._abs(d), 0o700)
             _set_attrs(self._abs(d), info)
             done.append(d)
 
-    def _restore(self, rel: str, layer: int | None, done: list[str],
-                 linked: dict[int, str]) -> None:
+    def _restore(
+        self, rel: str, layer: int | None, done: list[str], linked: dict[int, str]
+    ) -> None:
         target = self._abs(rel)
         info = self._call("show", layer=layer, path=rel, missing_ok=True)
         st = _lstat(target)
         kind = info["kind"]
-        if kind is None:                       # made after: it goes
+        if kind is None:  # made after: it goes
             if st is not None:
                 _remove(target)
                 done.append(rel)
@@ -509,14 +602,15 @@ class Workspace:
         if kind != "dir":
             first = linked.setdefault(info["object"], rel)
             if first != rel and _lstat(self._abs(first)) is not None:
-                if st is not None:             # a hard link then: one again
+                if st is not None:  # a hard link then: one again
                     _remove(target)
                 os.link(self._abs(first), target)
                 done.append(rel)
                 return
-        if st is not None and (KINDS.get(stat.S_IFMT(st.st_mode)) != kind or
-                               (kind == "file" and st.st_nlink > 1)):
-            _remove(target)                    # (never written through other names)
+        if st is not None and (
+            KINDS.get(stat.S_IFMT(st.st_mode)) != kind or (kind == "file" and st.st_nlink > 1)
+        ):
+            _remove(target)  # (never written through other names)
             st = None
         if kind == "file":
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -574,9 +668,16 @@ class Workspace:
         inside = cwd == self.root or cwd.startswith(self.root.rstrip("/") + "/")
         return cwd if inside else self.root
 
-    def plan(self, cmd: Command, scope: str = "files", cwd: str | None = None,
-             providers: Sequence[str] = (), containers: Sequence[str] = (),
-             vms: Sequence[str] = (), policy: Policy | None = None) -> Plan:
+    def plan(
+        self,
+        cmd: Command,
+        scope: str = "files",
+        cwd: str | None = None,
+        providers: Sequence[str] = (),
+        containers: Sequence[str] = (),
+        vms: Sequence[str] = (),
+        policy: Policy | None = None,
+    ) -> Plan:
         """What `run` would snapshot for *cmd* under *scope* (see
         `cowfs.policy`), without running anything."""
         if scope not in RUN_SCOPES:
@@ -605,36 +706,60 @@ class Workspace:
                     getattr(plan, attr).append(target)
         plan.providers = list(dict.fromkeys(plan.providers))
         snapshots = plan.providers + plan.containers + plan.vms
-        if scope in ("container", "vm") and not (plan.containers or plan.vms or any(
-                p in docker.values() or p in libvirt.values() for p in plan.providers)):
+        if scope in ("container", "vm") and not (
+            plan.containers
+            or plan.vms
+            or any(p in docker.values() or p in libvirt.values() for p in plan.providers)
+        ):
             what = "container" if scope == "container" else "VM"
-            raise CowfsError(f"--scope {scope}: no {what} configured (name one with "
-                             f"--{'container' if scope == 'container' else 'vm'} or register "
-                             f"one with 'cowfs provider add')", USAGE)
+            raise CowfsError(
+                f"--scope {scope}: no {what} configured (name one with "
+                f"--{'container' if scope == 'container' else 'vm'} or register "
+                f"one with 'cowfs provider add')",
+                USAGE,
+            )
         if scope == "auto" and verdict.scope == "none" and not snapshots:
             plan.checkpoint = False
         if scope == "auto" and verdict.scope == "system" and not snapshots:
             why = "; ".join(verdict.reasons)
             if policy.settings["unescalated"] == "refuse":
-                raise CowfsError(f"{command_line(cmd)!r} changes the system outside the "
-                                 f"workspace ({why}) and no container or VM is configured "
-                                 f"to snapshot; refused by the policy", USAGE)
-            plan.warnings.append(f"this command changes the system outside the workspace "
-                                 f"({why}) and no container or VM is configured: only the "
-                                 f"workspace files are captured")
+                raise CowfsError(
+                    f"{command_line(cmd)!r} changes the system outside the "
+                    f"workspace ({why}) and no container or VM is configured "
+                    f"to snapshot; refused by the policy",
+                    USAGE,
+                )
+            plan.warnings.append(
+                f"this command changes the system outside the workspace "
+                f"({why}) and no container or VM is configured: only the "
+                f"workspace files are captured"
+            )
         captured = {c for c in plan.containers} | {
-            c for c, name in docker.items() if name in plan.providers}
-        plan.watch = [c for c in dict.fromkeys(verdict.containers + list(docker))
-                      if c not in captured]
+            c for c, name in docker.items() if name in plan.providers
+        }
+        plan.watch = [
+            c for c in dict.fromkeys(verdict.containers + list(docker)) if c not in captured
+        ]
         return plan
 
-    def run(self, cmd: Command, verify: Command | None = None, on_fail: str = "rollback",
-            on_success: str = "keep", message: str | None = None, cwd: str | None = None,
-            decide: Callable[[RunResult], str] | None = None,
-            providers: Sequence[str] = (), containers: Sequence[str] = (),
-            vms: Sequence[str] = (), scope: str = "files",
-            policy: Policy | None = None, capture_output: bool = False,
-            timeout: float | None = None, output_limit: int = 64 << 10) -> RunResult:
+    def run(
+        self,
+        cmd: Command,
+        verify: Command | None = None,
+        on_fail: str = "rollback",
+        on_success: str = "keep",
+        message: str | None = None,
+        cwd: str | None = None,
+        decide: Callable[[RunResult], str] | None = None,
+        providers: Sequence[str] = (),
+        containers: Sequence[str] = (),
+        vms: Sequence[str] = (),
+        scope: str = "files",
+        policy: Policy | None = None,
+        capture_output: bool = False,
+        timeout: float | None = None,
+        output_limit: int = 64 << 10,
+    ) -> RunResult:
         """Run *cmd* as a step in its own layer.  If it exits non-zero, or
         *verify* does, the step is rolled back (``on_fail="keep"`` keeps it);
         otherwise its layer stays, an undo point of its own (with *message*,
@@ -665,8 +790,9 @@ class Workspace:
         line = command_line(cmd)
         started = time.time()
         if plan.checkpoint:
-            layer = self.checkpoint(message or f"run: {line}", plan.providers,
-                                    plan.containers, plan.vms)
+            layer = self.checkpoint(
+                message or f"run: {line}", plan.providers, plan.containers, plan.vms
+            )
             before: set[tuple] = set()
         else:
             layer = self.top()
@@ -674,25 +800,47 @@ class Workspace:
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
         ran = execute(cmd, cwd, capture_output, timeout, output_limit)
-        assert ran.status is not None           # (what execute() ran has a status)
-        checked = execute(verify, cwd, capture_output, timeout, output_limit) \
-            if verify is not None and ran.status == 0 else Executed(None)
+        assert ran.status is not None  # (what execute() ran has a status)
+        checked = (
+            execute(verify, cwd, capture_output, timeout, output_limit)
+            if verify is not None and ran.status == 0
+            else Executed(None)
+        )
         duration = round(time.monotonic() - t0, 3)
-        changes = self.changes(since=layer) if plan.checkpoint else \
-            [c for c in self.status().changes if _key(c) not in before]
-        result = RunResult(line, cwd, layer, ran.status,
-                           command_line(verify) if verify is not None else None,
-                           checked.status, duration, "", changes, started,
-                           plan.verdict.scope if scope == "auto" else scope,
-                           plan.providers + plan.containers + plan.vms,
-                           plan.verdict.reasons, watch.changes(), list(plan.warnings),
-                           ran.error or (checked.error and f"the verifier: {checked.error}"),
-                           ran.stdout, ran.stderr, checked.stdout, checked.stderr)
+        changes = (
+            self.changes(since=layer)
+            if plan.checkpoint
+            else [c for c in self.status().changes if _key(c) not in before]
+        )
+        result = RunResult(
+            line,
+            cwd,
+            layer,
+            ran.status,
+            command_line(verify) if verify is not None else None,
+            checked.status,
+            duration,
+            "",
+            changes,
+            started,
+            plan.verdict.scope if scope == "auto" else scope,
+            plan.providers + plan.containers + plan.vms,
+            plan.verdict.reasons,
+            watch.changes(),
+            list(plan.warnings),
+            ran.error or (checked.error and f"the verifier: {checked.error}"),
+            ran.stdout,
+            ran.stderr,
+            checked.stdout,
+            checked.stderr,
+        )
         for name, lines in result.uncaptured.items():
             shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
-            result.warnings.append(f"container {name} changed outside the workspace and this "
-                                   f"was not captured (run with --scope container to "
-                                   f"snapshot it): {shown}")
+            result.warnings.append(
+                f"container {name} changed outside the workspace and this "
+                f"was not captured (run with --scope container to "
+                f"snapshot it): {shown}"
+            )
         if not plan.checkpoint:
             result.outcome = "no checkpoint"
             self._call("annotate", layer=layer, run=result.record())
@@ -714,10 +862,17 @@ class Workspace:
         return layer, "kept", layer
 
     @contextmanager
-    def step(self, message: str, verify: Command | None = None,
-             cwd: str | None = None, providers: Sequence[str] = (),
-             containers: Sequence[str] = (), vms: Sequence[str] = (),
-             on_success: str = "keep", capture_output: bool = False) -> Iterator[Step]:
+    def step(
+        self,
+        message: str,
+        verify: Command | None = None,
+        cwd: str | None = None,
+        providers: Sequence[str] = (),
+        containers: Sequence[str] = (),
+        vms: Sequence[str] = (),
+        on_success: str = "keep",
+        capture_output: bool = False,
+    ) -> Iterator[Step]:
         """A block of work in its own layer (a checkpoint with *message*):
         rolled back if the block raises (the exception propagates) or
         *verify* fails (raises StepFailed, with the step's changes and the
@@ -731,16 +886,25 @@ class Workspace:
         layer = self.checkpoint(message, providers, containers, vms)
         step = Step(message, layer)
         t0 = time.monotonic()
-        record = {"command": f"step: {message}", "kind": "step", "exit_status": 0,
-                  "started": time.time(),
-                  "verify": verify and command_line(verify), "verify_status": None}
+        record = {
+            "command": f"step: {message}",
+            "kind": "step",
+            "exit_status": 0,
+            "started": time.time(),
+            "verify": verify and command_line(verify),
+            "verify_status": None,
+        }
         try:
             yield step
         except BaseException as e:
             step.changes = self.changes(since=layer)
             step.layer, step.outcome, into = self._conclude(layer, "rollback")
-            self._note_step(into, step, record | {"exit_status": 1,
-                                                  "error": f"{type(e).__name__}: {e}"[:1000]}, t0)
+            self._note_step(
+                into,
+                step,
+                record | {"exit_status": 1, "error": f"{type(e).__name__}: {e}"[:1000]},
+                t0,
+            )
             raise
         if verify is not None:
             checked = execute(verify, cwd or self._default_cwd(), capture_output)
@@ -750,24 +914,49 @@ class Workspace:
                 record["error"] = f"the verifier: {checked.error}"
         step.changes = self.changes(since=layer)
         if step.verify_status:
-            assert verify is not None                # (a status only from a verifier)
+            assert verify is not None  # (a status only from a verifier)
             step.layer, step.outcome, into = self._conclude(layer, "rollback")
             self._note_step(into, step, record, t0)
-            raise StepFailed(f"step {message!r}: verification {command_line(verify)!r} "
-                             f"exited {step.verify_status}; rolled back", step.verify_status,
-                             step.changes, step.verify_stdout, step.verify_stderr)
+            raise StepFailed(
+                f"step {message!r}: verification {command_line(verify)!r} "
+                f"exited {step.verify_status}; rolled back",
+                step.verify_status,
+                step.changes,
+                step.verify_stdout,
+                step.verify_stderr,
+            )
         step.layer, step.outcome, into = self._conclude(layer, on_success)
         self._note_step(into, step, record, t0)
 
     def _note_step(self, layer: int, step: Step, record: dict, t0: float) -> None:
-        self._call("annotate", layer=layer, run=record | {
-            "outcome": step.outcome, "layer": step.layer, "changes": len(step.changes),
-            "duration": round(time.monotonic() - t0, 3)})
+        self._call(
+            "annotate",
+            layer=layer,
+            run=record
+            | {
+                "outcome": step.outcome,
+                "layer": step.layer,
+                "changes": len(step.changes),
+                "duration": round(time.monotonic() - t0, 3),
+            },
+        )
 
 
 def _key(c: Change) -> tuple:
     return c.path, c.kind, c.source
 
 
-__all__ = ["Change", "CommitResult", "CowfsError", "LayerInfo", "Plan", "Policy",
-           "RollbackResult", "RunResult", "Status", "Step", "StepFailed", "Workspace"]
+__all__ = [
+    "Change",
+    "CommitResult",
+    "CowfsError",
+    "LayerInfo",
+    "Plan",
+    "Policy",
+    "RollbackResult",
+    "RunResult",
+    "Status",
+    "Step",
+    "StepFailed",
+    "Workspace",
+]

@@ -19,8 +19,13 @@ from contextlib import contextmanager
 from . import schema as S
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-                            ctypes.c_char_p, ctypes.c_uint]
+_libc.renameat2.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 RENAME_NOREPLACE = 1
@@ -55,6 +60,8 @@ def user_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
 DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -135,15 +142,14 @@ def join(parent: bytes, name: bytes) -> bytes:
 
 
 class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-SYS_OPENAT2 = 437             # (x86_64 and aarch64 alike)
+SYS_OPENAT2 = 437  # (x86_64 and aarch64 alike)
 RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x02, 0x04, 0x08
 _HOW = _OpenHow(DIR_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
 _libc.syscall.restype = ctypes.c_long
-_openat2 = [True]             # until the kernel says it has no openat2
+_openat2 = [True]  # until the kernel says it has no openat2
 
 
 def open_dir(rootfd: int, path: bytes) -> int:
@@ -152,17 +158,20 @@ def open_dir(rootfd: int, path: bytes) -> int:
     RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS in one call where the kernel has
     it, else component by component."""
     if path and _openat2[0]:
-        if path[0] == 47 or path[-1] == 47 or b"//" in path or (
-                b"." in path and any(c in (b".", b"..") for c in path.split(b"/"))):
+        if (
+            path[0] == 47
+            or path[-1] == 47
+            or b"//" in path
+            or (b"." in path and any(c in (b".", b"..") for c in path.split(b"/")))
+        ):
             raise OSError(errno.EINVAL, "bad path component", path)
-        fd = _libc.syscall(SYS_OPENAT2, rootfd, path, ctypes.byref(_HOW),
-                           ctypes.sizeof(_HOW))
+        fd = _libc.syscall(SYS_OPENAT2, rootfd, path, ctypes.byref(_HOW), ctypes.sizeof(_HOW))
         if fd >= 0:
             return fd
         e = ctypes.get_errno()
         if e == errno.ENOSYS:
             _openat2[0] = False
-        elif e != errno.ENAMETOOLONG:       # (deeper than PATH_MAX: walk it)
+        elif e != errno.ENAMETOOLONG:  # (deeper than PATH_MAX: walk it)
             raise OSError(e, os.strerror(e), path)
     fd = os.dup(rootfd)
     try:
@@ -188,9 +197,9 @@ class Resolver:
         self.grave_fd = grave_fd
         self._dirs: dict[bytes, int] | None = None
         self._acting = False
-        self._held = 0                  # `at` blocks open on cached fds
-        self._retired: list[int] = []   # fds dropped from the cache while held
-        self.generation = 0             # counts `moved` calls
+        self._held = 0  # `at` blocks open on cached fds
+        self._retired: list[int] = []  # fds dropped from the cache while held
+        self.generation = 0  # counts `moved` calls
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -229,7 +238,7 @@ class Resolver:
 
     def _close_dirs(self) -> None:
         if self._dirs:
-            if self._held:                  # (in use: closed once released)
+            if self._held:  # (in use: closed once released)
                 self._retired += self._dirs.values()
             else:
                 for fd in self._dirs.values():

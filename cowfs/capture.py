@@ -49,16 +49,16 @@ class Recorder:
         self.C = store.chunk_size
         self._zero = bytes(self.C)
         self.layer = 0
-        self.below: int | None = None               # the open layer, under a segment
+        self.below: int | None = None  # the open layer, under a segment
         self.objs: dict[int, Obj] = {}
         self.fresh = False
         self._pending_created: list[tuple[int, tuple | None]] = []
         self._saved: dict[int, tuple] = {}
-        self.who: tuple[int, int] | None = None     # (pid, uid) of the request
-        self.ignore: IgnoreRules | None = None      # when there are any
-        self._writers: dict[tuple, int] = {}        # (pid, start time) -> writer id
-        self._procs: dict[tuple, dict] = {}         # (pid, start time) -> pid, uid, cmd
-        self._recent: dict[int, tuple] = {}         # pid -> (until, its _process answer)
+        self.who: tuple[int, int] | None = None  # (pid, uid) of the request
+        self.ignore: IgnoreRules | None = None  # when there are any
+        self._writers: dict[tuple, int] = {}  # (pid, start time) -> writer id
+        self._procs: dict[tuple, dict] = {}  # (pid, start time) -> pid, uid, cmd
+        self._recent: dict[int, tuple] = {}  # pid -> (until, its _process answer)
         self.reset(fresh=False)
 
     def reset(self, fresh: bool) -> None:
@@ -85,8 +85,10 @@ class Recorder:
                 self._load(ino, o)
             if self.below is not None and not o.pinned:
                 with self.store.read() as txn:
-                    o.pinned = txn.get(S.index_key(self.below, ino, S.IDX_PINNED),
-                                       db=self.store.db_index) is not None
+                    o.pinned = (
+                        txn.get(S.index_key(self.below, ino, S.IDX_PINNED), db=self.store.db_index)
+                        is not None
+                    )
             self.objs[ino] = o
         return o
 
@@ -147,8 +149,7 @@ class Recorder:
         except BaseException:
             for ino, saved in self._saved.items():
                 o = self.objs[ino]
-                (o.meta, o.s0, o.xattrs, o.chunks, o.attributed, o.pinned,
-                 o.created) = saved
+                (o.meta, o.s0, o.xattrs, o.chunks, o.attributed, o.pinned, o.created) = saved
             raise
         finally:
             self._saved = {}
@@ -156,8 +157,15 @@ class Recorder:
 
     def _changing(self, ino: int, o: Obj) -> None:
         if ino not in self._saved:
-            self._saved[ino] = (o.meta, o.s0, o.xattrs, set(o.chunks), o.attributed,
-                                o.pinned, o.created)
+            self._saved[ino] = (
+                o.meta,
+                o.s0,
+                o.xattrs,
+                set(o.chunks),
+                o.attributed,
+                o.pinned,
+                o.created,
+            )
 
     def flush(self) -> None:
         """Write index entries still held in memory (before a layer switch).
@@ -179,7 +187,8 @@ class Recorder:
             o.created = True
             o.attributed = True
             self._pending_created.append(
-                (ino, self._process(self.who) if self.who is not None else None))
+                (ino, self._process(self.who) if self.who is not None else None)
+            )
 
     # -- capture filters (cowfs/ignore.py) -------------------------------------------
 
@@ -225,7 +234,7 @@ class Recorder:
         pid, uid = who
         now = time.monotonic()
         recent = self._recent.get(pid)
-        if recent is not None and recent[0] > now:   # (no pid is reused within a second)
+        if recent is not None and recent[0] > now:  # (no pid is reused within a second)
             return recent[1]
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
@@ -270,7 +279,7 @@ class Recorder:
     def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
         self.attribute(w, ino)
         if not self.obj(ino).created:
-            self.pin(w, ino)     # captured here: wherever it goes now, it stays so
+            self.pin(w, ino)  # captured here: wherever it goes now, it stays so
         w.record(S.Rename(src, dst, ino))
 
     def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
@@ -295,8 +304,14 @@ class Recorder:
         o.s0 = st.st_size
         return o
 
-    def xattrs(self, w: Writer, ino: int, loc: Loc,
-               pairs: Callable[[], list[tuple[bytes, bytes]]], is_dir: bool = False) -> None:
+    def xattrs(
+        self,
+        w: Writer,
+        ino: int,
+        loc: Loc,
+        pairs: Callable[[], list[tuple[bytes, bytes]]],
+        is_dir: bool = False,
+    ) -> None:
         o = self.obj(ino)
         if o.created or o.xattrs or self._skip(ino, o, loc, is_dir):
             return
@@ -306,8 +321,9 @@ class Recorder:
         w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
         o.xattrs = True
 
-    def data(self, w: Writer, ino: int, loc: Loc, fd: int, st: os.stat_result,
-             start: int, end: int) -> None:
+    def data(
+        self, w: Writer, ino: int, loc: Loc, fd: int, st: os.stat_result, start: int, end: int
+    ) -> None:
         """Capture the old bytes of [start, end) (as whole chunks, within the
         size the object had when the layer was opened) before they change.
         *fd* must be readable."""
@@ -328,7 +344,7 @@ class Recorder:
                 where = loc()
             length = min(C, o.s0 - k * C)
             if holes.covers(k * C, k * C + length):
-                zero = True    # not even read: sparse files cost nothing per hole
+                zero = True  # not even read: sparse files cost nothing per hole
             else:
                 data = os.pread(fd, length, k * C)
                 if len(data) < length:
@@ -348,7 +364,7 @@ class Holes:
 
     def __init__(self, fd: int):
         self.fd = fd
-        self.data_at = -1      # the next data at or after the last position asked
+        self.data_at = -1  # the next data at or after the last position asked
         self.asked = -1
 
     def covers(self, start: int, end: int) -> bool:

@@ -36,14 +36,15 @@ RUN_SCOPES = ("auto", "files", "container", "vm")
 
 
 class Parser(argparse.ArgumentParser):
-    json_errors = False      # --json was given: usage errors too are JSON on stdout
+    json_errors = False  # --json was given: usage errors too are JSON on stdout
 
     def error(self, message: str):  # one line and the documented code, not a usage dump
         if Parser.json_errors:
             print(json.dumps({"error": message, "code": errors.USAGE}))
         name = self.prog.partition(" ")[2]
-        self.exit(errors.USAGE, f"cowfs: {message} (see 'cowfs {name + ' ' if name else ''}"
-                                f"--help')\n")
+        self.exit(
+            errors.USAGE, f"cowfs: {message} (see 'cowfs {name + ' ' if name else ''}--help')\n"
+        )
 
 
 SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -69,7 +70,8 @@ def parse_size(text: str) -> int:
     n = parse_bytes(text)
     if n < 4096 or n > (1 << 20) or n & (n - 1):
         raise argparse.ArgumentTypeError(
-            f"chunk size must be a power of two from 4K to 1M: {text!r}")
+            f"chunk size must be a power of two from 4K to 1M: {text!r}"
+        )
     return n
 
 
@@ -81,14 +83,16 @@ def parse_limit(text: str) -> int:
 def whole_number(what: str, least: int = 0, hint: str = "") -> Callable[[str], int]:
     """An argparse type: a whole number in decimal digits, at least *least*;
     anything else is "not *what*"."""
+
     def parse(text: str) -> int:
         if not (text.isascii() and text.isdigit()) or int(text) < least:
             raise argparse.ArgumentTypeError(f"not {what}: {text!r}{hint}")
         return int(text)
+
     return parse
 
 
-parse_number = whole_number("a positive number", least=1)   # of lines, layers
+parse_number = whole_number("a positive number", least=1)  # of lines, layers
 parse_count = whole_number("a number of layers")
 layer_id = whole_number("a layer id", hint=" (paths go after --)")
 
@@ -96,11 +100,18 @@ layer_id = whole_number("a layer id", hint=" (paths go after --)")
 def snapshot_options(s: argparse.ArgumentParser) -> None:
     """--provider / --container / --vm: state outside the files to snapshot
     with the new layer (each repeatable)."""
-    for flag, meta, what in (("--provider", "NAME", "registered provider"),
-                             ("--container", "NAME", "docker container"),
-                             ("--vm", "DOMAIN", "libvirt domain")):
-        s.add_argument(flag, action="append", default=[], metavar=meta,
-                       help=f"also snapshot this {what} (repeatable)")
+    for flag, meta, what in (
+        ("--provider", "NAME", "registered provider"),
+        ("--container", "NAME", "docker container"),
+        ("--vm", "DOMAIN", "libvirt domain"),
+    ):
+        s.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar=meta,
+            help=f"also snapshot this {what} (repeatable)",
+        )
 
 
 class _Unused:
@@ -113,13 +124,13 @@ class _Unused:
 
 EXAMPLES = {
     "mount": "  cowfs mount ~/project\n"
-             "  cowfs mount --max-store 2G --ignore 'node_modules/.cache/' .",
+    "  cowfs mount --max-store 2G --ignore 'node_modules/.cache/' .",
     "unmount": "  cowfs unmount ~/project\n"
-               "  cowfs unmount --lazy ~/project   # a shell is still in it",
+    "  cowfs unmount --lazy ~/project   # a shell is still in it",
     "checkpoint": "  cowfs checkpoint -m 'before the upgrade'\n"
-                  "  cowfs checkpoint -m 'with the database' --provider db",
+    "  cowfs checkpoint -m 'with the database' --provider db",
     "rollback": "  cowfs rollback                 # the open layer\n"
-                "  cowfs rollback --to 3 --dry-run   # what undoing layers 3 and up would change",
+    "  cowfs rollback --to 3 --dry-run   # what undoing layers 3 and up would change",
     "redo": "  cowfs rollback && cowfs redo   # changed your mind",
     "diff": "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/",
     "audit": "  cowfs audit --since 4\n  cowfs audit --jsonl | jq 'select(.event==\"change\")'",
@@ -128,279 +139,503 @@ EXAMPLES = {
     "show": "  cowfs show 2:setup.py\n  cowfs show 1:  # the root's names then",
     "commit": "  cowfs commit   # keep the open layer's changes (merge into the one below)",
     "run": "  cowfs run --verify 'make test' -- make upgrade\n"
-           "  cowfs run --workspace /etc --approve -- apt-get upgrade",
+    "  cowfs run --workspace /etc --approve -- apt-get upgrade",
     "policy": "  cowfs policy -- pip install requests\n  cowfs policy   # the files in use",
     "provider": "  cowfs provider add db --capture 'pg_dump app > \"$COWFS_STATE_DIR/d\"' "
-                "--restore 'psql app < \"$COWFS_STATE_DIR/d\"'\n  cowfs provider list",
+    "--restore 'psql app < \"$COWFS_STATE_DIR/d\"'\n  cowfs provider list",
     "status": "  cowfs status\n  cowfs --json status | jq '.changes | length'",
     "gc": "  cowfs gc",
     "check": "  cowfs check\n  cowfs check --repair",
     "doctor": "  cowfs doctor\n  cowfs doctor ~/project",
     "log": "  cowfs log\n  cowfs log -n 5",
-    "mcp": "  cowfs mcp -C ~/project --mount\n"
-           "  claude mcp add cowfs -- cowfs mcp -C ~/project",
+    "mcp": "  cowfs mcp -C ~/project --mount\n  claude mcp add cowfs -- cowfs mcp -C ~/project",
     "hooks": "  cowfs hooks install claude-code\n  cowfs hooks install codex --per-tool\n"
-             "  cowfs hooks uninstall gemini",
-    "hook": "  echo '{\"prompt\": \"fix the build\"}' | cowfs hook claude-code UserPromptSubmit",
+    "  cowfs hooks uninstall gemini",
+    "hook": '  echo \'{"prompt": "fix the build"}\' | cowfs hook claude-code UserPromptSubmit',
     "rewind": "  cowfs rewind --dry-run 3\n"
-              "  cowfs rewind          # the last turn, after a question",
+    "  cowfs rewind          # the last turn, after a question",
 }
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; with *only*, just that command's."""
     p = Parser(prog="cowfs", description="Make any directory undoable.")
-    p.add_argument("-C", dest="path", default=".", metavar="PATH",
-                   help="a path inside the workspace (default: the current directory)")
+    p.add_argument(
+        "-C",
+        dest="path",
+        default=".",
+        metavar="PATH",
+        help="a path inside the workspace (default: the current directory)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--version", action="version", version=f"cowfs {__version__}",
-                   help="print the version and exit")
-    p.add_argument("--store", dest="offline_store", metavar="DIR",
-                   help="status, log, rollback, commit on a workspace that is not mounted: "
-                        "its store (default: the nearest WORKSPACE/.cowfs above PATH)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                           parser_class=Parser)
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"cowfs {__version__}",
+        help="print the version and exit",
+    )
+    p.add_argument(
+        "--store",
+        dest="offline_store",
+        metavar="DIR",
+        help="status, log, rollback, commit on a workspace that is not mounted: "
+        "its store (default: the nearest WORKSPACE/.cowfs above PATH)",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
         if only is not None and name != only:
-            return _Unused()      # type: ignore[return-value]
+            return _Unused()  # type: ignore[return-value]
         examples = EXAMPLES.get(name, "")
-        s = sub.add_parser(name, help=help, description=help,
-                           epilog=f"examples:\n{examples}" if examples else None,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        s.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                       help="machine-readable output")
+        s = sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=f"examples:\n{examples}" if examples else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        s.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+        )
         return s
 
     s = cmd("mount", "mount WORKSPACE (over itself, or at MOUNTPOINT) and capture every change")
     s.add_argument("--store", metavar="DIR", help="layer store (default: WORKSPACE/.cowfs)")
     s.add_argument("--foreground", action="store_true", help="do not daemonise")
-    s.add_argument("--chunk-size", type=parse_size, metavar="SIZE",
-                   help="capture granularity for a new store (default 64K; a power of "
-                        "two from 4K to 1M)")
-    s.add_argument("--max-store", type=parse_limit, metavar="SIZE",
-                   help="most store space undo data may take (e.g. 500M, 2G; 0: no limit); "
-                        "a change whose capture would exceed it fails with ENOSPC; kept "
-                        "in the store for later mounts")
-    s.add_argument("--max-layers", type=parse_count, metavar="N",
-                   help="most layers above the base (0: no limit); past it the oldest are "
-                        "merged into the base, so undo back to the base is kept")
-    s.add_argument("--ignore", action="append", metavar="PATTERN",
-                   help="do not capture changes under paths matching PATTERN (gitignore "
-                        "syntax, like .cowfsignore; repeatable; kept for later mounts; "
-                        "--ignore '' clears)")
-    s.add_argument("--engine", choices=("auto", "kernel", "pyfuse3"),
-                   help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
-                        "with the kernel's newer features), pyfuse3 (libfuse, "
-                        "portable), or auto (kernel where it can run); default: "
-                        "$COWFS_ENGINE, else auto")
-    s.add_argument("--audit", choices=("hashes", "changes", "events"),
-                   help="what the audit log records of each kept change: its path, kind, "
-                        "writer and both sides' xxh3 (hashes, the default; costs a read of "
-                        "each changed file at commit), the same without hashes (changes), "
-                        "or only the stack events (events); kept for later mounts")
-    s.add_argument("--accept-drift", action="store_true",
-                   help="mount even though paths the layers changed were changed while "
-                        "not mounted (recorded in the log)")
+    s.add_argument(
+        "--chunk-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="capture granularity for a new store (default 64K; a power of two from 4K to 1M)",
+    )
+    s.add_argument(
+        "--max-store",
+        type=parse_limit,
+        metavar="SIZE",
+        help="most store space undo data may take (e.g. 500M, 2G; 0: no limit); "
+        "a change whose capture would exceed it fails with ENOSPC; kept "
+        "in the store for later mounts",
+    )
+    s.add_argument(
+        "--max-layers",
+        type=parse_count,
+        metavar="N",
+        help="most layers above the base (0: no limit); past it the oldest are "
+        "merged into the base, so undo back to the base is kept",
+    )
+    s.add_argument(
+        "--ignore",
+        action="append",
+        metavar="PATTERN",
+        help="do not capture changes under paths matching PATTERN (gitignore "
+        "syntax, like .cowfsignore; repeatable; kept for later mounts; "
+        "--ignore '' clears)",
+    )
+    s.add_argument(
+        "--engine",
+        choices=("auto", "kernel", "pyfuse3"),
+        help="how FUSE requests are served: kernel (the protocol on /dev/fuse, "
+        "with the kernel's newer features), pyfuse3 (libfuse, "
+        "portable), or auto (kernel where it can run); default: "
+        "$COWFS_ENGINE, else auto",
+    )
+    s.add_argument(
+        "--audit",
+        choices=("hashes", "changes", "events"),
+        help="what the audit log records of each kept change: its path, kind, "
+        "writer and both sides' xxh3 (hashes, the default; costs a read of "
+        "each changed file at commit), the same without hashes (changes), "
+        "or only the stack events (events); kept for later mounts",
+    )
+    s.add_argument(
+        "--accept-drift",
+        action="store_true",
+        help="mount even though paths the layers changed were changed while "
+        "not mounted (recorded in the log)",
+    )
     s.add_argument("workspace", help="the directory to make undoable")
-    s.add_argument("mountpoint", nargs="?",
-                   help="where to mount it (default: over the workspace itself)")
+    s.add_argument(
+        "mountpoint", nargs="?", help="where to mount it (default: over the workspace itself)"
+    )
 
     s = cmd("unmount", "flush and unmount a workspace")
     s.add_argument("--lazy", action="store_true", help="detach even while busy")
-    s.add_argument("target", nargs="?", metavar="PATH",
-                   help="the workspace or a view (default: -C PATH, the current directory)")
+    s.add_argument(
+        "target",
+        nargs="?",
+        metavar="PATH",
+        help="the workspace or a view (default: -C PATH, the current directory)",
+    )
 
     s = cmd("checkpoint", "open a new layer; print its id")
     s.add_argument("-m", "--message", default="", help="what the layer is for (shown by log)")
     snapshot_options(s)
 
     s = cmd("rollback", "undo the top layer (or every layer down to and including ID)")
-    s.add_argument("--to", type=int, metavar="ID",
-                   help="roll back every layer down to and including ID (see log)")
-    s.add_argument("--dry-run", action="store_true",
-                   help="list what the rollback would change (path and kind); change nothing")
-    s.add_argument("--no-redo", action="store_true",
-                   help="keep nothing for `cowfs redo` (faster; frees the undo data at once)")
-    s.add_argument("--yes", action="store_true",
-                   help="roll back the base layer (everything since the mount) without "
-                        "asking; without a terminal it is refused otherwise (exit 14)")
+    s.add_argument(
+        "--to",
+        type=int,
+        metavar="ID",
+        help="roll back every layer down to and including ID (see log)",
+    )
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what the rollback would change (path and kind); change nothing",
+    )
+    s.add_argument(
+        "--no-redo",
+        action="store_true",
+        help="keep nothing for `cowfs redo` (faster; frees the undo data at once)",
+    )
+    s.add_argument(
+        "--yes",
+        action="store_true",
+        help="roll back the base layer (everything since the mount) without "
+        "asking; without a terminal it is refused otherwise (exit 14)",
+    )
 
-    cmd("redo", "undo the last rollback: bring its layers and files back exactly, as long "
-                "as nothing changed since (otherwise say why not and change nothing)")
+    cmd(
+        "redo",
+        "undo the last rollback: bring its layers and files back exactly, as long "
+        "as nothing changed since (otherwise say why not and change nothing)",
+    )
 
-    s = cmd("diff", "changes since layer ID was opened (default: the open layer), with "
-                    "their content: unified diff for text, sizes and xxh3 for binary")
+    s = cmd(
+        "diff",
+        "changes since layer ID was opened (default: the open layer), with "
+        "their content: unified diff for text, sizes and xxh3 for binary",
+    )
     fmt = s.add_mutually_exclusive_group()
     fmt.add_argument("--stat", action="store_true", help="lines added and removed per file")
     fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
-    s.add_argument("--who", action="store_true",
-                   help="with --name-status: the process that first made each change")
-    s.add_argument("-u", "--all", action="store_true",
-                   help="with --name-status: list every path, also inside directories "
-                        "added or deleted as a whole")
-    s.add_argument("layer", nargs="?", type=layer_id, metavar="ID",
-                   help="the layer whose start to compare with (default: the open layer)")
-    s.add_argument("paths", nargs="*", metavar="-- PATH",
-                   help="only these paths (relative to the current directory inside the "
-                        "workspace, like git's)")
+    s.add_argument(
+        "--who",
+        action="store_true",
+        help="with --name-status: the process that first made each change",
+    )
+    s.add_argument(
+        "-u",
+        "--all",
+        action="store_true",
+        help="with --name-status: list every path, also inside directories "
+        "added or deleted as a whole",
+    )
+    s.add_argument(
+        "layer",
+        nargs="?",
+        type=layer_id,
+        metavar="ID",
+        help="the layer whose start to compare with (default: the open layer)",
+    )
+    s.add_argument(
+        "paths",
+        nargs="*",
+        metavar="-- PATH",
+        help="only these paths (relative to the current directory inside the "
+        "workspace, like git's)",
+    )
 
-    s = cmd("audit", "the audit log: mounts, checkpoints, commits, rollbacks, restores and "
-                     "every change kept or undone (kept through commits)")
+    s = cmd(
+        "audit",
+        "the audit log: mounts, checkpoints, commits, rollbacks, restores and "
+        "every change kept or undone (kept through commits)",
+    )
     s.add_argument("--since", type=int, metavar="ID", help="from layer ID's checkpoint on")
     s.add_argument("--jsonl", action="store_true", help="one JSON event per line")
-    s.add_argument("--prune", type=float, metavar="DAYS",
-                   help="remove events older than DAYS instead (audit retention is "
-                        "separate from undo data)")
+    s.add_argument(
+        "--prune",
+        type=float,
+        metavar="DAYS",
+        help="remove events older than DAYS instead (audit retention is separate from undo data)",
+    )
 
-    s = cmd("view", "mount the tree as it was when layer ID was opened, read-only, at DIR "
-                    "('cowfs unmount DIR' ends it)")
+    s = cmd(
+        "view",
+        "mount the tree as it was when layer ID was opened, read-only, at DIR "
+        "('cowfs unmount DIR' ends it)",
+    )
     s.add_argument("layer", type=int, metavar="ID", help="the layer whose start to show")
     s.add_argument("dir", metavar="DIR", help="an empty directory to mount the view at")
 
-    s = cmd("restore", "put PATHs (files or subtrees) back as they were when layer ID was "
-                       "opened, as a new change of the open layer")
-    s.add_argument("--from", dest="layer", type=int, metavar="ID",
-                   help="the layer (default: the open layer)")
-    s.add_argument("paths", nargs="+", metavar="PATH",
-                   help="relative to the current directory inside the workspace, like git's "
-                        "(else to its root)")
+    s = cmd(
+        "restore",
+        "put PATHs (files or subtrees) back as they were when layer ID was "
+        "opened, as a new change of the open layer",
+    )
+    s.add_argument(
+        "--from", dest="layer", type=int, metavar="ID", help="the layer (default: the open layer)"
+    )
+    s.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="relative to the current directory inside the workspace, like git's "
+        "(else to its root)",
+    )
 
-    s = cmd("show", "print PATH as it was when layer ID was opened (a file's bytes, a "
-                    "directory's names, a symlink's target), changing nothing")
-    s.add_argument("spec", metavar="ID:PATH",
-                   help="the layer and the path (relative to the current directory inside "
-                        "the workspace; ID: alone is the root)")
+    s = cmd(
+        "show",
+        "print PATH as it was when layer ID was opened (a file's bytes, a "
+        "directory's names, a symlink's target), changing nothing",
+    )
+    s.add_argument(
+        "spec",
+        metavar="ID:PATH",
+        help="the layer and the path (relative to the current directory inside "
+        "the workspace; ID: alone is the root)",
+    )
 
     cmd("commit", "merge the top layer into the one below (the base: make permanent)")
 
     s = cmd("run", "run a command as a step: keep what it changed, or roll it back")
     s.add_argument("-m", "--message", help="layer message (default: 'run: CMD')")
     s.add_argument("--verify", metavar="CMD", help="a shell command that must succeed too")
-    s.add_argument("--on-fail", choices=("rollback", "keep"), default="rollback",
-                   help="when CMD or the verifier fails: undo the step (default) or keep it")
-    s.add_argument("--on-success", choices=("commit", "keep"), default="keep",
-                   help="a successful step: keep its layer as an undo point of its own "
-                        "(default) or merge it into the layer below")
-    s.add_argument("--approve", action="store_true",
-                   help="after success, ask on the terminal whether to keep the changes")
-    s.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
-                   help="with --approve (and --workspace): no answer in time means discard")
-    s.add_argument("--workspace", metavar="DIR",
-                   help="mount DIR just for this command, then ask whether to keep")
+    s.add_argument(
+        "--on-fail",
+        choices=("rollback", "keep"),
+        default="rollback",
+        help="when CMD or the verifier fails: undo the step (default) or keep it",
+    )
+    s.add_argument(
+        "--on-success",
+        choices=("commit", "keep"),
+        default="keep",
+        help="a successful step: keep its layer as an undo point of its own "
+        "(default) or merge it into the layer below",
+    )
+    s.add_argument(
+        "--approve",
+        action="store_true",
+        help="after success, ask on the terminal whether to keep the changes",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=300,
+        metavar="SECONDS",
+        help="with --approve (and --workspace): no answer in time means discard",
+    )
+    s.add_argument(
+        "--workspace",
+        metavar="DIR",
+        help="mount DIR just for this command, then ask whether to keep",
+    )
     yn = s.add_mutually_exclusive_group()
     yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")
     yn.add_argument("--no", action="store_true", help="with --workspace: discard the changes")
     snapshot_options(s)
-    s.add_argument("--scope", choices=RUN_SCOPES,
-                   help="what to snapshot: auto asks the escalation policy (read-only "
-                        "commands: no checkpoint; system changes: the configured container "
-                        "or VM); default: the policy's run_scope, files")
-    s.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="an escalation policy file read before the others (repeatable)")
-    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]",
-                   help="the command (one argument: a shell command line)")
+    s.add_argument(
+        "--scope",
+        choices=RUN_SCOPES,
+        help="what to snapshot: auto asks the escalation policy (read-only "
+        "commands: no checkpoint; system changes: the configured container "
+        "or VM); default: the policy's run_scope, files",
+    )
+    s.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an escalation policy file read before the others (repeatable)",
+    )
+    s.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARG...]",
+        help="the command (one argument: a shell command line)",
+    )
 
-    s = cmd("policy", "show how the escalation policy classifies a command (or which "
-                      "policy files are in use)")
-    s.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="a policy file read before the others (repeatable)")
-    s.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]",
-                   help="the command to classify (none: list the policy files in use)")
+    s = cmd(
+        "policy",
+        "show how the escalation policy classifies a command (or which policy files are in use)",
+    )
+    s.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a policy file read before the others (repeatable)",
+    )
+    s.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD [ARG...]",
+        help="the command to classify (none: list the policy files in use)",
+    )
 
     s = cmd("provider", "register, list or remove the workspace's providers")
-    psub = s.add_subparsers(dest="action", required=True, metavar="ACTION",
-                            parser_class=Parser, help="add, list or remove")
+    psub = s.add_subparsers(
+        dest="action",
+        required=True,
+        metavar="ACTION",
+        parser_class=Parser,
+        help="add, list or remove",
+    )
     a = psub.add_parser("add", help="register a provider")
     a.add_argument("name", help="the provider's name (used by checkpoint --provider)")
-    a.add_argument("--type", default="command", choices=("command", "docker", "libvirt"),
-                   help="command (your own capture/restore/discard commands; the default), "
-                        "docker (a container) or libvirt (a domain)")
+    a.add_argument(
+        "--type",
+        default="command",
+        choices=("command", "docker", "libvirt"),
+        help="command (your own capture/restore/discard commands; the default), "
+        "docker (a container) or libvirt (a domain)",
+    )
     a.add_argument("--capture", default="", metavar="CMD", help="command: take a snapshot")
     a.add_argument("--restore", default="", metavar="CMD", help="command: put it back")
     a.add_argument("--discard", default="", metavar="CMD", help="command: drop it")
     a.add_argument("--container", default="", metavar="NAME", help="docker: the container")
     a.add_argument("--domain", default="", metavar="NAME", help="libvirt: the domain")
-    a.add_argument("--diagnostics", default="", metavar="CMD",
-                   help="libvirt: run before a revert; its output is kept as a post-mortem")
-    a.add_argument("--health", default="", metavar="CMD",
-                   help="libvirt: run after a revert; failing is reported")
+    a.add_argument(
+        "--diagnostics",
+        default="",
+        metavar="CMD",
+        help="libvirt: run before a revert; its output is kept as a post-mortem",
+    )
+    a.add_argument(
+        "--health",
+        default="",
+        metavar="CMD",
+        help="libvirt: run after a revert; failing is reported",
+    )
     psub.add_parser("list", help="list the registered providers")
     r = psub.add_parser("remove", help="unregister a provider")
     r.add_argument("name", help="the provider to unregister")
     s = cmd("status", "list the open layer's changes")
-    s.add_argument("--who", action="store_true",
-                   help="with the process (pid, uid, command line) that first made each")
-    s.add_argument("-u", "--all", action="store_true",
-                   help="list every path, also inside directories added or deleted as a "
-                        "whole (shown as one line each by default)")
-    s.add_argument("--limit", type=parse_number, metavar="N",
-                   help="list at most N lines (default: all)")
-    s.add_argument("--collapse", action="store_true",
-                   help="with --json: directories added or deleted as a whole as one entry "
-                        "each (default: every path)")
-    s.add_argument("paths", nargs="*", metavar="PATH",
-                   help="only changes under these paths (relative to the current directory "
-                        "inside the workspace, like git's; after -- when one could be read "
-                        "as an option)")
-    cmd("gc", "free store space nothing needs (unused chunks, grave files no record holds); "
-              "mounted or not")
-    s = cmd("check", "verify the store: chunk hashes, reference counts, records, layers, "
-                     "the grave (read-only; mounted or not)")
-    s.add_argument("--repair", action="store_true",
-                   help="repair what can be repaired without inventing data (asks first)")
+    s.add_argument(
+        "--who",
+        action="store_true",
+        help="with the process (pid, uid, command line) that first made each",
+    )
+    s.add_argument(
+        "-u",
+        "--all",
+        action="store_true",
+        help="list every path, also inside directories added or deleted as a "
+        "whole (shown as one line each by default)",
+    )
+    s.add_argument(
+        "--limit", type=parse_number, metavar="N", help="list at most N lines (default: all)"
+    )
+    s.add_argument(
+        "--collapse",
+        action="store_true",
+        help="with --json: directories added or deleted as a whole as one entry "
+        "each (default: every path)",
+    )
+    s.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="only changes under these paths (relative to the current directory "
+        "inside the workspace, like git's; after -- when one could be read "
+        "as an option)",
+    )
+    cmd(
+        "gc",
+        "free store space nothing needs (unused chunks, grave files no record holds); "
+        "mounted or not",
+    )
+    s = cmd(
+        "check",
+        "verify the store: chunk hashes, reference counts, records, layers, "
+        "the grave (read-only; mounted or not)",
+    )
+    s.add_argument(
+        "--repair",
+        action="store_true",
+        help="repair what can be repaired without inventing data (asks first)",
+    )
     s.add_argument("--yes", action="store_true", help="with --repair: do not ask")
     s = cmd("doctor", "check FUSE, the daemon, the store and the providers")
     s.add_argument("target", nargs="?", metavar="PATH", help="a workspace (mounted or not)")
-    s.add_argument("--store", metavar="DIR",
-                   help="store of an unmounted workspace (default: PATH/.cowfs)")
+    s.add_argument(
+        "--store", metavar="DIR", help="store of an unmounted workspace (default: PATH/.cowfs)"
+    )
     s = cmd("log", "list the layers, newest first, with their messages and runs")
-    s.add_argument("-n", type=parse_number, metavar="N", dest="max_count",
-                   help="only the N newest layers")
+    s.add_argument(
+        "-n", type=parse_number, metavar="N", dest="max_count", help="only the N newest layers"
+    )
 
     def workspace_option(s: argparse.ArgumentParser) -> None:
-        s.add_argument("-C", dest="path", default=argparse.SUPPRESS, metavar="PATH",
-                       help="a path inside the workspace (as the global -C)")
+        s.add_argument(
+            "-C",
+            dest="path",
+            default=argparse.SUPPRESS,
+            metavar="PATH",
+            help="a path inside the workspace (as the global -C)",
+        )
 
-    s = cmd("mcp", "serve the workspace's operations as MCP tools over stdio (for agents "
-                   "that speak the Model Context Protocol)")
+    s = cmd(
+        "mcp",
+        "serve the workspace's operations as MCP tools over stdio (for agents "
+        "that speak the Model Context Protocol)",
+    )
     workspace_option(s)
-    s.add_argument("--mount", action="store_true",
-                   help="mount the workspace first if it is not mounted (it stays mounted)")
+    s.add_argument(
+        "--mount",
+        action="store_true",
+        help="mount the workspace first if it is not mounted (it stays mounted)",
+    )
 
     agent_names: tuple[str, ...] = ()
-    if only in (None, "hooks", "hook"):      # (the agents module only for these)
+    if only in (None, "hooks", "hook"):  # (the agents module only for these)
         from .agents import AGENTS
+
         agent_names = tuple(AGENTS)
 
     s = cmd("hooks", "install or remove an agent CLI's hooks that make each turn a checkpoint")
-    hsub = s.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser,
-                            help="install or uninstall")
-    for action, text in (("install", "write the agent's project hook settings (merged with "
-                                     "what is there)"),
-                         ("uninstall", "remove cowfs's hooks from the agent's project hook "
-                                       "settings (nothing else)")):
+    hsub = s.add_subparsers(
+        dest="action",
+        required=True,
+        metavar="ACTION",
+        parser_class=Parser,
+        help="install or uninstall",
+    )
+    for action, text in (
+        ("install", "write the agent's project hook settings (merged with what is there)"),
+        ("uninstall", "remove cowfs's hooks from the agent's project hook settings (nothing else)"),
+    ):
         h = hsub.add_parser(action, help=text, description=text)
-        h.add_argument("agent", choices=agent_names, metavar="AGENT",
-                       help=f"one of {', '.join(agent_names)}")
+        h.add_argument(
+            "agent", choices=agent_names, metavar="AGENT", help=f"one of {', '.join(agent_names)}"
+        )
         workspace_option(h)
-        h.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                       help="machine-readable output")
+        h.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+        )
         if action == "install":
-            h.add_argument("--per-tool", action="store_true",
-                           help="also a checkpoint before each shell or file-writing tool call")
+            h.add_argument(
+                "--per-tool",
+                action="store_true",
+                help="also a checkpoint before each shell or file-writing tool call",
+            )
 
-    s = cmd("hook", "what agent hooks run: take the checkpoint an agent event (JSON on stdin) "
-                    "asks for; never blocks the agent (exits 0, saying what went wrong)")
+    s = cmd(
+        "hook",
+        "what agent hooks run: take the checkpoint an agent event (JSON on stdin) "
+        "asks for; never blocks the agent (exits 0, saying what went wrong)",
+    )
     workspace_option(s)
     s.add_argument("agent", metavar="AGENT", help=f"the agent CLI: one of {', '.join(agent_names)}")
-    s.add_argument("event", metavar="EVENT",
-                   help="the hook event the agent runs it for (e.g. UserPromptSubmit)")
+    s.add_argument(
+        "event",
+        metavar="EVENT",
+        help="the hook event the agent runs it for (e.g. UserPromptSubmit)",
+    )
 
-    s = cmd("rewind", "roll back the last N agent turns (recorded by cowfs hooks): lists "
-                      "them and asks first")
-    s.add_argument("turns", nargs="?", type=parse_count, default=1, metavar="N",
-                   help="how many turns (default 1)")
+    s = cmd(
+        "rewind",
+        "roll back the last N agent turns (recorded by cowfs hooks): lists them and asks first",
+    )
+    s.add_argument(
+        "turns",
+        nargs="?",
+        type=parse_count,
+        default=1,
+        metavar="N",
+        help="how many turns (default 1)",
+    )
     s.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
     s.add_argument("--dry-run", action="store_true", help="only list what would be undone")
     return p
@@ -435,8 +670,9 @@ def do_mount(args) -> int:
             else:
                 print(f"cowfs: {msg['error']}", file=sys.stderr)
 
-        return serve(ws, args.mountpoint, args.store, report, foreground=True,
-                     **mount_options(args))
+        return serve(
+            ws, args.mountpoint, args.store, report, foreground=True, **mount_options(args)
+        )
     msg = spawn(ws, args.mountpoint, args.store, **mount_options(args))
     for warning in msg["warnings"]:
         print(f"cowfs: warning: {warning}", file=sys.stderr)
@@ -445,17 +681,24 @@ def do_mount(args) -> int:
 
 
 def mount_options(args) -> dict:
-    return {"chunk_size": args.chunk_size, "max_store": args.max_store,
-            "max_layers": args.max_layers, "accept_drift": args.accept_drift,
-            "ignore": args.ignore, "audit": args.audit, "engine": engine_choice(args.engine)}
+    return {
+        "chunk_size": args.chunk_size,
+        "max_store": args.max_store,
+        "max_layers": args.max_layers,
+        "accept_drift": args.accept_drift,
+        "ignore": args.ignore,
+        "audit": args.audit,
+        "engine": engine_choice(args.engine),
+    }
 
 
 def engine_choice(given: str | None) -> str:
     """--engine, else $COWFS_ENGINE, else auto."""
     choice = given or os.environ.get("COWFS_ENGINE") or "auto"
     if choice not in ENGINE_CHOICES:
-        raise CowfsError(f"COWFS_ENGINE is {choice!r}; it takes one of "
-                         f"{', '.join(ENGINE_CHOICES)}", errors.USAGE)
+        raise CowfsError(
+            f"COWFS_ENGINE is {choice!r}; it takes one of {', '.join(ENGINE_CHOICES)}", errors.USAGE
+        )
     return choice
 
 
@@ -481,7 +724,7 @@ def do_audit(args) -> int:
                 print(format_event(e))
         after = events[-1]["n"]
         if args.since is not None:
-            args.since = None   # the rest follows in order
+            args.since = None  # the rest follows in order
 
 
 def format_event(e: dict) -> str:
@@ -497,21 +740,30 @@ def format_event(e: dict) -> str:
 
 def do_view(args) -> int:
     res = call(args, "view", layer=args.layer, mountpoint=os.path.abspath(args.dir))
-    out(args, f"layer {args.layer} as it was opened is at {res['mountpoint']} (read-only; "
-              f"'cowfs unmount {args.dir}' ends it)", res)
+    out(
+        args,
+        f"layer {args.layer} as it was opened is at {res['mountpoint']} (read-only; "
+        f"'cowfs unmount {args.dir}' ends it)",
+        res,
+    )
     return 0
 
 
 def unmount_view(path: str) -> bool:
     """`cowfs unmount DIR` of a view: unmount it (its process then ends)."""
     from .view import FSTYPE
+
     if mount_table().get(path) != FSTYPE:
         return False
-    r = subprocess.run(["umount", path] if os.geteuid() == 0 else ["fusermount3", "-u", path],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["umount", path] if os.geteuid() == 0 else ["fusermount3", "-u", path],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
-        raise CowfsError(f"cannot unmount the view at {path}: {r.stderr.strip()}",
-                         errors.ALREADY_MOUNTED)
+        raise CowfsError(
+            f"cannot unmount the view at {path}: {r.stderr.strip()}", errors.ALREADY_MOUNTED
+        )
     return True
 
 
@@ -528,9 +780,12 @@ def do_unmount(args) -> int:
         return 0
     others = [pid for pid in users if pid != os.getpid()]
     who = f"the processes still using it ({processes(others)})" if others else "this command"
-    out(args, f"detached {rec.mountpoint}: its daemon (pid {rec.pid}) goes on serving {who} "
-              "and exits, unmounting cleanly, when the last one leaves",
-        {"unmounted": rec.mountpoint, "detached": True, "pid": rec.pid, "users": others})
+    out(
+        args,
+        f"detached {rec.mountpoint}: its daemon (pid {rec.pid}) goes on serving {who} "
+        "and exits, unmounting cleanly, when the last one leaves",
+        {"unmounted": rec.mountpoint, "detached": True, "pid": rec.pid, "users": others},
+    )
     return 0
 
 
@@ -547,12 +802,15 @@ def call(args, op: str, **kw) -> dict:
         if op not in OFFLINE_OPS:
             raise
         from .session import offline
+
         if args.offline_store:
             workspace, store = os.path.realpath(args.path), args.offline_store
         else:
             workspace, store = locate(args.path).unmounted(args.path)
-        with finishing(what, "the next cowfs command on this workspace finishes it"), \
-                progress_shown(args, op, progress.LOCAL.read):
+        with (
+            finishing(what, "the next cowfs command on this workspace finishes it"),
+            progress_shown(args, op, progress.LOCAL.read),
+        ):
             result = offline(workspace, store, op, **kw)
         for warning in result["warnings"]:
             print(f"cowfs: warning: {warning}", file=sys.stderr)
@@ -563,31 +821,45 @@ def call(args, op: str, **kw) -> dict:
 
     def waiting() -> None:
         said.append(True)
-        print(f"cowfs: the {what} goes on in the daemon (it cannot stop half-way); waiting "
-              "for it to finish -- Ctrl-C again to stop waiting", file=sys.stderr)
+        print(
+            f"cowfs: the {what} goes on in the daemon (it cannot stop half-way); waiting "
+            "for it to finish -- Ctrl-C again to stop waiting",
+            file=sys.stderr,
+        )
+
     try:
         with progress_shown(args, op, lambda: progress.read(progress.path_for(rec.socket))):
             return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
     except KeyboardInterrupt:
         if not said:
             raise
-        raise CowfsError(f"stopped waiting; the {what} goes on in the daemon ('cowfs status' "
-                         "shows the workspace once it is done)", errors.INTERRUPTED) from None
+        raise CowfsError(
+            f"stopped waiting; the {what} goes on in the daemon ('cowfs status' "
+            "shows the workspace once it is done)",
+            errors.INTERRUPTED,
+        ) from None
 
 
 # operations that change the tree or the store and must not stop half-way
 LONG_OPS = {"rollback": "rollback", "redo": "redo", "commit": "commit", "gc": "gc"}
 
 # what the progress of a long operation says it is doing
-DOING = {"rollback": "rolling back", "redo": "redoing the rollback", "commit": "committing",
-         "gc": "freeing unused store space", "check": "checking the store",
-         "repair": "repairing the store", "restore": "restoring"}
-PROGRESS_DELAY = 0.5     # seconds an operation runs before its progress shows
+DOING = {
+    "rollback": "rolling back",
+    "redo": "redoing the rollback",
+    "commit": "committing",
+    "gc": "freeing unused store space",
+    "check": "checking the store",
+    "repair": "repairing the store",
+    "restore": "restoring",
+}
+PROGRESS_DELAY = 0.5  # seconds an operation runs before its progress shows
 
 
 @contextlib.contextmanager
-def progress_shown(args, op: str, board: Callable[[], tuple[int, int] | None] | None = None
-                   ) -> Iterator[None]:
+def progress_shown(
+    args, op: str, board: Callable[[], tuple[int, int] | None] | None = None
+) -> Iterator[None]:
     """While long operation *op* runs (in the daemon or here): on a
     terminal, and never with --json, a spinner on stderr with the time
     elapsed and, where *board* tells it, the steps done -- from
@@ -616,16 +888,19 @@ def progress_shown(args, op: str, board: Callable[[], tuple[int, int] | None] | 
             from rich.console import Console
             from rich.live import Live
             from rich.spinner import Spinner
+
             spinner = Spinner("dots", text(), style="status.spinner")
-            with Live(spinner, console=Console(stderr=True), transient=True,
-                      refresh_per_second=12.5):      # (draws the first frame at once)
+            with Live(
+                spinner, console=Console(stderr=True), transient=True, refresh_per_second=12.5
+            ):  # (draws the first frame at once)
                 shown.set()
                 while not stop.wait(0.1):
                     spinner.update(text=text())
         except Exception:
-            pass                # (only a display: the operation goes on)
+            pass  # (only a display: the operation goes on)
         finally:
             shown.set()
+
     shower = threading.Thread(target=show, name="progress", daemon=True)
     shower.start()
     if not delay:
@@ -651,25 +926,48 @@ def finishing(what: str | None, later: str) -> Iterator[None]:
         if said:
             raise KeyboardInterrupt
         said.append(True)
-        print(f"cowfs: finishing the {what} first (it cannot stop half-way) -- Ctrl-C again "
-              "to stop it", file=sys.stderr)
+        print(
+            f"cowfs: finishing the {what} first (it cannot stop half-way) -- Ctrl-C again "
+            "to stop it",
+            file=sys.stderr,
+        )
+
     old = signal.signal(signal.SIGINT, interrupted)
     try:
         yield
     except KeyboardInterrupt:
-        raise CowfsError(f"stopped in the middle of the {what}; {later}",
-                         errors.INTERRUPTED) from None
+        raise CowfsError(
+            f"stopped in the middle of the {what}; {later}", errors.INTERRUPTED
+        ) from None
     finally:
         signal.signal(signal.SIGINT, old)
 
 
-OFFLINE_OPS = {"status", "log", "rollback", "commit", "redo", "changes", "gc", "diff", "show",
-               "view", "audit", "audit_prune"}
+OFFLINE_OPS = {
+    "status",
+    "log",
+    "rollback",
+    "commit",
+    "redo",
+    "changes",
+    "gc",
+    "diff",
+    "show",
+    "view",
+    "audit",
+    "audit_prune",
+}
 
 
 def do_checkpoint(args) -> int:
-    res = control.call(find_mount(args.path), "checkpoint", message=args.message,
-                       providers=args.provider, containers=args.container, vms=args.vm)
+    res = control.call(
+        find_mount(args.path),
+        "checkpoint",
+        message=args.message,
+        providers=args.provider,
+        containers=args.container,
+        vms=args.vm,
+    )
     out(args, str(res["id"]), res)
     return 0
 
@@ -690,16 +988,24 @@ def do_rollback(args) -> int:
             raise CowfsError("not rolled back", errors.CONFIRM) from None
         res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=True)
     dropped = ", ".join(map(str, res["dropped"]))
-    out(args, f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
-              f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)
+    out(
+        args,
+        f"rolled back layer{'s' if len(res['dropped']) > 1 else ''} {dropped} "
+        f"({count(res['applied'], 'step')}); open layer is {res['top']}",
+        res,
+    )
     return 0
 
 
 def do_redo(args) -> int:
     res = call(args, "redo")
     restored = ", ".join(map(str, res["restored"]))
-    out(args, f"redid: layer{'s' if len(res['restored']) > 1 else ''} {restored} back "
-              f"({count(res['applied'], 'step')}); open layer is {res['top']}", res)
+    out(
+        args,
+        f"redid: layer{'s' if len(res['restored']) > 1 else ''} {restored} back "
+        f"({count(res['applied'], 'step')}); open layer is {res['top']}",
+        res,
+    )
     return 0
 
 
@@ -710,6 +1016,7 @@ def redo_line(info: dict | None) -> list[str]:
     if not info or not (info["available"] or info.get("current", True)):
         return []
     from .redo import layers_text
+
     what = f"# the rollback of {layers_text(info['layers'])}"
     if info["available"]:
         return [f"{what} can be undone: cowfs redo"]
@@ -719,8 +1026,10 @@ def redo_line(info: dict | None) -> list[str]:
 def do_commit(args) -> int:
     res = call(args, "commit")
     if res["into"] is None:
-        human = f"committed base layer {res['committed']}; its changes are permanent; " \
-                f"open layer is {res['top']}"
+        human = (
+            f"committed base layer {res['committed']}; its changes are permanent; "
+            f"open layer is {res['top']}"
+        )
     else:
         human = f"merged layer {res['committed']} into layer {res['into']}"
     out(args, human, res)
@@ -749,32 +1058,38 @@ def do_status(args) -> int:
         if args.collapse:
             res["changes"] = listing.collapse(res["changes"])
         if args.limit:
-            shown = res["changes"][:args.limit]
+            shown = res["changes"][: args.limit]
             res["omitted"] = len(res["changes"]) - len(shown)
             res["changes"] = shown
         out(args, None, res)
         return 0
     lines = [f"# {listing.headline(res['counts'])}"]
-    lines += change_lines(res["changes"], args.all, args.limit,
-                          (lambda c: f"\t{format_who(c)}") if args.who else None)
+    lines += change_lines(
+        res["changes"], args.all, args.limit, (lambda c: f"\t{format_who(c)}") if args.who else None
+    )
     u = res["usage"]
-    lines.append(f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
-                 + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
-                 + f"; store {human_size(u['bytes'])}"
-                 + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
-                 + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)")
+    lines.append(
+        f"# open layer {res['id']}, {u['layers']} layer{'s' if u['layers'] > 1 else ''}"
+        + (f" (at most {u['max_layers']} above the base)" if u["max_layers"] else "")
+        + f"; store {human_size(u['bytes'])}"
+        + (f" of at most {human_size(u['max_store'])}" if u["max_store"] else "")
+        + f" ({human_size(u['data'])} undo data, {human_size(u['grave'])} removed files)"
+    )
     refused = res.get("refused")
     if refused:
-        lines.append(f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
-                     f"the mount, the last {ago(refused['time'], time.time())}"
-                     + (f": {refused['path']}" if refused.get("path") else ""))
+        lines.append(
+            f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
+            f"the mount, the last {ago(refused['time'], time.time())}"
+            + (f": {refused['path']}" if refused.get("path") else "")
+        )
     lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
     return 0
 
 
-def change_lines(changes: list[dict], every: bool, limit: int | None = None,
-                 suffix=None, line=listing.line) -> list[str]:
+def change_lines(
+    changes: list[dict], every: bool, limit: int | None = None, suffix=None, line=listing.line
+) -> list[str]:
     """The lines of a list of changes: directories added or deleted as a
     whole as one line each (after the single changes), unless *every*;
     at most *limit* lines; *suffix* adds to each (--who)."""
@@ -828,11 +1143,14 @@ def workspace_root(args) -> str:
 
 def do_diff(args) -> int:
     layer, paths = args.layer, workspace_paths(args, args.paths)
-    if args.name_status and not args.json:   # (kinds and paths: no contents to read)
+    if args.name_status and not args.json:  # (kinds and paths: no contents to read)
         res = call(args, "changes", since=layer, **({"paths": paths} if paths else {}))
-        rows = change_lines(res["changes"], args.all,
-                            suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
-                            line=lambda c: listing.line(c).replace(" ", "\t", 1))
+        rows = change_lines(
+            res["changes"],
+            args.all,
+            suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
+            line=lambda c: listing.line(c).replace(" ", "\t", 1),
+        )
         out(args, "\n".join(rows) or None, res)
         return 0
     res = call(args, "diff", since=layer, paths=paths)
@@ -849,9 +1167,15 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
         if name_status:
             rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if who else ""))
         elif stat:
-            counts = ("content unchanged" if same_content(c) else
-                      f"+{c['added']} -{c['removed']}" if "diff" in c else
-                      f"binary {side_sizes(c)}" if c["binary"] else c["kind"])
+            counts = (
+                "content unchanged"
+                if same_content(c)
+                else f"+{c['added']} -{c['removed']}"
+                if "diff" in c
+                else f"binary {side_sizes(c)}"
+                if c["binary"]
+                else c["kind"]
+            )
             rows.append(f" {name[2:]:<50} | {counts}")
         else:
             rows.append(f"diff --cowfs {name}")
@@ -864,16 +1188,19 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             elif c["binary"] and not same:
                 rows.append(f"Binary: {side_sizes(c)}")
             elif same:
-                rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 "
-                            f"{c['new']['xxh3']})")
+                rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 {c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
     return rows
 
 
 def same_content(c: dict) -> bool:
     """A file whose bytes are back as they were (both sides hashed, equal)."""
-    return "old" in c and "new" in c and "xxh3" in c["old"] and \
-        c["old"].get("xxh3") == c["new"].get("xxh3")
+    return (
+        "old" in c
+        and "new" in c
+        and "xxh3" in c["old"]
+        and c["old"].get("xxh3") == c["new"].get("xxh3")
+    )
 
 
 def attribute_changes(c: dict, mtime: bool) -> list[str]:
@@ -899,6 +1226,7 @@ def side_sizes(c: dict) -> str:
     def one(side: str) -> str:
         d = c.get(side)
         return "(none)" if d is None else f"{d['size']} bytes xxh3 {d.get('xxh3', '-')}"
+
     return f"{one('old')} -> {one('new')}"
 
 
@@ -913,9 +1241,11 @@ def do_show(args) -> int:
             out(args, None, res | {"data": None})
             return 0
         from .api import show_pages
+
         sink = sys.stdout.buffer
-        for data in show_pages(res, lambda offset: call(args, "show", layer=int(layer),
-                                                       path=path, offset=offset)):
+        for data in show_pages(
+            res, lambda offset: call(args, "show", layer=int(layer), path=path, offset=offset)
+        ):
             sink.write(data)
         sink.flush()
     elif res["kind"] == "dir":
@@ -929,19 +1259,26 @@ def do_show(args) -> int:
 
 def do_restore(args) -> int:
     from .api import Workspace
+
     ws = Workspace.attach(args.path)
     with progress_shown(args, "restore"):
         done = ws.restore(workspace_paths(args, args.paths), args.layer)
-    out(args, f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
-              + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
-        {"restored": done})
+    out(
+        args,
+        f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
+        + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
+        {"restored": done},
+    )
     return 0
 
 
 def do_gc(args) -> int:
     res = call(args, "gc")
-    out(args, f"freed {human_size(res['freed_bytes'])}: " + (", ".join(res["done"])
-                                                           or "nothing to free"), res)
+    out(
+        args,
+        f"freed {human_size(res['freed_bytes'])}: " + (", ".join(res["done"]) or "nothing to free"),
+        res,
+    )
     return 0
 
 
@@ -952,19 +1289,25 @@ def do_log(args) -> int:
         return 0
     now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
     rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
-    below = " " * 47            # (lines under a layer start at its MESSAGE)
+    below = " " * 47  # (lines under a layer start at its MESSAGE)
     for layer in reversed(res["layers"]):
-        rows.append(f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
-                    f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
-                    f"{human_size(layer['bytes']):>10}  {layer['message']}")
+        rows.append(
+            f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
+            f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
+            f"{human_size(layer['bytes']):>10}  {layer['message']}"
+        )
         rows += [below + line for line in agent_lines(layer)]
         for d in layer.get("drift", []):
-            rows.append(f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
-                        f"while not mounted): {', '.join(d['paths'][:5])}")
+            rows.append(
+                f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
+                f"while not mounted): {', '.join(d['paths'][:5])}"
+            )
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
-            rows.append(f"{below}post-mortem of {pm.get('domain')} before reverting layer "
-                        f"{pm.get('layer')}: {first[0] if first else '(no output)'}")
+            rows.append(
+                f"{below}post-mortem of {pm.get('domain')} before reverting layer "
+                f"{pm.get('layer')}: {first[0] if first else '(no output)'}"
+            )
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
@@ -986,8 +1329,10 @@ def summary(changes: list, limit: int | None = 10, every: bool = False) -> str:
     if not changes:
         return "no changes"
     dicts = [c.to_dict() for c in changes]
-    return "\n".join([listing.headline(listing.counts(dicts))]
-                     + [f"  {line}" for line in change_lines(dicts, every, limit)])
+    return "\n".join(
+        [listing.headline(listing.counts(dicts))]
+        + [f"  {line}" for line in change_lines(dicts, every, limit)]
+    )
 
 
 def ask(question: str, choices: str, timeout: float) -> str | None:
@@ -1013,8 +1358,7 @@ def approve(result, timeout: float, keep: str) -> str:
     means (--on-success: "keep" as its own layer, or "commit")."""
     print(summary(result.changes), file=sys.stderr)
     while True:
-        answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds",
-                     timeout)
+        answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds", timeout)
         if answer is None:
             print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
             return "rollback"
@@ -1032,6 +1376,7 @@ def do_run(args) -> int:
 
     cmd = command_argv(args)
     from .policy import Policy
+
     policy = Policy.load(args.policy)
     scope = args.scope or policy.settings["run_scope"]
     ephemeral = None
@@ -1051,6 +1396,7 @@ def do_run(args) -> int:
     try:
         decide = None
         if ephemeral is not None:
+
             def decide(result):
                 nonlocal shown
                 shown = True
@@ -1062,28 +1408,50 @@ def do_run(args) -> int:
                     print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
                 return "commit" if answer == "y" else "rollback"
         elif args.approve:
+
             def decide(result):
                 nonlocal shown
                 shown = True
                 return approve(result, args.timeout, args.on_success)
-        result = ws.run(cmd, verify=args.verify, on_fail=args.on_fail,
-                        on_success=args.on_success, message=args.message, decide=decide,
-                        providers=args.provider, containers=args.container, vms=args.vm,
-                        scope=scope, policy=policy)
+
+        result = ws.run(
+            cmd,
+            verify=args.verify,
+            on_fail=args.on_fail,
+            on_success=args.on_success,
+            message=args.message,
+            decide=decide,
+            providers=args.provider,
+            containers=args.container,
+            vms=args.vm,
+            scope=scope,
+            policy=policy,
+        )
         for warning in result.warnings:
             print(f"cowfs: warning: {warning}", file=sys.stderr)
         if ephemeral is not None and result.outcome == "committed":
             ws._commit_down_to(ws.log()[0].id)  # the base too: now permanent
         if result.outcome == "no checkpoint":
-            print(f"cowfs: read-only ({'; '.join(result.reasons)}): no checkpoint taken",
-                  file=sys.stderr)
+            print(
+                f"cowfs: read-only ({'; '.join(result.reasons)}): no checkpoint taken",
+                file=sys.stderr,
+            )
         elif not shown:
             print(summary(result.changes), file=sys.stderr)
-        why = ("" if result.ok else f" ({result.error})" if result.error else
-               f" (the command exited {result.exit_status})" if result.exit_status else
-               f" (the verifier exited {result.verify_status})")
-        where = f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)" \
-            if result.outcome == "kept" and ephemeral is None else ""
+        why = (
+            ""
+            if result.ok
+            else f" ({result.error})"
+            if result.error
+            else f" (the command exited {result.exit_status})"
+            if result.exit_status
+            else f" (the verifier exited {result.verify_status})"
+        )
+        where = (
+            f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)"
+            if result.outcome == "kept" and ephemeral is None
+            else ""
+        )
         print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
         if args.json:
             print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
@@ -1105,6 +1473,7 @@ def command_argv(args) -> list[str]:
 
 def do_policy(args) -> int:
     from .policy import Policy, Where
+
     policy = Policy.load(args.policy)
     if not args.argv:
         out(args, "\n".join(policy.sources), {"sources": policy.sources})
@@ -1119,14 +1488,17 @@ def do_policy(args) -> int:
     verdict = policy.classify(cmd[0] if len(cmd) == 1 else cmd, Where(cwd, [root]))
     lines = [verdict.scope] + [f"  {r}" for r in verdict.reasons]
     if verdict.containers:
-        lines.append(f"  runs in container{'s' if len(verdict.containers) > 1 else ''} "
-                     + ", ".join(verdict.containers))
+        lines.append(
+            f"  runs in container{'s' if len(verdict.containers) > 1 else ''} "
+            + ", ".join(verdict.containers)
+        )
     out(args, "\n".join(lines), verdict.__dict__)
     return 0
 
 
 def ephemeral_store_is_empty(ws_path: str) -> bool:
     from .session import inspect_offline
+
     session = inspect_offline(ws_path, None)
     try:
         return not session.holds_changes()
@@ -1137,21 +1509,41 @@ def ephemeral_store_is_empty(ws_path: str) -> bool:
 def do_provider(args) -> int:
     rec = find_mount(args.path)
     if args.action == "add":
-        res = control.call(rec, "provider_add", name=args.name, type=args.type,
-                           capture=args.capture, restore=args.restore, discard=args.discard,
-                           container=args.container, domain=args.domain,
-                           diagnostics=args.diagnostics, health=args.health)
+        res = control.call(
+            rec,
+            "provider_add",
+            name=args.name,
+            type=args.type,
+            capture=args.capture,
+            restore=args.restore,
+            discard=args.discard,
+            container=args.container,
+            domain=args.domain,
+            diagnostics=args.diagnostics,
+            health=args.health,
+        )
         out(args, f"registered provider {args.name}", res)
     elif args.action == "remove":
         res = control.call(rec, "provider_remove", name=args.name)
         out(args, f"removed provider {args.name}", res)
     else:
         res = control.call(rec, "provider_list")["providers"]
-        out(args, "\n".join(f"{p['name']}  {p['type']}  "
-                             + (f"container: {p['container']}" if p["type"] == "docker"
-                                else f"domain: {p['domain']}" if p["type"] == "libvirt"
-                                else f"capture: {p.get('capture', '')}")
-                             for p in res) or None, res)
+        out(
+            args,
+            "\n".join(
+                f"{p['name']}  {p['type']}  "
+                + (
+                    f"container: {p['container']}"
+                    if p["type"] == "docker"
+                    else f"domain: {p['domain']}"
+                    if p["type"] == "libvirt"
+                    else f"capture: {p.get('capture', '')}"
+                )
+                for p in res
+            )
+            or None,
+            res,
+        )
     return 0
 
 
@@ -1161,8 +1553,11 @@ def do_check(args) -> int:
         rec = find_mount(args.path)
     except NotMounted:
         rec = None
-        workspace, found = (os.path.realpath(args.path), args.offline_store) \
-            if args.offline_store else locate(args.path).unmounted(args.path)
+        workspace, found = (
+            (os.path.realpath(args.path), args.offline_store)
+            if args.offline_store
+            else locate(args.path).unmounted(args.path)
+        )
         store_dir: str = found or default_store(workspace)
 
     def offline_check(repair: bool) -> dict:
@@ -1171,43 +1566,66 @@ def do_check(args) -> int:
         import trio
 
         from .session import inspect_offline
+
         session = inspect_offline(workspace, store_dir, readonly=not repair)
         try:
-            return trio.run(session.repair) if repair else \
-                trio.run(functools.partial(session.check, full=True))
+            return (
+                trio.run(session.repair)
+                if repair
+                else trio.run(functools.partial(session.check, full=True))
+            )
         finally:
             session.close()
 
     with progress_shown(args, "check"):
         res = control.call(rec, "check", full=True) if rec else offline_check(False)
-    lines = [f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
-             f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}"
-             + (f" ({count(res['graves_hashed'], 'file')} by hash, "
-                f"{count(res['grave_bytes_checked'], 'byte')})"
-                if res.get("graves_hashed") else "") + ": "
-             + ("consistent" if res["ok"] else count(len(res["problems"]), "problem"))]
+    lines = [
+        f"checked {count(res['chunks'], 'chunk')} ({count(res['bytes_checked'], 'byte')}), "
+        f"{count(res['records'], 'record')}, {count(res['graves'], 'removed object')}"
+        + (
+            f" ({count(res['graves_hashed'], 'file')} by hash, "
+            f"{count(res['grave_bytes_checked'], 'byte')})"
+            if res.get("graves_hashed")
+            else ""
+        )
+        + ": "
+        + ("consistent" if res["ok"] else count(len(res["problems"]), "problem"))
+    ]
     lines += [f"  {p['text']}" for p in res["problems"]]
     if args.repair and not res["ok"]:
         fixable = [p for p in res["problems"] if p["repairable"]]
         if not fixable:
-            lines.append("nothing here can be repaired without inventing data; a rollback "
-                         "skips the objects named and reports them")
+            lines.append(
+                "nothing here can be repaired without inventing data; a rollback "
+                "skips the objects named and reports them"
+            )
         else:
             if not args.json:
                 print("\n".join(lines))
                 lines = []
             if not args.yes:
-                answer = ask(f"cowfs: repair {len(fixable)} problem"
-                             f"{'s' if len(fixable) > 1 else ''}? [y/N] ", "yn", 300)
+                answer = ask(
+                    f"cowfs: repair {len(fixable)} problem"
+                    f"{'s' if len(fixable) > 1 else ''}? [y/N] ",
+                    "yn",
+                    300,
+                )
                 if answer != "y":
-                    raise CowfsError("not repaired" + (" (no terminal: use --yes)"
-                                                      if answer is None else ""),
-                                     errors.STORE_ERROR)
+                    raise CowfsError(
+                        "not repaired" + (" (no terminal: use --yes)" if answer is None else ""),
+                        errors.STORE_ERROR,
+                    )
             with progress_shown(args, "repair"):
                 res = control.call(rec, "repair") if rec else offline_check(True)
             lines += [f"repaired: {d}" for d in res["repaired"]]
-            lines.append("now " + ("consistent" if res["ok"] else
-                                   f"{count(len(res['problems']), 'problem')} remain:"))
+            lines.append(
+                "now "
+                + (
+                    "consistent"
+                    if res["ok"]
+                    else f"{count(len(res['problems']), 'problem')} remain:"
+                )
+            )
             lines += [f"  {p['text']}" for p in res["problems"]]
     out(args, "\n".join(lines), res)
     return 0 if res["ok"] else errors.STORE_ERROR
@@ -1215,6 +1633,7 @@ def do_check(args) -> int:
 
 def do_mcp(args) -> int:
     from .mcpserver import serve
+
     return serve(args.path, mount=args.mount)
 
 
@@ -1223,11 +1642,13 @@ def agent_lines(layer: dict) -> list[str]:
     if not layer.get("agent") and not layer.get("turns"):
         return []
     from .agents import describe
+
     return describe(layer)
 
 
 def do_hooks(args) -> int:
     from . import agents
+
     a = agents.AGENTS[args.agent]
     try:
         workspace = find_mount(args.path).mountpoint
@@ -1235,26 +1656,42 @@ def do_hooks(args) -> int:
         workspace = os.path.realpath(args.path)
         if not os.path.isdir(workspace):
             raise BadWorkspace(
-                f"workspace {args.path} does not exist or is not a directory") from None
+                f"workspace {args.path} does not exist or is not a directory"
+            ) from None
         try:
             located, _ = locate(args.path).unmounted(args.path)
         except NotMounted:
             located = None
         if located is not None:
-            raise NotMounted(f"{located} is a cowfs workspace that is not mounted: mount it "
-                             "first (a change made while it is not mounted counts as drift)"
-                             ) from None
-        print(f"cowfs: warning: {workspace} is not mounted: until it is, the hooks say so "
-              "and take no checkpoints", file=sys.stderr)
+            raise NotMounted(
+                f"{located} is a cowfs workspace that is not mounted: mount it "
+                "first (a change made while it is not mounted counts as drift)"
+            ) from None
+        print(
+            f"cowfs: warning: {workspace} is not mounted: until it is, the hooks say so "
+            "and take no checkpoints",
+            file=sys.stderr,
+        )
     if args.action == "install":
         res = agents.install(a, workspace, per_tool=args.per_tool)
-        out(args, f"{'installed' if res['changed'] else 'already installed'}: "
-                  f"{', '.join(res['events'])} hooks of {a.name} in {res['settings']}", res)
+        out(
+            args,
+            f"{'installed' if res['changed'] else 'already installed'}: "
+            f"{', '.join(res['events'])} hooks of {a.name} in {res['settings']}",
+            res,
+        )
     else:
         res = agents.uninstall(a, workspace)
-        out(args, (f"removed {a.name}'s cowfs hooks from {res['settings']}"
-                   + (" (and the file, which only they filled)" if res["removed"] else ""))
-            if res["changed"] else f"no cowfs hooks of {a.name} in {res['settings']}", res)
+        out(
+            args,
+            (
+                f"removed {a.name}'s cowfs hooks from {res['settings']}"
+                + (" (and the file, which only they filled)" if res["removed"] else "")
+            )
+            if res["changed"]
+            else f"no cowfs hooks of {a.name} in {res['settings']}",
+            res,
+        )
     return 0
 
 
@@ -1263,11 +1700,11 @@ def do_hook(args) -> int:
     is one line on stderr and, for the agent to show, a systemMessage."""
     try:
         from . import agents
-        said, layer = agents.handle(args.agent, args.event,
-                                    None if args.path == "." else args.path)
+
+        said, layer = agents.handle(args.agent, args.event, None if args.path == "." else args.path)
         if layer is None:
             print(f"cowfs: {said}", file=sys.stderr)
-    except BaseException as e:   # (even Ctrl-C: the agent goes on)
+    except BaseException as e:  # (even Ctrl-C: the agent goes on)
         line = f"cowfs: no checkpoint taken: {e or type(e).__name__}"
         print(line, file=sys.stderr)
         print(json.dumps({"systemMessage": line}))
@@ -1276,6 +1713,7 @@ def do_hook(args) -> int:
 
 def do_rewind(args) -> int:
     from . import agents
+
     layers = call(args, "log")["layers"]
     target, undone = agents.turns_to_rewind(layers, args.turns)
     changes = call(args, "changes", since=target)["changes"]
@@ -1298,31 +1736,54 @@ def do_rewind(args) -> int:
             print("\n".join(lines))
         answer = ask(f"cowfs: roll back {what}? [y/N] ", "yn", 300)
         if answer is None:
-            raise CowfsError("no terminal to confirm on: pass --yes to rewind without asking "
-                             "(--dry-run lists what it would undo)", errors.USAGE)
+            raise CowfsError(
+                "no terminal to confirm on: pass --yes to rewind without asking "
+                "(--dry-run lists what it would undo)",
+                errors.USAGE,
+            )
         if answer != "y":
             raise errors.NothingToDo("not rewound")
     res = call(args, "rollback", to=target, keep_redo=True)
-    out(args, f"rewound {what}: rolled back layer{'s' if len(res['dropped']) > 1 else ''} "
-              f"{', '.join(map(str, res['dropped']))} ({count(res['applied'], 'step')}); open "
-              f"layer is {res['top']} ('cowfs redo' brings them back while nothing changed)",
-        plan | {"rolled_back": res})
+    out(
+        args,
+        f"rewound {what}: rolled back layer{'s' if len(res['dropped']) > 1 else ''} "
+        f"{', '.join(map(str, res['dropped']))} ({count(res['applied'], 'step')}); open "
+        f"layer is {res['top']} ('cowfs redo' brings them back while nothing changed)",
+        plan | {"rolled_back": res},
+    )
     return 0
 
 
 def do_doctor(args) -> int:
     from .doctor import report
+
     return report(args.target, args.json, store=args.store)
 
 
 COMMANDS = {
-    "mount": do_mount, "unmount": do_unmount, "checkpoint": do_checkpoint,
-    "rollback": do_rollback, "redo": do_redo, "commit": do_commit, "status": do_status,
+    "mount": do_mount,
+    "unmount": do_unmount,
+    "checkpoint": do_checkpoint,
+    "rollback": do_rollback,
+    "redo": do_redo,
+    "commit": do_commit,
+    "status": do_status,
     "log": do_log,
-    "run": do_run, "doctor": do_doctor, "provider": do_provider, "policy": do_policy,
-    "check": do_check, "gc": do_gc, "diff": do_diff, "show": do_show,
-    "restore": do_restore, "view": do_view, "audit": do_audit,
-    "mcp": do_mcp, "hooks": do_hooks, "hook": do_hook, "rewind": do_rewind,
+    "run": do_run,
+    "doctor": do_doctor,
+    "provider": do_provider,
+    "policy": do_policy,
+    "check": do_check,
+    "gc": do_gc,
+    "diff": do_diff,
+    "show": do_show,
+    "restore": do_restore,
+    "view": do_view,
+    "audit": do_audit,
+    "mcp": do_mcp,
+    "hooks": do_hooks,
+    "hook": do_hook,
+    "rewind": do_rewind,
 }
 
 
@@ -1343,13 +1804,13 @@ def command_of(argv: list[str]) -> str | None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    head = argv[:argv.index("--")] if "--" in argv else argv
+    head = argv[: argv.index("--")] if "--" in argv else argv
     Parser.json_errors = "--json" in head
     command = command_of(head)
     parser = build_parser(only=command if command in COMMANDS else None)
     if command in PATH_COMMANDS and "--" in argv:
         args = parser.parse_args(head)
-        args.paths = args.paths + argv[len(head) + 1:]
+        args.paths = args.paths + argv[len(head) + 1 :]
         return args
     return parser.parse_args(argv)
 
@@ -1366,7 +1827,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cowfs: interrupted", file=sys.stderr)
         return errors.INTERRUPTED
-    except BrokenPipeError:      # the reader went away (cowfs audit | head)
+    except BrokenPipeError:  # the reader went away (cowfs audit | head)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:

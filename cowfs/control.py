@@ -33,8 +33,13 @@ def wait_readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
-def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
-         on_interrupt: Callable[[], None] | None = None, **args) -> dict:
+def call(
+    rec: MountRecord,
+    op: str,
+    timeout: float | None = 600.0,
+    on_interrupt: Callable[[], None] | None = None,
+    **args,
+) -> dict:
     """Send one request to the daemon of *rec*; return its result or raise
     the CowfsError it answered with.  *on_interrupt*: a first Ctrl-C once
     the request is sent calls it and goes on waiting for the answer (the
@@ -44,8 +49,10 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
         s.connect(rec.socket)  # blocking: waits while the daemon's backlog is full
         s.settimeout(timeout)
     except OSError as e:
-        raise errors.CowfsError(f"cannot reach the cowfs daemon of {rec.mountpoint}: "
-                                f"{e.strerror or e}", errors.DAEMON_ERROR) from None
+        raise errors.CowfsError(
+            f"cannot reach the cowfs daemon of {rec.mountpoint}: {e.strerror or e}",
+            errors.DAEMON_ERROR,
+        ) from None
     with s:
         s.sendall(encode({"op": op, **args}))
         buf = bytearray()
@@ -62,8 +69,10 @@ def call(rec: MountRecord, op: str, timeout: float | None = 600.0,
                 break
             buf += chunk
     if not buf:
-        raise errors.CowfsError(f"the cowfs daemon of {rec.mountpoint} closed the "
-                                "connection without answering", errors.DAEMON_ERROR)
+        raise errors.CowfsError(
+            f"the cowfs daemon of {rec.mountpoint} closed the connection without answering",
+            errors.DAEMON_ERROR,
+        )
     resp = json.loads(buf)
     if not resp.get("ok"):
         raise errors.from_dict(resp)
@@ -82,15 +91,19 @@ def check_args(op: Callable, args: dict) -> None:
     (bool is not an int here; None only where allowed)."""
     import inspect
     import typing
+
     params = inspect.signature(op).parameters
     hints = typing.get_type_hints(op)
     for name, value in args.items():
         if name not in params:
             raise BadRequest(f"unknown argument {name!r}")
         allowed = typing.get_args(hints[name]) or (hints[name],)
-        ok = any(value is None if t is type(None) else
-                 isinstance(value, t) and not (t is int and isinstance(value, bool))
-                 for t in allowed)
+        ok = any(
+            value is None
+            if t is type(None)
+            else isinstance(value, t) and not (t is int and isinstance(value, bool))
+            for t in allowed
+        )
         if not ok:
             raise BadRequest(f"argument {name!r} has the wrong type")
     for name, p in params.items():
@@ -100,9 +113,10 @@ def check_args(op: Callable, args: dict) -> None:
 
 class Host(Protocol):
     """What the server loop serves: the operations of a daemon."""
-    owner: int          # the uid served (besides root)
+
+    owner: int  # the uid served (besides root)
     mountpoint: str
-    inflight: int       # requests being answered (an unmount's answer goes out before exit)
+    inflight: int  # requests being answered (an unmount's answer goes out before exit)
 
     def operation(self, name: str) -> Callable:
         """The operation called *name* (KeyError: no such operation)."""
@@ -123,7 +137,8 @@ async def serve(path: str, host: Host, task_status: Any = None) -> None:
     import logging
 
     import trio
-    log = logging.getLogger("cowfs.control")    # (here: the client starts without logging)
+
+    log = logging.getLogger("cowfs.control")  # (here: the client starts without logging)
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -149,9 +164,11 @@ async def serve(path: str, host: Host, task_status: Any = None) -> None:
 
 async def _serve_one(stream: Any, host: Host, log: Any) -> None:
     import trio
+
     async with stream:
-        creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                         struct.calcsize("3i"))
+        creds = stream.socket.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+        )
         _, uid, _ = struct.unpack("3i", creds)
         if uid not in (0, host.owner):
             e = not_owner(f"the cowfs workspace mounted at {host.mountpoint}", host.owner)
@@ -167,19 +184,21 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
         if b"\n" not in buf:
             return
         try:
-            req = json.loads(buf[:buf.index(b"\n")])
+            req = json.loads(buf[: buf.index(b"\n")])
             name = req.pop("op")
             op = host.operation(name)
             check_args(op, req)
         except BadRequest as e:
-            await stream.send_all(encode({"ok": False, "code": errors.USAGE,
-                                          "error": f"bad request: {e}"}))
+            await stream.send_all(
+                encode({"ok": False, "code": errors.USAGE, "error": f"bad request: {e}"})
+            )
             return
         except Exception:  # not JSON, not an object, no such op, too deep, ...
-            await stream.send_all(encode({"ok": False, "code": errors.USAGE,
-                                          "error": "malformed request"}))
+            await stream.send_all(
+                encode({"ok": False, "code": errors.USAGE, "error": "malformed request"})
+            )
             return
-        host.inflight += 1    # until answered: an unmount's answer goes out before we exit
+        host.inflight += 1  # until answered: an unmount's answer goes out before we exit
         try:
             resp: dict[str, Any]
             try:

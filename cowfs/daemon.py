@@ -43,7 +43,7 @@ from .mounts import (
 from .ops import Ops
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
 
-if TYPE_CHECKING:   # (imported when the engine is made: pyfuse3 may be missing)
+if TYPE_CHECKING:  # (imported when the engine is made: pyfuse3 may be missing)
     from . import kernel_engine, pyfuse3_engine
 
     Engine = kernel_engine.Engine | pyfuse3_engine.Engine
@@ -58,8 +58,9 @@ def check_fuse() -> None:
     if not os.path.exists("/dev/fuse"):
         raise NoFuse("/dev/fuse is missing: load the fuse module (modprobe fuse)")
     if os.geteuid() != 0 and not any(
-            os.access(os.path.join(d, "fusermount3"), os.X_OK)
-            for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")):
+        os.access(os.path.join(d, "fusermount3"), os.X_OK)
+        for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")
+    ):
         raise NoFuse("fusermount3 is missing: install the fuse3 package")
 
 
@@ -130,21 +131,40 @@ class Mounted(MountHooks):
         return self.fs.refused if self.fs.refused["count"] else None
 
     def engine_info(self) -> dict | None:
-        return {"name": self.engine.name, "why": self.engine.why,
-                **getattr(self.engine, "features", lambda: {})()}
+        return {
+            "name": self.engine.name,
+            "why": self.engine.why,
+            **getattr(self.engine, "features", lambda: {})(),
+        }
 
 
 class Daemon:
     """One mounted workspace: its session, its mount, its control socket."""
 
-    def __init__(self, workspace: str, mountpoint: str | None = None,
-                 store: str | None = None, chunk_size: int | None = None,
-                 max_store: int | None = None, max_layers: int | None = None,
-                 accept_drift: bool = False, ignore: list[str] | None = None,
-                 audit: str | None = None, engine: str | None = None):
-        self.session = Session(workspace, mountpoint, store, chunk_size=chunk_size,
-                               max_store=max_store, max_layers=max_layers,
-                               accept_drift=accept_drift, ignore=ignore, audit=audit)
+    def __init__(
+        self,
+        workspace: str,
+        mountpoint: str | None = None,
+        store: str | None = None,
+        chunk_size: int | None = None,
+        max_store: int | None = None,
+        max_layers: int | None = None,
+        accept_drift: bool = False,
+        ignore: list[str] | None = None,
+        audit: str | None = None,
+        engine: str | None = None,
+    ):
+        self.session = Session(
+            workspace,
+            mountpoint,
+            store,
+            chunk_size=chunk_size,
+            max_store=max_store,
+            max_layers=max_layers,
+            accept_drift=accept_drift,
+            ignore=ignore,
+            audit=audit,
+        )
         self.workspace = self.session.workspace
         self.mountpoint = self.session.mountpoint
         self.store_dir = self.session.store_dir
@@ -154,7 +174,7 @@ class Daemon:
         self.lock = trio.Lock()
         self.inflight = 0
         self.unmounted_by_request = False
-        self.engine: Engine | None = None     # (made by mount)
+        self.engine: Engine | None = None  # (made by mount)
 
     # -- setting up ---------------------------------------------------------------
 
@@ -171,7 +191,8 @@ class Daemon:
                 self.warnings.append(
                     f"processes {', '.join(map(str, pids[:10]))} have their working "
                     "directory inside the workspace; they keep seeing the directory "
-                    "underneath the mount and their changes are not captured")
+                    "underneath the mount and their changes are not captured"
+                )
 
     @property
     def fuse(self) -> Engine:
@@ -186,19 +207,29 @@ class Daemon:
         self.engine = engine = make_engine(self.engine_choice, fs)
         s.attach(Mounted(fs, engine, self.mountpoint))
         fs.on_full = s.give_back_room
-        self.hasher = fs.sums = gravesum.Hasher(s.store, busy=fs.is_open, quiet=fs.quiet,
-                                                exclusive=self.exclusive)
+        self.hasher = fs.sums = gravesum.Hasher(
+            s.store, busy=fs.is_open, quiet=fs.quiet, exclusive=self.exclusive
+        )
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
-        self.record = MountRecord(self.mountpoint, self.workspace, self.store_dir,
-                                  os.getpid(), socket_path(self.mountpoint))
+        self.record = MountRecord(
+            self.mountpoint,
+            self.workspace,
+            self.store_dir,
+            os.getpid(),
+            socket_path(self.mountpoint),
+        )
         s.stack.board = progress.Board(progress.path_for(self.record.socket))
-        try:    # informational (a full disk must not keep the workspace from mounting)
+        try:  # informational (a full disk must not keep the workspace from mounting)
             s.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
             pass
-        s.store.audit("mount", layer=s.store.open_layer().id, mountpoint=self.mountpoint,
-                      warnings=self.warnings)
-        B.clear_umask()   # new objects get the caller's mode, not ours on top
+        s.store.audit(
+            "mount",
+            layer=s.store.open_layer().id,
+            mountpoint=self.mountpoint,
+            warnings=self.warnings,
+        )
+        B.clear_umask()  # new objects get the caller's mode, not ours on top
         engine.mount(self.mountpoint, fsname, os.geteuid() == 0, on_ready)
 
     def run(self) -> None:
@@ -213,7 +244,7 @@ class Daemon:
                     log.exception("unmount failed")
             else:
                 self.fuse.close(unmount=False)
-            try:        # (a mount meanwhile waits for us, see Session.open)
+            try:  # (a mount meanwhile waits for us, see Session.open)
                 self.record.finishing = True
                 self.record.save()
             except OSError:
@@ -242,7 +273,7 @@ class Daemon:
             with trio.move_on_after(5):
                 while self.inflight:
                     await trio.sleep(0.01)
-            self.hasher.stop.set()      # (a file being hashed is left for the drain)
+            self.hasher.stop.set()  # (a file being hashed is left for the drain)
             nursery.cancel_scope.cancel()
         # removed files not hashed yet are hashed before the store closes
         await self.hasher.drain()
@@ -283,7 +314,7 @@ class Daemon:
     async def run_request(self, name: str, op: Callable, args: dict) -> dict:
         async with self.lock:
             t0 = time.perf_counter()
-            with self.exclusive():      # (let go while it waits)
+            with self.exclusive():  # (let go while it waits)
                 self.session.request_starts()
                 result = await invoke(op, **args)
             result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
@@ -296,11 +327,15 @@ class Daemon:
 
     async def op_ping(self) -> dict:
         store = self.session.store
-        sv = os.fstatvfs(store.dirfd)   # (the mount's statfs is capped by --max-store)
-        return {"pid": os.getpid(), "workspace": self.workspace,
-                "mountpoint": self.mountpoint, "store": self.store_dir,
-                "engine": self.session.hooks.engine_info(),
-                "disk": {"free": sv.f_bavail * sv.f_frsize, "size": sv.f_blocks * sv.f_frsize}}
+        sv = os.fstatvfs(store.dirfd)  # (the mount's statfs is capped by --max-store)
+        return {
+            "pid": os.getpid(),
+            "workspace": self.workspace,
+            "mountpoint": self.mountpoint,
+            "store": self.store_dir,
+            "engine": self.session.hooks.engine_info(),
+            "disk": {"free": sv.f_bavail * sv.f_frsize, "size": sv.f_blocks * sv.f_frsize},
+        }
 
     async def op_unmount(self, lazy: bool = False) -> dict:
         """Unmount; the daemon then exits.  *lazy*: detach the mount even
@@ -309,8 +344,11 @@ class Daemon:
         one.  The answer names them ("users"; "pid": this daemon)."""
         await self.session.flush()
         self.session.store.sync()
-        ours = [m for m in mounts()     # (not in the table any more once detached)
-                if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
+        ours = [
+            m
+            for m in mounts()  # (not in the table any more once detached)
+            if m.mountpoint == self.mountpoint and m.fstype == FSTYPE
+        ]
         try:
             await self.fuse.blocking(unmount, self.mountpoint, lazy)
         except OSError as e:
@@ -318,9 +356,13 @@ class Daemon:
                 users = await self.fuse.blocking(mount_users, ours[-1]) if ours else []
                 raise AlreadyMounted(
                     f"{self.mountpoint} is busy: "
-                    + (f"used by {processes(users)}" if users else
-                       "a process has a file or its working directory there")
-                    + "; close them, or use --lazy") from None
+                    + (
+                        f"used by {processes(users)}"
+                        if users
+                        else "a process has a file or its working directory there"
+                    )
+                    + "; close them, or use --lazy"
+                ) from None
             raise CowfsError(f"unmount failed: {e.strerror}") from None
         self.unmounted_by_request = True
         sd_notify("STOPPING=1")
@@ -328,9 +370,12 @@ class Daemon:
         if lazy and ours:
             result["users"] = await self.fuse.blocking(mount_users, ours[-1])
             if result["users"]:
-                log.info("detached %s; serving the processes still using it until the "
-                         "last one leaves: %s", self.mountpoint,
-                         ", ".join(map(str, result["users"])))
+                log.info(
+                    "detached %s; serving the processes still using it until the "
+                    "last one leaves: %s",
+                    self.mountpoint,
+                    ", ".join(map(str, result["users"])),
+                )
         return result
 
 
@@ -341,6 +386,7 @@ def make_engine(choice: str, ops: Ops) -> Engine:
     """The FUSE engine to serve *ops* with: *choice* "kernel", "pyfuse3",
     or "auto" (the kernel engine wherever it can run)."""
     from . import kernel_engine, pyfuse3_engine
+
     why_not = kernel_engine.available()
     if choice == "kernel":
         if why_not:
@@ -348,8 +394,12 @@ def make_engine(choice: str, ops: Ops) -> Engine:
         return kernel_engine.Engine(ops, "chosen with --engine kernel")
     if choice == "auto" and not why_not:
         return kernel_engine.Engine(ops, "the default where it can run")
-    return pyfuse3_engine.Engine(ops, "chosen with --engine pyfuse3" if choice == "pyfuse3"
-                                 else f"the kernel engine cannot run here: {why_not}")
+    return pyfuse3_engine.Engine(
+        ops,
+        "chosen with --engine pyfuse3"
+        if choice == "pyfuse3"
+        else f"the kernel engine cannot run here: {why_not}",
+    )
 
 
 def sd_notify(message: str) -> None:
@@ -371,18 +421,27 @@ def setup_logging(store_dir: str, foreground: bool) -> None:
     handlers: list[logging.Handler] = [logging.FileHandler(os.path.join(store_dir, "daemon.log"))]
     if foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
-    logging.basicConfig(level=logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        handlers=handlers,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 MOUNT_OPTIONS = ("chunk_size", "max_store", "max_layers")
 
 
-GC_YOUNG = 50_000      # allocations between two passes of the cyclic collector
+GC_YOUNG = 50_000  # allocations between two passes of the cyclic collector
 
 
-def serve(workspace: str, mountpoint: str | None, store: str | None,
-          report: Callable[[dict], None], foreground: bool, **options) -> int:
+def serve(
+    workspace: str,
+    mountpoint: str | None,
+    store: str | None,
+    report: Callable[[dict], None],
+    foreground: bool,
+    **options,
+) -> int:
     """Prepare, mount and serve until unmounted.  *report* is called once,
     with {"ok": True, "warnings": [...]} when the mount is live, or with the
     error that prevented it.  *options*: MOUNT_OPTIONS."""
@@ -398,9 +457,16 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
     try:
         daemon.prepare()
         setup_logging(daemon.store_dir, foreground)
+
         def ready() -> None:
-            report({"ok": True, "warnings": daemon.warnings, "pid": os.getpid(),
-                    "mountpoint": daemon.mountpoint})
+            report(
+                {
+                    "ok": True,
+                    "warnings": daemon.warnings,
+                    "pid": os.getpid(),
+                    "mountpoint": daemon.mountpoint,
+                }
+            )
             sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=mounted {daemon.mountpoint}")
 
         daemon.mount(ready)
@@ -408,15 +474,25 @@ def serve(workspace: str, mountpoint: str | None, store: str | None,
         report({"ok": False, **e.to_dict()})
         return e.code
     except OSError as e:
-        report({"ok": False, "code": errors.DAEMON_ERROR,
-                "error": f"cannot mount {workspace}: {e.strerror or e}"})
+        report(
+            {
+                "ok": False,
+                "code": errors.DAEMON_ERROR,
+                "error": f"cannot mount {workspace}: {e.strerror or e}",
+            }
+        )
         return errors.DAEMON_ERROR
     daemon.run()
     return 0
 
 
-def spawn(workspace: str, mountpoint: str | None = None, store: str | None = None,
-          timeout: float = 120, **options) -> dict:
+def spawn(
+    workspace: str,
+    mountpoint: str | None = None,
+    store: str | None = None,
+    timeout: float = 120,
+    **options,
+) -> dict:
     """Start a daemon for *workspace* in its own session and wait until the
     mount is live; return its report (warnings, pid) or raise its error."""
     args = []
@@ -449,11 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workspace")
     p.add_argument("mountpoint", nargs="?")
     a = p.parse_args(argv)
-    return serve(a.workspace, a.mountpoint, a.store, detach(a.ready_fd), foreground=False,
-                 accept_drift=a.accept_drift, ignore=a.ignore, audit=a.audit,
-                 engine=a.engine, **{name: getattr(a, name) for name in MOUNT_OPTIONS})
+    return serve(
+        a.workspace,
+        a.mountpoint,
+        a.store,
+        detach(a.ready_fd),
+        foreground=False,
+        accept_drift=a.accept_drift,
+        ignore=a.ignore,
+        audit=a.audit,
+        engine=a.engine,
+        **{name: getattr(a, name) for name in MOUNT_OPTIONS},
+    )
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

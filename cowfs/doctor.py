@@ -59,35 +59,58 @@ def check_dev_fuse() -> Check:
     try:
         st = os.stat("/dev/fuse")
     except FileNotFoundError:
-        return Check(name, False, "/dev/fuse does not exist",
-                     "load the fuse module (modprobe fuse); in a container, pass the "
-                     "device in (docker run --device /dev/fuse --cap-add SYS_ADMIN)")
+        return Check(
+            name,
+            False,
+            "/dev/fuse does not exist",
+            "load the fuse module (modprobe fuse); in a container, pass the "
+            "device in (docker run --device /dev/fuse --cap-add SYS_ADMIN)",
+        )
     except OSError as e:
         return Check(name, False, f"cannot stat /dev/fuse: {e.strerror}", "")
     if not stat.S_ISCHR(st.st_mode):
-        return Check(name, False, "/dev/fuse is not a character device",
-                     "remove it and load the fuse module (modprobe fuse), or let udev "
-                     "recreate it (major 10, minor 229)")
+        return Check(
+            name,
+            False,
+            "/dev/fuse is not a character device",
+            "remove it and load the fuse module (modprobe fuse), or let udev "
+            "recreate it (major 10, minor 229)",
+        )
     try:
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
-        return Check(name, False, f"cannot open /dev/fuse: {e.strerror}",
-                     "it should be mode 0666 (crw-rw-rw-), or run as root; in a container, "
-                     "allow the device (--device /dev/fuse)")
+        return Check(
+            name,
+            False,
+            f"cannot open /dev/fuse: {e.strerror}",
+            "it should be mode 0666 (crw-rw-rw-), or run as root; in a container, "
+            "allow the device (--device /dev/fuse)",
+        )
     os.close(fd)
-    return Check(name, True, f"character device {os.major(st.st_rdev)},"
-                             f"{os.minor(st.st_rdev)}, opens read-write")
+    return Check(
+        name,
+        True,
+        f"character device {os.major(st.st_rdev)},{os.minor(st.st_rdev)}, opens read-write",
+    )
 
 
 def check_fusermount() -> Check:
     path = shutil.which("fusermount3")
     if path is None:
         if os.geteuid() == 0:
-            return Check("fusermount3", True,
-                         "not on PATH (root mounts and unmounts without it)",
-                         "install the fuse3 package for unprivileged users", info=True)
-        return Check("fusermount3", False, "not on PATH: unprivileged mounts need it",
-                     "install the fuse3 package (apt-get install fuse3)")
+            return Check(
+                "fusermount3",
+                True,
+                "not on PATH (root mounts and unmounts without it)",
+                "install the fuse3 package for unprivileged users",
+                info=True,
+            )
+        return Check(
+            "fusermount3",
+            False,
+            "not on PATH: unprivileged mounts need it",
+            "install the fuse3 package (apt-get install fuse3)",
+        )
     try:
         r = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
         version = (r.stdout + r.stderr).strip().splitlines()[0]
@@ -100,36 +123,51 @@ def check_kernel() -> Check:
     release = os.uname().release
     kernel = _version_tuple(release)
     loaded = os.path.isdir("/sys/fs/fuse/connections") or os.path.isdir("/sys/module/fuse")
-    proxy = ("the FUSE protocol version is only visible in a mount's INIT reply, so "
-             f"kernel >= {'.'.join(map(str, MIN_KERNEL))} stands in for it")
+    proxy = (
+        "the FUSE protocol version is only visible in a mount's INIT reply, so "
+        f"kernel >= {'.'.join(map(str, MIN_KERNEL))} stands in for it"
+    )
     if not loaded:
-        return Check("kernel FUSE", False,
-                     f"kernel {release}: the fuse module is not loaded "
-                     "(no /sys/fs/fuse/connections or /sys/module/fuse)",
-                     "modprobe fuse")
+        return Check(
+            "kernel FUSE",
+            False,
+            f"kernel {release}: the fuse module is not loaded "
+            "(no /sys/fs/fuse/connections or /sys/module/fuse)",
+            "modprobe fuse",
+        )
     if kernel < MIN_KERNEL:
-        return Check("kernel FUSE", False, f"kernel {release} is older than "
-                     f"{'.'.join(map(str, MIN_KERNEL))}; {proxy}",
-                     "upgrade the kernel")
+        return Check(
+            "kernel FUSE",
+            False,
+            f"kernel {release} is older than {'.'.join(map(str, MIN_KERNEL))}; {proxy}",
+            "upgrade the kernel",
+        )
     return Check("kernel FUSE", True, f"fuse loaded, kernel {release} ({proxy})")
 
 
 def check_privileges() -> Check:
     if os.geteuid() == 0:
-        return Check("privileges", True,
-                     "root: mounts use allow_other, so every user reaches the workspace "
-                     "(with normal permission checks)")
+        return Check(
+            "privileges",
+            True,
+            "root: mounts use allow_other, so every user reaches the workspace "
+            "(with normal permission checks)",
+        )
     allow = False
     try:
         with open("/etc/fuse.conf") as f:
             allow = any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f)
     except OSError:
         pass
-    return Check("privileges", True,
-                 f"not root (uid {os.geteuid()}): mounts are reachable by this user only"
-                 + ("; /etc/fuse.conf has user_allow_other" if allow else ""),
-                 "mount as root for other users to reach the workspace (allow_other "
-                 "needs root, or user_allow_other in /etc/fuse.conf)", info=True)
+    return Check(
+        "privileges",
+        True,
+        f"not root (uid {os.geteuid()}): mounts are reachable by this user only"
+        + ("; /etc/fuse.conf has user_allow_other" if allow else ""),
+        "mount as root for other users to reach the workspace (allow_other "
+        "needs root, or user_allow_other in /etc/fuse.conf)",
+        info=True,
+    )
 
 
 def _libfuse_version() -> str | None:
@@ -148,29 +186,44 @@ def _libfuse_version() -> str | None:
 def check_engine() -> Check:
     """Which engine a mount would use here, and why."""
     from .kernel_engine import available, can_pass_through
+
     why_not = available()
     if why_not is None:
-        features = ("passthrough, " if can_pass_through() else "") + \
-            "HANDLE_KILLPRIV_V2, negative entries"
-        return Check("engine", True, f"kernel (the FUSE protocol on /dev/fuse: {features}) "
-                     "is the default here", info=True)
-    return Check("engine", True, f"pyfuse3: the kernel engine cannot run here ({why_not})",
-                 info=True)
+        features = (
+            "passthrough, " if can_pass_through() else ""
+        ) + "HANDLE_KILLPRIV_V2, negative entries"
+        return Check(
+            "engine",
+            True,
+            f"kernel (the FUSE protocol on /dev/fuse: {features}) is the default here",
+            info=True,
+        )
+    return Check(
+        "engine", True, f"pyfuse3: the kernel engine cannot run here ({why_not})", info=True
+    )
 
 
 def check_pyfuse3() -> Check:
     try:
         import pyfuse3
     except ImportError as e:
-        return Check("pyfuse3/libfuse", False, f"pyfuse3 cannot be imported: {e}",
-                     "install libfuse3 (apt-get install fuse3) and reinstall cowfs "
-                     "into its venv (pip install -e .)")
+        return Check(
+            "pyfuse3/libfuse",
+            False,
+            f"pyfuse3 cannot be imported: {e}",
+            "install libfuse3 (apt-get install fuse3) and reinstall cowfs "
+            "into its venv (pip install -e .)",
+        )
     version = getattr(pyfuse3, "__version__", "unknown")
     libfuse = _libfuse_version()
     detail = f"pyfuse3 {version}, libfuse {libfuse or 'unknown'}"
     if version != "unknown" and _version_tuple(version) < MIN_PYFUSE3:
-        return Check("pyfuse3/libfuse", False, detail + " (cowfs needs pyfuse3 >= "
-                     f"{'.'.join(map(str, MIN_PYFUSE3))})", "pip install -U 'pyfuse3>=3.4,<4'")
+        return Check(
+            "pyfuse3/libfuse",
+            False,
+            detail + f" (cowfs needs pyfuse3 >= {'.'.join(map(str, MIN_PYFUSE3))})",
+            "pip install -U 'pyfuse3>=3.4,<4'",
+        )
     return Check("pyfuse3/libfuse", True, detail)
 
 
@@ -181,9 +234,13 @@ def check_docker() -> Check:
     try:
         import docker  # type: ignore[import-not-found]
     except ImportError:
-        return Check("provider docker", True, "not installed (the docker Python SDK)",
-                     "pip install docker, to escalate checkpoints to container snapshots",
-                     info=True)
+        return Check(
+            "provider docker",
+            True,
+            "not installed (the docker Python SDK)",
+            "pip install docker, to escalate checkpoints to container snapshots",
+            info=True,
+        )
     try:
         client = docker.from_env(timeout=5)
         try:
@@ -192,27 +249,41 @@ def check_docker() -> Check:
         finally:
             client.close()
     except Exception as e:
-        return Check("provider docker", True, f"SDK {docker.__version__}, daemon not "
-                     f"reachable: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                     "start dockerd, or set DOCKER_HOST", info=True)
-    return Check("provider docker", True,
-                 f"SDK {docker.__version__}, daemon {version} answers", info=True)
+        return Check(
+            "provider docker",
+            True,
+            f"SDK {docker.__version__}, daemon not "
+            f"reachable: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            "start dockerd, or set DOCKER_HOST",
+            info=True,
+        )
+    return Check(
+        "provider docker", True, f"SDK {docker.__version__}, daemon {version} answers", info=True
+    )
 
 
 def check_libvirt() -> Check:
     try:
         import libvirt  # type: ignore[import-not-found]
     except ImportError:
-        return Check("provider libvirt", True, "not installed (libvirt-python)",
-                     "pip install libvirt-python, to escalate checkpoints to VM snapshots",
-                     info=True)
+        return Check(
+            "provider libvirt",
+            True,
+            "not installed (libvirt-python)",
+            "pip install libvirt-python, to escalate checkpoints to VM snapshots",
+            info=True,
+        )
     libvirt.registerErrorHandler(lambda *_: None, None)  # no stray stderr lines
     try:
         conn = libvirt.open("qemu:///system")
     except Exception as e:
-        return Check("provider libvirt", True,
-                     f"qemu:///system not reachable: {str(e).splitlines()[0] if str(e) else e}",
-                     "start libvirtd (or virtqemud)", info=True)
+        return Check(
+            "provider libvirt",
+            True,
+            f"qemu:///system not reachable: {str(e).splitlines()[0] if str(e) else e}",
+            "start libvirtd (or virtqemud)",
+            info=True,
+        )
     try:
         v = conn.getLibVersion()
         detail = f"qemu:///system answers (libvirt {v // 1000000}.{v // 1000 % 1000}.{v % 1000})"
@@ -251,16 +322,21 @@ def _space(path: str, label: str, disk: dict | None = None) -> Check:
         try:
             sv = os.statvfs(path)
         except OSError as e:
-            return Check("free space", False, f"cannot stat the filesystem of {label}: "
-                         f"{e.strerror}", "")
+            return Check(
+                "free space", False, f"cannot stat the filesystem of {label}: {e.strerror}", ""
+            )
         free = sv.f_bavail * sv.f_frsize
         total = sv.f_blocks * sv.f_frsize
     frac = free / total if total else 0.0
     detail = f"{_gib(free)} free of {_gib(total)} ({frac:.0%}) on the {label}'s filesystem"
     if free < LOW_SPACE_BYTES or frac < LOW_SPACE_FRACTION:
-        return Check("free space", False, detail + " (low: below 1 GiB or 5%)",
-                     "free space there: when the store cannot take a pre-image, changes "
-                     "fail with ENOSPC; committing the base layer frees its data")
+        return Check(
+            "free space",
+            False,
+            detail + " (low: below 1 GiB or 5%)",
+            "free space there: when the store cannot take a pre-image, changes "
+            "fail with ENOSPC; committing the base layer frees its data",
+        )
     return Check("free space", True, detail)
 
 
@@ -268,49 +344,84 @@ def _summary(layers: list[dict]) -> str:
     records = sum(layer.get("records", 0) for layer in layers)
     size = sum(layer.get("bytes", 0) for layer in layers)
     top = layers[-1]["id"] if layers else None
-    return (f"{len(layers)} layer{'s' if len(layers) != 1 else ''} (top {top}), "
-            f"{records} records, {size / (1 << 20):.1f} MiB")
+    return (
+        f"{len(layers)} layer{'s' if len(layers) != 1 else ''} (top {top}), "
+        f"{records} records, {size / (1 << 20):.1f} MiB"
+    )
 
 
 def check_live(rec) -> list[Check]:
     from . import control
 
-    out = [Check("mount", True, f"{rec.mountpoint} is mounted by cowfs "
-                 f"(workspace {rec.workspace})")]
+    out = [
+        Check("mount", True, f"{rec.mountpoint} is mounted by cowfs (workspace {rec.workspace})")
+    ]
     t0 = time.perf_counter()
     try:
         pong = control.call(rec, "ping", timeout=PING_TIMEOUT)
     except Exception as e:
-        out.append(Check("daemon", False, f"the daemon (pid {rec.pid}) does not answer: {e}",
-                         f"see {os.path.join(rec.store, 'daemon.log')}; if it hangs, "
-                         f"kill {rec.pid} and run 'cowfs mount {rec.workspace}' to recover"))
+        out.append(
+            Check(
+                "daemon",
+                False,
+                f"the daemon (pid {rec.pid}) does not answer: {e}",
+                f"see {os.path.join(rec.store, 'daemon.log')}; if it hangs, "
+                f"kill {rec.pid} and run 'cowfs mount {rec.workspace}' to recover",
+            )
+        )
         return out
-    out.append(Check("daemon", True, f"pid {pong.get('pid', rec.pid)} answers "
-                     f"({(time.perf_counter() - t0) * 1000:.1f} ms round trip)"))
+    out.append(
+        Check(
+            "daemon",
+            True,
+            f"pid {pong.get('pid', rec.pid)} answers "
+            f"({(time.perf_counter() - t0) * 1000:.1f} ms round trip)",
+        )
+    )
     engine = pong.get("engine")
     if engine:
-        extra = f", FUSE {engine['protocol']}: {', '.join(engine['features'])}" \
-            if engine.get("protocol") else ""
-        out.append(Check("engine", True, f"{engine['name']} ({engine['why']}){extra}",
-                         info=True))
+        extra = (
+            f", FUSE {engine['protocol']}: {', '.join(engine['features'])}"
+            if engine.get("protocol")
+            else ""
+        )
+        out.append(Check("engine", True, f"{engine['name']} ({engine['why']}){extra}", info=True))
     try:
         layers = control.call(rec, "log", timeout=LOG_TIMEOUT)["layers"]
         problems = control.call(rec, "check", timeout=LOG_TIMEOUT)["problems"]
         if problems:
-            out.append(Check("store", False, f"{rec.store}: {'; '.join(problems[:5])}",
-                             "unmount, then run 'cowfs doctor' on the workspace again"))
+            out.append(
+                Check(
+                    "store",
+                    False,
+                    f"{rec.store}: {'; '.join(problems[:5])}",
+                    "unmount, then run 'cowfs doctor' on the workspace again",
+                )
+            )
         else:
-            out.append(Check("store", True,
-                             f"{rec.store}: {_summary(layers)}, consistent (via the daemon)"))
+            out.append(
+                Check(
+                    "store", True, f"{rec.store}: {_summary(layers)}, consistent (via the daemon)"
+                )
+            )
     except Exception as e:
-        out.append(Check("store", False, f"the daemon cannot list the layers: {e}",
-                         f"see {os.path.join(rec.store, 'daemon.log')}; 'cowfs unmount' "
-                         f"then 'cowfs mount {rec.workspace}' checks the store"))
+        out.append(
+            Check(
+                "store",
+                False,
+                f"the daemon cannot list the layers: {e}",
+                f"see {os.path.join(rec.store, 'daemon.log')}; 'cowfs unmount' "
+                f"then 'cowfs mount {rec.workspace}' checks the store",
+            )
+        )
     # The store is hidden inside the mount, whose statfs leaves out what
     # --max-store does not allow: the daemon says what the disk has.
     visible = os.path.isdir(rec.store)
-    out.append(_space(rec.store if visible else rec.mountpoint, "store",
-                      None if visible else pong.get("disk")))
+    out.append(
+        _space(
+            rec.store if visible else rec.mountpoint, "store", None if visible else pong.get("disk")
+        )
+    )
     return out
 
 
@@ -319,13 +430,21 @@ def check_dead(mountpoint: str, rec) -> list[Check]:
     who = f"(pid {rec.pid}) " if rec else ""
     return [
         Check("mount", True, f"{mountpoint} is a cowfs mount", ""),
-        Check("daemon", False,
-              f"the cowfs daemon {who}of {mountpoint} is dead: the mount is left behind "
-              "and every access there fails (ENOTCONN)",
-              f"run 'cowfs mount {ws}' to recover it: that clears the dead mount, checks "
-              "the stack and finishes any interrupted rollback; every layer is kept"),
-        Check("store", True, "not checked: the dead mount covers it (recovering the mount "
-              "checks it)", "", info=True),
+        Check(
+            "daemon",
+            False,
+            f"the cowfs daemon {who}of {mountpoint} is dead: the mount is left behind "
+            "and every access there fails (ENOTCONN)",
+            f"run 'cowfs mount {ws}' to recover it: that clears the dead mount, checks "
+            "the stack and finishes any interrupted rollback; every layer is kept",
+        ),
+        Check(
+            "store",
+            True,
+            "not checked: the dead mount covers it (recovering the mount checks it)",
+            "",
+            info=True,
+        ),
     ]
 
 
@@ -337,26 +456,44 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
 
     out = [Check("mount", True, f"{workspace} is not mounted", "", info=True)]
     if not os.path.isdir(workspace):
-        out.append(Check("workspace", False, f"{workspace} does not exist or is not a "
-                         "directory", ""))
+        out.append(
+            Check("workspace", False, f"{workspace} does not exist or is not a directory", "")
+        )
         return out
     from .mounts import default_store
+
     store_dir = os.path.abspath(store_dir or default_store(workspace))
     if not os.path.isdir(store_dir):
-        out.append(Check("store", True, f"no store at {store_dir} yet: the first mount "
-                         "creates it", "pass --store DIR if it lives elsewhere", info=True))
+        out.append(
+            Check(
+                "store",
+                True,
+                f"no store at {store_dir} yet: the first mount creates it",
+                "pass --store DIR if it lives elsewhere",
+                info=True,
+            )
+        )
         out.append(_space(workspace, "workspace"))
         return out
     try:
         store = Store.open(store_dir, workspace, create=False)
     except AlreadyMounted as e:
-        out.append(Check("store", False, str(e),
-                         "another cowfs process (a mount elsewhere, or 'cowfs run "
-                         "--workspace') holds it; check 'cowfs doctor' on its mount"))
+        out.append(
+            Check(
+                "store",
+                False,
+                str(e),
+                "another cowfs process (a mount elsewhere, or 'cowfs run "
+                "--workspace') holds it; check 'cowfs doctor' on its mount",
+            )
+        )
         return out
     except (CowfsError, OSError) as e:
-        out.append(Check("store", False, f"cannot open {store_dir}: "
-                         f"{getattr(e, 'strerror', None) or e}", ""))
+        out.append(
+            Check(
+                "store", False, f"cannot open {store_dir}: {getattr(e, 'strerror', None) or e}", ""
+            )
+        )
         return out
     try:
         rootfd = os.open(workspace, B.DIR_FLAGS)
@@ -372,14 +509,25 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     finally:
         store.close()
     if problems:
-        shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)"
-                                           if len(problems) > 5 else "")
-        out.append(Check("store", False, f"{store_dir}: {shown}",
-                         "mount it ('cowfs mount') to finish interrupted work; layers "
-                         "with missing pre-images cannot be rolled back exactly"))
+        shown = "; ".join(problems[:5]) + (
+            f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        )
+        out.append(
+            Check(
+                "store",
+                False,
+                f"{store_dir}: {shown}",
+                "mount it ('cowfs mount') to finish interrupted work; layers "
+                "with missing pre-images cannot be rolled back exactly",
+            )
+        )
     else:
-        note = f"; an interrupted {pending.get('op', 'operation')} is pending (the next " \
-               "mount finishes it)" if pending else ""
+        note = (
+            f"; an interrupted {pending.get('op', 'operation')} is pending (the next "
+            "mount finishes it)"
+            if pending
+            else ""
+        )
         out.append(Check("store", True, f"{store_dir}: {summary}, consistent{note}"))
     out.append(_space(store_dir, "store"))
     return out
@@ -392,10 +540,17 @@ def run_checks(path: str | None, store: str | None = None) -> list[Check]:
     """Every check, in order: the machine, then (given *path*) the workspace
     that contains it, then the providers.  *store*: the store directory of an
     unmounted workspace mounted with --store."""
-    checks = [check_dev_fuse(), check_fusermount(), check_kernel(), check_privileges(),
-              check_pyfuse3(), check_engine()]
+    checks = [
+        check_dev_fuse(),
+        check_fusermount(),
+        check_kernel(),
+        check_privileges(),
+        check_pyfuse3(),
+        check_engine(),
+    ]
     if path is not None:
         from .mounts import DEAD, LIVE
+
         try:
             where = _locate(path, store)
         except Exception as e:
@@ -429,9 +584,12 @@ def report(path: str | None, as_json: bool, store: str | None = None) -> int:
             if c.hint and (not c.ok or c.info):
                 print(f"{'':<4}  {'':<{width}}  -> {c.hint}")
         print()
-        print("all checks passed" if not failed else
-              f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed: "
-              + ", ".join(c.name for c in failed))
+        print(
+            "all checks passed"
+            if not failed
+            else f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed: "
+            + ", ".join(c.name for c in failed)
+        )
     sys.stdout.flush()
     return errors.OK if not failed else 1
 

@@ -73,17 +73,20 @@ class Drift(CowfsError):
 
 class Refused(CowfsError):
     """A redo that cannot undo the last rollback exactly (changed since)."""
+
     code = REFUSED
 
 
 class NotOwner(CowfsError):
     """The workspace was mounted (or its store made) by another user."""
+
     code = NOT_OWNER
 
 
 class NeedsConfirmation(CowfsError):
     """A plain rollback of the base layer (everything since the workspace
     was mounted or last committed), asked for without --yes."""
+
     code = CONFIRM
 
 

@@ -45,19 +45,30 @@ class Problem:
     def __str__(self) -> str:
         where = []
         if self.layers:
-            where.append("layer" + ("s " if len(self.layers) > 1 else " ")
-                         + ", ".join(map(str, sorted(set(self.layers)))))
+            where.append(
+                "layer"
+                + ("s " if len(self.layers) > 1 else " ")
+                + ", ".join(map(str, sorted(set(self.layers))))
+            )
         if self.paths:
             shown = sorted(set(self.paths))
-            where.append(", ".join(shown[:5]) + (f" and {len(shown) - 5} more"
-                                                  if len(shown) > 5 else ""))
-        return self.what + (f" ({'; '.join(where)})" if where else "") + \
-            ("" if self.repairable else " [cannot be repaired]")
+            where.append(
+                ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+            )
+        return (
+            self.what
+            + (f" ({'; '.join(where)})" if where else "")
+            + ("" if self.repairable else " [cannot be repaired]")
+        )
 
     def to_dict(self) -> dict:
-        return {"problem": self.what, "layers": sorted(set(self.layers)),
-                "paths": sorted(set(self.paths)), "repairable": self.repairable,
-                "text": str(self)}
+        return {
+            "problem": self.what,
+            "layers": sorted(set(self.layers)),
+            "paths": sorted(set(self.paths)),
+            "repairable": self.repairable,
+            "text": str(self),
+        }
 
 
 show = S.show_loc
@@ -90,8 +101,9 @@ def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
     return found
 
 
-def unrestorable(store: Store, records: list[tuple[int, S.Record]]
-                 ) -> tuple[dict[int, str], set[int]]:
+def unrestorable(
+    store: Store, records: list[tuple[int, S.Record]]
+) -> tuple[dict[int, str], set[int]]:
     """Objects among *records* whose pre-image is missing or corrupt, or
     whose undo record is damaged: inode -> what to report (a rollback
     leaves such an object as it is); and the damaged records whose object
@@ -99,12 +111,15 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
     out: dict[int, str] = {}
     with store.read() as txn:
         damaged = {seq for seq, rec in records if isinstance(rec, S.Damaged)}
-        names = {rec.ino: rec.loc for _, rec in records
-                 if isinstance(rec, S.Meta | S.Xattrs | S.Chunk)}
+        names = {
+            rec.ino: rec.loc for _, rec in records if isinstance(rec, S.Meta | S.Xattrs | S.Chunk)
+        }
         owners = owners_of(store, txn, damaged)
         for seq, ino in owners.items():
-            out[ino] = (f"{show(names.get(ino, b'?'))}: not restored: its undo record {seq} "
-                        "is damaged; the object is left as it is now")
+            out[ino] = (
+                f"{show(names.get(ino, b'?'))}: not restored: its undo record {seq} "
+                "is damaged; the object is left as it is now"
+            )
         for _, rec in records:
             if not isinstance(rec, S.Chunk) or not rec.digest or rec.ino in out:
                 continue
@@ -116,15 +131,19 @@ def unrestorable(store: Store, records: list[tuple[int, S.Record]]
                 why = "is corrupt"
             else:
                 continue
-            out[ino] = (f"{show(loc)}: not restored: its pre-image (chunk {index}) {why}; "
-                        "the file is left as it is now")
+            out[ino] = (
+                f"{show(loc)}: not restored: its pre-image (chunk {index}) {why}; "
+                "the file is left as it is now"
+            )
         for _, rec in records:
             if not isinstance(rec, S.Grave) or rec.ino in out:
                 continue
             bad = gravesum.verify(store, rec.grave, txn)
             if bad is not None:
-                out[rec.ino] = (f"{show(rec.path)}: not restored: the removed file "
-                                f"kept in the store is corrupt: {bad}; it stays removed")
+                out[rec.ino] = (
+                    f"{show(rec.path)}: not restored: the removed file "
+                    f"kept in the store is corrupt: {bad}; it stays removed"
+                )
     return out, set(owners)
 
 
@@ -134,14 +153,14 @@ class Report:
     chunks: int = 0
     records: int = 0
     graves: int = 0
-    graves_hashed: int = 0      # regular files in the grave verified by their hash
-    graves_pending: int = 0     # not hashed yet (identity only until they are)
-    graves_changed: int = 0     # changed since they were removed (identity only)
-    bytes_checked: int = 0      # of chunks
+    graves_hashed: int = 0  # regular files in the grave verified by their hash
+    graves_pending: int = 0  # not hashed yet (identity only until they are)
+    graves_changed: int = 0  # changed since they were removed (identity only)
+    bytes_checked: int = 0  # of chunks
     grave_bytes_checked: int = 0
     corrupt_chunks: set[bytes] = field(default_factory=set)
     # what repair would do
-    fix_refs: dict[bytes, int | None] = field(default_factory=dict)   # digest -> count/None
+    fix_refs: dict[bytes, int | None] = field(default_factory=dict)  # digest -> count/None
     drop_chunks: set[bytes] = field(default_factory=set)
     drop_records: list[int] = field(default_factory=list)
     drop_index: list[bytes] = field(default_factory=list)
@@ -152,12 +171,18 @@ class Report:
     drop_redo: bool = False
 
     def to_dict(self) -> dict:
-        return {"ok": not self.problems, "chunks": self.chunks, "records": self.records,
-                "graves": self.graves, "graves_hashed": self.graves_hashed,
-                "graves_pending": self.graves_pending, "graves_changed": self.graves_changed,
-                "bytes_checked": self.bytes_checked,
-                "grave_bytes_checked": self.grave_bytes_checked,
-                "problems": [p.to_dict() for p in self.problems]}
+        return {
+            "ok": not self.problems,
+            "chunks": self.chunks,
+            "records": self.records,
+            "graves": self.graves,
+            "graves_hashed": self.graves_hashed,
+            "graves_pending": self.graves_pending,
+            "graves_changed": self.graves_changed,
+            "bytes_checked": self.bytes_checked,
+            "grave_bytes_checked": self.grave_bytes_checked,
+            "problems": [p.to_dict() for p in self.problems],
+        }
 
 
 def layer_of(starts: list[tuple[int, int]], seq: int) -> int | None:
@@ -178,12 +203,13 @@ def check(store: Store, hashes: bool = True) -> Report:
     layers = store.layers()
     starts = [(layer.start, layer.id) for layer in layers]
     if [s for s, _ in starts] != sorted(s for s, _ in starts):
-        rep.problems.append(Problem("layer boundaries are out of order",
-                                    [layer.id for layer in layers]))
+        rep.problems.append(
+            Problem("layer boundaries are out of order", [layer.id for layer in layers])
+        )
     first = starts[0][0] if starts else store.next_seq
     uses: dict[bytes, list[tuple[int | None, str]]] = {}
-    damaged: dict[int, int | None] = {}      # seq -> layer
-    names: dict[int, str] = {}               # inode -> a path it had
+    damaged: dict[int, int | None] = {}  # seq -> layer
+    names: dict[int, str] = {}  # inode -> a path it had
     graved: dict[int, tuple[int | None, str]] = {}
     seqs: set[int] = set()
     with store.read() as txn:
@@ -195,8 +221,11 @@ def check(store: Store, hashes: bool = True) -> Report:
             rep.records += 1
             owner = layer_of(starts, seq)
             if seq >= store.next_seq:
-                rep.problems.append(Problem(f"record {seq} is beyond the journal's counter",
-                                            [owner] if owner else []))
+                rep.problems.append(
+                    Problem(
+                        f"record {seq} is beyond the journal's counter", [owner] if owner else []
+                    )
+                )
             rec = S.decode_or_damaged(cur.value())
             if isinstance(rec, S.Damaged):
                 damaged[seq] = owner
@@ -206,13 +235,15 @@ def check(store: Store, hashes: bool = True) -> Report:
             if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
                 names[rec.ino] = show(loc)
             if seq < first:
-                rep.problems.append(Problem(f"record {seq} ({S.record_name(rec)} of "
-                                            f"{show(loc)}) belongs to no layer",
-                                            repairable=True))
+                rep.problems.append(
+                    Problem(
+                        f"record {seq} ({S.record_name(rec)} of {show(loc)}) belongs to no layer",
+                        repairable=True,
+                    )
+                )
                 rep.drop_records.append(seq)
             elif isinstance(rec, S.Chunk) and rec.digest:
-                uses.setdefault(rec.digest, []).append(
-                    (owner, f"{show(loc)} (chunk {rec.chunk})"))
+                uses.setdefault(rec.digest, []).append((owner, f"{show(loc)} (chunk {rec.chunk})"))
             elif isinstance(rec, S.Grave):
                 graved[rec.grave] = (owner, show(loc))
             ok = cur.next()
@@ -223,30 +254,40 @@ def check(store: Store, hashes: bool = True) -> Report:
             if isinstance(rec, S.Damaged):
                 if kind == S.REDO_INVERSE:
                     redo_damaged += 1
-                else:   # as it was in its layer: a redo brings it back as it is
-                    rep.problems.append(Problem("a record of a rolled-back layer (kept for a "
-                                                "redo) is damaged"))
+                else:  # as it was in its layer: a redo brings it back as it is
+                    rep.problems.append(
+                        Problem("a record of a rolled-back layer (kept for a redo) is damaged")
+                    )
                 continue
             what = f"{show(S.record_loc(rec))} (kept for a redo)"
             if isinstance(rec, S.Chunk) and rec.digest:
                 uses.setdefault(rec.digest, []).append((None, what))
             held = redo.held_grave(kind, rec)
-            if held is not None and (kind == S.REDO_INVERSE or
-                                     txn.get(S.u64(held[0]), db=store.db_graves) is not None):
+            if held is not None and (
+                kind == S.REDO_INVERSE or txn.get(S.u64(held[0]), db=store.db_graves) is not None
+            ):
                 graved[held[0]] = (None, what)
         if redo_damaged:
-            rep.problems.append(Problem(f"{count(redo_damaged, 'record')} kept for a redo "
-                                        f"{'is' if redo_damaged == 1 else 'are'} damaged "
-                                        "(repair discards what was kept: no redo)",
-                                        repairable=True))
+            rep.problems.append(
+                Problem(
+                    f"{count(redo_damaged, 'record')} kept for a redo "
+                    f"{'is' if redo_damaged == 1 else 'are'} damaged "
+                    "(repair discards what was kept: no redo)",
+                    repairable=True,
+                )
+            )
             rep.drop_redo = True
 
         owners = owners_of(store, txn, set(damaged))
         for seq, owner in damaged.items():
             ino = owners.get(seq)
-            rep.problems.append(Problem(
-                f"record {seq} is damaged: what it would undo is lost",
-                [owner] if owner else [], [names.get(ino, "?")] if ino is not None else []))
+            rep.problems.append(
+                Problem(
+                    f"record {seq} is damaged: what it would undo is lost",
+                    [owner] if owner else [],
+                    [names.get(ino, "?")] if ino is not None else [],
+                )
+            )
 
         # chunks: hashes, reference counts, unused ones
         cur = txn.cursor(db=store.db_chunks)
@@ -260,32 +301,48 @@ def check(store: Store, hashes: bool = True) -> Report:
             users = uses.get(h, [])
             if users and hashes and digest(data) != h:
                 rep.corrupt_chunks.add(h)
-                rep.problems.append(Problem(
-                    f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
-                    [u for u, _ in users if u], [p for _, p in users]))
+                rep.problems.append(
+                    Problem(
+                        f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
+                        [u for u, _ in users if u],
+                        [p for _, p in users],
+                    )
+                )
             refs = txn.get(h, db=store.db_refs)
             refcount = S.from_u64(refs) if refs is not None else 0
             if not users:
-                rep.problems.append(Problem(f"chunk {h.hex()} is used by no record",
-                                            repairable=True))
+                rep.problems.append(
+                    Problem(f"chunk {h.hex()} is used by no record", repairable=True)
+                )
                 rep.drop_chunks.add(h)
             elif refcount != len(users):
-                rep.problems.append(Problem(
-                    f"chunk {h.hex()} has reference count {refcount}, but {len(users)} "
-                    "records use it", [u for u, _ in users if u], repairable=True))
+                rep.problems.append(
+                    Problem(
+                        f"chunk {h.hex()} has reference count {refcount}, but {len(users)} "
+                        "records use it",
+                        [u for u, _ in users if u],
+                        repairable=True,
+                    )
+                )
                 rep.fix_refs[h] = len(users)
             ok = cur.next()
         for h, users in uses.items():
             if h not in present:
-                rep.problems.append(Problem(f"chunk {h.hex()} is missing",
-                                            [u for u, _ in users if u], [p for _, p in users]))
+                rep.problems.append(
+                    Problem(
+                        f"chunk {h.hex()} is missing",
+                        [u for u, _ in users if u],
+                        [p for _, p in users],
+                    )
+                )
         cur = txn.cursor(db=store.db_refs)
         ok = cur.first()
         while ok:
             h = bytes(cur.key())
             if h not in present and h not in uses:
-                rep.problems.append(Problem(f"reference count of absent chunk {h.hex()}",
-                                            repairable=True))
+                rep.problems.append(
+                    Problem(f"reference count of absent chunk {h.hex()}", repairable=True)
+                )
                 rep.fix_refs[h] = None
             ok = cur.next()
 
@@ -299,17 +356,27 @@ def check(store: Store, hashes: bool = True) -> Report:
             owner, path = graved.get(gid, (None, None))
             st = B.lstat_at(store.grave_fd, str(gid).encode())
             if path is None:
-                rep.problems.append(Problem(f"grave entry {gid} is held by no record",
-                                            repairable=True))
+                rep.problems.append(
+                    Problem(f"grave entry {gid} is held by no record", repairable=True)
+                )
                 rep.drop_graves.append(gid)
             elif st is None:
-                rep.problems.append(Problem(f"the removed object {path} (grave {gid}) is "
-                                            "missing from the store", [owner] if owner else [],
-                                            [path]))
+                rep.problems.append(
+                    Problem(
+                        f"the removed object {path} (grave {gid}) is missing from the store",
+                        [owner] if owner else [],
+                        [path],
+                    )
+                )
             elif st.st_ino != ino:
-                rep.problems.append(Problem(f"the removed object {path} (grave {gid}) was "
-                                            f"replaced (inode {st.st_ino}, recorded {ino})",
-                                            [owner] if owner else [], [path]))
+                rep.problems.append(
+                    Problem(
+                        f"the removed object {path} (grave {gid}) was "
+                        f"replaced (inode {st.st_ino}, recorded {ino})",
+                        [owner] if owner else [],
+                        [path],
+                    )
+                )
             else:
                 check_sum(store, txn, rep, gid, ino, owner, path, hashes)
             grave_files.discard(str(gid))
@@ -325,18 +392,25 @@ def check(store: Store, hashes: bool = True) -> Report:
                     rep.drop_sums.append(gid)
                 ok = cur.next()
             if rep.drop_sums:
-                rep.problems.append(Problem(f"{len(rep.drop_sums)} hash entries of removed "
-                                            "files belong to no grave entry or do not fit it",
-                                            repairable=True))
+                rep.problems.append(
+                    Problem(
+                        f"{len(rep.drop_sums)} hash entries of removed "
+                        "files belong to no grave entry or do not fit it",
+                        repairable=True,
+                    )
+                )
         for gid, (owner, path) in graved.items():
             if txn.get(S.u64(gid), db=store.db_graves) is None:
-                rep.problems.append(Problem(f"the grave entry of removed object {path} "
-                                            f"(grave {gid}) is missing",
-                                            [owner] if owner else [], [path]))
+                rep.problems.append(
+                    Problem(
+                        f"the grave entry of removed object {path} (grave {gid}) is missing",
+                        [owner] if owner else [],
+                        [path],
+                    )
+                )
                 grave_files.discard(str(gid))
         for name in sorted(grave_files):
-            rep.problems.append(Problem(f"grave file {name} is held by no record",
-                                        repairable=True))
+            rep.problems.append(Problem(f"grave file {name} is held by no record", repairable=True))
             rep.drop_grave_files.append(name)
 
         # index entries (a segment's, see redo, are the open layer's records
@@ -352,15 +426,22 @@ def check(store: Store, hashes: bool = True) -> Report:
             key = bytes(cur.key())
             lid, _, kind, _ = S.split_index_key(key)
             seq = S.from_u64(cur.value())
-            if lid not in ids or (kind not in S.INDEX_FLAGS and (
-                    seq not in seqs or layer_of(starts, seq) != ids[lid]
-                    or lid == seg and seq < since)):
+            if lid not in ids or (
+                kind not in S.INDEX_FLAGS
+                and (
+                    seq not in seqs
+                    or layer_of(starts, seq) != ids[lid]
+                    or lid == seg
+                    and seq < since
+                )
+            ):
                 rep.drop_index.append(key)
                 stale += 1
             ok = cur.next()
         if stale:
-            rep.problems.append(Problem(f"{stale} index entries point at no record of their "
-                                        "layer", repairable=True))
+            rep.problems.append(
+                Problem(f"{stale} index entries point at no record of their layer", repairable=True)
+            )
         if store.db_who is not None:
             cur = txn.cursor(db=store.db_who)
             ok = cur.first()
@@ -369,8 +450,9 @@ def check(store: Store, hashes: bool = True) -> Report:
                     rep.drop_who.append(bytes(cur.key()))
                 ok = cur.next()
             if rep.drop_who:
-                rep.problems.append(Problem(f"{len(rep.drop_who)} attributions belong to no "
-                                            "layer", repairable=True))
+                rep.problems.append(
+                    Problem(f"{len(rep.drop_who)} attributions belong to no layer", repairable=True)
+                )
     return rep
 
 
@@ -383,13 +465,14 @@ def redo_segment(store: Store) -> tuple[int | None, int]:
     return st["segment"], st["seq"]
 
 
-def check_sum(store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None,
-              path: str, hashes: bool) -> None:
+def check_sum(
+    store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None, path: str, hashes: bool
+) -> None:
     """Grave object *gid* (object *ino*, which is there): its bytes against
     the hash recorded of them, if any (with *hashes*)."""
     s = gravesum.read_sum(store, gid, txn)
     if s is None or s.ino != ino:
-        return                  # (an entry of no use is reported with the others)
+        return  # (an entry of no use is reported with the others)
     if s.state == S.SUM_PENDING:
         rep.graves_pending += 1
     elif s.state == S.SUM_CHANGED:
@@ -401,8 +484,13 @@ def check_sum(store: Store, txn, rep: Report, gid: int, ino: int, owner: int | N
         rep.grave_bytes_checked += s.size
         why = gravesum.verify(store, gid, txn)
         if why is not None:
-            rep.problems.append(Problem(f"the removed file {path} is corrupt in the store: "
-                                        f"{why}", [owner] if owner else [], [path]))
+            rep.problems.append(
+                Problem(
+                    f"the removed file {path} is corrupt in the store: {why}",
+                    [owner] if owner else [],
+                    [path],
+                )
+            )
 
 
 def grave_names(store: Store) -> list[str]:
@@ -421,9 +509,10 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     done = []
     if rep.drop_redo:
         (discard_redo or functools.partial(redo.discard, store))(
-            "its records were damaged (discarded by cowfs check --repair)")
+            "its records were damaged (discarded by cowfs check --repair)"
+        )
         done.append("discarded what was kept for a redo")
-        rep = check(store, hashes=False)     # (reference counts without it)
+        rep = check(store, hashes=False)  # (reference counts without it)
     with store.write() as w:
         for h, n in rep.fix_refs.items():
             if n is None:
@@ -461,7 +550,8 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     if rep.drop_graves or rep.drop_grave_files:
         done.append(f"removed {len(set(rep.drop_grave_files))} grave entries no record holds")
     if rep.drop_sums:
-        done.append(f"removed {len(rep.drop_sums)} hash entries of removed files that "
-                    "belonged to nothing")
+        done.append(
+            f"removed {len(rep.drop_sums)} hash entries of removed files that belonged to nothing"
+        )
     store.forget_layer_cache()
     return done

@@ -53,14 +53,14 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-SLACK_NS = 1_000_000_000      # the move into the grave follows its record within this
+SLACK_NS = 1_000_000_000  # the move into the grave follows its record within this
 READ_SIZE = 1 << 20
-BATCH_FILES = 256             # files per worker-thread call ...
-BATCH_BYTES = 64 << 20        # ... and bytes (the daemon's thread records in between)
-POLL = 0.05                   # seconds between looks for new grave files
-QUIET = 0.1                   # a file is hashed after this long without requests ...
-PATIENCE_NS = 5_000_000_000   # ... or once it was removed this long ago
-UNMOUNT_BUDGET = 20.0         # seconds an unmount spends hashing what is left
+BATCH_FILES = 256  # files per worker-thread call ...
+BATCH_BYTES = 64 << 20  # ... and bytes (the daemon's thread records in between)
+POLL = 0.05  # seconds between looks for new grave files
+QUIET = 0.1  # a file is hashed after this long without requests ...
+PATIENCE_NS = 5_000_000_000  # ... or once it was removed this long ago
+UNMOUNT_BUDGET = 20.0  # seconds an unmount spends hashing what is left
 
 
 def read_sum(store: Store, gid: int, txn=None) -> S.GraveSum | None:
@@ -75,9 +75,11 @@ def read_sum(store: Store, gid: int, txn=None) -> S.GraveSum | None:
 
 
 def _open(store: Store, gid: int) -> int:
-    return B.open_noatime(str(gid).encode(),
-                          os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                          dir_fd=store.grave_fd)
+    return B.open_noatime(
+        str(gid).encode(),
+        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        dir_fd=store.grave_fd,
+    )
 
 
 def digest_of(fd: int, stop: Callable[[], bool] | None = None) -> bytes | None:
@@ -104,48 +106,57 @@ def verify(store: Store, gid: int, txn=None) -> str | None:
     try:
         fd = _open(store, gid)
     except FileNotFoundError:
-        return None                 # missing: said by the identity check
-    except OSError as e:            # (a symlink in its place)
+        return None  # missing: said by the identity check
+    except OSError as e:  # (a symlink in its place)
         return f"grave {gid} is no longer the file that was removed ({e.strerror})"
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"grave {gid} is no longer a regular file"
         if digest_of(fd) == s.digest:
-            return None             # (even if it is another inode now: the same bytes)
+            return None  # (even if it is another inode now: the same bytes)
     finally:
         os.close(fd)
-    return (f"its {st.st_size} bytes (grave {gid}) do not hash to the xxh3-128 taken when "
-            "it was removed" + (f" ({s.size} bytes then)" if st.st_size != s.size else ""))
+    return (
+        f"its {st.st_size} bytes (grave {gid}) do not hash to the xxh3-128 taken when "
+        "it was removed" + (f" ({s.size} bytes then)" if st.st_size != s.size else "")
+    )
 
 
 def _key(st: os.stat_result) -> tuple:
     return st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def hash_pending(store: Store, gid: int, s: S.GraveSum,
-                 stop: Callable[[], bool]) -> tuple[bool, bytes | None]:
+def hash_pending(
+    store: Store, gid: int, s: S.GraveSum, stop: Callable[[], bool]
+) -> tuple[bool, bytes | None]:
     """Hash pending grave file *gid* (in a worker thread: no LMDB here).
     Returns (done, the entry to record instead of the pending one, if
     any): not done when *stop* interrupted it."""
     try:
         fd = _open(store, gid)
     except FileNotFoundError:
-        return True, None           # moved out meanwhile: its entry goes with it
-    except OSError:                 # (a symlink planted in the store, ...)
+        return True, None  # moved out meanwhile: its entry goes with it
+    except OSError:  # (a symlink planted in the store, ...)
         return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
     try:
         st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) and st.st_ino == s.ino and st.st_size == s.size
-                and st.st_mtime_ns == s.mtime_ns and st.st_ctime_ns <= s.time_ns + SLACK_NS):
+        if not (
+            stat.S_ISREG(st.st_mode)
+            and st.st_ino == s.ino
+            and st.st_size == s.size
+            and st.st_mtime_ns == s.mtime_ns
+            and st.st_ctime_ns <= s.time_ns + SLACK_NS
+        ):
             return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
         d = digest_of(fd, stop)
         if d is None:
             return False, None
-        if _key(os.fstat(fd)) != _key(st):   # changed while it was read
+        if _key(os.fstat(fd)) != _key(st):  # changed while it was read
             return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
-        return True, S.encode_sum(S.GraveSum(S.SUM_HASHED, st.st_ino, st.st_size,
-                                             st.st_mtime_ns, st.st_ctime_ns, d))
+        return True, S.encode_sum(
+            S.GraveSum(S.SUM_HASHED, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, d)
+        )
     finally:
         os.close(fd)
 
@@ -167,18 +178,22 @@ class Hasher:
     pending one it read (compare and set), so a file moved out, changed or
     moved back meanwhile is never blessed."""
 
-    def __init__(self, store: Store, busy: Callable[[int], bool] | None = None,
-                 quiet: Callable[[], float] | None = None,
-                 exclusive: Callable[[], AbstractContextManager] = contextlib.nullcontext):
+    def __init__(
+        self,
+        store: Store,
+        busy: Callable[[int], bool] | None = None,
+        quiet: Callable[[], float] | None = None,
+        exclusive: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    ):
         self.store = store
-        self.exclusive = exclusive                # (no file request meanwhile)
-        self.busy = busy or (lambda ino: False)   # open in the mount: wait until closed
-        self.quiet = quiet or (lambda: QUIET)     # seconds since the mount's last request
+        self.exclusive = exclusive  # (no file request meanwhile)
+        self.busy = busy or (lambda ino: False)  # open in the mount: wait until closed
+        self.quiet = quiet or (lambda: QUIET)  # seconds since the mount's last request
         self.stop = threading.Event()
         self.deadline: float | None = None
-        self.live: dict[int, set[int]] = {}       # inode -> its pending or hashed entries
-        self.todo: dict[int, bytes] = {}          # gid -> its pending entry, as read
-        self.scanned = 0                          # graves below this id were looked at
+        self.live: dict[int, set[int]] = {}  # inode -> its pending or hashed entries
+        self.todo: dict[int, bytes] = {}  # gid -> its pending entry, as read
+        self.scanned = 0  # graves below this id were looked at
         self.reload()
 
     # -- what is in the store ------------------------------------------------------
@@ -223,8 +238,9 @@ class Hasher:
                 raw = w.txn.get(S.u64(gid), db=db)
                 s = S.decode_sum(raw) if raw is not None else None
                 if s is not None and s.ino == ino and s.state != S.SUM_CHANGED:
-                    w.txn.put(S.u64(gid), S.encode_sum(
-                        s._replace(state=S.SUM_CHANGED, digest=b"")), db=db)
+                    w.txn.put(
+                        S.u64(gid), S.encode_sum(s._replace(state=S.SUM_CHANGED, digest=b"")), db=db
+                    )
         for gid in gids:
             self.todo.pop(gid, None)
         del self.live[ino]
@@ -232,8 +248,9 @@ class Hasher:
     # -- the pass ----------------------------------------------------------------------
 
     def _stopping(self) -> bool:
-        return self.stop.is_set() or (self.deadline is not None
-                                      and time.monotonic() > self.deadline)
+        return self.stop.is_set() or (
+            self.deadline is not None and time.monotonic() > self.deadline
+        )
 
     def _due(self, s: S.GraveSum) -> bool:
         """Whether to hash *s* now rather than wait for a pause."""
@@ -260,8 +277,9 @@ class Hasher:
                 break
         return batch
 
-    def _hash(self, batch: list[tuple[int, bytes]], everything: bool = False
-              ) -> list[tuple[int, bytes, bytes | None]]:
+    def _hash(
+        self, batch: list[tuple[int, bytes]], everything: bool = False
+    ) -> list[tuple[int, bytes, bytes | None]]:
         """In a worker thread.  When requests come, the rest of the batch
         waits (unless it is overdue)."""
         out = []
@@ -284,7 +302,7 @@ class Hasher:
                     w.txn.put(S.u64(gid), new, db=db)
                     written.append((gid, _sound(new)))
         for gid, raw, _ in results:
-            if self.todo.get(gid) == raw:     # (not taken in again since)
+            if self.todo.get(gid) == raw:  # (not taken in again since)
                 del self.todo[gid]
         for gid, s in written:
             if s.state == S.SUM_CHANGED:
@@ -300,7 +318,7 @@ class Hasher:
         try:
             with self.exclusive():
                 self._record(results)
-        except OSError as e:      # a full store: the files stay pending
+        except OSError as e:  # a full store: the files stay pending
             log.warning("could not record the hashes of removed files: %s", e)
             await trio.sleep(1)
         return True
@@ -323,5 +341,6 @@ class Hasher:
         finally:
             self.deadline = None
         if self.todo:
-            log.info("%d removed files are not hashed yet; the next mount hashes them",
-                     len(self.todo))
+            log.info(
+                "%d removed files are not hashed yet; the next mount hashes them", len(self.todo)
+            )

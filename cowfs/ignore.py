@@ -22,7 +22,7 @@ from . import backing as B
 
 NAME = b".cowfsignore"
 MAX_SIZE = 1 << 20
-RECHECK = 1.0   # seconds between looks at .cowfsignore outside of requests
+RECHECK = 1.0  # seconds between looks at .cowfsignore outside of requests
 
 
 class IgnoreRules:
@@ -54,16 +54,22 @@ class IgnoreRules:
         lines = list(self.extra)
         if st is not None and stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SIZE:
             try:
-                fd = os.open(NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                             dir_fd=self.rootfd)
+                fd = os.open(
+                    NAME,
+                    os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                    dir_fd=self.rootfd,
+                )
                 try:
                     lines += os.read(fd, MAX_SIZE).decode("utf-8", "replace").splitlines()
                 finally:
                     os.close(fd)
             except OSError:
                 pass
-        self.spec = pathspec.GitIgnoreSpec.from_lines(lines) if any(
-            line.strip() and not line.lstrip().startswith("#") for line in lines) else None
+        self.spec = (
+            pathspec.GitIgnoreSpec.from_lines(lines)
+            if any(line.strip() and not line.lstrip().startswith("#") for line in lines)
+            else None
+        )
 
     def matches(self, path: bytes | Callable[[], bytes], is_dir: bool) -> bool:
         """Whether changes of the object at *path* (workspace-relative; or

@@ -11,7 +11,7 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable
 
-ROOT = 1      # the root's inode number in every FUSE protocol
+ROOT = 1  # the root's inode number in every FUSE protocol
 
 
 class Node:
@@ -20,8 +20,24 @@ class Node:
     on the object, held in a bounded cache (``FdCache``) and reopened from a
     name when it was evicted."""
 
-    __slots__ = ("ino", "bino", "_fd", "live", "nopen", "nlookup", "parent", "name",
-                 "extra", "mode", "nocap", "pt", "pt_writers", "cached", "bfd", "backing")
+    __slots__ = (
+        "ino",
+        "bino",
+        "_fd",
+        "live",
+        "nopen",
+        "nlookup",
+        "parent",
+        "name",
+        "extra",
+        "mode",
+        "nocap",
+        "pt",
+        "pt_writers",
+        "cached",
+        "bfd",
+        "backing",
+    )
     cache: FdCache
 
     def __init__(self, ino: int, bino: int, fd: int, mode: int):
@@ -67,9 +83,9 @@ class Handle:
         self.node = node
         self.fd = fd
         self.writable = writable
-        self.who = who          # the process that opened it (writes carry no caller)
+        self.who = who  # the process that opened it (writes carry no caller)
         self.passthrough = False
-        self.counted = False    # in its node's pt or cached count
+        self.counted = False  # in its node's pt or cached count
 
 
 class FdCache:

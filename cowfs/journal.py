@@ -35,7 +35,7 @@ class Slot:
     def __init__(self, name: bytes, parent: Slot | None, origin: bytes | None):
         self.name = name
         self.parent = parent
-        self.origin = origin                  # the path at T of what is here, if it was
+        self.origin = origin  # the path at T of what is here, if it was
         self.children: dict[bytes, Slot] = {}
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
 
@@ -119,10 +119,10 @@ class Names:
         elif p.origin is not None:
             if p.vacated is None:
                 p.vacated = set()
-            p.vacated.add(name)          # (nothing there now comes from T)
+            p.vacated.add(name)  # (nothing there now comes from T)
         p.children[name] = s
         s.parent, s.name = p, name
-        if s.children:          # (what is below it is found by walking from here)
+        if s.children:  # (what is below it is found by walking from here)
             self._moved(s, path)
         self._at[path] = s
 
@@ -154,7 +154,7 @@ class Names:
         while s.parent is not None:
             parts.append(s.name)
             s = s.parent
-        if s is not self.root:              # it, or a directory above it, was taken out
+        if s is not self.root:  # it, or a directory above it, was taken out
             return None
         return b"/".join(reversed(parts))
 
@@ -200,7 +200,7 @@ class Reading:
     def __init__(self, records: Iterable[tuple[int, S.Record]]):
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
-        self.created: dict[Slot, None] = {}      # (in order; a slot renamed once)
+        self.created: dict[Slot, None] = {}  # (in order; a slot renamed once)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
@@ -219,7 +219,7 @@ class Reading:
         for seq, rec in records:
             n += 1
             f = read.get(type(rec))
-            if f is not None:       # (a damaged record says nothing)
+            if f is not None:  # (a damaged record says nothing)
                 f(self, seq, rec)
         return n
 
@@ -272,8 +272,15 @@ class Reading:
 
     # what each kind of record says (by type: this runs for every record)
     _READ: dict[type, Callable[[Reading, int, Any], None]] = {
-        S.Create: _create, S.Link: _create, S.Grave: _grave, S.Rename: _rename,
-        S.Exchange: _exchange, S.Meta: _meta, S.Chunk: _chunk, S.Xattrs: _xattrs}
+        S.Create: _create,
+        S.Link: _create,
+        S.Grave: _grave,
+        S.Rename: _rename,
+        S.Exchange: _exchange,
+        S.Meta: _meta,
+        S.Chunk: _chunk,
+        S.Xattrs: _xattrs,
+    }
 
     def touched(self) -> set[bytes]:
         """Every path (now) whose state the records describe: where each
@@ -303,7 +310,7 @@ class _Entry:
     def __init__(self, epoch: int, start: int):
         self.epoch = epoch
         self.upto = start
-        self.count = 0                  # records read (fed or waiting)
+        self.count = 0  # records read (fed or waiting)
         self.reading = Reading(())
         self.waiting: list[tuple[int, S.Record]] = []
 
@@ -332,7 +339,7 @@ class Kept:
 
     def __init__(self, store: Store):
         self.store = store
-        self._kept: dict[int, _Entry] = {}     # by start; the most recently used last
+        self._kept: dict[int, _Entry] = {}  # by start; the most recently used last
         self._lock = threading.Lock()
         store.on_append = self._appended
 
@@ -378,7 +385,7 @@ class Kept:
                 if len(e.waiting) >= self.WAIT:
                     try:
                         e.catch_up()
-                    except Exception:           # (never fail a write that committed)
+                    except Exception:  # (never fail a write that committed)
                         log.exception("journal: dropped the kept reading from %d", start)
                         del self._kept[start]
                     trim = True
@@ -387,6 +394,5 @@ class Kept:
 
     def _trim(self) -> None:
         kept = self._kept
-        while kept and (len(kept) > self.KEEP or
-                        sum(e.count for e in kept.values()) > self.LIMIT):
+        while kept and (len(kept) > self.KEEP or sum(e.count for e in kept.values()) > self.LIMIT):
             del kept[next(iter(kept))]

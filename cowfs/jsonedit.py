@@ -25,7 +25,7 @@ class Node:
     """A value in the text: ``text[start:end]``.  Objects have ``members``
     (key, key start, value), arrays ``items``; ``value`` is the Python value."""
 
-    kind: str                    # "object", "array" or "scalar"
+    kind: str  # "object", "array" or "scalar"
     start: int
     end: int
     value: Any = None
@@ -46,7 +46,7 @@ class Node:
 
 
 _STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\.)*"', re.S)
-_SCALAR = re.compile(r'-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null')
+_SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 
 
 class _Parser:
@@ -86,11 +86,13 @@ class _Parser:
             raise self.fail("a value expected")
         c = t[start]
         if c == "{":
-            return self.elements(Node("object", start, start, {}), "}",
-                                 lambda node: self.member(node, depth))
+            return self.elements(
+                Node("object", start, start, {}), "}", lambda node: self.member(node, depth)
+            )
         if c == "[":
-            return self.elements(Node("array", start, start, []), "]",
-                                 lambda node: self.item(node, depth))
+            return self.elements(
+                Node("array", start, start, []), "]", lambda node: self.item(node, depth)
+            )
         m = _STRING.match(t, start) if c == '"' else _SCALAR.match(t, start)
         if not m:
             raise self.fail("a value expected")
@@ -158,7 +160,7 @@ def parse(text: str, comments: bool = False) -> Node:
 def _line_indent(text: str, pos: int) -> str:
     start = text.rfind("\n", 0, pos) + 1
     line = text[start:pos]
-    return line[:len(line) - len(line.lstrip(" \t"))]
+    return line[: len(line) - len(line.lstrip(" \t"))]
 
 
 def indent_unit(text: str) -> str:
@@ -166,7 +168,7 @@ def indent_unit(text: str) -> str:
     leading spaces (two when nothing is indented)."""
     widths = []
     for line in text.splitlines():
-        lead = line[:len(line) - len(line.lstrip(" \t"))]
+        lead = line[: len(line) - len(line.lstrip(" \t"))]
         if lead.startswith("\t"):
             return "\t"
         if lead and line.strip():
@@ -188,11 +190,11 @@ def append(text: str, container: Node, value: Any, key: str | None = None) -> st
     prefix = "" if key is None else json.dumps(key, ensure_ascii=False) + ": "
     if spans:
         first, last = spans[0][0], spans[-1][1]
-        gap = text[container.start + 1:first]
-        if gap.strip():             # a comment before the first element
+        gap = text[container.start + 1 : first]
+        if gap.strip():  # a comment before the first element
             gap = "\n" + _line_indent(text, first) if "\n" in gap else " "
         multiline = "\n" in gap
-        indent = gap[gap.rfind("\n") + 1:] if multiline else ""
+        indent = gap[gap.rfind("\n") + 1 :] if multiline else ""
         new = "," + (gap or " ") + prefix + _render(value, unit, indent, multiline)
         return text[:last] + new + text[last:]
     outer = _line_indent(text, container.start)
@@ -209,13 +211,13 @@ def remove(text: str, container: Node, index: int) -> str:
     start, end = spans[index]
     if len(spans) > 1:
         if index == len(spans) - 1:
-            start = spans[index - 1][1]         # the comma and gap before it
+            start = spans[index - 1][1]  # the comma and gap before it
         else:
-            end = spans[index + 1][0]           # it, its comma and the gap after
+            end = spans[index + 1][0]  # it, its comma and the gap after
         return text[:start] + text[end:]
     start = container.start + 1
     rest = text[end:]
     tail = "\n" + _line_indent(text, container.start)
     if rest.startswith(tail):
-        rest = rest[len(tail):]
+        rest = rest[len(tail) :]
     return text[:start] + rest

@@ -35,7 +35,7 @@ from .ops import TIMEOUT, Ctx, Ops
 log = logging.getLogger("cowfs.kernel")
 
 NAME = "kernel"
-SUBTYPE = "cowfs"          # the mount's type is fuse.cowfs
+SUBTYPE = "cowfs"  # the mount's type is fuse.cowfs
 MS_NOSUID, MS_NODEV = 2, 4
 MAX_WRITE = 1 << 20
 MAX_PAGES = MAX_WRITE // 4096
@@ -85,14 +85,23 @@ def fusermount(mountpoint: str, options: str) -> int:
         with theirs:
             env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
             try:
-                r = subprocess.run(["fusermount3", "-o", options, "--", mountpoint], env=env,
-                                   pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                   capture_output=True, text=True, timeout=60)
+                r = subprocess.run(
+                    ["fusermount3", "-o", options, "--", mountpoint],
+                    env=env,
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise OSError(errno.EIO, f"fusermount3: {e}", mountpoint) from None
         if r.returncode != 0:
-            why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else \
-                f"exit status {r.returncode}"
+            why = (
+                r.stderr.strip().splitlines()[-1]
+                if r.stderr.strip()
+                else f"exit status {r.returncode}"
+            )
             raise OSError(errno.EPERM, why.removeprefix("fusermount3: "), mountpoint)
         ours.settimeout(10)
         _, fds, _, _ = socket.recv_fds(ours, 1, 1)
@@ -151,10 +160,24 @@ class FsLock:
 
 def _attr(node: Node, st: os.stat_result, nlink: int) -> bytes:
     a, m, c = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
-    return F.ATTR.pack(node.ino, st.st_size, st.st_blocks, a // 1_000_000_000,
-                       m // 1_000_000_000, c // 1_000_000_000, a % 1_000_000_000,
-                       m % 1_000_000_000, c % 1_000_000_000, st.st_mode, nlink,
-                       st.st_uid, st.st_gid, st.st_rdev & 0xFFFFFFFF, st.st_blksize, 0)
+    return F.ATTR.pack(
+        node.ino,
+        st.st_size,
+        st.st_blocks,
+        a // 1_000_000_000,
+        m // 1_000_000_000,
+        c // 1_000_000_000,
+        a % 1_000_000_000,
+        m % 1_000_000_000,
+        c % 1_000_000_000,
+        st.st_mode,
+        nlink,
+        st.st_uid,
+        st.st_gid,
+        st.st_rdev & 0xFFFFFFFF,
+        st.st_blksize,
+        0,
+    )
 
 
 class Engine:
@@ -170,43 +193,63 @@ class Engine:
         self.lock = FsLock()
         self.on_init: Callable[[], None] | None = None
         self.minor = 0
-        self.flags = 0               # what INIT agreed on
+        self.flags = 0  # what INIT agreed on
         self.running = False
-        self.ended = False           # the kernel let go of the connection: not mounted
+        self.ended = False  # the kernel let go of the connection: not mounted
         self.counts: dict[int, int] = {}
         self.use_passthrough = can_pass_through()
-        self.passthrough = False     # negotiated
+        self.passthrough = False  # negotiated
         self._handlers = self._table()
 
     def features(self) -> dict:
         """What INIT agreed on, by name."""
-        names = {F.HANDLE_KILLPRIV_V2: "killpriv_v2", F.PASSTHROUGH: "passthrough",
-                 F.DO_READDIRPLUS: "readdirplus", F.PARALLEL_DIROPS: "parallel_dirops",
-                 F.ATOMIC_O_TRUNC: "atomic_o_trunc", F.MAX_PAGES: "max_pages"}
-        return {"protocol": f"7.{self.minor}",
-                "features": sorted(n for bit, n in names.items() if self.flags & bit)
-                + ["negative_entries", "cache_readdir"],
-                "requests": {F.OPCODE_NAMES.get(op, str(op)): n
-                             for op, n in sorted(self.counts.items())}}
+        names = {
+            F.HANDLE_KILLPRIV_V2: "killpriv_v2",
+            F.PASSTHROUGH: "passthrough",
+            F.DO_READDIRPLUS: "readdirplus",
+            F.PARALLEL_DIROPS: "parallel_dirops",
+            F.ATOMIC_O_TRUNC: "atomic_o_trunc",
+            F.MAX_PAGES: "max_pages",
+        }
+        return {
+            "protocol": f"7.{self.minor}",
+            "features": sorted(n for bit, n in names.items() if self.flags & bit)
+            + ["negative_entries", "cache_readdir"],
+            "requests": {
+                F.OPCODE_NAMES.get(op, str(op)): n for op, n in sorted(self.counts.items())
+            },
+        }
 
     # -- mounting ----------------------------------------------------------------------
 
-    def mount(self, mountpoint: str, fsname: str, allow_other: bool,
-              on_init: Callable[[], None]) -> None:
+    def mount(
+        self, mountpoint: str, fsname: str, allow_other: bool, on_init: Callable[[], None]
+    ) -> None:
         self.mountpoint = mountpoint
         self.on_init = on_init
         common = "default_permissions" + (",allow_other" if allow_other else "")
         if os.geteuid() != 0:
             # (fusermount3 adds nosuid and nodev, and the fd, rootmode and ids)
-            self.fd = fusermount(mountpoint, f"fsname={_escape(fsname)},subtype={SUBTYPE},"
-                                 + common)
+            self.fd = fusermount(
+                mountpoint, f"fsname={_escape(fsname)},subtype={SUBTYPE}," + common
+            )
             return
         self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         st = os.stat(mountpoint)
-        opts = (f"fd={self.fd},rootmode={stat.S_IFMT(st.st_mode):o},"
-                f"user_id={os.geteuid()},group_id={os.getegid()},{common}")
-        if _libc.mount(os.fsencode(fsname), os.fsencode(mountpoint), f"fuse.{SUBTYPE}".encode(),
-                       MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+        opts = (
+            f"fd={self.fd},rootmode={stat.S_IFMT(st.st_mode):o},"
+            f"user_id={os.geteuid()},group_id={os.getegid()},{common}"
+        )
+        if (
+            _libc.mount(
+                os.fsencode(fsname),
+                os.fsencode(mountpoint),
+                f"fuse.{SUBTYPE}".encode(),
+                MS_NOSUID | MS_NODEV,
+                opts.encode(),
+            )
+            != 0
+        ):
             e = ctypes.get_errno()
             os.close(self.fd)
             self.fd = -1
@@ -216,8 +259,8 @@ class Engine:
         """Read ahead 1 MiB on reads the daemon serves (the default 128 KiB
         made cold sequential reads 1.6x slower here); best effort."""
         from .mounts import FSTYPE, mounts
-        found = [m for m in mounts() if m.mountpoint == self.mountpoint
-                 and m.fstype == FSTYPE]
+
+        found = [m for m in mounts() if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
         if not found:
             return
         try:
@@ -265,8 +308,10 @@ class Engine:
         """Drop what the kernel caches of these names and inodes (from a
         thread that holds no lock the loop might wait for)."""
         for pino, name in entries:
-            self._notify(F.NOTIFY_INVAL_ENTRY,
-                         F.NOTIFY_INVAL_ENTRY_OUT.pack(pino, len(name), 0) + name + b"\0")
+            self._notify(
+                F.NOTIFY_INVAL_ENTRY,
+                F.NOTIFY_INVAL_ENTRY_OUT.pack(pino, len(name), 0) + name + b"\0",
+            )
         for ino in inodes:
             self._notify(F.NOTIFY_INVAL_INODE, F.NOTIFY_INVAL_INODE_OUT.pack(ino, 0, 0))
 
@@ -295,9 +340,9 @@ class Engine:
                     n = os.readv(fd, bufs)
                 except OSError as e:
                     if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                        continue            # (ENOENT: a request interrupted meanwhile)
+                        continue  # (ENOENT: a request interrupted meanwhile)
                     if e.errno == errno.ENODEV:
-                        self.ended = True   # unmounted
+                        self.ended = True  # unmounted
                         return
                     raise
                 ln, opcode, unique, nodeid, uid, gid, pid, _, _ = unpack_hdr(buf)
@@ -326,7 +371,7 @@ class Engine:
         try:
             os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
         except OSError as e:
-            if e.errno != errno.ENOENT:          # (the request was interrupted)
+            if e.errno != errno.ENOENT:  # (the request was interrupted)
                 raise
 
     def _reply_data(self, unique: int, data: bytes) -> None:
@@ -343,68 +388,119 @@ class Engine:
             pass
 
     def _entry(self, unique: int, node: Node, st: os.stat_result, extra: bytes = b"") -> None:
-        body = (F.ENTRY_OUT.pack(node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0)
-                + _attr(node, st, self.ops.nlink(node, st)) + extra)
+        body = (
+            F.ENTRY_OUT.pack(node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0)
+            + _attr(node, st, self.ops.nlink(node, st))
+            + extra
+        )
         try:
             os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 raise
-            self.ops.forget([(node.ino, 1)])    # the kernel took no reference
+            self.ops.forget([(node.ino, 1)])  # the kernel took no reference
 
     def _attr_reply(self, unique: int, node: Node, st: os.stat_result) -> None:
-        self._reply(unique, F.ATTR_OUT.pack(_ENTRY_TIMEOUT, 0, 0)
-                    + _attr(node, st, self.ops.nlink(node, st)))
+        self._reply(
+            unique,
+            F.ATTR_OUT.pack(_ENTRY_TIMEOUT, 0, 0) + _attr(node, st, self.ops.nlink(node, st)),
+        )
 
     # -- the requests --------------------------------------------------------------------
 
     def _table(self) -> dict[int, Callable]:
         return {
-            F.INIT: self._init, F.DESTROY: self._destroy,
-            F.LOOKUP: self._lookup, F.FORGET: self._forget,
-            F.BATCH_FORGET: self._batch_forget, F.GETATTR: self._getattr,
-            F.SETATTR: self._setattr, F.READLINK: self._readlink,
-            F.SYMLINK: self._symlink, F.MKNOD: self._mknod, F.MKDIR: self._mkdir,
-            F.UNLINK: self._unlink, F.RMDIR: self._rmdir, F.RENAME: self._rename,
-            F.RENAME2: self._rename2, F.LINK: self._link, F.OPEN: self._open,
-            F.READ: self._read, F.WRITE: self._write, F.STATFS: self._statfs,
-            F.RELEASE: self._release, F.FSYNC: self._fsync, F.FLUSH: self._flush,
-            F.SETXATTR: self._setxattr, F.GETXATTR: self._getxattr,
-            F.LISTXATTR: self._listxattr, F.REMOVEXATTR: self._removexattr,
-            F.OPENDIR: self._opendir, F.READDIRPLUS: self._readdirplus,
-            F.READDIR: self._readdir, F.RELEASEDIR: self._releasedir,
-            F.FSYNCDIR: self._fsyncdir, F.ACCESS: self._access, F.CREATE: self._create,
-            F.INTERRUPT: self._interrupt, F.SYNCFS: self._syncfs,
-            F.FALLOCATE: self._fallocate, F.LSEEK: self._lseek,
-            F.COPY_FILE_RANGE: self._copy_file_range, F.TMPFILE: self._tmpfile,
+            F.INIT: self._init,
+            F.DESTROY: self._destroy,
+            F.LOOKUP: self._lookup,
+            F.FORGET: self._forget,
+            F.BATCH_FORGET: self._batch_forget,
+            F.GETATTR: self._getattr,
+            F.SETATTR: self._setattr,
+            F.READLINK: self._readlink,
+            F.SYMLINK: self._symlink,
+            F.MKNOD: self._mknod,
+            F.MKDIR: self._mkdir,
+            F.UNLINK: self._unlink,
+            F.RMDIR: self._rmdir,
+            F.RENAME: self._rename,
+            F.RENAME2: self._rename2,
+            F.LINK: self._link,
+            F.OPEN: self._open,
+            F.READ: self._read,
+            F.WRITE: self._write,
+            F.STATFS: self._statfs,
+            F.RELEASE: self._release,
+            F.FSYNC: self._fsync,
+            F.FLUSH: self._flush,
+            F.SETXATTR: self._setxattr,
+            F.GETXATTR: self._getxattr,
+            F.LISTXATTR: self._listxattr,
+            F.REMOVEXATTR: self._removexattr,
+            F.OPENDIR: self._opendir,
+            F.READDIRPLUS: self._readdirplus,
+            F.READDIR: self._readdir,
+            F.RELEASEDIR: self._releasedir,
+            F.FSYNCDIR: self._fsyncdir,
+            F.ACCESS: self._access,
+            F.CREATE: self._create,
+            F.INTERRUPT: self._interrupt,
+            F.SYNCFS: self._syncfs,
+            F.FALLOCATE: self._fallocate,
+            F.LSEEK: self._lseek,
+            F.COPY_FILE_RANGE: self._copy_file_range,
+            F.TMPFILE: self._tmpfile,
         }
 
     def _init(self, unique, nodeid, uid, gid, pid, body) -> None:
         major, minor, max_readahead, flags, flags2 = F.INIT_IN.unpack_from(body)
         if major != F.KERNEL_VERSION:
             # an older or newer major: say ours, the kernel sends INIT again
-            self._reply(unique, F.INIT_OUT.pack(F.KERNEL_VERSION, F.KERNEL_MINOR, 0, 0, 0, 0,
-                                                0, 0, 0, 0, 0, 0, 0))
+            self._reply(
+                unique,
+                F.INIT_OUT.pack(F.KERNEL_VERSION, F.KERNEL_MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+            )
             return
         kernel = flags | (flags2 << 32 if flags & F.INIT_EXT else 0)
         want = (F.PASSTHROUGH if self.use_passthrough else 0) | (
-                F.ASYNC_READ | F.ATOMIC_O_TRUNC | F.EXPORT_SUPPORT | F.BIG_WRITES
-                | F.DO_READDIRPLUS | F.PARALLEL_DIROPS | F.MAX_PAGES | F.INIT_EXT
-                # no GETXATTR security.capability before every write, truncation
-                # and chown: the daemon clears privileges itself (ops._kill_privs)
-                | F.HANDLE_KILLPRIV_V2)
+            F.ASYNC_READ
+            | F.ATOMIC_O_TRUNC
+            | F.EXPORT_SUPPORT
+            | F.BIG_WRITES
+            | F.DO_READDIRPLUS
+            | F.PARALLEL_DIROPS
+            | F.MAX_PAGES
+            | F.INIT_EXT
+            # no GETXATTR security.capability before every write, truncation
+            # and chown: the daemon clears privileges itself (ops._kill_privs)
+            | F.HANDLE_KILLPRIV_V2
+        )
         # (not CACHE_SYMLINKS: a readlink the kernel answers from its cache
         # never updates the symlink's atime, as a native one would)
         agreed = kernel & want
         self.minor = min(minor, F.KERNEL_MINOR)
         self.flags = agreed
         self.passthrough = bool(agreed & F.PASSTHROUGH)
-        self._reply(unique, F.INIT_OUT.pack(
-            F.KERNEL_VERSION, self.minor, max_readahead, agreed & 0xFFFFFFFF,
-            64, 48, MAX_WRITE, 1, MAX_PAGES, 0, agreed >> 32,
-            1 if self.passthrough else 0, 0))    # (max_stack_depth: over one filesystem)
+        self._reply(
+            unique,
+            F.INIT_OUT.pack(
+                F.KERNEL_VERSION,
+                self.minor,
+                max_readahead,
+                agreed & 0xFFFFFFFF,
+                64,
+                48,
+                MAX_WRITE,
+                1,
+                MAX_PAGES,
+                0,
+                agreed >> 32,
+                1 if self.passthrough else 0,
+                0,
+            ),
+        )  # (max_stack_depth: over one filesystem)
         log.info("FUSE 7.%d, kernel offers %#x, agreed %#x", minor, kernel, agreed)
-        self._tune_bdi()    # (after INIT, which caps the read-ahead)
+        self._tune_bdi()  # (after INIT, which caps the read-ahead)
         if self.on_init is not None:
             self.on_init()
 
@@ -413,7 +509,7 @@ class Engine:
         raise _Stop
 
     def _interrupt(self, unique, nodeid, uid, gid, pid, body) -> None:
-        pass    # each request runs to its end at once: nothing to interrupt
+        pass  # each request runs to its end at once: nothing to interrupt
 
     def _lookup(self, unique, nodeid, uid, gid, pid, body) -> None:
         name = bytes(body[:-1])
@@ -439,8 +535,24 @@ class Engine:
         self._attr_reply(unique, node, st)
 
     def _setattr(self, unique, nodeid, uid, gid, pid, body) -> None:
-        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, auid,
-         agid, _) = F.SETATTR_IN.unpack_from(body)
+        (
+            valid,
+            _,
+            fh,
+            size,
+            _,
+            atime,
+            mtime,
+            _,
+            atimensec,
+            mtimensec,
+            _,
+            mode,
+            _,
+            auid,
+            agid,
+            _,
+        ) = F.SETATTR_IN.unpack_from(body)
         kw: dict = {}
         if valid & F.FATTR_SIZE:
             kw["size"] = size
@@ -462,9 +574,13 @@ class Engine:
                 kw["mtime_ns"] = now if now is not None else time.time_ns()
             else:
                 kw["mtime_ns"] = mtime * 1_000_000_000 + mtimensec
-        node, st = self.ops.setattr(nodeid, fh if valid & F.FATTR_FH else None,
-                                    ctx=Ctx(pid, uid, gid, 0),
-                                    kill_suidgid=bool(valid & F.FATTR_KILL_SUIDGID), **kw)
+        node, st = self.ops.setattr(
+            nodeid,
+            fh if valid & F.FATTR_FH else None,
+            ctx=Ctx(pid, uid, gid, 0),
+            kill_suidgid=bool(valid & F.FATTR_KILL_SUIDGID),
+            **kw,
+        )
         self._attr_reply(unique, node, st)
 
     def _readlink(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -473,7 +589,7 @@ class Engine:
     def _symlink(self, unique, nodeid, uid, gid, pid, body) -> None:
         raw = bytes(body)
         end = raw.index(0)
-        name, target = raw[:end], raw[end + 1:raw.index(0, end + 1)]
+        name, target = raw[:end], raw[end + 1 : raw.index(0, end + 1)]
         node, st = self.ops.symlink(nodeid, name, target, ctx=Ctx(pid, uid, gid, 0))
         self._entry(unique, node, st)
 
@@ -497,16 +613,18 @@ class Engine:
         self.ops.rmdir(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
-    def _do_rename(self, unique, nodeid, uid, gid, pid, newdir: int, flags: int,
-                   names: bytes) -> None:
+    def _do_rename(
+        self, unique, nodeid, uid, gid, pid, newdir: int, flags: int, names: bytes
+    ) -> None:
         end = names.index(0)
-        old, new = names[:end], names[end + 1:names.index(0, end + 1)]
+        old, new = names[:end], names[end + 1 : names.index(0, end + 1)]
         self.ops.rename(nodeid, old, newdir, new, flags, ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
     def _rename(self, unique, nodeid, uid, gid, pid, body) -> None:
-        self._do_rename(unique, nodeid, uid, gid, pid, F.RENAME_IN.unpack_from(body)[0], 0,
-                        bytes(body[8:]))
+        self._do_rename(
+            unique, nodeid, uid, gid, pid, F.RENAME_IN.unpack_from(body)[0], 0, bytes(body[8:])
+        )
 
     def _rename2(self, unique, nodeid, uid, gid, pid, body) -> None:
         newdir, flags, _ = F.RENAME2_IN.unpack_from(body)
@@ -519,21 +637,29 @@ class Engine:
 
     def _open(self, unique, nodeid, uid, gid, pid, body) -> None:
         flags, open_flags = F.OPEN_IN.unpack_from(body)
-        fh, keep = self.ops.open(nodeid, flags, ctx=Ctx(pid, uid, gid, 0),
-                                 kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        fh, keep = self.ops.open(
+            nodeid,
+            flags,
+            ctx=Ctx(pid, uid, gid, 0),
+            kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID),
+        )
         self._reply(unique, self._open_out(fh, keep))
 
     def _create(self, unique, nodeid, uid, gid, pid, body) -> None:
         flags, mode, umask, open_flags = F.CREATE_IN.unpack_from(body)
-        fh, keep, node, st = self.ops.create(nodeid, bytes(body[16:-1]), mode, flags,
-                                             ctx=Ctx(pid, uid, gid, umask),
-                                             kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID))
+        fh, keep, node, st = self.ops.create(
+            nodeid,
+            bytes(body[16:-1]),
+            mode,
+            flags,
+            ctx=Ctx(pid, uid, gid, umask),
+            kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID),
+        )
         self._entry(unique, node, st, self._open_out(fh, keep))
 
     def _tmpfile(self, unique, nodeid, uid, gid, pid, body) -> None:
         flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
-        fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags,
-                                              ctx=Ctx(pid, uid, gid, umask))
+        fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st, self._open_out(fh, keep))
 
     def _fallocate(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -557,17 +683,29 @@ class Engine:
     def _write(self, unique, nodeid, uid, gid, pid, body) -> None:
         fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
         if write_flags & F.WRITE_KILL_SUIDGID:
-            n = self.ops.write(fh, off, body[40:40 + size], kill_suidgid=True,
-                               ctx=Ctx(pid, uid, gid, 0))
+            n = self.ops.write(
+                fh, off, body[40 : 40 + size], kill_suidgid=True, ctx=Ctx(pid, uid, gid, 0)
+            )
         else:
-            n = self.ops.write(fh, off, body[40:40 + size])
+            n = self.ops.write(fh, off, body[40 : 40 + size])
         self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
     def _statfs(self, unique, nodeid, uid, gid, pid, body) -> None:
         sv = self.ops.statfs()
-        self._reply(unique, F.KSTATFS.pack(sv.f_blocks, sv.f_bfree, sv.f_bavail, sv.f_files,
-                                           sv.f_ffree, sv.f_bsize, sv.f_namemax,
-                                           sv.f_frsize, 0))
+        self._reply(
+            unique,
+            F.KSTATFS.pack(
+                sv.f_blocks,
+                sv.f_bfree,
+                sv.f_bavail,
+                sv.f_files,
+                sv.f_ffree,
+                sv.f_bsize,
+                sv.f_namemax,
+                sv.f_frsize,
+                0,
+            ),
+        )
 
     def _release(self, unique, nodeid, uid, gid, pid, body) -> None:
         h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
@@ -599,8 +737,7 @@ class Engine:
     def _backing_close(self, bid: int) -> None:
         arg = ctypes.c_uint32(bid)
         if _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) < 0:
-            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid,
-                        os.strerror(ctypes.get_errno()))
+            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid, os.strerror(ctypes.get_errno()))
 
     def _flush(self, unique, nodeid, uid, gid, pid, body) -> None:
         # Writes go straight to the backing file: nothing to flush at close.
@@ -620,8 +757,13 @@ class Engine:
         size, flags = F.SETXATTR_IN.unpack_from(body)
         rest = bytes(body[8:])
         end = rest.index(0)
-        self.ops.setxattr(nodeid, rest[:end], rest[end + 1:end + 1 + size],
-                          ctx=Ctx(pid, uid, gid, 0), flags=flags)
+        self.ops.setxattr(
+            nodeid,
+            rest[:end],
+            rest[end + 1 : end + 1 + size],
+            ctx=Ctx(pid, uid, gid, 0),
+            flags=flags,
+        )
         self._reply(unique)
 
     def _getxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
@@ -665,9 +807,8 @@ class Engine:
             pad = -rec % 8
             if len(out) + rec + pad > size:
                 return False
-            dot = name == b"." or name == b".."   # (the kernel takes no reference)
-            out.extend(entry(0 if dot else node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT,
-                             0, 0))
+            dot = name == b"." or name == b".."  # (the kernel takes no reference)
+            out.extend(entry(0 if dot else node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0))
             out.extend(_attr(node, st, nlink(node, st)))
             out.extend(dirent(node.ino, nxt, len(name), stat.S_IFMT(st.st_mode) >> 12))
             out.extend(name)
@@ -709,7 +850,7 @@ class Engine:
         self._reply(unique)
 
     def _access(self, unique, nodeid, uid, gid, pid, body) -> None:
-        self._reply(unique)     # (default_permissions: the kernel checks)
+        self._reply(unique)  # (default_permissions: the kernel checks)
 
 
 class _Stop(Exception):

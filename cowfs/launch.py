@@ -28,8 +28,9 @@ VIEW_MODULE = "cowfs.view"
 VIEW_TIMEOUT = 60.0
 
 
-def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
-               hidden: bytes | None) -> dict:
+def start_view(
+    rootfd: int, store_dirfd: int, layer: int, mountpoint: str, hidden: bytes | None
+) -> dict:
     """Start the view process (cowfs/view.py) with the workspace root and
     the store as open fds; return once its mount is live.  A directory
     that is a mount point already is refused; if the start fails in any
@@ -37,11 +38,13 @@ def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
     mp = os.path.realpath(mountpoint)
     there = mount_table().get(mp)
     if there == VIEW_FSTYPE:
-        raise AlreadyMounted(f"a cowfs view is already mounted at {mp}; 'cowfs unmount {mp}' "
-                             "ends it")
+        raise AlreadyMounted(
+            f"a cowfs view is already mounted at {mp}; 'cowfs unmount {mp}' ends it"
+        )
     if there is not None:
-        raise AlreadyMounted(f"{mp} is already a mount point ({there}); a view needs a "
-                             "directory of its own")
+        raise AlreadyMounted(
+            f"{mp} is already a mount point ({there}); a view needs a directory of its own"
+        )
     if not os.path.isdir(mp):
         raise BadWorkspace(f"view mount point {mountpoint} is not a directory")
     root = os.open(B.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -50,9 +53,14 @@ def start_view(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
         args = ["--root-fd", str(root), "--store-fd", str(store), "--layer", str(layer)]
         if hidden:
             args += ["--hidden", os.fsdecode(hidden)]
-        return start_and_wait(VIEW_MODULE, args + [mp], (root, store), VIEW_TIMEOUT,
-                              f"mounting the view at {mp}",
-                              abandon=functools.partial(abandon_view, mp))
+        return start_and_wait(
+            VIEW_MODULE,
+            args + [mp],
+            (root, store),
+            VIEW_TIMEOUT,
+            f"mounting the view at {mp}",
+            abandon=functools.partial(abandon_view, mp),
+        )
     finally:
         os.close(root)
         os.close(store)
@@ -83,9 +91,14 @@ def clear_view(mountpoint: str) -> None:
             return
 
 
-def start_and_wait(module: str, args: list[str], pass_fds: tuple, timeout: float,
-                   what: str, abandon: Callable[[subprocess.Popen], None] | None = None
-                   ) -> dict:
+def start_and_wait(
+    module: str,
+    args: list[str],
+    pass_fds: tuple,
+    timeout: float,
+    what: str,
+    abandon: Callable[[subprocess.Popen], None] | None = None,
+) -> dict:
     """Start ``python -m module --ready-fd N args...`` in its own session
     and wait for the one JSON line it reports on N once its mount is live
     (or failed); return it, or raise the error it reported.  If waiting
@@ -93,10 +106,14 @@ def start_and_wait(module: str, args: list[str], pass_fds: tuple, timeout: float
     is called with the process and must leave nothing of it behind."""
     r, w = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, "--ready-fd", str(w), *args],
-                                pass_fds=(w, *pass_fds), start_new_session=True,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--ready-fd", str(w), *args],
+            pass_fds=(w, *pass_fds),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     except BaseException:
         os.close(r)
         raise
@@ -122,8 +139,9 @@ def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what:
     deadline = time.monotonic() + timeout
     while not buf.endswith(b"\n"):
         if not wait_readable(fd, deadline - time.monotonic()):
-            raise CowfsError(f"{who} did not report within {timeout:.0f} s while {what}",
-                             errors.DAEMON_ERROR)
+            raise CowfsError(
+                f"{who} did not report within {timeout:.0f} s while {what}", errors.DAEMON_ERROR
+            )
         chunk = os.read(fd, 65536)
         if not chunk:
             break
@@ -140,8 +158,9 @@ def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what:
     except ValueError:
         msg = None
     if not isinstance(msg, dict):
-        raise CowfsError(f"{who} sent an unreadable report while {what}: {buf[:60]!r}",
-                         errors.DAEMON_ERROR)
+        raise CowfsError(
+            f"{who} sent an unreadable report while {what}: {buf[:60]!r}", errors.DAEMON_ERROR
+        )
     return msg
 
 
@@ -158,4 +177,5 @@ def detach(ready_fd: int) -> Callable[[dict], None]:
             os.close(ready_fd)
         except OSError:
             pass
+
     return report

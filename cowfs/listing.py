@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from .text import count
 
-KINDS = {"A": "added", "D": "deleted", "M": "modified", "R": "renamed", "T": "type changed",
-         "m": "attributes"}
-WHOLE = ("A", "D")      # the kinds whose directories are taken as a whole
+KINDS = {
+    "A": "added",
+    "D": "deleted",
+    "M": "modified",
+    "R": "renamed",
+    "T": "type changed",
+    "m": "attributes",
+}
+WHOLE = ("A", "D")  # the kinds whose directories are taken as a whole
 # A directory holding fewer changes is listed in full: a line per path is
 # then about as short, and says more.
 SMALL = 5
@@ -28,7 +34,7 @@ def collapse(changes: list[dict]) -> list[dict]:
     directory between them is a change of the same kind too; others below
     it (a file moved into a new directory: R) stay.  The order is kept."""
     by_path = {c["path"]: c for c in changes if c["kind"] in WHOLE}
-    top: dict[str, str] = {}         # path -> the path of the entry it is taken into
+    top: dict[str, str] = {}  # path -> the path of the entry it is taken into
 
     def top_of(path: str) -> str:
         found = top.get(path)
@@ -41,7 +47,7 @@ def collapse(changes: list[dict]) -> list[dict]:
         return found
 
     inside: dict[str, dict] = {}
-    for path in sorted(by_path, key=lambda p: p.count("/")):   # (shallow first: no deep recursion)
+    for path in sorted(by_path, key=lambda p: p.count("/")):  # (shallow first: no deep recursion)
         t = top_of(path)
         if t != path:
             held = inside.setdefault(t, {"files": 0, "dirs": 0})
@@ -57,8 +63,7 @@ def collapse(changes: list[dict]) -> list[dict]:
 
 def individual_first(changes: list[dict]) -> list[dict]:
     """Single changes first, then the directories taken as a whole."""
-    return [c for c in changes if "collapsed" not in c] + \
-        [c for c in changes if "collapsed" in c]
+    return [c for c in changes if "collapsed" not in c] + [c for c in changes if "collapsed" in c]
 
 
 def counts(changes: list[dict]) -> dict[str, int]:
@@ -74,8 +79,9 @@ def headline(by_kind: dict[str, int]) -> str:
     total = sum(by_kind.values())
     if not total:
         return "no changes"
-    return f"{count(total, 'change')}: " + ", ".join(f"{n:,} {KINDS.get(k, k)}"
-                                                     for k, n in by_kind.items())
+    return f"{count(total, 'change')}: " + ", ".join(
+        f"{n:,} {KINDS.get(k, k)}" for k, n in by_kind.items()
+    )
 
 
 def held(c: dict) -> str:

@@ -22,7 +22,7 @@ from .errors import CowfsError
 from .mounts import find_mount
 from .policy import RunScope
 
-TEXT_LIMIT = 20_000          # default byte limit of diff, show and run output
+TEXT_LIMIT = 20_000  # default byte limit of diff, show and run output
 
 INSTRUCTIONS = """\
 cowfs makes the workspace at {root} undoable: every change any program makes \
@@ -43,9 +43,11 @@ def clean(data: Any, keep: frozenset = frozenset()) -> Any:
     """*data* without what a model need not read: timings, engine
     statistics, writers (unless in *keep*), empty lists and nulls."""
     if isinstance(data, dict):
-        return {k: clean(v, keep) for k, v in data.items()
-                if (k not in NOISE or k in keep) and v is not None
-                and (v != [] or k == "changes")}
+        return {
+            k: clean(v, keep)
+            for k, v in data.items()
+            if (k not in NOISE or k in keep) and v is not None and (v != [] or k == "changes")
+        }
     if isinstance(data, list):
         return [clean(v, keep) for v in data]
     return data
@@ -57,12 +59,13 @@ def cut(text: str, limit: int, hint: str) -> tuple[str, bool]:
     data = text.encode()
     if len(data) <= limit:
         return text, False
-    head = data[:max(0, limit)]
+    head = data[: max(0, limit)]
     nl = head.rfind(b"\n")
     if nl > 0:
-        head = head[:nl + 1]
-    return (head.decode(errors="ignore") + f"[... cut at {len(head)} of {len(data)} bytes; "
-            f"{hint}]\n"), True
+        head = head[: nl + 1]
+    return (
+        head.decode(errors="ignore") + f"[... cut at {len(head)} of {len(data)} bytes; {hint}]\n"
+    ), True
 
 
 def utf8(data: bytes) -> str | None:
@@ -73,7 +76,7 @@ def utf8(data: bytes) -> str | None:
     except UnicodeDecodeError as e:
         if e.start < len(data) - 3:
             return None
-        return data[:e.start].decode()
+        return data[: e.start].decode()
 
 
 def build(root: str):
@@ -84,66 +87,85 @@ def build(root: str):
 
     server = MCPServer("cowfs", instructions=INSTRUCTIONS.format(root=root))
 
-    def answer(work: Callable[[Workspace], Any], text: Callable[[Any], str] = _text
-               ) -> CallToolResult:
+    def answer(
+        work: Callable[[Workspace], Any], text: Callable[[Any], str] = _text
+    ) -> CallToolResult:
         """Run *work* on the workspace (attached afresh: the mount may have
         come and gone); a CowfsError becomes a tool error with its code."""
         try:
             result = work(Workspace.attach(root))
-            return CallToolResult(content=[TextContent(type="text", text=text(result))],
-                                  structured_content=result if isinstance(result, dict)
-                                  else {"result": result})
+            return CallToolResult(
+                content=[TextContent(type="text", text=text(result))],
+                structured_content=result if isinstance(result, dict) else {"result": result},
+            )
         except CowfsError as e:
             code, message = e.code, str(e)
         except OSError as e:
             code = errors.DAEMON_ERROR
-            message = (f"{os.fsdecode(e.filename)}: " if e.filename else "") + \
-                (e.strerror or str(e))
-        except Exception as e:   # a bug: still one line for the model to read
+            message = (f"{os.fsdecode(e.filename)}: " if e.filename else "") + (
+                e.strerror or str(e)
+            )
+        except Exception as e:  # a bug: still one line for the model to read
             code, message = errors.DAEMON_ERROR, f"internal error: {type(e).__name__}: {e}"
-        return CallToolResult(content=[TextContent(type="text",
-                                                   text=f"cowfs: {message} (exit code {code})")],
-                              structured_content={"error": message, "code": code},
-                              is_error=True)
+        return CallToolResult(
+            content=[TextContent(type="text", text=f"cowfs: {message} (exit code {code})")],
+            structured_content={"error": message, "code": code},
+            is_error=True,
+        )
 
     def tool(fn: Callable) -> Callable:
         """Register *fn* (its docstring is the description); parameters with
         an alias (``from``) reach it under their Python names."""
         sig = inspect.signature(fn)
-        names = {m.alias: p.name for p in sig.parameters.values()
-                 for m in getattr(p.annotation, "__metadata__", ()) if getattr(m, "alias", None)}
+        names = {
+            m.alias: p.name
+            for p in sig.parameters.values()
+            for m in getattr(p.annotation, "__metadata__", ())
+            if getattr(m, "alias", None)
+        }
 
         @functools.wraps(fn)
         def call(**kw):
             return fn(**{names.get(k, k): v for k, v in kw.items()})
-        call.__signature__ = sig      # type: ignore[attr-defined]  # (what FastMCP reads)
+
+        call.__signature__ = sig  # type: ignore[attr-defined]  # (what FastMCP reads)
         server.add_tool(call, name=fn.__name__)
         return fn
 
     Layer = Annotated[int | None, Field(description="a layer id (from checkpoint or log)")]
-    Limit = Annotated[int, Field(ge=256, le=4 << 20,
-                                 description="most bytes of text to return; the rest is cut")]
+    Limit = Annotated[
+        int, Field(ge=256, le=4 << 20, description="most bytes of text to return; the rest is cut")
+    ]
 
     @tool
-    def status(who: Annotated[bool, Field(description="with the process that first made "
-                                                      "each change")] = False) -> CallToolResult:
+    def status(
+        who: Annotated[
+            bool, Field(description="with the process that first made each change")
+        ] = False,
+    ) -> CallToolResult:
         """What changed in the open layer (since the last checkpoint): each
         change's path and kind (A added, D deleted, M modified, T type changed,
         R renamed, m attributes only), the layer stack's size, and whether the
         last rollback can still be redone."""
-        return answer(lambda ws: clean(ws._call("status"),
-                                       frozenset({"who"}) if who else frozenset()))
+        return answer(
+            lambda ws: clean(ws._call("status"), frozenset({"who"}) if who else frozenset())
+        )
 
     # (B006: the default list is never changed; the tool's schema is its signature)
     @tool
-    def diff(layer: Layer = None,
-             paths: Annotated[list[str], Field(description="only these paths (relative to "
-                                                           "the workspace root)")] = [],  # noqa: B006
-             stat: Annotated[bool, Field(description="lines added and removed per file "
-                                                     "instead of the diff")] = False,
-             name_status: Annotated[bool, Field(description="only the kind and path of "
-                                                            "each change")] = False,
-             max_bytes: Limit = TEXT_LIMIT) -> CallToolResult:
+    def diff(
+        layer: Layer = None,
+        paths: Annotated[
+            list[str], Field(description="only these paths (relative to the workspace root)")
+        ] = [],  # noqa: B006
+        stat: Annotated[
+            bool, Field(description="lines added and removed per file instead of the diff")
+        ] = False,
+        name_status: Annotated[
+            bool, Field(description="only the kind and path of each change")
+        ] = False,
+        max_bytes: Limit = TEXT_LIMIT,
+    ) -> CallToolResult:
         """Changes since a layer was opened (default: the open layer, i.e. since
         the last checkpoint) with their content: a unified diff for text files,
         sizes and hashes for binary ones. Large output is cut at max_bytes:
@@ -153,21 +175,29 @@ def build(root: str):
         def work(ws: Workspace) -> dict:
             res = ws._call("diff", since=layer, paths=list(paths))
             text = "\n".join(diff_rows(res["changes"], name_status, stat, False))
-            text, cut_ = cut(text or "no changes", max_bytes,
-                             "ask for fewer paths, or use stat or name_status")
-            names = [{k: c.get(k) for k in ("path", "kind", "from") if c.get(k) is not None}
-                     for c in res["changes"]]
+            text, cut_ = cut(
+                text or "no changes", max_bytes, "ask for fewer paths, or use stat or name_status"
+            )
+            names = [
+                {k: c.get(k) for k in ("path", "kind", "from") if c.get(k) is not None}
+                for c in res["changes"]
+            ]
             return {"since": res["since"], "changes": names, "text": text, "cut": cut_}
+
         return answer(work, lambda r: r["text"])
 
     @tool
-    def show(layer: Annotated[int, Field(description="the layer: PATH as it was when this "
-                                                     "layer was opened")],
-             path: Annotated[str, Field(description="relative to the workspace root")],
-             max_bytes: Limit = TEXT_LIMIT) -> CallToolResult:
+    def show(
+        layer: Annotated[
+            int, Field(description="the layer: PATH as it was when this layer was opened")
+        ],
+        path: Annotated[str, Field(description="relative to the workspace root")],
+        max_bytes: Limit = TEXT_LIMIT,
+    ) -> CallToolResult:
         """A file, directory or symlink as it was when a layer was opened,
         changing nothing: a file's text (binary files: size only), a
         directory's names, a symlink's target."""
+
         def work(ws: Workspace) -> dict:
             res = ws._call("show", layer=layer, path=path, size=max_bytes + 1)
             out = {k: res.get(k) for k in ("path", "kind", "layer", "mode", "size")}
@@ -175,9 +205,12 @@ def build(root: str):
                 text = utf8(base64.b64decode(res["data"])[:max_bytes])
                 out["binary"] = text is None or "\0" in text
                 out["cut"] = res["size"] > max_bytes
-                out["text"] = (f"(binary, {res['size']} bytes)" if out["binary"] else
-                               (text or "") + (f"\n[... cut at {max_bytes} of {res['size']} bytes]"
-                                       if out["cut"] else ""))
+                out["text"] = (
+                    f"(binary, {res['size']} bytes)"
+                    if out["binary"]
+                    else (text or "")
+                    + (f"\n[... cut at {max_bytes} of {res['size']} bytes]" if out["cut"] else "")
+                )
             elif res["kind"] == "dir":
                 out["entries"] = res["entries"]
                 out["text"] = "\n".join(res["entries"]) or "(empty directory)"
@@ -186,6 +219,7 @@ def build(root: str):
             else:
                 out["text"] = f"{res['kind']} mode {res['mode']:o}"
             return out
+
         return answer(work, lambda r: r["text"])
 
     @tool
@@ -196,33 +230,45 @@ def build(root: str):
         return answer(lambda ws: clean(ws._call("log")))
 
     @tool
-    def checkpoint(message: Annotated[str, Field(description="what the layer is for")] = ""
-                   ) -> CallToolResult:
+    def checkpoint(
+        message: Annotated[str, Field(description="what the layer is for")] = "",
+    ) -> CallToolResult:
         """Open a new layer: everything changed from now on can be rolled back
         to this point. Returns the new layer's id."""
         return answer(lambda ws: clean(ws._call("checkpoint", message=message)))
 
     @tool
-    def rollback(to: Layer = None,
-                 dry_run: Annotated[bool, Field(description="only list what would be "
-                                                            "undone; change nothing")] = False,
-                 no_redo: Annotated[bool, Field(description="keep nothing for redo "
-                                                            "(faster)")] = False,
-                 yes: Annotated[bool, Field(description="confirm a rollback of the base "
-                                                        "layer (everything since the "
-                                                        "workspace was mounted)")] = False
-                 ) -> CallToolResult:
+    def rollback(
+        to: Layer = None,
+        dry_run: Annotated[
+            bool, Field(description="only list what would be undone; change nothing")
+        ] = False,
+        no_redo: Annotated[bool, Field(description="keep nothing for redo (faster)")] = False,
+        yes: Annotated[
+            bool,
+            Field(
+                description="confirm a rollback of the base "
+                "layer (everything since the "
+                "workspace was mounted)"
+            ),
+        ] = False,
+    ) -> CallToolResult:
         """Undo the open layer (everything since the last checkpoint), or with
         `to` every layer down to and including that one: the workspace is then
         exactly as it was when that layer was opened. `redo` undoes a rollback
         while nothing that it would put back has changed since. When the open
         layer is the base layer, a rollback without `to` undoes the whole
         session and is refused (exit code 14) unless `yes`."""
+
         def work(ws: Workspace) -> dict:
             if dry_run:
                 return clean(ws._call("changes", since=to))
-            return clean(control.call(ws.record, "rollback", timeout=None, to=to,
-                                      keep_redo=not no_redo, yes=yes))
+            return clean(
+                control.call(
+                    ws.record, "rollback", timeout=None, to=to, keep_redo=not no_redo, yes=yes
+                )
+            )
+
         return answer(work)
 
     @tool
@@ -238,63 +284,91 @@ def build(root: str):
         return answer(lambda ws: clean(control.call(ws.record, "redo", timeout=None)))
 
     @tool
-    def restore(paths: Annotated[list[str], Field(min_length=1,
-                                                  description="files or directories, "
-                                                              "relative to the workspace root")],
-                from_: Annotated[int | None, Field(alias="from",
-                                                   description="the layer (default: the open "
-                                                               "layer)")] = None
-                ) -> CallToolResult:
+    def restore(
+        paths: Annotated[
+            list[str],
+            Field(min_length=1, description="files or directories, relative to the workspace root"),
+        ],
+        from_: Annotated[
+            int | None, Field(alias="from", description="the layer (default: the open layer)")
+        ] = None,
+    ) -> CallToolResult:
         """Put some paths back as they were when a layer was opened (the rest
         of the workspace stays as it is); the restore is itself a change of
         the open layer."""
         return answer(lambda ws: {"restored": ws.restore(paths, from_)})
 
     @tool
-    def run(command: Annotated[str | list[str],
-                               Field(description="a shell command line, or an argument list")],
-            verify: Annotated[str | None, Field(description="a shell command that must also "
-                                                            "succeed afterwards")] = None,
-            message: Annotated[str | None, Field(description="the step's layer message")] = None,
-            on_fail: Literal["rollback", "keep"] = "rollback",
-            on_success: Annotated[Literal["keep", "commit"], Field(
+    def run(
+        command: Annotated[
+            str | list[str], Field(description="a shell command line, or an argument list")
+        ],
+        verify: Annotated[
+            str | None, Field(description="a shell command that must also succeed afterwards")
+        ] = None,
+        message: Annotated[str | None, Field(description="the step's layer message")] = None,
+        on_fail: Literal["rollback", "keep"] = "rollback",
+        on_success: Annotated[
+            Literal["keep", "commit"],
+            Field(
                 description="a successful step: keep its layer as an undo point of its own "
-                            "(default), or merge it into the layer below")] = "keep",
-            cwd: Annotated[str | None, Field(description="working directory, relative to the "
-                                                         "workspace root")] = None,
-            scope: Annotated[RunScope, Field(description="what to snapshot "
-                                                                    "(see cowfs run)")] = "files",
-            timeout: Annotated[float | None, Field(gt=0, description="seconds before the "
-                                                                     "command is killed")] = 600,
-            max_bytes: Limit = TEXT_LIMIT) -> CallToolResult:
+                "(default), or merge it into the layer below"
+            ),
+        ] = "keep",
+        cwd: Annotated[
+            str | None, Field(description="working directory, relative to the workspace root")
+        ] = None,
+        scope: Annotated[RunScope, Field(description="what to snapshot (see cowfs run)")] = "files",
+        timeout: Annotated[
+            float | None, Field(gt=0, description="seconds before the command is killed")
+        ] = 600,
+        max_bytes: Limit = TEXT_LIMIT,
+    ) -> CallToolResult:
         """Run a command in the workspace as one step in its own layer: if it
         (or `verify`) fails, everything it changed is rolled back; otherwise
         its layer stays (rollback with `to` that layer undoes it later).
         Returns the exit statuses, what changed, the outcome, the layer and
         the command's and the verifier's stdout and stderr (stdin is
         empty)."""
+
         def work(ws: Workspace) -> dict:
             where = os.path.normpath(os.path.join(ws.root, cwd or "."))
             if where != ws.root and not where.startswith(ws.root.rstrip("/") + "/"):
                 raise CowfsError(f"cwd {cwd!r} is outside the workspace", errors.USAGE)
-            r = ws.run(command, verify=verify, on_fail=on_fail, on_success=on_success,
-                       message=message, cwd=where, scope=scope, capture_output=True,
-                       timeout=timeout, output_limit=max_bytes)
-            return r.record() | {"ok": r.ok, "changes": [str(c) for c in r.changes],
-                                 "stdout": r.stdout, "stderr": r.stderr,
-                                 "verify_stdout": r.verify_stdout,
-                                 "verify_stderr": r.verify_stderr}
+            r = ws.run(
+                command,
+                verify=verify,
+                on_fail=on_fail,
+                on_success=on_success,
+                message=message,
+                cwd=where,
+                scope=scope,
+                capture_output=True,
+                timeout=timeout,
+                output_limit=max_bytes,
+            )
+            return r.record() | {
+                "ok": r.ok,
+                "changes": [str(c) for c in r.changes],
+                "stdout": r.stdout,
+                "stderr": r.stderr,
+                "verify_stdout": r.verify_stdout,
+                "verify_stderr": r.verify_stderr,
+            }
 
         def text(r: dict) -> str:
             why = f" ({r['error']})" if r.get("error") else ""
-            head = (f"{r['outcome']}{why}: exit {r['exit_status']}"
-                    + (f", verify exit {r['verify_status']}" if r["verify_status"] is not None
-                       else "") + f", {len(r['changes'])} change(s), layer {r['layer']}")
+            head = (
+                f"{r['outcome']}{why}: exit {r['exit_status']}"
+                + (f", verify exit {r['verify_status']}" if r["verify_status"] is not None else "")
+                + f", {len(r['changes'])} change(s), layer {r['layer']}"
+            )
             parts = [head, *r["warnings"], *r["changes"][:50]]
             for key in ("stdout", "stderr", "verify_stdout", "verify_stderr"):
                 if r[key]:
                     parts += [f"--- {key.replace('_', ' ')}", r[key].rstrip("\n")]
             return "\n".join(parts)
+
         return answer(work, text)
 
     return server
@@ -307,16 +381,19 @@ def serve(path: str, mount: bool = False) -> int:
         import anyio
         import mcp.server.mcpserver  # noqa: F401
     except ImportError:
-        raise CowfsError("cowfs mcp needs the MCP SDK: pip install 'cowfs[mcp]'",
-                         errors.USAGE) from None
+        raise CowfsError(
+            "cowfs mcp needs the MCP SDK: pip install 'cowfs[mcp]'", errors.USAGE
+        ) from None
     if mount:
         from .mounts import is_cowfs_mount
+
         try:
             root = find_mount(path).mountpoint
         except errors.NotMounted:
             if not os.path.isdir(path) and not is_cowfs_mount(os.path.abspath(path)):
-                raise errors.BadWorkspace(f"workspace {path} does not exist or is not a "
-                                          "directory") from None
+                raise errors.BadWorkspace(
+                    f"workspace {path} does not exist or is not a directory"
+                ) from None
             root = Workspace.mount(path).root
     else:
         root = find_mount(path).mountpoint

@@ -13,8 +13,8 @@ import xxhash
 from .errors import AlreadyMounted, BadWorkspace, NotMounted, NotOwner
 
 FSTYPE = "fuse.cowfs"
-VIEW_FSTYPE = "fuse.cowfs-view"     # a read-only view of the past (cowfs/view.py)
-STORE_DIR = ".cowfs"    # a workspace's store, unless it is given: WORKSPACE/.cowfs
+VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/view.py)
+STORE_DIR = ".cowfs"  # a workspace's store, unless it is given: WORKSPACE/.cowfs
 
 
 def default_store(workspace: str) -> str:
@@ -61,8 +61,8 @@ def record_path(mountpoint: str) -> str:
 def _unescape(field: str) -> str:
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -72,12 +72,13 @@ def _unescape(field: str) -> str:
 
 class Mount(NamedTuple):
     """One line of /proc/self/mountinfo."""
+
     id: int
-    dev: str            # "major:minor" of its superblock
+    dev: str  # "major:minor" of its superblock
     mountpoint: str
     fstype: str
     source: str
-    options: str        # the superblock's options (user_id=... for FUSE)
+    options: str  # the superblock's options (user_id=... for FUSE)
 
 
 def mounts() -> list[Mount]:
@@ -87,8 +88,16 @@ def mounts() -> list[Mount]:
         for line in f:
             left, _, right = line.partition(" - ")
             fields, rest = left.split(" "), right.rstrip("\n").split(" ")
-            out.append(Mount(int(fields[0]), fields[2], _unescape(fields[4]), rest[0],
-                             _unescape(rest[1]), rest[2] if len(rest) > 2 else ""))
+            out.append(
+                Mount(
+                    int(fields[0]),
+                    fields[2],
+                    _unescape(fields[4]),
+                    rest[0],
+                    _unescape(rest[1]),
+                    rest[2] if len(rest) > 2 else "",
+                )
+            )
     return out
 
 
@@ -100,6 +109,7 @@ def unmount(mountpoint: str, lazy: bool) -> None:
     *lazy* detaches it at once, leaving it to the processes still inside."""
     if os.geteuid() == 0:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0) != 0:
             e = ctypes.get_errno()
@@ -107,13 +117,16 @@ def unmount(mountpoint: str, lazy: bool) -> None:
         return
     import errno
     import subprocess
+
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + ["--", mountpoint]
     r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         busy = "busy" in r.stderr.lower()
-        raise OSError(errno.EBUSY if busy else errno.EIO,
-                      r.stderr.strip().removeprefix("fusermount3: ") or "fusermount3 failed",
-                      mountpoint)
+        raise OSError(
+            errno.EBUSY if busy else errno.EIO,
+            r.stderr.strip().removeprefix("fusermount3: ") or "fusermount3 failed",
+            mountpoint,
+        )
 
 
 def mount_table() -> dict[str, str]:
@@ -128,13 +141,14 @@ def mount_owner(path: str) -> int | None:
         return None
     for opt in found[-1].options.split(","):
         if opt.startswith("user_id="):
-            return int(opt[len("user_id="):])
+            return int(opt[len("user_id=") :])
     return None
 
 
 def not_owner(what: str, uid: int) -> NotOwner:
-    return NotOwner(f"{what} belongs to another user (uid {uid}); only that user or root "
-                    "may control it")
+    return NotOwner(
+        f"{what} belongs to another user (uid {uid}); only that user or root may control it"
+    )
 
 
 def is_cowfs_mount(path: str) -> bool:
@@ -163,14 +177,21 @@ class MountRecord:
 
     __slots__ = ("mountpoint", "workspace", "store", "pid", "socket", "finishing")
 
-    def __init__(self, mountpoint: str, workspace: str, store: str, pid: int, socket: str,
-                 finishing: bool = False):
+    def __init__(
+        self,
+        mountpoint: str,
+        workspace: str,
+        store: str,
+        pid: int,
+        socket: str,
+        finishing: bool = False,
+    ):
         self.mountpoint = mountpoint
         self.workspace = workspace
         self.store = store
         self.pid = pid
         self.socket = socket
-        self.finishing = finishing     # unmounted; the daemon records its state and exits
+        self.finishing = finishing  # unmounted; the daemon records its state and exits
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -185,8 +206,11 @@ class MountRecord:
     def load(cls, mountpoint: str, dirs: list[str] | None = None) -> MountRecord | None:
         """The record of the daemon serving *mountpoint*, from this user's
         runtime directory (or the first of *dirs* that has one)."""
-        paths = [os.path.join(d, _key(mountpoint) + ".json") for d in dirs] if dirs \
+        paths = (
+            [os.path.join(d, _key(mountpoint) + ".json") for d in dirs]
+            if dirs
             else [record_path(mountpoint)]
+        )
         for path in paths:
             rec = cls._read(path)
             if rec is not None:
@@ -205,15 +229,19 @@ class MountRecord:
     def all(cls) -> list[MountRecord]:
         """Every record in this user's runtime directory (live or not)."""
         base = runtime_dir()
-        found = (cls._read(os.path.join(base, n)) for n in sorted(os.listdir(base))
-                 if n.endswith(".json"))
+        found = (
+            cls._read(os.path.join(base, n))
+            for n in sorted(os.listdir(base))
+            if n.endswith(".json")
+        )
         return [rec for rec in found if rec is not None]
 
     def save(self) -> None:
         path = record_path(self.mountpoint)
         tmp = path + ".tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
-                  "w") as f:
+        with open(
+            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w"
+        ) as f:
             json.dump(self.as_dict(), f)
         os.replace(tmp, path)
 
@@ -235,10 +263,11 @@ LIVE, DEAD, UNMOUNTED = "live", "dead", "unmounted"
 
 class Location(NamedTuple):
     """Where the workspace of a path is, and in what state (see locate)."""
-    state: str                  # LIVE, DEAD or UNMOUNTED
-    root: str                   # the mount point (live, dead); the workspace (unmounted)
+
+    state: str  # LIVE, DEAD or UNMOUNTED
+    root: str  # the mount point (live, dead); the workspace (unmounted)
     record: MountRecord | None  # the daemon's record (live; dead: if it left one)
-    store: str | None           # unmounted: the store found there; None: no workspace found
+    store: str | None  # unmounted: the store found there; None: no workspace found
 
     def mounted(self, path: str) -> MountRecord:
         """The record of a live mount; NotMounted, saying what to do, otherwise."""
@@ -246,22 +275,26 @@ class Location(NamedTuple):
             return self.record
         if self.state == DEAD:
             ws = self.record.workspace if self.record else self.root
-            raise NotMounted(f"{self.root}: the cowfs daemon of this mount is gone; "
-                             f"run 'cowfs mount {ws}' to recover it")
+            raise NotMounted(
+                f"{self.root}: the cowfs daemon of this mount is gone; "
+                f"run 'cowfs mount {ws}' to recover it"
+            )
         real = os.path.realpath(path)
         shown = path if real == path else f"{path} ({real})"
-        raise NotMounted(f"{shown} is not inside a mounted cowfs workspace; mount one "
-                         "with 'cowfs mount DIR'")
+        raise NotMounted(
+            f"{shown} is not inside a mounted cowfs workspace; mount one with 'cowfs mount DIR'"
+        )
 
     def unmounted(self, path: str) -> tuple[str, str | None]:
         """(workspace, store) to work on without a mount: a dead mount's (the
         store None when it is the default), or the nearest store above *path*."""
         if self.state != UNMOUNTED:
-            return (self.record.workspace, self.record.store) if self.record \
-                else (self.root, None)
+            return (self.record.workspace, self.record.store) if self.record else (self.root, None)
         if self.store is None:
-            raise NotMounted(f"{path} is not inside a cowfs workspace (mounted, or with a "
-                             f"{STORE_DIR} store); give the store with --store DIR")
+            raise NotMounted(
+                f"{path} is not inside a cowfs workspace (mounted, or with a "
+                f"{STORE_DIR} store); give the store with --store DIR"
+            )
         if not os.access(self.store, os.X_OK):
             raise not_owner(f"the cowfs store {self.store}", os.stat(self.store).st_uid)
         return self.root, None
@@ -292,8 +325,9 @@ def locate(path: str) -> Location:
     q = p
     while True:
         store = default_store(q)
-        if os.path.isdir(os.path.join(store, "db")) or \
-                (os.path.isdir(store) and not os.access(store, os.X_OK)):
+        if os.path.isdir(os.path.join(store, "db")) or (
+            os.path.isdir(store) and not os.access(store, os.X_OK)
+        ):
             return Location(UNMOUNTED, q, None, store)
         if q == "/":
             return Location(UNMOUNTED, p, None, None)
@@ -333,8 +367,7 @@ def mounted_workspaces() -> list[MountRecord]:
             continue
         rec = MountRecord.load(m.mountpoint)
         if rec is None:
-            ws = m.source.removeprefix("cowfs:") if m.source.startswith("cowfs:/") \
-                else m.mountpoint
+            ws = m.source.removeprefix("cowfs:") if m.source.startswith("cowfs:/") else m.mountpoint
             rec = MountRecord(m.mountpoint, ws, "", 0, "")
         out[m.mountpoint] = rec
     return list(out.values())
@@ -353,7 +386,7 @@ def mount_users(mount: Mount) -> list[int]:
         try:
             if _uses(f"/proc/{name}", mount.id, mapped):
                 users.append(int(name))
-        except OSError:     # gone, a kernel thread, or not ours to read
+        except OSError:  # gone, a kernel thread, or not ours to read
             continue
     return sorted(users)
 
@@ -370,7 +403,7 @@ def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
         try:
             if _mnt_id(f"{proc}/fdinfo/{entry}") == mnt_id:
                 return True
-        except OSError:     # closed meanwhile
+        except OSError:  # closed meanwhile
             continue
     with open(f"{proc}/maps", "rb") as f:
         return any(mapped in line for line in f)
@@ -394,7 +427,7 @@ def lock_holder(path: str) -> int | None:
         return None
     key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     for line in lines:
-        fields = line.split()   # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF"
+        fields = line.split()  # "1: FLOCK ADVISORY WRITE PID MAJ:MIN:INO 0 EOF"
         if len(fields) > 5 and fields[1] != "->" and fields[5] == key:
             return int(fields[4]) if int(fields[4]) > 0 else None
     return None
@@ -422,18 +455,21 @@ def finish_unmount(rec: MountRecord, result: dict, timeout: float = 60) -> list[
         raise AlreadyMounted(
             f"{rec.mountpoint} is unmounted, but its daemon (pid {rec.pid}) is still "
             f"finishing after {timeout:.0f} s (recording the workspace's state, closing "
-            "the store); the workspace cannot be mounted again until it exits")
+            "the store); the workspace cannot be mounted again until it exits"
+        )
     return []
 
 
 def processes(pids: list[int], limit: int = 10) -> str:
     """'1234 (bash), 1240 (make)' for the first *limit* pids."""
+
     def one(pid: int) -> str:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 return f"{pid} ({f.read().strip()})"
         except OSError:
             return str(pid)
+
     more = f" and {len(pids) - limit} more" if len(pids) > limit else ""
     return ", ".join(map(one, pids[:limit])) + more
 
@@ -445,8 +481,10 @@ def within(path: str, top: str) -> bool:
 
 def already_mounted(rec: MountRecord) -> AlreadyMounted:
     where = "over itself" if rec.mountpoint == rec.workspace else f"at {rec.mountpoint}"
-    return AlreadyMounted(f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
-                          f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first")
+    return AlreadyMounted(
+        f"{rec.workspace} is already mounted {where} (cowfs daemon pid "
+        f"{rec.pid}); 'cowfs unmount {rec.mountpoint}' first"
+    )
 
 
 def recover_stale_mount(mountpoint: str) -> str | None:
@@ -477,39 +515,49 @@ def check_other_mounts(workspace: str, mountpoint: str, store_dir: str) -> list[
         live = rec.pid > 0 and pid_alive(rec.pid)
         # (their paths as recorded, absolute: resolving them would ask their
         # daemons, and one that hangs would hang this mount)
-        theirs = {"workspace": os.path.normpath(rec.workspace),
-                  "mount point": os.path.normpath(rec.mountpoint),
-                  "store": os.path.normpath(rec.store) if rec.store else None}
+        theirs = {
+            "workspace": os.path.normpath(rec.workspace),
+            "mount point": os.path.normpath(rec.mountpoint),
+            "store": os.path.normpath(rec.store) if rec.store else None,
+        }
         if ws in (theirs["workspace"], theirs["mount point"]) or store == theirs["store"]:
             if live:
                 raise already_mounted(rec)
-            if rec.pid and theirs["mount point"] != mp:   # (dead, by its record)
+            if rec.pid and theirs["mount point"] != mp:  # (dead, by its record)
                 cleared = recover_stale_mount(rec.mountpoint)
                 if cleared:
                     warnings.append(cleared)
             continue
         if mp == theirs["mount point"]:
             if live:
-                raise AlreadyMounted(f"{mp} is the mount point of the cowfs workspace "
-                                     f"{rec.workspace} (daemon pid {rec.pid})")
-            continue    # a dead mount there is cleared when the store opens
-        other = rec.workspace + ("" if theirs["mount point"] == theirs["workspace"]
-                                 else f" (mounted at {rec.mountpoint})")
+                raise AlreadyMounted(
+                    f"{mp} is the mount point of the cowfs workspace "
+                    f"{rec.workspace} (daemon pid {rec.pid})"
+                )
+            continue  # a dead mount there is cleared when the store opens
+        other = rec.workspace + (
+            ""
+            if theirs["mount point"] == theirs["workspace"]
+            else f" (mounted at {rec.mountpoint})"
+        )
         for role, path in ours.items():
             for their_role, their_path in theirs.items():
                 if their_path is None:
                     continue
-                what = ("the store of " if their_role == "store" else "") + \
-                    f"the mounted cowfs workspace {other}"
+                what = (
+                    "the store of " if their_role == "store" else ""
+                ) + f"the mounted cowfs workspace {other}"
                 if within(path, their_path):
                     where = f"its {role} {path} lies inside {what}"
                 elif within(their_path, path):
                     where = f"{what} lies inside its {role} {path}"
                 else:
                     continue
-                raise BadWorkspace(f"cannot mount {ws}: {where}; nested workspaces are "
-                                   "refused (the outer one would capture the inner "
-                                   "one's store)")
+                raise BadWorkspace(
+                    f"cannot mount {ws}: {where}; nested workspaces are "
+                    "refused (the outer one would capture the inner "
+                    "one's store)"
+                )
     return warnings
 
 
@@ -525,10 +573,13 @@ def store_in_use(store_dir: str, workspace: str) -> AlreadyMounted:
         return AlreadyMounted(
             f"{rec.workspace} was unmounted lazily from {rec.mountpoint} and its daemon "
             f"(pid {rec.pid}) still serves the processes using it; it exits when the "
-            "last one leaves")
+            "last one leaves"
+        )
     pid = lock_holder(os.path.join(store_dir, "lock"))
-    return AlreadyMounted(f"the store of {workspace} ({store_dir}) is in use "
-                          "by another cowfs process" + (f" (pid {pid})" if pid else ""))
+    return AlreadyMounted(
+        f"the store of {workspace} ({store_dir}) is in use "
+        "by another cowfs process" + (f" (pid {pid})" if pid else "")
+    )
 
 
 def finishing_daemon(store_dir: str) -> int | None:
@@ -536,7 +587,10 @@ def finishing_daemon(store_dir: str) -> int | None:
     while it is still finishing its unmount (recording the workspace's
     state, closing the store)."""
     for rec in MountRecord.all():
-        if rec.finishing and os.path.normpath(rec.store) == os.path.realpath(store_dir) \
-                and pid_alive(rec.pid):
+        if (
+            rec.finishing
+            and os.path.normpath(rec.store) == os.path.realpath(store_dir)
+            and pid_alive(rec.pid)
+        ):
             return rec.pid
     return None

@@ -100,17 +100,18 @@ def op(fn: Callable) -> Callable:
     attributed to the process), and anything unexpected becomes EIO (logged,
     see errno_only): engines answer an OSError's errno."""
     name = fn.__name__
-    takes_ctx = "ctx" in fn.__code__.co_varnames[:fn.__code__.co_argcount
-                                                 + fn.__code__.co_kwonlyargcount]
+    takes_ctx = (
+        "ctx" in fn.__code__.co_varnames[: fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    )
 
     guard = errno_only(name)
 
     @functools.wraps(fn)
     def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
-        self.last_request = monotonic()          # (background work waits for a pause)
+        self.last_request = monotonic()  # (background work waits for a pause)
         rec = self.rec
         rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
-        if rec.ignore is not None:                # .cowfsignore may have changed
+        if rec.ignore is not None:  # .cowfsignore may have changed
             rec.ignore.stale = True
         if takes_ctx:
             kw["ctx"] = ctx
@@ -138,8 +139,9 @@ HANDLE_OPS = ("write", "fallocate", "copy_file_range", "flush", "release", "fsyn
 
 
 class Ops:
-    def __init__(self, rootfd: int, store: Store, recorder: Recorder, *,
-                 hidden: bytes | None = None):
+    def __init__(
+        self, rootfd: int, store: Store, recorder: Recorder, *, hidden: bytes | None = None
+    ):
         self.store = store
         self.rec = recorder
         self.hidden = hidden
@@ -163,7 +165,7 @@ class Ops:
         # Files open for writing: only they can have dirty pages (shared
         # mmaps) in the kernel that a layer switch must flush first.
         self.writers = 0
-        self.pt_writers: set[Node] = set()      # written through passthrough
+        self.pt_writers: set[Node] = set()  # written through passthrough
         self.grave_links = store.grave_counts()
         # told before the bytes of an object change
         self.sums: Hasher | None = None
@@ -191,8 +193,7 @@ class Ops:
             return 0
         return st.st_nlink - (node is self.root and self.hidden_dir)
 
-    def _lookup(self, parent: Node, name: bytes, count: bool = True
-                ) -> tuple[Node, os.stat_result]:
+    def _lookup(self, parent: Node, name: bytes, count: bool = True) -> tuple[Node, os.stat_result]:
         st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         node = self.by_bino.get(st.st_ino)
         if node is None:
@@ -392,8 +393,7 @@ class Ops:
             if self._unreachable(node, st):
                 return
             with self.rec.txn() as w, B.noatime(fd):
-                self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st,
-                              start, end)
+                self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st, start, end)
         finally:
             if own:
                 os.close(fd)
@@ -410,9 +410,13 @@ class Ops:
         if o.created or o.xattrs or self._unreachable(node, os.stat(node.fd)):
             return
         with self.rec.txn() as w:
-            self.rec.xattrs(w, node.bino, functools.partial(self._loc, node),
-                            lambda: B.list_xattrs(*self._xpath(node)),
-                            stat.S_ISDIR(node.mode))
+            self.rec.xattrs(
+                w,
+                node.bino,
+                functools.partial(self._loc, node),
+                lambda: B.list_xattrs(*self._xpath(node)),
+                stat.S_ISDIR(node.mode),
+            )
 
     def _own(self, parent: Node, name: bytes, ctx, mode: int, fd: int | None = None) -> None:
         """Give a new object the caller's uid and gid (or the directory's gid
@@ -434,15 +438,15 @@ class Ops:
                 finally:
                     os.close(fd2)
 
-    def _new_object(self, parent: Node, name: bytes, make: Callable[[], None], ctx,
-                    mode: int) -> tuple[Node, os.stat_result]:
+    def _new_object(
+        self, parent: Node, name: bytes, make: Callable[[], None], ctx, mode: int
+    ) -> tuple[Node, os.stat_result]:
         """Record the creation, make the object, own it, look it up."""
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
             raise fail(errno.EEXIST)
         self.rec.obj(parent.bino)
-        if not self.rec.ignored(functools.partial(self._child, parent, name),
-                                stat.S_ISDIR(mode)):
+        if not self.rec.ignored(functools.partial(self._child, parent, name), stat.S_ISDIR(mode)):
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
                 self.rec.create(w, self._child(parent, name))
@@ -450,7 +454,7 @@ class Ops:
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
         self.rec.note_created(st.st_ino)
-        node.nocap = True             # (a new object has no capabilities)
+        node.nocap = True  # (a new object has no capabilities)
         return node, st
 
     # -- lookups and attributes ------------------------------------------------------
@@ -484,10 +488,20 @@ class Ops:
         return node, os.stat(node.fd)
 
     @op
-    def setattr(self, inode, fh: int | None, *, mode: int | None = None,
-                uid: int | None = None, gid: int | None = None, size: int | None = None,
-                atime_ns: int | None = None, mtime_ns: int | None = None,
-                kill_suidgid: bool = False, ctx: Ctx | None = None):
+    def setattr(
+        self,
+        inode,
+        fh: int | None,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        kill_suidgid: bool = False,
+        ctx: Ctx | None = None,
+    ):
         """Set what is not None (uid/gid -1: leave it); nothing at all: a
         change of the ctime alone.  *kill_suidgid*: a truncation by a caller
         without CAP_FSETID (see ``_kill_privs``)."""
@@ -517,10 +531,12 @@ class Ops:
                 os.chmod(B.proc(node.fd), stat.S_IMODE(mode))
             if atime_ns is not None or mtime_ns is not None:
                 cur = os.stat(node.fd)
-                ns = (cur.st_atime_ns if atime_ns is None else atime_ns,
-                      cur.st_mtime_ns if mtime_ns is None else mtime_ns)
+                ns = (
+                    cur.st_atime_ns if atime_ns is None else atime_ns,
+                    cur.st_mtime_ns if mtime_ns is None else mtime_ns,
+                )
                 if node.islnk:
-                    assert node.parent is not None     # (a symlink has a name)
+                    assert node.parent is not None  # (a symlink has a name)
                     os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
                 else:
                     os.utime(B.proc(node.fd), ns=ns)
@@ -560,8 +576,9 @@ class Ops:
             st = os.stat(node.fd)
             mode = st.st_mode
             kept = mode & ~stat.S_ISUID
-            if mode & stat.S_IXGRP or (mode & stat.S_ISGID and ctx is not None
-                                       and not in_group(ctx, st.st_gid)):
+            if mode & stat.S_IXGRP or (
+                mode & stat.S_ISGID and ctx is not None and not in_group(ctx, st.st_gid)
+            ):
                 kept &= ~stat.S_ISGID
             if kept != mode:
                 self._capture_meta(node)
@@ -570,7 +587,7 @@ class Ops:
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
         if node.islnk:
-            assert node.parent is not None             # (a symlink has a name)
+            assert node.parent is not None  # (a symlink has a name)
             os.chown(node.name, uid, gid, dir_fd=node.parent.fd, follow_symlinks=False)
         else:
             os.chown(B.proc(node.fd), uid, gid)
@@ -595,9 +612,20 @@ class Ops:
             return sv
         left = max(0, limit - self.store.data_bytes()) // (sv.f_frsize or sv.f_bsize or 4096)
         free = min(sv.f_bfree, left)
-        return os.statvfs_result((sv.f_bsize, sv.f_frsize, sv.f_blocks - sv.f_bfree + free, free,
-                                  min(sv.f_bavail, left), sv.f_files, sv.f_ffree, sv.f_favail,
-                                  sv.f_flag, sv.f_namemax))
+        return os.statvfs_result(
+            (
+                sv.f_bsize,
+                sv.f_frsize,
+                sv.f_blocks - sv.f_bfree + free,
+                free,
+                min(sv.f_bavail, left),
+                sv.f_files,
+                sv.f_ffree,
+                sv.f_favail,
+                sv.f_flag,
+                sv.f_namemax,
+            )
+        )
 
     # -- creating names ----------------------------------------------------------------
 
@@ -605,24 +633,28 @@ class Ops:
     def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
-        return self._new_object(parent, name,
-                                lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd),
-                                ctx, mode)
+        return self._new_object(
+            parent, name, lambda: os.mknod(name, mode, rdev, dir_fd=parent.fd), ctx, mode
+        )
 
     @op
     def mkdir(self, parent_inode, name, mode, ctx):
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
-        return self._new_object(parent, name,
-                                lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd),
-                                ctx, mode)
+        return self._new_object(
+            parent, name, lambda: os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd), ctx, mode
+        )
 
     @op
     def symlink(self, parent_inode, name, target, ctx):
         parent = self._node(parent_inode)
-        return self._new_object(parent, name,
-                                lambda: os.symlink(target, name, dir_fd=parent.fd),
-                                ctx, stat.S_IFLNK | 0o777)
+        return self._new_object(
+            parent,
+            name,
+            lambda: os.symlink(target, name, dir_fd=parent.fd),
+            ctx,
+            stat.S_IFLNK | 0o777,
+        )
 
     @op
     def link(self, inode, new_parent_inode, new_name, ctx):
@@ -637,8 +669,13 @@ class Ops:
             self.rec.link(w, self._child(parent, new_name))
             self.rec.attribute(w, node.bino)
         if node.islnk:
-            os.link(node.name, new_name, src_dir_fd=node.parent.fd, dst_dir_fd=parent.fd,
-                    follow_symlinks=False)
+            os.link(
+                node.name,
+                new_name,
+                src_dir_fd=node.parent.fd,
+                dst_dir_fd=parent.fd,
+                follow_symlinks=False,
+            )
         else:
             os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
         return self._lookup(parent, new_name)
@@ -651,8 +688,7 @@ class Ops:
             if flags & os.O_EXCL:
                 raise fail(errno.EEXIST)
             node, st = self._lookup(parent, name)
-            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx,
-                                 kill_suidgid=kill_suidgid)
+            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx, kill_suidgid=kill_suidgid)
             return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
@@ -660,8 +696,12 @@ class Ops:
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
                 self.rec.create(w, self._child(parent, name))
-        fd = os.open(name, self._open_flags(flags) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                     stat.S_IMODE(mode), dir_fd=parent.fd)
+        fd = os.open(
+            name,
+            self._open_flags(flags) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+            stat.S_IMODE(mode),
+            dir_fd=parent.fd,
+        )
         try:
             self._own(parent, name, ctx, mode, fd)
             node, st = self._lookup(parent, name)
@@ -686,7 +726,7 @@ class Ops:
         if node is not None:
             self._remove_link(node, parent, name)
             self._add_link(node, self.grave, gname)
-            if node.pt_writers:     # (written on unseen: no hash of it can hold)
+            if node.pt_writers:  # (written on unseen: no hash of it can hold)
                 self._rewriting(node)
 
     def _remove(self, parent: Node, name: bytes, want_dir: bool) -> None:
@@ -731,8 +771,9 @@ class Ops:
         self._to_grave(parent, name, gid, st.st_ino)
 
     def _is_empty(self, parent: Node, name: bytes) -> bool:
-        fd = B.open_noatime(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                            dir_fd=parent.fd)
+        fd = B.open_noatime(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent.fd
+        )
         try:
             with os.scandir(fd) as it:
                 return next(it, None) is None
@@ -748,8 +789,7 @@ class Ops:
         self._remove(self._node(parent_inode), name, want_dir=True)
 
     @op
-    def rename(self, parent_inode_old, name_old, parent_inode_new, name_new,
-                     flags, ctx):
+    def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         sp = self._node(parent_inode_old)
         dp = self._node(parent_inode_new)
         self._check_name(sp, name_old)
@@ -784,15 +824,20 @@ class Ops:
         dst_ignored = dst is not None and self.rec.ignored(dst_path, isdir, dst.st_ino)
         # Within ignored paths nothing is recorded, unless the object replaced
         # was seen at a captured path (it is kept, as any captured object).
-        quiet = not flags & B.RENAME_WHITEOUT and self.rec.ignored(
-            src_path, isdir, sst.st_ino) and (dst_ignored if dst is not None
-                                              else self.rec.ignored(dst_path, isdir))
-        bury = dst is not None and not dst_ignored and (stat.S_ISDIR(dst.st_mode)
-                                                        or not self.rec.obj(dst.st_ino).created)
+        quiet = (
+            not flags & B.RENAME_WHITEOUT
+            and self.rec.ignored(src_path, isdir, sst.st_ino)
+            and (dst_ignored if dst is not None else self.rec.ignored(dst_path, isdir))
+        )
+        bury = (
+            dst is not None
+            and not dst_ignored
+            and (stat.S_ISDIR(dst.st_mode) or not self.rec.obj(dst.st_ino).created)
+        )
         whiteout = flags & B.RENAME_WHITEOUT
         gid = None
         with self.rec.txn() as w:
-            if not quiet:      # (within ignored paths: nothing is recorded)
+            if not quiet:  # (within ignored paths: nothing is recorded)
                 self._dir_changes(w, sp, dp)
                 if bury:
                     gid = self._bury(w, dp, name_new, dst)
@@ -841,8 +886,21 @@ class Ops:
         acc = flags & os.O_ACCMODE
         if acc == os.O_WRONLY:
             acc = os.O_RDWR  # capturing reads the old bytes
-        return (flags & ~(os.O_ACCMODE | os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW
-                          | os.O_DIRECT)) | acc | os.O_CLOEXEC
+        return (
+            (
+                flags
+                & ~(
+                    os.O_ACCMODE
+                    | os.O_CREAT
+                    | os.O_EXCL
+                    | os.O_NOCTTY
+                    | os.O_NOFOLLOW
+                    | os.O_DIRECT
+                )
+            )
+            | acc
+            | os.O_CLOEXEC
+        )
 
     def _new_handle(self, node: Node, fd: int, flags: int) -> tuple[int, bool]:
         """(fh, whether the kernel may keep the cached pages)"""
@@ -864,8 +922,10 @@ class Ops:
         if self.noatime or flags & os.O_NOATIME or flags & os.O_ACCMODE == os.O_WRONLY:
             return True
         st = os.fstat(fd)
-        return (st.st_atime_ns > max(st.st_mtime_ns, st.st_ctime_ns)
-                and time.time_ns() - st.st_atime_ns < RELATIME_AGE)
+        return (
+            st.st_atime_ns > max(st.st_mtime_ns, st.st_ctime_ns)
+            and time.time_ns() - st.st_atime_ns < RELATIME_AGE
+        )
 
     @op
     def open(self, inode, flags, ctx, kill_suidgid: bool = False):
@@ -926,7 +986,7 @@ class Ops:
         elif mode & (B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_ZERO_RANGE):
             self._capture_data(node, h.fd, off, off + length)
         if not mode & B.FALLOC_FL_KEEP_SIZE:
-            self._capture_meta(node)            # (the size it may grow from)
+            self._capture_meta(node)  # (the size it may grow from)
         self._rewriting(node)
         B.fallocate(h.fd, mode, off, length)
 
@@ -952,15 +1012,17 @@ class Ops:
         (nothing to capture; giving it a name later is a link)."""
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
-        fd = os.open(B.proc(parent.fd), (self._open_flags(flags) & ~os.O_DIRECTORY)
-                     | os.O_TMPFILE, stat.S_IMODE(mode))
+        fd = os.open(
+            B.proc(parent.fd),
+            (self._open_flags(flags) & ~os.O_DIRECTORY) | os.O_TMPFILE,
+            stat.S_IMODE(mode),
+        )
         try:
             if self.is_root:
                 pst = os.stat(parent.fd)
                 os.fchown(fd, ctx.uid, pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid)
             st = os.fstat(fd)
-            node = Node(self.next_ino, st.st_ino, os.open(B.proc(fd), B.PATH_FLAGS),
-                        st.st_mode)
+            node = Node(self.next_ino, st.st_ino, os.open(B.proc(fd), B.PATH_FLAGS), st.st_mode)
         except BaseException:
             os.close(fd)
             raise
@@ -1033,9 +1095,18 @@ class Ops:
         the new top layer (``layer_switched``)."""
         h = self._file(fh)
         node = h.node
-        ok = stat.S_ISREG(node.mode) and not node.cached and (
-            node.pt or (self.rec.obj(node.bino).created if h.writable
-                        else os.fstat(h.fd).st_size >= PASSTHROUGH_READ_MIN))
+        ok = (
+            stat.S_ISREG(node.mode)
+            and not node.cached
+            and (
+                node.pt
+                or (
+                    self.rec.obj(node.bino).created
+                    if h.writable
+                    else os.fstat(h.fd).st_size >= PASSTHROUGH_READ_MIN
+                )
+            )
+        )
         if ok and node.bfd < 0:
             try:
                 node.bfd = os.open(B.proc(node.fd), os.O_RDWR | os.O_CLOEXEC)
@@ -1068,16 +1139,23 @@ class Ops:
         tree (into the grave, kept for a redo, which would notice their
         change by its fingerprint)."""
         for node in list(self.pt_writers):
-            h = next((h for h in self.handles.values()
-                      if isinstance(h, Handle) and h.node is node and h.passthrough), None)
+            h = next(
+                (
+                    h
+                    for h in self.handles.values()
+                    if isinstance(h, Handle) and h.node is node and h.passthrough
+                ),
+                None,
+            )
             if h is not None and node.live:
                 if after_undo and S.grave_id(self._loc(node)) is not None:
                     continue
                 try:
                     self._capture_whole(node, h.fd)
                 except OSError as e:
-                    log.warning("could not capture a file open for writing across a "
-                                "layer switch: %s", e)
+                    log.warning(
+                        "could not capture a file open for writing across a layer switch: %s", e
+                    )
 
     @op
     def fsync(self, fh, datasync):
@@ -1111,8 +1189,9 @@ class Ops:
         return [b".", b".."] + names
 
     @op
-    def readdir(self, fh: int, start: int,
-                take: Callable[[bytes, Node, os.stat_result, int], bool]) -> None:
+    def readdir(
+        self, fh: int, start: int, take: Callable[[bytes, Node, os.stat_result, int], bool]
+    ) -> None:
         """Hand the entries from position *start* on to *take(name, node,
         stat, next position)* until it says no more fit (False).  The
         kernel holds a reference to each node it took (not to dot entries)."""
@@ -1127,8 +1206,11 @@ class Ops:
         for i in range(start, len(names)):
             name = names[i]
             if name == b"." or name == b"..":
-                node = dh.node if name == b"." or dh.node.parent in (None, self.grave) \
+                node = (
+                    dh.node
+                    if name == b"." or dh.node.parent in (None, self.grave)
                     else dh.node.parent
+                )
                 if not take(name, node, os.stat(node.fd), i + 1):
                     return
                 continue
@@ -1209,7 +1291,7 @@ class Ops:
     def removexattr(self, inode, name, ctx):
         node = self._node(inode)
         if not self._has_xattr(node, name):
-            raise fail(errno.ENODATA)           # (nothing to remove or record)
+            raise fail(errno.ENODATA)  # (nothing to remove or record)
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
@@ -1234,9 +1316,13 @@ class Ops:
         """A change refused because --max-store was reached: counted, with
         its path and time, for `status`."""
         path = self._target(op, args)
-        self.refused = {"count": self.refused["count"] + 1, "time": time.time(),
-                        "path": None if path is None or S.grave_id(path) is not None
-                        else os.fsdecode(path) or "."}
+        self.refused = {
+            "count": self.refused["count"] + 1,
+            "time": time.time(),
+            "path": None
+            if path is None or S.grave_id(path) is not None
+            else os.fsdecode(path) or ".",
+        }
 
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return
@@ -1251,7 +1337,7 @@ class Ops:
             if node is None:
                 continue
             gid = S.grave_id(loc)
-            if gid is not None:     # kept for a redo
+            if gid is not None:  # kept for a redo
                 self._add_link(node, self.grave, str(gid).encode())
                 continue
             parent_path, name = B.split(loc)

@@ -47,10 +47,10 @@ def _at_t(name: str) -> property:
 class Past:
     """One object as it was at T."""
 
-    path: bytes                 # its path at T
+    path: bytes  # its path at T
     ino: int
-    loc: bytes                  # where it is now: a workspace path or a grave entry
-    now: os.stat_result         # its status now
+    loc: bytes  # where it is now: a workspace path or a grave entry
+    now: os.stat_result  # its status now
     meta: S.Meta | None = None  # the META record holding its state at T, if any
     chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     xattrs_blob: bytes | None = None
@@ -72,18 +72,25 @@ class History:
     """What the records since layer *layer_id* was opened say about that
     moment (T)."""
 
-    def __init__(self, store: Store, resolver: B.Resolver, layer_id: int,
-                 hidden: bytes | None = None, reading: Reading | None = None):
+    def __init__(
+        self,
+        store: Store,
+        resolver: B.Resolver,
+        layer_id: int,
+        hidden: bytes | None = None,
+        reading: Reading | None = None,
+    ):
         """*reading*: of the records since the layer was opened, if the
         caller keeps one (``Stack.reading``)."""
         self.store = store
         self.r = resolver
-        self.hidden = hidden          # the store's name in the root, when it is there
+        self.hidden = hidden  # the store's name in the root, when it is there
         layer = store.get_layer(layer_id)
         self.layer = layer_id
-        self.j = reading if reading is not None else \
-            Reading(store.records(layer.start, store.next_seq))
-        self.start = self.j.start     # path at T -> object there (None: absent)
+        self.j = (
+            reading if reading is not None else Reading(store.records(layer.start, store.next_seq))
+        )
+        self.start = self.j.start  # path at T -> object there (None: absent)
         self.graves = self.j.graves
         self._links: dict[int, int] | None = None
 
@@ -110,15 +117,21 @@ class History:
 
     def _past(self, path: bytes, ino: int, loc: bytes, now: os.stat_result) -> Past:
         meta = self.j.meta.get(ino)
-        return Past(path, ino, loc, now, meta.rec if meta is not None else None,
-                    self.j.chunks.get(ino, {}),
-                    self.j.xattrs.get(ino))
+        return Past(
+            path,
+            ino,
+            loc,
+            now,
+            meta.rec if meta is not None else None,
+            self.j.chunks.get(ino, {}),
+            self.j.xattrs.get(ino),
+        )
 
     def object_at(self, path: bytes) -> Past | None:
         """The object at *path* (workspace-relative, b"" the root) at T,
         or None when there was none."""
         comps = path.split(b"/") if path else []
-        for i in range(1, len(comps)):          # a directory above made after T
+        for i in range(1, len(comps)):  # a directory above made after T
             if self.start.get(b"/".join(comps[:i]), 0) is None:
                 return None
         known = path in self.start
@@ -129,22 +142,24 @@ class History:
         st = self.r.lstat(cur) if cur is not None else None
         if cur is not None and st is not None and (not known or st.st_ino == ino):
             return self._past(path, st.st_ino, cur, st)
-        if ino is not None:                     # (known)
+        if ino is not None:  # (known)
             for gid in self.graves.get(ino, []):
                 loc = S.grave_loc(gid)
                 st = self.r.lstat(loc)
                 if st is not None and st.st_ino == ino:
                     return self._past(path, ino, loc, st)
-            raise CowfsError(f"{S.show_loc(path)}: the object it held when layer "
-                             f"{self.layer} was opened cannot be found", NOTHING_TO_DO)
+            raise CowfsError(
+                f"{S.show_loc(path)}: the object it held when layer "
+                f"{self.layer} was opened cannot be found",
+                NOTHING_TO_DO,
+            )
         return None
 
     def need(self, path: bytes) -> Past:
         """The object at *path* at T; NotThere if there was none."""
         obj = self.object_at(path)
         if obj is None:
-            raise NotThere(f"{S.show_loc(path)} did not exist when layer {self.layer} "
-                           "was opened")
+            raise NotThere(f"{S.show_loc(path)} did not exist when layer {self.layer} was opened")
         return obj
 
     # -- contents -------------------------------------------------------------------
@@ -153,14 +168,15 @@ class History:
         """The bytes of a regular file at T (live bytes with the recorded
         pre-image chunks laid over them, cut to the size at T)."""
         if not stat.S_ISREG(obj.mode):
-            raise CowfsError(f"{S.show_loc(obj.path)} was not a regular file when layer "
-                             f"{self.layer} was opened", NOTHING_TO_DO)
+            raise CowfsError(
+                f"{S.show_loc(obj.path)} was not a regular file when layer {self.layer} was opened",
+                NOTHING_TO_DO,
+            )
         end = obj.size if size is None else min(obj.size, offset + size)
         if offset >= end:
             return b""
         with self.r.at(obj.loc) as (d, n):
-            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         dir_fd=d)
+            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
         try:
             live = os.pread(fd, end - offset, offset)
         finally:
@@ -174,10 +190,12 @@ class History:
             length, h = rec
             data = self.store.chunk(h) if h else bytes(length)
             if data is None:
-                raise CowfsError(f"{S.show_loc(obj.path)}: its pre-image (chunk {k}) is "
-                                 "missing from the store", NOTHING_TO_DO)
+                raise CowfsError(
+                    f"{S.show_loc(obj.path)}: its pre-image (chunk {k}) is missing from the store",
+                    NOTHING_TO_DO,
+                )
             lo, hi = max(offset, k * C), min(end, k * C + length)
-            out[lo - offset:hi - offset] = data[lo - k * C:hi - k * C]
+            out[lo - offset : hi - offset] = data[lo - k * C : hi - k * C]
         return bytes(out)
 
     def readlink(self, obj: Past) -> bytes:
@@ -193,13 +211,16 @@ class History:
     def listdir(self, obj: Past) -> list[bytes]:
         """The names in directory *obj* at T."""
         if not stat.S_ISDIR(obj.mode):
-            raise CowfsError(f"{S.show_loc(obj.path)} was not a directory when layer "
-                             f"{self.layer} was opened", NOTHING_TO_DO)
+            raise CowfsError(
+                f"{S.show_loc(obj.path)} was not a directory when layer {self.layer} was opened",
+                NOTHING_TO_DO,
+            )
         names: set[bytes] = set()
         try:
             with self.r.at(obj.loc) as (d, n):
-                fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             dir_fd=d)
+                fd = os.open(
+                    n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d
+                )
             try:
                 live = [os.fsencode(x) for x in os.listdir(fd)]
             finally:
@@ -209,7 +230,7 @@ class History:
         here = obj.loc if S.grave_id(obj.loc) is None else None
         for name in live:
             if here is None:
-                continue    # a directory removed after T held no live names then
+                continue  # a directory removed after T held no live names then
             now = here + b"/" + name if here else name
             was = self.back(now)
             if was is not None and was and parent(was) == obj.path:
@@ -217,16 +238,26 @@ class History:
         for was, ino in self.start.items():
             if ino is not None and was and parent(was) == obj.path:
                 names.add(was.rpartition(b"/")[2])
-        return sorted(n for n in names if not (obj.path == b"" and n == self.hidden)
-                      and self.object_at(obj.path + b"/" + n if obj.path else n) is not None)
+        return sorted(
+            n
+            for n in names
+            if not (obj.path == b"" and n == self.hidden)
+            and self.object_at(obj.path + b"/" + n if obj.path else n) is not None
+        )
 
 
 # -- for the control operations ----------------------------------------------------------
 
 SHOW_PAGE = 4 << 20
-KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
-         stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket", stat.S_IFCHR: "chardev",
-         stat.S_IFBLK: "blockdev"}
+KINDS = {
+    stat.S_IFREG: "file",
+    stat.S_IFDIR: "dir",
+    stat.S_IFLNK: "symlink",
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "chardev",
+    stat.S_IFBLK: "blockdev",
+}
 
 
 def wpath(path: str) -> bytes:
@@ -234,8 +265,7 @@ def wpath(path: str) -> bytes:
     p = os.fsencode(path).strip(b"/")
     parts = [c for c in p.split(b"/") if c not in (b"", b".")]
     if b".." in parts:
-        raise CowfsError(f"{path}: paths are relative to the workspace root, without '..'",
-                         USAGE)
+        raise CowfsError(f"{path}: paths are relative to the workspace root, without '..'", USAGE)
     return b"/".join(parts)
 
 
@@ -245,11 +275,18 @@ def b64(data: bytes) -> str:
 
 def describe_past(h: History, obj: Past, offset: int = 0, size: int = SHOW_PAGE) -> dict:
     """The status of *obj* at T and a page of its content."""
-    d = {"path": os.fsdecode(obj.path), "kind": KINDS.get(obj.kind, "unknown"),
-         "object": obj.ino,     # the same for every name of one object (hard links)
-         "mode": obj.mode, "uid": obj.uid, "gid": obj.gid, "size": obj.size,
-         "atime_ns": obj.atime_ns, "mtime_ns": obj.mtime_ns,
-         "xattrs": [[b64(n), b64(v)] for n, v in h.xattrs_of(obj)]}
+    d = {
+        "path": os.fsdecode(obj.path),
+        "kind": KINDS.get(obj.kind, "unknown"),
+        "object": obj.ino,  # the same for every name of one object (hard links)
+        "mode": obj.mode,
+        "uid": obj.uid,
+        "gid": obj.gid,
+        "size": obj.size,
+        "atime_ns": obj.atime_ns,
+        "mtime_ns": obj.mtime_ns,
+        "xattrs": [[b64(n), b64(v)] for n, v in h.xattrs_of(obj)],
+    }
     if stat.S_ISREG(obj.mode):
         d["offset"] = offset
         d["data"] = b64(h.read(obj, offset, size))
@@ -270,8 +307,10 @@ def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
     wanted = [os.fsdecode(wpath(p)) for p in paths]
 
     def under(p: str | None) -> bool:
-        return p is not None and any(w in ("", ".") or p == w or p.startswith(w + "/")
-                                     for w in wanted)
+        return p is not None and any(
+            w in ("", ".") or p == w or p.startswith(w + "/") for w in wanted
+        )
+
     return [c for c in changes if under(c["path"]) or under(c.get("from"))]
 
 
@@ -295,8 +334,7 @@ def _is_text(data: bytes) -> bool:
     return True
 
 
-def diff_entry(h: History, change: dict, text_limit: int,
-               hash_limit: int = 1 << 62) -> dict:
+def diff_entry(h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62) -> dict:
     """One change (from Stack.changes_since) with both sides: kind, mode,
     size, mtime and xxh3 of regular files; for text no larger than
     *text_limit*, a unified diff and the lines added and removed."""
@@ -307,34 +345,51 @@ def diff_entry(h: History, change: dict, text_limit: int,
     new_st = h.r.lstat(new_path) if change["kind"] != "D" else None
     old_bytes = new_bytes = None
     if old is not None:
-        out["old"] = _side(old.kind, old.size, old.mode, old.mtime_ns,
-                           lambda o, n: h.read(old, o, n), hash_limit)
+        out["old"] = _side(
+            old.kind, old.size, old.mode, old.mtime_ns, lambda o, n: h.read(old, o, n), hash_limit
+        )
         if old.kind == stat.S_IFREG and old.size <= text_limit:
             old_bytes = h.read(old)
     if new_st is not None:
+
         def read_new(o: int, n: int) -> bytes:
             with h.r.at(new_path) as (d, name):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                             dir_fd=d)
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d
+                )
             try:
                 return os.pread(fd, n, o)
             finally:
                 os.close(fd)
-        out["new"] = _side(stat.S_IFMT(new_st.st_mode), new_st.st_size, new_st.st_mode,
-                           new_st.st_mtime_ns, read_new, hash_limit)
+
+        out["new"] = _side(
+            stat.S_IFMT(new_st.st_mode),
+            new_st.st_size,
+            new_st.st_mode,
+            new_st.st_mtime_ns,
+            read_new,
+            hash_limit,
+        )
         if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit:
             new_bytes = read_new(0, new_st.st_size)
-    present = [(side, data) for side, data in (("old", old_bytes), ("new", new_bytes))
-               if side in out]
+    present = [
+        (side, data) for side, data in (("old", old_bytes), ("new", new_bytes)) if side in out
+    ]
     files = bool(present) and all(out[side]["kind"] == "file" for side, _ in present)
     if files and all(data is not None and _is_text(data) for _, data in present):
         a = (old_bytes or b"").decode().splitlines(keepends=True)
         b = (new_bytes or b"").decode().splitlines(keepends=True)
-        lines = list(difflib.unified_diff(a, b, f"a/{os.fsdecode(old_path)}" if old else
-                                          "/dev/null", f"b/{change['path']}" if new_st
-                                          else "/dev/null"))
-        out["diff"] = "".join(x if x.endswith("\n") else x + "\n\\ No newline at end of file\n"
-                              for x in lines)
+        lines = list(
+            difflib.unified_diff(
+                a,
+                b,
+                f"a/{os.fsdecode(old_path)}" if old else "/dev/null",
+                f"b/{change['path']}" if new_st else "/dev/null",
+            )
+        )
+        out["diff"] = "".join(
+            x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines
+        )
         out["added"] = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
         out["removed"] = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
         out["binary"] = False

@@ -33,11 +33,29 @@ RunScope = Literal["auto", "files", "container", "vm"]
 RUN_SCOPES: tuple[str, ...] = get_args(RunScope)
 RANK = {s: i for i, s in enumerate(SCOPES)}
 KEYWORDS = {"{", "}", "!", "if", "then", "elif", "else", "fi", "while", "until", "do", "done"}
-RULE_KEYS = {"name", "scope", "programs", "subcommands", "value_options", "if_args",
-             "unless_args", "if_outside", "unless_inside", "unless_program_inside"}
+RULE_KEYS = {
+    "name",
+    "scope",
+    "programs",
+    "subcommands",
+    "value_options",
+    "if_args",
+    "unless_args",
+    "if_outside",
+    "unless_inside",
+    "unless_program_inside",
+}
 CONTAINER_CLIS = ("docker", "podman")
-EXEC_VALUE_OPTIONS = {"-e", "--env", "--env-file", "-u", "--user", "-w", "--workdir",
-                      "--detach-keys"}
+EXEC_VALUE_OPTIONS = {
+    "-e",
+    "--env",
+    "--env-file",
+    "-u",
+    "--user",
+    "-w",
+    "--workdir",
+    "--detach-keys",
+}
 
 
 class PolicyError(CowfsError):
@@ -69,9 +87,15 @@ class Rule:
         if d.get("scope") not in SCOPES:
             raise PolicyError(f"{where}: scope must be one of {', '.join(SCOPES)}")
         if d.get("if_outside", "") not in ("", "any", "last"):
-            raise PolicyError(f"{where}: if_outside is \"any\" or \"last\"")
-        lists = ("programs", "subcommands", "value_options", "if_args", "unless_args",
-                 "unless_inside")
+            raise PolicyError(f'{where}: if_outside is "any" or "last"')
+        lists = (
+            "programs",
+            "subcommands",
+            "value_options",
+            "if_args",
+            "unless_args",
+            "unless_inside",
+        )
         for key in lists:
             v = d.get(key, [])
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -80,8 +104,11 @@ class Rule:
             raise PolicyError(f"{where}: programs is required")
         if not isinstance(d.get("unless_program_inside", False), bool):
             raise PolicyError(f"{where}: unless_program_inside is true or false")
-        return cls(name=str(d.get("name", f"rule {index + 1}")), source=source,
-                   **{k: v for k, v in d.items() if k != "name"})
+        return cls(
+            name=str(d.get("name", f"rule {index + 1}")),
+            source=source,
+            **{k: v for k, v in d.items() if k != "name"},
+        )
 
     def describe(self) -> str:
         return f"rule {self.name!r} ({self.source})"
@@ -204,8 +231,7 @@ class Policy:
             i += 1
         return verdict
 
-    def _simple(self, argv: list[str], redirects: list[str], where: Where,
-                depth: int) -> Verdict:
+    def _simple(self, argv: list[str], redirects: list[str], where: Where, depth: int) -> Verdict:
         verdict = self._classify_argv(argv, where, depth)
         for target in redirects:
             if target in ("", "-") or self._safe(target):
@@ -227,8 +253,12 @@ class Policy:
         prog = os.path.basename(argv[0])
         if prog in self.wrappers:
             spec = self.wrappers[prog]
-            rest = skip_options(argv[1:], spec.get("value_options", []),
-                                spec.get("operands", 0), assignments=prog == "env")
+            rest = skip_options(
+                argv[1:],
+                spec.get("value_options", []),
+                spec.get("operands", 0),
+                assignments=prog == "env",
+            )
             if rest:
                 return self._classify_argv(rest, where, depth + 1)
         if prog in self.settings.get("shells", []) and "-c" in argv[1:-1]:
@@ -237,7 +267,7 @@ class Policy:
             return self._classify_argv(argv[1:], where, depth + 1)
         if fnmatch.fnmatchcase(prog, "python*") and "-m" in argv[1:-1]:
             module_at = argv.index("-m", 1) + 1
-            return self._match(argv[module_at], argv[0], argv[module_at + 1:], where)
+            return self._match(argv[module_at], argv[0], argv[module_at + 1 :], where)
         if prog in CONTAINER_CLIS and len(argv) > 2 and argv[1] == "exec":
             return self._container_exec(argv[2:], where, depth)
         return self._match(prog, argv[0], argv[1:], where)
@@ -247,9 +277,8 @@ class Policy:
         if len(rest) < 2:
             return Verdict(self.settings["default"], ["container exec without a command"])
         container, inner = rest[0], rest[1:]
-        workdir = option_value(args[:len(args) - len(rest)], ("-w", "--workdir"))
-        verdict = self._classify_argv(inner, container_where(container, where, workdir),
-                                      depth + 1)
+        workdir = option_value(args[: len(args) - len(rest)], ("-w", "--workdir"))
+        verdict = self._classify_argv(inner, container_where(container, where, workdir), depth + 1)
         verdict.containers = [container] + [c for c in verdict.containers if c != container]
         return verdict
 
@@ -270,8 +299,9 @@ def read_toml(path: str) -> dict:
         raise PolicyError(f"policy file {path}: {e}") from None
 
 
-def skip_options(args: list[str], value_options: Iterable[str], operands: int,
-                 assignments: bool = False) -> list[str]:
+def skip_options(
+    args: list[str], value_options: Iterable[str], operands: int, assignments: bool = False
+) -> list[str]:
     """What follows the options (and the values of *value_options*), the
     first *operands* operands and, for env, VAR=value assignments."""
     value_options = set(value_options)
@@ -287,7 +317,7 @@ def skip_options(args: list[str], value_options: Iterable[str], operands: int,
             i += 1
         else:
             break
-    return args[i + operands:] if i + operands <= len(args) else []
+    return args[i + operands :] if i + operands <= len(args) else []
 
 
 def option_value(args: list[str], names: Sequence[str]) -> str | None:
@@ -296,7 +326,7 @@ def option_value(args: list[str], names: Sequence[str]) -> str | None:
             if a == n and i + 1 < len(args):
                 return args[i + 1]
             if a.startswith(n + "=") and n.startswith("--"):
-                return a[len(n) + 1:]
+                return a[len(n) + 1 :]
     return None
 
 
@@ -323,8 +353,7 @@ def path_of(arg: str) -> str:
     return arg
 
 
-def matches(rule: Rule, prog: str, program_path: str, args: list[str], where: Where,
-            safe) -> bool:
+def matches(rule: Rule, prog: str, program_path: str, args: list[str], where: Where, safe) -> bool:
     if not any(fnmatch.fnmatchcase(prog, p) for p in rule.programs):
         return False
     ops = operands(args, rule.value_options)
@@ -335,8 +364,11 @@ def matches(rule: Rule, prog: str, program_path: str, args: list[str], where: Wh
     if any(fnmatch.fnmatchcase(a, p) for a in args for p in rule.unless_args):
         return False
     if rule.if_outside:
-        candidates = ops[-1:] if rule.if_outside == "last" else ops + [
-            a for a in args if a.startswith("-") and "=" in a]
+        candidates = (
+            ops[-1:]
+            if rule.if_outside == "last"
+            else ops + [a for a in args if a.startswith("-") and "=" in a]
+        )
         if not any(outside(path_of(a), where, safe) for a in candidates):
             return False
     if rule.unless_inside:
@@ -368,6 +400,7 @@ def docker_client():
     """A docker client, or None when the SDK or the engine is unavailable."""
     try:
         import docker
+
         client = docker.from_env(timeout=30)
         client.ping()
         return client
@@ -384,8 +417,11 @@ def container_where(name: str, host: Where, workdir: str | None) -> Where:
     if client is not None:
         try:
             attrs = client.containers.get(name).attrs
-            roots = [m["Destination"] for m in attrs.get("Mounts", [])
-                     if host.inside(m.get("Source", "/nonexistent"))]
+            roots = [
+                m["Destination"]
+                for m in attrs.get("Mounts", [])
+                if host.inside(m.get("Source", "/nonexistent"))
+            ]
             cwd = workdir or attrs.get("Config", {}).get("WorkingDir") or "/"
         except Exception:
             pass
@@ -408,7 +444,7 @@ class ContainerWatch:
         self.before = {n: self._state(n) for n in self.names} if self.client else {}
 
     def _state(self, name: str) -> dict[str, tuple] | None:
-        assert self.client is not None         # (asked only when there is one)
+        assert self.client is not None  # (asked only when there is one)
         try:
             c = self.client.containers.get(name)
             mounts = [m["Destination"] for m in c.attrs.get("Mounts", [])]
@@ -442,11 +478,16 @@ class ContainerWatch:
                 before, after = self.before.get(name), self._state(name)
                 if before is None or after is None:
                     continue
-                lines = [f"{sig[0]} {path}" for path, sig in sorted(after.items())
-                         if before.get(path) != sig]
+                lines = [
+                    f"{sig[0]} {path}"
+                    for path, sig in sorted(after.items())
+                    if before.get(path) != sig
+                ]
                 undone = {"A": "D", "D": "A"}  # gone from the diff: put back as it was
-                lines += [f"{undone.get(before[path][0], 'M')} {path}"
-                          for path in sorted(set(before) - set(after))]
+                lines += [
+                    f"{undone.get(before[path][0], 'M')} {path}"
+                    for path in sorted(set(before) - set(after))
+                ]
                 if lines:
                     out[name] = lines
         finally:

@@ -14,8 +14,8 @@ import os
 import struct
 import time
 
-FORMAT = struct.Struct("<QQ")      # steps done, steps in all (0: nothing under way)
-INTERVAL = 0.1                     # seconds between writes of the file
+FORMAT = struct.Struct("<QQ")  # steps done, steps in all (0: nothing under way)
+INTERVAL = 0.1  # seconds between writes of the file
 
 
 class Board:
@@ -25,8 +25,9 @@ class Board:
         self._due = 0.0
         self.fd: int | None = None
         if path is not None:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                              | os.O_CLOEXEC, 0o600)
+            self.fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
             self._write()
 
     def start(self, total: int) -> None:
@@ -52,7 +53,7 @@ class Board:
         return (self.done, self.total) if self.total else None
 
     def close(self) -> None:
-        if self.fd is not None and self.path is not None:   # (an fd only with a path)
+        if self.fd is not None and self.path is not None:  # (an fd only with a path)
             os.close(self.fd)
             self.fd = None
             try:
@@ -65,7 +66,7 @@ class Board:
             try:
                 os.pwrite(self.fd, FORMAT.pack(self.done, self.total), 0)
             except OSError:
-                pass          # (only a display depends on it)
+                pass  # (only a display depends on it)
 
 
 LOCAL = Board()

@@ -95,23 +95,39 @@ class Provider:
         raise NotImplementedError
 
 
-def run_sh(provider: str, what: str, cmd: str, ctx: Context, check: bool = True,
-           **extra: str) -> str:
+def run_sh(
+    provider: str, what: str, cmd: str, ctx: Context, check: bool = True, **extra: str
+) -> str:
     """Run a user-given shell command for a provider; its stdout (and, when
     *check* is false, its stderr and exit status too)."""
     if not cmd.strip():
         return ""
-    env = dict(os.environ, COWFS_PROVIDER=provider, COWFS_LAYER=str(ctx.layer),
-               COWFS_WORKSPACE=ctx.workspace, COWFS_STATE_DIR=ctx.state_dir, **extra)
-    r = subprocess.run(["sh", "-c", cmd], env=env, cwd="/", stdin=subprocess.DEVNULL,
-                       capture_output=True, text=True, errors="replace",
-                       umask=B.user_umask(), start_new_session=True)  # (not hit by a Ctrl-C)
+    env = dict(
+        os.environ,
+        COWFS_PROVIDER=provider,
+        COWFS_LAYER=str(ctx.layer),
+        COWFS_WORKSPACE=ctx.workspace,
+        COWFS_STATE_DIR=ctx.state_dir,
+        **extra,
+    )
+    r = subprocess.run(
+        ["sh", "-c", cmd],
+        env=env,
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        umask=B.user_umask(),
+        start_new_session=True,
+    )  # (not hit by a Ctrl-C)
     if not check:
         return r.stdout + r.stderr + (f"\n(exit {r.returncode})" if r.returncode else "")
     if r.returncode != 0:
         tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-3:]
-        raise ProviderError(f"{what} command exited {r.returncode}"
-                            + (f": {' / '.join(tail)}" if tail else ""))
+        raise ProviderError(
+            f"{what} command exited {r.returncode}" + (f": {' / '.join(tail)}" if tail else "")
+        )
     return r.stdout
 
 
@@ -165,8 +181,9 @@ class DockerProvider(Provider):
         try:
             import docker
         except ImportError:
-            raise ProviderError("the docker Python SDK is not installed "
-                                "(pip install 'cowfs[providers]')") from None
+            raise ProviderError(
+                "the docker Python SDK is not installed (pip install 'cowfs[providers]')"
+            ) from None
         return docker.from_env()
 
     def capture(self, ctx: Context) -> dict:
@@ -176,35 +193,51 @@ class DockerProvider(Provider):
         tag = f"{self._tag_prefix(ctx)}{c.id[:12]}"
         image = c.commit(*tag.split(":"))
         cfg, host = a["Config"], a["HostConfig"]
-        return {"image": image.id, "tag": tag, "name": a["Name"].lstrip("/"),
-                "running": a["State"]["Running"],
-                "config": {"command": cfg.get("Cmd"), "entrypoint": cfg.get("Entrypoint"),
-                           "environment": cfg.get("Env"), "working_dir": cfg.get("WorkingDir"),
-                           "labels": cfg.get("Labels"), "user": cfg.get("User"),
-                           "tty": cfg.get("Tty"), "stdin_open": cfg.get("OpenStdin"),
-                           "hostname": cfg.get("Hostname")},
-                "host": {"binds": host.get("Binds"), "network_mode": host.get("NetworkMode"),
-                         "privileged": host.get("Privileged")}}
+        return {
+            "image": image.id,
+            "tag": tag,
+            "name": a["Name"].lstrip("/"),
+            "running": a["State"]["Running"],
+            "config": {
+                "command": cfg.get("Cmd"),
+                "entrypoint": cfg.get("Entrypoint"),
+                "environment": cfg.get("Env"),
+                "working_dir": cfg.get("WorkingDir"),
+                "labels": cfg.get("Labels"),
+                "user": cfg.get("User"),
+                "tty": cfg.get("Tty"),
+                "stdin_open": cfg.get("OpenStdin"),
+                "hostname": cfg.get("Hostname"),
+            },
+            "host": {
+                "binds": host.get("Binds"),
+                "network_mode": host.get("NetworkMode"),
+                "privileged": host.get("Privileged"),
+            },
+        }
 
     def restore(self, ctx: Context, snapshot: dict) -> None:
         import docker.errors
+
         client = self._client()
         try:
             client.containers.get(snapshot["name"]).remove(force=True)
         except docker.errors.NotFound:
             pass
         new = client.api.create_container(
-            snapshot["image"], name=snapshot["name"], **{k: v for k, v in
-                                                          snapshot["config"].items()
-                                                          if v is not None},
-            host_config=client.api.create_host_config(**{k: v for k, v in
-                                                         snapshot["host"].items()
-                                                         if v is not None}))
+            snapshot["image"],
+            name=snapshot["name"],
+            **{k: v for k, v in snapshot["config"].items() if v is not None},
+            host_config=client.api.create_host_config(
+                **{k: v for k, v in snapshot["host"].items() if v is not None}
+            ),
+        )
         if snapshot["running"]:
             client.api.start(new["Id"])
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
         import docker.errors
+
         try:
             # Removing the tag frees the image, or (while a restored container
             # runs from it) leaves it to that container.
@@ -251,8 +284,9 @@ class LibvirtProvider(Provider):
         try:
             import libvirt
         except ImportError:
-            raise ProviderError("libvirt-python is not installed "
-                                "(pip install 'cowfs[providers]')") from None
+            raise ProviderError(
+                "libvirt-python is not installed (pip install 'cowfs[providers]')"
+            ) from None
         libvirt.registerErrorHandler(lambda *_: None, None)
         conn = libvirt.open(self.config.get("uri") or self.URI)
         try:
@@ -265,8 +299,10 @@ class LibvirtProvider(Provider):
         conn, dom = self._domain()
         try:
             name = self._snapshot_name(ctx)
-            xml = (f"<domainsnapshot><name>{name}</name><description>cowfs layer "
-                   f"{ctx.layer} of {ctx.workspace}</description></domainsnapshot>")
+            xml = (
+                f"<domainsnapshot><name>{name}</name><description>cowfs layer "
+                f"{ctx.layer} of {ctx.workspace}</description></domainsnapshot>"
+            )
             dom.snapshotCreateXML(xml, 0)
             return {"snapshot": name, "running": bool(dom.isActive())}
         finally:
@@ -276,8 +312,14 @@ class LibvirtProvider(Provider):
         domain = self.config["domain"]
         postmortem = None
         if self.config.get("diagnostics"):
-            output = run_sh(self.name, "diagnostics", self.config["diagnostics"], ctx,
-                            check=False, COWFS_DOMAIN=domain)
+            output = run_sh(
+                self.name,
+                "diagnostics",
+                self.config["diagnostics"],
+                ctx,
+                check=False,
+                COWFS_DOMAIN=domain,
+            )
             postmortem = {"provider": self.name, "domain": domain, "output": output[-16384:]}
         # The post-mortem describes the state before the revert: it is kept
         # whether or not the revert and the health check succeed.
@@ -292,12 +334,12 @@ class LibvirtProvider(Provider):
         try:
             run_sh(self.name, "health", self.config.get("health", ""), ctx, COWFS_DOMAIN=domain)
         except ProviderError as e:
-            raise ProviderError(f"reverted, but the health check failed: {e}",
-                                postmortem) from None
+            raise ProviderError(f"reverted, but the health check failed: {e}", postmortem) from None
         return postmortem
 
     def discard(self, ctx: Context, snapshot: dict) -> None:
         import libvirt
+
         try:
             conn, dom = self._domain()
         except libvirt.libvirtError as e:
@@ -346,8 +388,10 @@ class Registry:
 
     def _save(self, data: dict) -> None:
         path = os.path.join(self.base, CONFIG)
-        with open(os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                          0o600), "wb") as f:
+        with open(
+            os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+            "wb",
+        ) as f:
             tomli_w.dump(data, f)
             f.flush()
             os.fsync(f.fileno())
@@ -370,8 +414,9 @@ class Registry:
             raise CowfsError(f"bad provider name {name!r} (letters, digits, - and _)", USAGE)
         kind = KINDS.get(config.get("type", ""))
         if kind is None:
-            raise CowfsError(f"unknown provider type {config.get('type')!r} "
-                             f"(known: {', '.join(KINDS)})", USAGE)
+            raise CowfsError(
+                f"unknown provider type {config.get('type')!r} (known: {', '.join(KINDS)})", USAGE
+            )
         kind.validate(config)
         data = self._load()
         data.setdefault("provider", {})[name] = config

@@ -120,8 +120,17 @@ class CowFS(pyfuse3.Operations):
     async def statfs(self, ctx):
         sv = _call(self.ops.statfs, ctx=ctx)
         out = pyfuse3.StatvfsData()
-        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+        for attr in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
             setattr(out, attr, getattr(sv, attr))
         return out
 
@@ -148,8 +157,9 @@ class CowFS(pyfuse3.Operations):
         _call(self.ops.rmdir, parent_inode, name, ctx=ctx)
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        _call(self.ops.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags,
-              ctx=ctx)
+        _call(
+            self.ops.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx=ctx
+        )
 
     async def open(self, inode, flags, ctx):
         fh, keep = _call(self.ops.open, inode, flags, ctx=ctx)
@@ -174,9 +184,14 @@ class CowFS(pyfuse3.Operations):
         return _call(self.ops.opendir, inode, ctx=ctx)
 
     async def readdir(self, fh, start_id, token):
-        _call(self.ops.readdir, fh, start_id,
-              lambda name, node, st, nxt: pyfuse3.readdir_reply(token, name,
-                                                                 self._entry(node, st), nxt))
+        _call(
+            self.ops.readdir,
+            fh,
+            start_id,
+            lambda name, node, st, nxt: pyfuse3.readdir_reply(
+                token, name, self._entry(node, st), nxt
+            ),
+        )
 
     async def releasedir(self, fh):
         _call(self.ops.releasedir, fh)
@@ -206,8 +221,9 @@ class Engine:
         self.ops = ops
         self.why = why
 
-    def mount(self, mountpoint: str, fsname: str, allow_other: bool,
-              on_init: Callable[[], None]) -> None:
+    def mount(
+        self, mountpoint: str, fsname: str, allow_other: bool, on_init: Callable[[], None]
+    ) -> None:
         options = {f"fsname={fsname}", "subtype=cowfs", "default_permissions"}
         if allow_other:
             options.add("allow_other")

@@ -54,7 +54,7 @@ from .journal import Names, Slot
 from .store import Store, Writer, need, scan
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
-SEGMENT = 1 << 63     # + the rollback's first seq: the segment's index id (no layer has it)
+SEGMENT = 1 << 63  # + the rollback's first seq: the segment's index id (no layer has it)
 
 # The note the last rollback left (JSON, at K_REDO_STATE): {"state", "why", "to",
 # "dropped", "kept", "fresh", "seq", "time", and once sealed "moves", "segment"}.
@@ -84,8 +84,7 @@ def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
     why = st.get("why", "")
     if st["state"] == READY and resolver is not None:
         why = why_not(store, resolver, st) or ""
-    return {"available": st["state"] == READY and not why, "layers": st["dropped"],
-            "why": why}
+    return {"available": st["state"] == READY and not why, "layers": st["dropped"], "why": why}
 
 
 def segment(store: Store) -> int | None:
@@ -116,14 +115,23 @@ def _dissolve(w: Writer, st: RedoState, into: int) -> None:
             txn.delete(S.u64(fresh), db=store.db_layers)
 
 
-def begin(w: Writer, to: int, dropping: list[int], kept: list[int],
-          why: str | None = None) -> None:
+def begin(w: Writer, to: int, dropping: list[int], kept: list[int], why: str | None = None) -> None:
     """In the transaction that plans a rollback: start keeping what a redo
     needs, or (*why*) record why nothing is kept.  Whatever an earlier
     rollback kept must have been discarded already."""
-    _put_state(w, {"state": BUILDING if why is None else UNAVAILABLE, "why": why or "",
-                   "to": to, "dropped": dropping, "kept": kept, "fresh": None,
-                   "seq": w.store.next_seq, "time": time.time()})
+    _put_state(
+        w,
+        {
+            "state": BUILDING if why is None else UNAVAILABLE,
+            "why": why or "",
+            "to": to,
+            "dropped": dropping,
+            "kept": kept,
+            "fresh": None,
+            "seq": w.store.next_seq,
+            "time": time.time(),
+        },
+    )
 
 
 def mark_unavailable(store: Store, reason: str) -> None:
@@ -165,7 +173,7 @@ def discard(store: Store, reason: str) -> list[int]:
     if st["state"] in (UNAVAILABLE, GONE):
         with store.env.begin() as txn:
             if txn.stat(store.db_redo)["entries"] <= 1 and st.get("segment") is None:
-                return []            # nothing but the note
+                return []  # nothing but the note
         reason = st["why"]
     graves: list[int] = []
     freed: list[int] = []
@@ -193,16 +201,27 @@ def discard(store: Store, reason: str) -> list[int]:
             # (a segment is opened only while a layer is open: see Keeper.seal)
             assert top is not None
             w.merge_index(st["segment"], top.id)
-        _put_state(w, {"state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
-                       "why": reason, "to": st["to"], "dropped": st["dropped"],
-                       "kept": st["kept"], "fresh": st.get("fresh"), "seq": st["seq"],
-                       "time": st["time"], "segment": None})
+        _put_state(
+            w,
+            {
+                "state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
+                "why": reason,
+                "to": st["to"],
+                "dropped": st["dropped"],
+                "kept": st["kept"],
+                "fresh": st.get("fresh"),
+                "seq": st["seq"],
+                "time": st["time"],
+                "segment": None,
+            },
+        )
     for gid in graves:
         B.remove_tree_at(store.grave_fd, str(gid).encode())
     return freed
 
 
 # -- keeping, during a rollback ---------------------------------------------------------
+
 
 class Keeper:
     """Keeps what a redo of the rollback under way needs, a batch of steps
@@ -225,9 +244,8 @@ class Keeper:
         self.r = resolver
         self.C = store.chunk_size
         self.held: list[tuple[int, S.Record, bool]] = []
-        with store.env.begin(db=store.db_redo) as txn:       # (a resumed rollback)
-            self.kept = {S.redo_inverse_seq(k) for k, _ in scan(txn, store.db_redo,
-                                                                  S.REDO_INVERSE)}
+        with store.env.begin(db=store.db_redo) as txn:  # (a resumed rollback)
+            self.kept = {S.redo_inverse_seq(k) for k, _ in scan(txn, store.db_redo, S.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
@@ -249,15 +267,16 @@ class Keeper:
             first = txn.get(S.redo_inverse_key(seq, 0))
         return _keep_of(rec, [S.decode_record(first)] if first is not None else [])
 
-    def batch(self, records: Sequence[tuple[int, S.Record]], i: int,
-              skip) -> list[tuple[int, int] | None]:
+    def batch(
+        self, records: Sequence[tuple[int, S.Record]], i: int, skip
+    ) -> list[tuple[int, int] | None]:
         """Keep the inverses of the undo steps of records[i:i+n], for the
         longest run (n >= 1) that makes a batch (see the class); *skip*:
         (seq, record) -> whether the rollback leaves that record unapplied.
         Returns what `before` returns, for each."""
         plan = _Batch(self.r)
         chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
-        for seq, rec in records[i:i + self.BATCH]:
+        for seq, rec in records[i : i + self.BATCH]:
             if seq in self.kept or skip(seq, rec):
                 break
             took = plan.admit(rec)
@@ -269,8 +288,9 @@ class Keeper:
             return [self.before(seq, rec)]
         return self._keep(chosen)
 
-    def _keep(self, chosen: list[tuple[int, S.Record, os.stat_result | None]]
-              ) -> list[tuple[int, int] | None]:
+    def _keep(
+        self, chosen: list[tuple[int, S.Record, os.stat_result | None]]
+    ) -> list[tuple[int, int] | None]:
         """One transaction: the held records leave the journal, the inverses
         of *chosen* ((seq, record, what a CREATE or LINK step removes, as
         the plan found it)) are kept."""
@@ -282,8 +302,9 @@ class Keeper:
             groups = [(seq, self._inverse(w, rec, st)) for seq, rec, st in chosen]
             for seq, group in groups:
                 for k, inv in enumerate(group):
-                    w.txn.put(S.redo_inverse_key(seq, k), S.encode_record(inv),
-                              db=self.store.db_redo)
+                    w.txn.put(
+                        S.redo_inverse_key(seq, k), S.encode_record(inv), db=self.store.db_redo
+                    )
         self.held = []
         for (seq, group), (_, rec, _) in zip(groups, chosen, strict=True):
             self.kept.add(seq)
@@ -326,7 +347,7 @@ class Keeper:
             w.txn.delete(S.u64(seq), db=st.db_journal)
             if moved:
                 if isinstance(rec, S.Grave):
-                    w.drop_grave(rec.grave)   # put back
+                    w.drop_grave(rec.grave)  # put back
             elif isinstance(rec, S.Create | S.Link):
                 first = S.redo_inverse_key(seq, 0)
                 raw_inv = w.txn.get(first, db=st.db_redo)
@@ -345,9 +366,11 @@ class Keeper:
                         self.groups[seq] = self.groups[seq][1:]
                         if not self.groups[seq]:
                             del self.groups[seq]
-            elif isinstance(rec, S.Grave) and \
-                    B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None:
-                w.drop_grave(rec.grave)   # put back
+            elif (
+                isinstance(rec, S.Grave)
+                and B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None
+            ):
+                w.drop_grave(rec.grave)  # put back
 
     def keep_layer(self, w: Writer, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions."""
@@ -368,7 +391,7 @@ class Keeper:
         moves, and open the segment that captures what changes from now on
         (unless *top* is a fresh base layer: that serves)."""
         st = state(self.store)
-        assert st is not None       # (written when the rollback was planned: redo.begin)
+        assert st is not None  # (written when the rollback was planned: redo.begin)
         prints: list[tuple[bytes, bytes]] = []
         if self.groups is not None and self.r.generation == self.began:
             # no directory moved: each location names the same place throughout
@@ -379,9 +402,13 @@ class Keeper:
             locs = [loc for loc in locs if loc not in known]
         else:
             locs, moved = touched_locations(
-                list(self.groups.values()) if self.groups is not None
-                else [[rec for _, rec in group] for _, group in
-                      _inverse_groups(self.store, reverse=True)])
+                list(self.groups.values())
+                if self.groups is not None
+                else [
+                    [rec for _, rec in group]
+                    for _, group in _inverse_groups(self.store, reverse=True)
+                ]
+            )
         with self.r.reading():
             prints += fingerprints(self.r, locs)
         with self.store.write() as w:
@@ -391,7 +418,7 @@ class Keeper:
                 w.txn.put(S.redo_kept_key(S.REDO_MOVED, loc), b"", db=self.store.db_redo)
             st["state"] = READY
             st["fresh"] = None if top in st["kept"] else top
-            st["moves"] = True      # (a rollback by an older cowfs did not note them)
+            st["moves"] = True  # (a rollback by an older cowfs did not note them)
             st["segment"] = SEGMENT + st["seq"] if st["fresh"] is None else None
             _put_state(w, st)
 
@@ -421,16 +448,26 @@ class Keeper:
                 out.append(S.meta_record(parent, st))
         return out
 
-    def _bytes(self, w: Writer, d: int, name: bytes, loc: bytes, ino: int, index: int,
-               end: int, length: int | None = None) -> S.Chunk:
+    def _bytes(
+        self,
+        w: Writer,
+        d: int,
+        name: bytes,
+        loc: bytes,
+        ino: int,
+        index: int,
+        end: int,
+        length: int | None = None,
+    ) -> S.Chunk:
         """A CHUNK record holding chunk *index* of the object as it is now
         (up to *length* bytes of it, never past *end*, its size)."""
         off = index * self.C
         n = max(0, min(self.C if length is None else length, end - off))
         data = b""
         if n:
-            fd = B.open_noatime(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                                dir_fd=d)
+            fd = B.open_noatime(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
+            )
             try:
                 data = os.pread(fd, n, off)
             finally:
@@ -441,11 +478,11 @@ class Keeper:
     @staticmethod
     def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Change]:
         pairs = B.list_xattrs(*B.xattr_target(d, n))
-        return [S.Xattrs(loc, ino, S.encode_xattrs(pairs))] \
-            if pairs or always else []
+        return [S.Xattrs(loc, ino, S.encode_xattrs(pairs))] if pairs or always else []
 
-    def _inverse(self, w: Writer, rec: S.Record, st: os.stat_result | None = None
-                 ) -> list[S.Change]:
+    def _inverse(
+        self, w: Writer, rec: S.Record, st: os.stat_result | None = None
+    ) -> list[S.Change]:
         """Records that undo *rec*'s undo step, in the order a redo applies
         them; taken before the step (*st*: for a CREATE or LINK in a batch,
         what the step will find at its path, as the plan knows it)."""
@@ -455,16 +492,13 @@ class Keeper:
             if st is None:
                 return []
             gid = w.new_grave(st.st_ino, st)
-            return [S.Rename(rec.path, S.grave_loc(gid), st.st_ino),
-                    *self._parents(rec.path)]
+            return [S.Rename(rec.path, S.grave_loc(gid), st.st_ino), *self._parents(rec.path)]
         if isinstance(rec, S.Grave):
-            return [S.Rename(S.grave_loc(rec.grave), rec.path, rec.ino),
-                    *self._parents(rec.path)]
+            return [S.Rename(S.grave_loc(rec.grave), rec.path, rec.ino), *self._parents(rec.path)]
         if isinstance(rec, S.Rename):
             return [S.Rename(rec.dst, rec.src, rec.ino), *self._parents(rec.src, rec.dst)]
         if isinstance(rec, S.Exchange):
-            return [S.Exchange(rec.a, rec.b, rec.ino_b, rec.ino_a),
-                    *self._parents(rec.a, rec.b)]
+            return [S.Exchange(rec.a, rec.b, rec.ino_b, rec.ino_a), *self._parents(rec.a, rec.b)]
         if not isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
             return []
         loc, ino = rec.loc, rec.ino
@@ -472,24 +506,28 @@ class Keeper:
             with self.r.at(loc) as (d, n):
                 st = B.lstat_at(d, n)
                 if st is None or st.st_ino != ino:
-                    return []       # the step cannot apply either; it is reported
+                    return []  # the step cannot apply either; it is reported
                 if isinstance(rec, S.Xattrs):
                     return self._xattrs(d, n, loc, ino)
                 if isinstance(rec, S.Chunk):
-                    return [self._bytes(w, d, n, loc, ino, rec.chunk, st.st_size, rec.length),
-                            S.meta_record(loc, st)]
+                    return [
+                        self._bytes(w, d, n, loc, ino, rec.chunk, st.st_size, rec.length),
+                        S.meta_record(loc, st),
+                    ]
                 out: list[S.Change] = []
                 if stat.S_ISREG(st.st_mode) and st.st_size > rec.size:
                     # the step truncates: keep what it cuts off
-                    out += [self._bytes(w, d, n, loc, ino, i, st.st_size)
-                            for i in range(rec.size // self.C, (st.st_size - 1) // self.C + 1)]
+                    out += [
+                        self._bytes(w, d, n, loc, ino, i, st.st_size)
+                        for i in range(rec.size // self.C, (st.st_size - 1) // self.C + 1)
+                    ]
                 out.append(S.meta_record(loc, st))
                 if (st.st_uid, st.st_gid) != (rec.uid, rec.gid):
                     # a change of owner drops capabilities
                     out += self._xattrs(d, n, loc, ino, always=False)
                 return out
         except FileNotFoundError:
-            return []               # (a path component is gone: likewise)
+            return []  # (a path component is gone: likewise)
 
 
 def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
@@ -515,10 +553,10 @@ class _Batch:
 
     def __init__(self, resolver: B.Resolver):
         self.r = resolver
-        self.places: set[bytes] = set()           # where the batch acts
-        self.above: set[bytes] = set()            # directories holding those
-        self.objects: set[int] = set()            # what it acts on
-        self.changed: set[int] = set()            # ... changing more than its name
+        self.places: set[bytes] = set()  # where the batch acts
+        self.above: set[bytes] = set()  # directories holding those
+        self.objects: set[int] = set()  # what it acts on
+        self.changed: set[int] = set()  # ... changing more than its name
         self.holds: dict[bytes, int | None] = {}  # place -> what will be there
         self.stats: dict[int, os.stat_result] = {}
 
@@ -560,8 +598,13 @@ class _Batch:
         with, for a CREATE or LINK, what its step will remove."""
         if isinstance(rec, S.Create | S.Link):
             ok, st = self._there(rec.path)
-            if not ok or st is None or stat.S_ISDIR(st.st_mode) or st.st_ino in self.changed \
-                    or (rec.path not in self.holds and st.st_ino in self.objects):
+            if (
+                not ok
+                or st is None
+                or stat.S_ISDIR(st.st_mode)
+                or st.st_ino in self.changed
+                or (rec.path not in self.holds and st.st_ino in self.objects)
+            ):
                 return None
             self._claim(rec.path)
             # nothing may come there later in the batch: applied again, the
@@ -569,13 +612,19 @@ class _Batch:
             self.holds.pop(rec.path, None)
             self.objects.add(st.st_ino)
             return rec, st
-        if isinstance(rec, S.Rename):          # the step moves rec.ino from dst to src
+        if isinstance(rec, S.Rename):  # the step moves rec.ino from dst to src
             ok, st = self._there(rec.dst)
             ok_src, st_src = self._there(rec.src)
-            if not ok or not ok_src or st is None or st.st_ino != rec.ino or \
-                    st_src is not None or stat.S_ISDIR(st.st_mode) or \
-                    rec.ino in self.changed or \
-                    (rec.dst not in self.holds and rec.ino in self.objects):
+            if (
+                not ok
+                or not ok_src
+                or st is None
+                or st.st_ino != rec.ino
+                or st_src is not None
+                or stat.S_ISDIR(st.st_mode)
+                or rec.ino in self.changed
+                or (rec.dst not in self.holds and rec.ino in self.objects)
+            ):
                 return None
             self._claim(rec.dst)
             self._claim(rec.src)
@@ -584,16 +633,23 @@ class _Batch:
             self.stats[rec.ino] = st
             self.objects.add(rec.ino)
             return rec, None
-        if isinstance(rec, S.Grave):           # the step moves it out of the grave
+        if isinstance(rec, S.Grave):  # the step moves it out of the grave
             gloc = S.grave_loc(rec.grave)
             ok, st = self._there(gloc)
             ok_at, st_at = self._there(rec.path)
-            if not ok or not ok_at or st is None or st.st_ino != rec.ino or \
-                    st_at is not None or stat.S_ISDIR(st.st_mode) or rec.ino in self.objects:
+            if (
+                not ok
+                or not ok_at
+                or st is None
+                or st.st_ino != rec.ino
+                or st_at is not None
+                or stat.S_ISDIR(st.st_mode)
+                or rec.ino in self.objects
+            ):
                 return None
             self._claim(gloc)
-            self._claim(rec.path)       # (and no later step there: applied again, the
-            self.objects.add(rec.ino)   # step would miss the object in the grave)
+            self._claim(rec.path)  # (and no later step there: applied again, the
+            self.objects.add(rec.ino)  # step would miss the object in the grave)
             return rec, None
         if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
             if rec.loc in self.holds or not self._free(rec.loc) or rec.ino in self.objects:
@@ -602,10 +658,11 @@ class _Batch:
             self.objects.add(rec.ino)
             self.changed.add(rec.ino)
             return rec, None
-        return None             # (an EXCHANGE: a step of its own)
+        return None  # (an EXCHANGE: a step of its own)
 
 
 # -- where a redo acts, and whether anything changed there --------------------------------
+
 
 def _inverse_groups(store: Store, reverse: bool = False):
     """(seq, [(key, record)...]) of the kept inverses, in seq order."""
@@ -629,8 +686,9 @@ def _locs(rec: S.Record) -> list[bytes]:
     return []
 
 
-def _locations(groups: Iterable[tuple[int, Sequence[S.Record]]]
-               ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
+def _locations(
+    groups: Iterable[tuple[int, Sequence[S.Record]]],
+) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
     """What `touched_locations` finds when no undo step moved a directory:
     every location the inverses name, and those of the moves.  (The places
     an object moved by one step takes are named by the steps that move it,
@@ -659,7 +717,7 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     moved into the grave is not followed: the redo brings the directory
     back first)."""
     names = Names()
-    followed: dict[Slot, bool] = {}     # slot -> whether the redo moves what is there
+    followed: dict[Slot, bool] = {}  # slot -> whether the redo moves what is there
 
     def note(group: Sequence[S.Record]) -> None:
         for rec in group:
@@ -674,7 +732,7 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     for group in groups:
         note(group)
         first = group[0]
-        if isinstance(first, S.Rename):    # the undo step moved src to dst
+        if isinstance(first, S.Rename):  # the undo step moved src to dst
             names.move(first.src, first.dst)
             if S.grave_id(first.dst) is not None:
                 names.prune(first.dst)
@@ -683,8 +741,10 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
             names.exchange(first.a, first.b)
             note(group)
     now = [(names.where(slot), moves) for slot, moves in followed.items()]
-    return (sorted({loc for loc, _ in now if loc is not None}),
-            sorted({loc for loc, moves in now if loc is not None and moves}))
+    return (
+        sorted({loc for loc, _ in now if loc is not None}),
+        sorted({loc for loc, moves in now if loc is not None and moves}),
+    )
 
 
 def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
@@ -699,8 +759,7 @@ def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
         return ["unreachable"]
     if st is None:
         return None
-    return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
-            st.st_ctime_ns]
+    return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 _PRINT = b"[%d, %d, %d, %d, %d, %d, %d]"
@@ -717,7 +776,7 @@ def fingerprints(resolver: B.Resolver, locs: list[bytes]) -> list[tuple[bytes, b
             out.append((loc, print_json(fingerprint(resolver, loc))))
             continue
         if loc.startswith(S.GRAVE_PREFIX):
-            parent, fd, name = None, resolver.grave_fd, loc[len(S.GRAVE_PREFIX):]
+            parent, fd, name = None, resolver.grave_fd, loc[len(S.GRAVE_PREFIX) :]
         else:
             head, _, name = loc.rpartition(b"/")
             if head != parent:
@@ -735,8 +794,21 @@ def fingerprints(resolver: B.Resolver, locs: list[bytes]) -> list[tuple[bytes, b
         except OSError:
             out.append((loc, b'["unreachable"]'))
         else:
-            out.append((loc, _PRINT % (st.st_ino, st.st_mode, st.st_uid, st.st_gid,
-                                       st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+            out.append(
+                (
+                    loc,
+                    _PRINT
+                    % (
+                        st.st_ino,
+                        st.st_mode,
+                        st.st_uid,
+                        st.st_gid,
+                        st.st_size,
+                        st.st_mtime_ns,
+                        st.st_ctime_ns,
+                    ),
+                )
+            )
     return out
 
 
@@ -764,8 +836,9 @@ def check(store: Store, resolver: B.Resolver) -> RedoState:
         raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {st['why']}")
     why = why_not(store, resolver, st)
     if why:
-        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}; "
-                      "nothing was changed")
+        raise Refused(
+            f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}; nothing was changed"
+        )
     return st
 
 
@@ -785,8 +858,9 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
     with store.env.begin(db=store.db_redo) as txn:
-        prints = {bytes(S.split_redo_key(k)[1]): v
-                  for k, v in scan(txn, store.db_redo, S.REDO_PRINT)}
+        prints = {
+            bytes(S.split_redo_key(k)[1]): v for k, v in scan(txn, store.db_redo, S.REDO_PRINT)
+        }
         moved = {bytes(S.split_redo_key(k)[1]) for k, _ in scan(txn, store.db_redo, S.REDO_MOVED)}
     changed = []
     with resolver.reading():
@@ -808,8 +882,9 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
                 inside.setdefault(S.show_loc(loc), S.show_loc(above))
     if inside:
         where = sorted({d for d in inside.values() if d})
-        return (f"{_shown(sorted(inside))} changed since the rollback"
-                + (f", inside {_shown(where)}, which the redo moves" if where else ""))
+        return f"{_shown(sorted(inside))} changed since the rollback" + (
+            f", inside {_shown(where)}, which the redo moves" if where else ""
+        )
     return None
 
 
@@ -865,8 +940,10 @@ def _corrupt(store: Store, groups) -> dict[int, str]:
             gid = S.grave_id(rec.dst)
             why = gravesum.verify(store, gid) if gid is not None else None
             if why is not None:
-                out[rec.ino] = (f"{S.show_loc(rec.src)}: not redone: the file "
-                                f"kept in the store is corrupt: {why}; it stays removed")
+                out[rec.ino] = (
+                    f"{S.show_loc(rec.src)}: not redone: the file "
+                    f"kept in the store is corrupt: {why}; it stays removed"
+                )
     return out
 
 
@@ -889,7 +966,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                     w.deref(rec.digest)
                 elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
-                        w.drop_grave(gid)   # out of the grave
+                        w.drop_grave(gid)  # out of the grave
                 w.txn.delete(key, db=store.db_redo)
         done.clear()
 
@@ -920,8 +997,12 @@ def restore(w: Writer) -> list[int]:
     txn = w.txn
     w.rewrites()
     st = S.from_json(need(txn, S.K_REDO_STATE, store.db_redo))
-    targets = {S.REDO_LAYER: store.db_layers, S.REDO_RECORD: store.db_journal,
-               S.REDO_INDEX: store.db_index, S.REDO_WHO: store.db_who}
+    targets = {
+        S.REDO_LAYER: store.db_layers,
+        S.REDO_RECORD: store.db_journal,
+        S.REDO_INDEX: store.db_index,
+        S.REDO_WHO: store.db_who,
+    }
     restored = []
     for key, val in list(scan(txn, store.db_redo, b"")):
         kind, original = S.split_redo_key(key)
@@ -931,8 +1012,10 @@ def restore(w: Writer) -> list[int]:
                 restored.append(S.from_u64(original))
             elif kind == S.REDO_RECORD:
                 rec = S.decode_or_damaged(val)
-                if isinstance(rec, S.Grave) and \
-                        B.lstat_at(store.grave_fd, str(rec.grave).encode()) is not None:
+                if (
+                    isinstance(rec, S.Grave)
+                    and B.lstat_at(store.grave_fd, str(rec.grave).encode()) is not None
+                ):
                     w.regrave(rec.grave, rec.ino)
         txn.delete(key, db=store.db_redo)
     # what changed since the rollback came after all of it: the top layer's now
@@ -941,6 +1024,7 @@ def restore(w: Writer) -> list[int]:
 
 
 # -- for `cowfs check` -------------------------------------------------------------------
+
 
 def references(store: Store, txn):
     """(kind, record) of every record the redo database holds: "r" a dropped
@@ -958,7 +1042,10 @@ def held_grave(kind: bytes, rec: S.Record) -> tuple[int, int] | None:
     """(grave id, inode) a record of the redo database holds in the grave."""
     if kind == S.REDO_RECORD and isinstance(rec, S.Grave):
         return rec.grave, rec.ino
-    if kind == S.REDO_INVERSE and isinstance(rec, S.Rename) and \
-            (gid := S.grave_id(rec.dst)) is not None:
+    if (
+        kind == S.REDO_INVERSE
+        and isinstance(rec, S.Rename)
+        and (gid := S.grave_id(rec.dst)) is not None
+    ):
         return gid, rec.ino
     return None

@@ -155,8 +155,20 @@ DB_WRITERS = b"writers"
 DB_AUDIT = b"audit"
 DB_REDO = b"redo"
 DB_GRAVESUMS = b"gravesums"
-ALL_DBS = (DB_META, DB_LAYERS, DB_JOURNAL, DB_INDEX, DB_CHUNKS, DB_REFS, DB_GRAVES,
-           DB_WHO, DB_WRITERS, DB_AUDIT, DB_REDO, DB_GRAVESUMS)
+ALL_DBS = (
+    DB_META,
+    DB_LAYERS,
+    DB_JOURNAL,
+    DB_INDEX,
+    DB_CHUNKS,
+    DB_REFS,
+    DB_GRAVES,
+    DB_WHO,
+    DB_WRITERS,
+    DB_AUDIT,
+    DB_REDO,
+    DB_GRAVESUMS,
+)
 
 K_FORMAT = b"format"
 K_WORKSPACE = b"workspace"
@@ -182,7 +194,7 @@ def from_u64(b: bytes) -> int:
     return _U64.unpack(b)[0]
 
 
-_ENCODE = json.JSONEncoder(sort_keys=True).encode   # (made once: json.dumps makes one a call)
+_ENCODE = json.JSONEncoder(sort_keys=True).encode  # (made once: json.dumps makes one a call)
 
 
 def to_json(obj: Any) -> bytes:
@@ -199,8 +211,8 @@ IDX_CREATED = b"N"
 IDX_META = b"M"
 IDX_XATTRS = b"X"
 IDX_CHUNK = b"C"
-IDX_PINNED = b"P"   # (value 0) seen at a captured path: never ignored in this layer
-INDEX_FLAGS = (IDX_CREATED, IDX_PINNED)   # index entries that name no record
+IDX_PINNED = b"P"  # (value 0) seen at a captured path: never ignored in this layer
+INDEX_FLAGS = (IDX_CREATED, IDX_PINNED)  # index entries that name no record
 
 
 def index_prefix(layer: int, ino: int | None = None) -> bytes:
@@ -302,7 +314,7 @@ class GraveSum(NamedTuple):
     ino: int
     size: int
     mtime_ns: int
-    time_ns: int        # pending: when it was removed; hashed: its ctime then
+    time_ns: int  # pending: when it was removed; hashed: its ctime then
     digest: bytes = b""
 
 
@@ -315,9 +327,10 @@ def decode_sum(raw: bytes) -> GraveSum | None:
     if len(raw) not in (_SUM.size, _SUM.size + 16):
         return None
     state, ino, size, mtime_ns, time_ns = _SUM.unpack_from(raw)
-    s = GraveSum(state, ino, size, mtime_ns, time_ns, bytes(raw[_SUM.size:]))
-    if s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED) or \
-            (s.state == SUM_HASHED) != (len(s.digest) == 16):
+    s = GraveSum(state, ino, size, mtime_ns, time_ns, bytes(raw[_SUM.size :]))
+    if s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED) or (s.state == SUM_HASHED) != (
+        len(s.digest) == 16
+    ):
         return None
     return s
 
@@ -336,7 +349,7 @@ def grave_loc(gid: int) -> bytes:
 
 
 def grave_id(loc: bytes) -> int | None:
-    return int(loc[len(GRAVE_PREFIX):]) if loc.startswith(GRAVE_PREFIX) else None
+    return int(loc[len(GRAVE_PREFIX) :]) if loc.startswith(GRAVE_PREFIX) else None
 
 
 def show_loc(loc: bytes) -> str:
@@ -359,12 +372,18 @@ EXCHANGE = 5
 META = 6
 XATTRS = 7
 CHUNK = 8
-DAMAGED = 0   # a record that does not decode (never written)
+DAMAGED = 0  # a record that does not decode (never written)
 
 KIND_NAMES = {
     DAMAGED: "damaged record",
-    CREATE: "create", LINK: "link", GRAVE: "grave", RENAME: "rename",
-    EXCHANGE: "exchange", META: "meta", XATTRS: "xattrs", CHUNK: "chunk",
+    CREATE: "create",
+    LINK: "link",
+    GRAVE: "grave",
+    RENAME: "rename",
+    EXCHANGE: "exchange",
+    META: "meta",
+    XATTRS: "xattrs",
+    CHUNK: "chunk",
 }
 
 
@@ -484,12 +503,19 @@ Record = Create | Link | Grave | Rename | Exchange | Meta | Xattrs | Chunk | Dam
 Change = Create | Link | Grave | Rename | Exchange | Meta | Xattrs | Chunk  # (written)
 
 RECORD_TYPES: dict[int, type[Change]] = {
-    CREATE: Create, LINK: Link, GRAVE: Grave, RENAME: Rename, EXCHANGE: Exchange,
-    META: Meta, XATTRS: Xattrs, CHUNK: Chunk,
+    CREATE: Create,
+    LINK: Link,
+    GRAVE: Grave,
+    RENAME: Rename,
+    EXCHANGE: Exchange,
+    META: Meta,
+    XATTRS: Xattrs,
+    CHUNK: Chunk,
 }
 # the type of each field (int or bytes), for checking what a journal value decodes to
 _SHAPES: dict[int, tuple[type, ...]] = {
-    kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()}
+    kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()
+}
 assert all(t in (int, bytes) for shape in _SHAPES.values() for t in shape)
 
 
@@ -504,8 +530,9 @@ def record_loc(rec: Change) -> bytes:
 
 def meta_record(loc: bytes, st: os.stat_result) -> Meta:
     """The META record of the object *st* describes, at *loc*."""
-    return Meta(loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size,
-                st.st_atime_ns, st.st_mtime_ns)
+    return Meta(
+        loc, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_atime_ns, st.st_mtime_ns
+    )
 
 
 _I = struct.Struct(">q")
@@ -528,7 +555,8 @@ _TAG_INT, _TAG_BYTES = ord("i"), ord("b")
 # kind -> (record type, the tag of each field in order)
 _DECODERS: dict[int, tuple[type[Change], bytes]] = {
     kind: (cls, bytes(_TAG_INT if t is int else _TAG_BYTES for t in _SHAPES[kind]))
-    for kind, cls in RECORD_TYPES.items()}
+    for kind, cls in RECORD_TYPES.items()
+}
 
 
 def decode_record(data: bytes) -> Change:
@@ -552,7 +580,7 @@ def decode_record(data: bytes) -> Change:
             end = pos + 5 + _L.unpack_from(data, pos + 1)[0]
             if end > len(data):
                 raise ValueError(f"corrupt journal record (kind {kind}: truncated)")
-            add(bytes(data[pos + 5:end]))
+            add(bytes(data[pos + 5 : end]))
             pos = end
     if pos != len(data):
         raise ValueError(f"corrupt journal record (kind {kind}: bytes past its fields)")
@@ -580,10 +608,10 @@ def decode_xattrs(blob: bytes) -> list[tuple[bytes, bytes]]:
     pos = 0
     while pos < len(blob):
         n = _L.unpack_from(blob, pos)[0]
-        name = blob[pos + 4:pos + 4 + n]
+        name = blob[pos + 4 : pos + 4 + n]
         pos += 4 + n
         m = _L.unpack_from(blob, pos)[0]
-        value = blob[pos + 4:pos + 4 + m]
+        value = blob[pos + 4 : pos + 4 + m]
         pos += 4 + m
         pairs.append((bytes(name), bytes(value)))
     return pairs

@@ -45,18 +45,38 @@ from .stack import FINISHED, RollbackReport, Stack, files_left
 from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
 from .text import count
 
-AUDIT_HASH_LIMIT = 64 << 20     # larger files get sizes only in the audit log
+AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
-FINISHING_WAIT = 60       # seconds a mount waits for the last mount's daemon to exit
+FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
 
 log = logging.getLogger("cowfs.session")
 
 # the control operations a session carries out (methods of these names)
-OPS = frozenset({"checkpoint", "commit", "rollback", "redo", "provider_add",
-                 "provider_remove", "provider_list", "status", "gc", "changes", "show",
-                 "diff", "view", "audit", "audit_prune", "audit_note", "annotate", "check",
-                 "repair", "log"})
-TREE_OPS = ("rollback", "commit", "redo")   # refused on drift; the drift record follows them
+OPS = frozenset(
+    {
+        "checkpoint",
+        "commit",
+        "rollback",
+        "redo",
+        "provider_add",
+        "provider_remove",
+        "provider_list",
+        "status",
+        "gc",
+        "changes",
+        "show",
+        "diff",
+        "view",
+        "audit",
+        "audit_prune",
+        "audit_note",
+        "annotate",
+        "check",
+        "repair",
+        "log",
+    }
+)
+TREE_OPS = ("rollback", "commit", "redo")  # refused on drift; the drift record follows them
 
 
 def raise_fd_limit() -> None:
@@ -113,22 +133,32 @@ NO_MOUNT = MountHooks()
 
 
 class Session:
-    def __init__(self, workspace: str, mountpoint: str | None = None,
-                 store: str | None = None, chunk_size: int | None = None,
-                 max_store: int | None = None, max_layers: int | None = None,
-                 accept_drift: bool = False, ignore: list[str] | None = None,
-                 audit: str | None = None):
+    def __init__(
+        self,
+        workspace: str,
+        mountpoint: str | None = None,
+        store: str | None = None,
+        chunk_size: int | None = None,
+        max_store: int | None = None,
+        max_layers: int | None = None,
+        accept_drift: bool = False,
+        ignore: list[str] | None = None,
+        audit: str | None = None,
+    ):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
         self.store_dir = os.path.abspath(store or default_store(self.workspace))
         self.chunk_size = chunk_size
         self.limits: dict[str, int | str | None] = {
-            "max_store": max_store, "max_layers": max_layers, "audit": audit}
+            "max_store": max_store,
+            "max_layers": max_layers,
+            "audit": audit,
+        }
         self.accept_drift = accept_drift
-        self.ignore_patterns = ignore     # None: the store's, as the last mount set them
+        self.ignore_patterns = ignore  # None: the store's, as the last mount set them
         self.warnings: list[str] = []
         self.hooks = NO_MOUNT
-        self._history_cache: tuple | None = None   # (store state, History) for show/diff
+        self._history_cache: tuple | None = None  # (store state, History) for show/diff
 
     # -- opening and closing ------------------------------------------------------
 
@@ -143,9 +173,15 @@ class Session:
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+
         def open_store() -> Store:
-            return Store.open(self.store_dir, self.workspace, create=create,
-                              chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE)
+            return Store.open(
+                self.store_dir,
+                self.workspace,
+                create=create,
+                chunk_size=self.chunk_size or DEFAULT_CHUNK_SIZE,
+            )
+
         try:
             self.store = open_store()
         except AlreadyMounted:
@@ -159,13 +195,16 @@ class Session:
                     f"the daemon of the last mount of {self.workspace} (pid {pid}) is still "
                     f"finishing its unmount after {FINISHING_WAIT} s (recording the "
                     "workspace's state, closing the store); mount again once it has "
-                    "exited") from None
-            self.warnings.append(f"waited {time.monotonic() - t0:.1f} s for the daemon of the "
-                                 f"last mount (pid {pid}) to finish its unmount")
+                    "exited"
+                ) from None
+            self.warnings.append(
+                f"waited {time.monotonic() - t0:.1f} s for the daemon of the "
+                f"last mount (pid {pid}) to finish its unmount"
+            )
             self.store = open_store()
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
-        if create:   # a mount: its options (0 clears) change the store's limits
+        if create:  # a mount: its options (0 clears) change the store's limits
             self.store.set_limits(**{k: v for k, v in self.limits.items() if v is not None})
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
         if recovering:
@@ -176,7 +215,7 @@ class Session:
         # An interrupted rollback resumes under the filters its layers were
         # captured with; a mount's new --ignore patterns apply from then on.
         self._load_ignore_rules()
-        self.recorder = Recorder(self.store)     # (what resuming switches, it follows)
+        self.recorder = Recorder(self.store)  # (what resuming switches, it follows)
         pending = self.stack.pending()
         if pending is not None and pending.get("op") == "checkpoint":
             self.warnings += self._resume_checkpoint(pending)
@@ -195,8 +234,7 @@ class Session:
         *readonly*, nothing can be)."""
         self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
         try:
-            self.store = Store.open(self.store_dir, self.workspace, create=False,
-                                    readonly=readonly)
+            self.store = Store.open(self.store_dir, self.workspace, create=False, readonly=readonly)
         except BaseException:
             os.close(self.rootfd)
             raise
@@ -233,18 +271,24 @@ class Session:
             return
         drift = self.stack.drift(recorded)
         if drift and not self.accept_drift:
-            shown = ", ".join(drift[:10]) + (f" and {len(drift) - 10} more"
-                                            if len(drift) > 10 else "")
-            raise Drift(f"{len(drift)} path{'s' if len(drift) > 1 else ''} the layers changed "
-                        f"were changed while the workspace was not mounted: {shown}; a "
-                        "rollback would mix both; mount with --accept-drift to go on anyway")
+            shown = ", ".join(drift[:10]) + (
+                f" and {len(drift) - 10} more" if len(drift) > 10 else ""
+            )
+            raise Drift(
+                f"{len(drift)} path{'s' if len(drift) > 1 else ''} the layers changed "
+                f"were changed while the workspace was not mounted: {shown}; a "
+                "rollback would mix both; mount with --accept-drift to go on anyway"
+            )
         if drift:
-            self.stack.discard_redo("the workspace was changed while not mounted "
-                                    "(mounted with --accept-drift)")
+            self.stack.discard_redo(
+                "the workspace was changed while not mounted (mounted with --accept-drift)"
+            )
             top = self.stack.ensure_base()
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
-            self.warnings.append(f"accepted drift of {count(len(drift), 'path')} "
-                                 "(recorded in the log): " + ", ".join(drift[:10]))
+            self.warnings.append(
+                f"accepted drift of {count(len(drift), 'path')} "
+                "(recorded in the log): " + ", ".join(drift[:10])
+            )
         # (no write: the first change captured makes the record stale)
 
     def holds_changes(self) -> bool:
@@ -289,28 +333,37 @@ class Session:
         if st is None or (st["state"] != redo.READY and st.get("segment") is None):
             return False
         self.recorder.flush()
-        self.stack.discard_redo("the store needed the room it held for a change made since",
-                                fallback=True)
+        self.stack.discard_redo(
+            "the store needed the room it held for a change made since", fallback=True
+        )
         self.recorder.reset(fresh=False)
         return True
 
     # -- checkpoint -------------------------------------------------------------------
 
-    async def checkpoint(self, message: str = "", providers: list | None = None,
-                         containers: list | None = None, vms: list | None = None,
-                         agent: dict | None = None) -> dict:
+    async def checkpoint(
+        self,
+        message: str = "",
+        providers: list | None = None,
+        containers: list | None = None,
+        vms: list | None = None,
+        agent: dict | None = None,
+    ) -> dict:
         """Open a layer (with snapshots of *providers*, *containers* and
         *vms*).  *agent*: the agent event it stands for (see `agents`), kept
         on the layer: {"agent": str, "event": str, ...}, at most 16 KiB."""
         if agent is not None:
             check_agent_record(agent)
         providers = list(providers or [])
-        for kind, key, names in (("docker", "container", containers or []),
-                                 ("libvirt", "domain", vms or [])):
+        for kind, key, names in (
+            ("docker", "container", containers or []),
+            ("libvirt", "domain", vms or []),
+        ):
             for target in names:
                 if not isinstance(target, str) or not target:
-                    raise CowfsError("bad request: container and VM names are strings",
-                                     errors.USAGE)
+                    raise CowfsError(
+                        "bad request: container and VM names are strings", errors.USAGE
+                    )
                 providers.append(self.registry.ensure(kind, key, target))
         if not all(isinstance(p, str) for p in providers) or len(set(providers)) != len(providers):
             raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
@@ -320,15 +373,19 @@ class Session:
         self._switched(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
-        if chosen:   # a crash while capturing: the next open removes what was taken
-            self.store.set_pending({"op": "checkpoint", "layer": layer.id,
-                                    "providers": providers})
+        if chosen:  # a crash while capturing: the next open removes what was taken
+            self.store.set_pending({"op": "checkpoint", "layer": layer.id, "providers": providers})
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
                 data = await self.hooks.blocking(provider.capture, ctx)
-                taken.append({"provider": provider.name, "data": data,
-                              "seconds": round(time.perf_counter() - t0, 3)})
+                taken.append(
+                    {
+                        "provider": provider.name,
+                        "data": data,
+                        "seconds": round(time.perf_counter() - t0, 3),
+                    }
+                )
                 t0 = time.perf_counter()
             if taken:
                 self.store.set_snapshots(layer.id, taken, close_pending=True)
@@ -343,13 +400,19 @@ class Session:
                     leftovers.append(f"; discarding {snap['provider']}'s snapshot failed: {e2}")
             self.registry.drop_state(self.registry.context(failed, layer.id))
             self._drop_checkpoint(layer.id)
-            raise CowfsError(f"checkpoint failed: provider {failed!r}: {e}; "
-                             "nothing was taken" + "".join(leftovers),
-                             errors.DAEMON_ERROR) from None
+            raise CowfsError(
+                f"checkpoint failed: provider {failed!r}: {e}; "
+                "nothing was taken" + "".join(leftovers),
+                errors.DAEMON_ERROR,
+            ) from None
         info = self.store.get_layer(layer.id).to_dict()
-        self.store.audit("checkpoint", layer=layer.id, message=message,
-                         snapshots=[t["provider"] for t in taken],
-                         **({"agent": agent} if agent else {}))
+        self.store.audit(
+            "checkpoint",
+            layer=layer.id,
+            message=message,
+            snapshots=[t["provider"] for t in taken],
+            **({"agent": agent} if agent else {}),
+        )
         merged = await self._enforce_max_layers()
         if merged:
             info["merged"] = merged
@@ -375,12 +438,15 @@ class Session:
                 self.registry.get(name).forget(ctx)
                 self.registry.drop_state(ctx)
             except Exception as e:
-                problems.append(f"discarding what provider {name} took for layer {layer} "
-                                f"failed: {e}")
+                problems.append(
+                    f"discarding what provider {name} took for layer {layer} failed: {e}"
+                )
         self._drop_checkpoint(layer)
-        return [f"a checkpoint (layer {layer}) was interrupted while taking snapshots of "
-                f"{', '.join(pending.get('providers', []))}: what they took was discarded and "
-                f"the layer merged into the one below"] + problems
+        return [
+            f"a checkpoint (layer {layer}) was interrupted while taking snapshots of "
+            f"{', '.join(pending.get('providers', []))}: what they took was discarded and "
+            f"the layer merged into the one below"
+        ] + problems
 
     async def _enforce_max_layers(self) -> list[int]:
         """--max-layers: merge the oldest layers above the base into it
@@ -413,8 +479,9 @@ class Session:
             if step["do"] != do or step["state"] in FINISHED:
                 continue
             what = f"{do} {step['provider']} of layer {step['layer']}"
-            ran.append(what + (" (again: it was interrupted)" if step["state"] == "started"
-                               else ""))
+            ran.append(
+                what + (" (again: it was interrupted)" if step["state"] == "started" else "")
+            )
             self._mark_step(i, state="started")
             t0 = time.perf_counter()
             result: dict[str, Any]
@@ -455,10 +522,13 @@ class Session:
                 # keeps what a redo needs a segment: memory knows all they
                 # hold (nothing); a redo's layers are known from the store
                 top = self.store.top()
-                self._switched(fresh=pending["op"] == "rollback" and top is not None
-                               and before is not None and (
-                                   top.id > before.id or
-                                   redo.segment(self.store) is not None), undo=True)
+                self._switched(
+                    fresh=pending["op"] == "rollback"
+                    and top is not None
+                    and before is not None
+                    and (top.id > before.id or redo.segment(self.store) is not None),
+                    undo=True,
+                )
             await self.hooks.after_undo(report.touched)
         ran += await self._provider_steps("discard")
         return self.stack.finish(), report, ran
@@ -470,13 +540,14 @@ class Session:
         record, report, ran = await self._carry_out()
         warnings = []
         if report is not None:
-            warnings.append(f"finished an interrupted {op} ({count(report.applied, 'step')}"
-                            + (f", {len(report.failures)} failed" if report.failures else "")
-                            + ")")
+            warnings.append(
+                f"finished an interrupted {op} ({count(report.applied, 'step')}"
+                + (f", {len(report.failures)} failed" if report.failures else "")
+                + ")"
+            )
             warnings += report.failures
         if ran:
-            warnings.append(f"finished the provider work of an interrupted {op}: "
-                            + ", ".join(ran))
+            warnings.append(f"finished the provider work of an interrupted {op}: " + ", ".join(ran))
         return warnings + step_failures(record)
 
     async def _finish_leftover(self) -> None:
@@ -484,19 +555,31 @@ class Session:
         out before a new one is planned over it."""
         if self.stack.pending() is not None:
             record, report, _ = await self._carry_out()
-            assert record is not None       # (it was pending: now closed)
-            log.warning("finished a pending %s: %s", record.get("op"),
-                        step_failures(record) + (report.failures if report else []))
+            assert record is not None  # (it was pending: now closed)
+            log.warning(
+                "finished a pending %s: %s",
+                record.get("op"),
+                step_failures(record) + (report.failures if report else []),
+            )
 
     async def commit(self) -> dict:
         await self.flush()
         await self._finish_leftover()
-        kept = self._audit_changes(self.store.open_layer().id,
-                                   hashes=self._audit_level() == "hashes")
+        kept = self._audit_changes(
+            self.store.open_layer().id, hashes=self._audit_level() == "hashes"
+        )
         info = self.stack.commit()
-        self.store.audit_many([{"event": "commit", "layer": info["committed"],
-                                "into": info["into"], "changes": len(kept)}]
-                              + [c | {"layer": info["committed"]} for c in kept])
+        self.store.audit_many(
+            [
+                {
+                    "event": "commit",
+                    "layer": info["committed"],
+                    "into": info["into"],
+                    "changes": len(kept),
+                }
+            ]
+            + [c | {"layer": info["committed"]} for c in kept]
+        )
         self._switched(fresh=info["into"] is None)
         self.hooks.after_commit(info.pop("freed", []))
         # The merged (or now permanent) layer's snapshots are no longer needed:
@@ -508,8 +591,9 @@ class Session:
             info["warnings"] = failures
         return info
 
-    async def rollback(self, to: int | None = None, keep_redo: bool = True,
-                       yes: bool = False) -> dict:
+    async def rollback(
+        self, to: int | None = None, keep_redo: bool = True, yes: bool = False
+    ) -> dict:
         """Roll back the top layer, or down to and including layer *to*.  A
         rollback of the top layer when it is the base layer (everything
         since the mount) is refused unless *yes* (naming it with *to* is
@@ -526,18 +610,29 @@ class Session:
         assert record is not None and report is not None
         steps = record["steps"]
         result = report.to_dict()
-        result["restored"] = [{"provider": s["provider"], "layer": s["layer"],
-                               "seconds": s["seconds"]}
-                              for s in steps if s["do"] == "restore" and s["state"] == "done"]
+        result["restored"] = [
+            {"provider": s["provider"], "layer": s["layer"], "seconds": s["seconds"]}
+            for s in steps
+            if s["do"] == "restore" and s["state"] == "done"
+        ]
         # (kept with the layer the workspace is back at)
         result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
         failures = report.failures + step_failures(record)
-        self.store.audit_many([{"event": "rollback", "layer": result["top"],
-                                "dropped": result["dropped"], "failures": failures}]
-                              + [c | {"undone": True} for c in undone])
+        self.store.audit_many(
+            [
+                {
+                    "event": "rollback",
+                    "layer": result["top"],
+                    "dropped": result["dropped"],
+                    "failures": failures,
+                }
+            ]
+            + [c | {"undone": True} for c in undone]
+        )
         if failures:
             raise errors.PartialFailure(
-                "rollback finished with failures:\n  " + "\n  ".join(failures))
+                "rollback finished with failures:\n  " + "\n  ".join(failures)
+            )
         return result
 
     async def redo(self) -> dict:
@@ -547,40 +642,61 @@ class Session:
         await self._finish_leftover()
         st = self.stack.plan_redo()
         _, report, _ = await self._carry_out()
-        assert report is not None   # (planned just now, with its file part still to do)
+        assert report is not None  # (planned just now, with its file part still to do)
         result = report.to_dict()
         redone = self._audit_changes(st["to"], hashes=False)
-        self.store.audit_many([{"event": "redo", "layer": result["top"],
-                                "restored": result["restored"], "failures": report.failures}]
-                              + [c | {"redone": True} for c in redone])
+        self.store.audit_many(
+            [
+                {
+                    "event": "redo",
+                    "layer": result["top"],
+                    "restored": result["restored"],
+                    "failures": report.failures,
+                }
+            ]
+            + [c | {"redone": True} for c in redone]
+        )
         if report.failures:
             raise errors.PartialFailure(
-                "redo finished with failures:\n  " + "\n  ".join(report.failures))
+                "redo finished with failures:\n  " + "\n  ".join(report.failures)
+            )
         return result
 
     # -- providers ----------------------------------------------------------------------
 
-    def provider_add(self, name: str, type: str, capture: str = "",
-                     restore: str = "", discard: str = "",
-                     container: str = "", domain: str = "",
-                     diagnostics: str = "", health: str = "") -> dict:
+    def provider_add(
+        self,
+        name: str,
+        type: str,
+        capture: str = "",
+        restore: str = "",
+        discard: str = "",
+        container: str = "",
+        domain: str = "",
+        diagnostics: str = "",
+        health: str = "",
+    ) -> dict:
         if type == "docker":
             config = {"type": type, "container": container}
         elif type == "libvirt":
-            config = {"type": type, "domain": domain, "diagnostics": diagnostics,
-                      "health": health}
+            config = {"type": type, "domain": domain, "diagnostics": diagnostics, "health": health}
         else:
             config = {"type": type, "capture": capture, "restore": restore, "discard": discard}
         self.registry.add(name, config)
         return {"name": name}
 
     def provider_remove(self, name: str) -> dict:
-        in_use = [layer.id for layer in self.store.layers()
-                  if any(s["provider"] == name for s in layer.snapshots)]
+        in_use = [
+            layer.id
+            for layer in self.store.layers()
+            if any(s["provider"] == name for s in layer.snapshots)
+        ]
         if in_use:
-            raise CowfsError(f"provider {name!r} has snapshots in layers "
-                             f"{', '.join(map(str, in_use))}; roll back or commit them first",
-                             errors.USAGE)
+            raise CowfsError(
+                f"provider {name!r} has snapshots in layers "
+                f"{', '.join(map(str, in_use))}; roll back or commit them first",
+                errors.USAGE,
+            )
         self.registry.remove(name)
         return {"name": name}
 
@@ -594,8 +710,11 @@ class Session:
         the changes --max-store refused since the mount, the redo note."""
         await self.flush()
         return self.stack.status(paths=path_list(paths)) | {
-            "usage": self.stack.usage(), "refused": self.hooks.refused(),
-            "redo": self.stack.redo_note(), "engine": self.hooks.engine_info()}
+            "usage": self.stack.usage(),
+            "refused": self.hooks.refused(),
+            "redo": self.stack.redo_note(),
+            "engine": self.hooks.engine_info(),
+        }
 
     async def gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -628,13 +747,27 @@ class Session:
         key = (layer, self.store.next_seq, tuple(x.id for x in self.store.layers()))
         cached = self._history_cache
         if cached is None or cached[0] != key:
-            cached = (key, History(self.store, self.stack.resolver, layer, self.hidden,
-                                   self.stack.reading(layer, since=True)))
+            cached = (
+                key,
+                History(
+                    self.store,
+                    self.stack.resolver,
+                    layer,
+                    self.hidden,
+                    self.stack.reading(layer, since=True),
+                ),
+            )
             self._history_cache = cached
         return cached[1]
 
-    async def show(self, layer: int | None = None, path: str = "", offset: int = 0,
-                   size: int = SHOW_PAGE, missing_ok: bool = False) -> dict:
+    async def show(
+        self,
+        layer: int | None = None,
+        path: str = "",
+        offset: int = 0,
+        size: int = SHOW_PAGE,
+        missing_ok: bool = False,
+    ) -> dict:
         """What *path* was when *layer* was opened: its status, and a page of
         its bytes (base64), its symlink target or its directory entries."""
         await self.flush()
@@ -644,8 +777,9 @@ class Session:
             return {"path": path, "kind": None, "layer": h.layer}
         return describe_past(h, obj, offset, max(0, min(size, SHOW_PAGE))) | {"layer": h.layer}
 
-    async def diff(self, since: int | None = None, paths: list | None = None,
-                   text_limit: int = 8 << 20) -> dict:
+    async def diff(
+        self, since: int | None = None, paths: list | None = None, text_limit: int = 8 << 20
+    ) -> dict:
         """Changes since layer *since* was opened, each with both sides'
         sizes and hashes and, for text, a unified diff."""
         await self.flush()
@@ -659,7 +793,8 @@ class Session:
         self.store.get_layer(layer)
         await self.flush()
         return await self.hooks.wait(
-            start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden)
+            start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden
+        )
 
     # -- the audit log --------------------------------------------------------------------
 
@@ -676,32 +811,48 @@ class Session:
         try:
             if not hashes:
                 return [{"event": "change", **c} for c in self.stack.changes_since(since)]
-            h = History(self.store, self.stack.resolver, since, self.hidden,
-                        self.stack.reading(since, since=True))
+            h = History(
+                self.store,
+                self.stack.resolver,
+                since,
+                self.hidden,
+                self.stack.reading(since, since=True),
+            )
             out = []
             for c in self.stack.changes_since(since):
                 d = diff_entry(h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT)
-                out.append({"event": "change", "path": d["path"], "kind": d["kind"],
-                            "from": d.get("from"), "who": d.get("who"),
-                            "before": d.get("old"), "after": d.get("new")})
+                out.append(
+                    {
+                        "event": "change",
+                        "path": d["path"],
+                        "kind": d["kind"],
+                        "from": d.get("from"),
+                        "who": d.get("who"),
+                        "before": d.get("old"),
+                        "after": d.get("new"),
+                    }
+                )
             return out
         except Exception:
             log.exception("audit: could not list the changes of layer %s", since)
             return []
 
-    def audit(self, after: int = 0, since_layer: int | None = None,
-              limit: int = 10000) -> dict:
+    def audit(self, after: int = 0, since_layer: int | None = None, limit: int = 10000) -> dict:
         """Audit events after number *after* (or from layer *since_layer*'s
         checkpoint on), at most *limit*."""
         if since_layer is not None and not self.store.layer_existed(since_layer):
-            raise errors.UnknownLayer(f"no layer {since_layer} (layers so far: 1 to "
-                                      f"{self.store.last_layer_id()})")
+            raise errors.UnknownLayer(
+                f"no layer {since_layer} (layers so far: 1 to {self.store.last_layer_id()})"
+            )
         events = []
         started = since_layer is None
         for e in self.store.audit_events(after):
-            if not started and since_layer is not None:     # (not started: a layer given)
-                started = e.get("event") == "checkpoint" and e.get("layer") == since_layer \
+            if not started and since_layer is not None:  # (not started: a layer given)
+                started = (
+                    e.get("event") == "checkpoint"
+                    and e.get("layer") == since_layer
                     or (e.get("layer") or 0) >= since_layer
+                )
                 if not started:
                     continue
             events.append(e)
@@ -727,8 +878,9 @@ class Session:
         required = {"command": str, "outcome": str, "exit_status": int}
         for key, kind in required.items():
             if not isinstance(run.get(key), kind) or isinstance(run.get(key), bool):
-                raise CowfsError(f"bad request: a run record needs {key!r} ({kind.__name__})",
-                                 errors.USAGE)
+                raise CowfsError(
+                    f"bad request: a run record needs {key!r} ({kind.__name__})", errors.USAGE
+                )
         if len(json.dumps(run)) > 64 << 10:
             raise CowfsError("bad request: the run record is too large", errors.USAGE)
         self.store.get_layer(layer)
@@ -773,8 +925,7 @@ def check_agent_record(agent: dict) -> None:
     and is small."""
     for key in ("agent", "event"):
         if not isinstance(agent.get(key), str) or not agent[key]:
-            raise CowfsError(f"bad request: an agent record needs {key!r} (a string)",
-                             errors.USAGE)
+            raise CowfsError(f"bad request: an agent record needs {key!r} (a string)", errors.USAGE)
     if len(json.dumps(agent)) > 16 << 10:
         raise CowfsError("bad request: the agent record is too large", errors.USAGE)
 
@@ -790,8 +941,9 @@ def open_offline(workspace: str, store: str | None) -> Session:
     recovery never depends on FUSE."""
     session = Session(workspace, store=store)
     if not os.path.isdir(session.store_dir) and not is_cowfs_mount(session.workspace):
-        raise NotMounted(f"{session.workspace} is not mounted and has no cowfs store "
-                         f"({session.store_dir})")
+        raise NotMounted(
+            f"{session.workspace} is not mounted and has no cowfs store ({session.store_dir})"
+        )
     cleared = recover_stale_mount(session.mountpoint)
     if cleared:
         session.warnings.append(cleared)
@@ -811,8 +963,10 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
         if op in TREE_OPS:
             drift = session.current_drift()
             if drift:
-                raise Drift(f"{', '.join(drift[:10])}: changed while not mounted, after the "
-                            "layers changed them; mount with --accept-drift first")
+                raise Drift(
+                    f"{', '.join(drift[:10])}: changed while not mounted, after the "
+                    "layers changed them; mount with --accept-drift first"
+                )
             recorded = session.store.get_meta_json(S.K_DRIFT) is not None
         try:
             result = trio.run(functools.partial(invoke, getattr(session, op), **args))

@@ -30,11 +30,15 @@ class RollbackReport:
     failures: list[str] = field(default_factory=list)
     touched: Touched = field(default_factory=Touched)
     top: int = 0
-    restored: list[int] = field(default_factory=list)   # (a redo)
+    restored: list[int] = field(default_factory=list)  # (a redo)
 
     def to_dict(self) -> dict:
-        d = {"dropped": self.dropped, "applied": self.applied,
-             "failures": self.failures, "top": self.top}
+        d = {
+            "dropped": self.dropped,
+            "applied": self.applied,
+            "failures": self.failures,
+            "top": self.top,
+        }
         return d | {"restored": self.restored} if self.restored else d
 
 
@@ -46,10 +50,10 @@ class Stack:
         self.ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None
         # told the inodes of objects a discarded redo held in the grave
         self.on_freed: Callable[[list[int]], None] | None = None
-        self.redo_blocked: str | None = None   # why, when even noting it failed
+        self.redo_blocked: str | None = None  # why, when even noting it failed
         self.same = Sameness(store, resolver)
-        self.kept = Kept(store)           # readings of the journal up to now
-        self.board = progress.LOCAL       # where a rollback notes how far it has got
+        self.kept = Kept(store)  # readings of the journal up to now
+        self.board = progress.LOCAL  # where a rollback notes how far it has got
 
     # -- basics -----------------------------------------------------------------
 
@@ -137,8 +141,9 @@ class Stack:
         if pending is None:
             return None
         top = self.ensure_base()
-        postmortems = [step["postmortem"] for step in pending.get("steps", ())
-                       if step.get("postmortem")]
+        postmortems = [
+            step["postmortem"] for step in pending.get("steps", ()) if step.get("postmortem")
+        ]
         with self.store.write() as w:
             if postmortems:
                 self.store.append_to_layer(top.id, "postmortems", postmortems, w)
@@ -189,19 +194,23 @@ class Stack:
         try:
             st = self.resolver.lstat_strict(path)
         except OSError:
-            return ["unreachable"]    # a component is gone or no directory
+            return ["unreachable"]  # a component is gone or no directory
         return None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
     def drift(self, recorded: dict) -> list[str]:
         """The recorded paths that are not as they were at unmount.  A
         record the store has moved on from (a mount since then that did
         not end cleanly) describes nothing any more."""
-        if recorded.get("seq") != self.store.next_seq or \
-                recorded.get("layers") != [x.id for x in self.store.layers()]:
+        if recorded.get("seq") != self.store.next_seq or recorded.get("layers") != [
+            x.id for x in self.store.layers()
+        ]:
             return []
         with self.resolver.reading():
-            return sorted(path for path, was in recorded.get("paths", {}).items()
-                          if self._stat(os.fsencode(path)) != was)
+            return sorted(
+                path
+                for path, was in recorded.get("paths", {}).items()
+                if self._stat(os.fsencode(path)) != was
+            )
 
     def redo_note(self) -> dict | None:
         """What `status` and `log` say about the last rollback (see
@@ -212,23 +221,28 @@ class Stack:
         if note is None:
             return None
         st = redo.state(self.store)
-        assert st is not None       # (summary found it)
+        assert st is not None  # (summary found it)
         layers = self.store.layers()
         ids = [x.id for x in layers]
-        if st.get("fresh") is not None:       # it rolled back the base too
+        if st.get("fresh") is not None:  # it rolled back the base too
             current = ids == st["kept"] + [st["fresh"]]
         elif st["kept"]:
             current = ids == st["kept"]
-        else:                                 # the base, unsealed: the fresh base it opened
+        else:  # the base, unsealed: the fresh base it opened
             current = len(layers) == 1 and layers[0].start == st["seq"]
         return note | {"current": current}
 
     def usage(self) -> dict:
         data, grave = self.store.data_bytes(), self.store.grave_bytes()
         limits = self.store.limits()
-        return {"bytes": data + grave, "data": data, "grave": grave,
-                "max_store": limits.get("max_store"), "layers": len(self.store.layers()),
-                "max_layers": limits.get("max_layers")}
+        return {
+            "bytes": data + grave,
+            "data": data,
+            "grave": grave,
+            "max_store": limits.get("max_store"),
+            "layers": len(self.store.layers()),
+            "max_layers": limits.get("max_layers"),
+        }
 
     def gc(self) -> dict:
         """Free what nothing needs: unused chunks, grave files no record
@@ -238,8 +252,12 @@ class Stack:
         rep = fsck.check(self.store, hashes=False)
         done = fsck.repair(self.store, rep, self.discard_redo)
         after = self.usage()["bytes"]
-        return {"done": done, "freed_bytes": max(0, before - after), "bytes": after,
-                "problems": [str(p) for p in fsck.check(self.store, hashes=False).problems]}
+        return {
+            "done": done,
+            "freed_bytes": max(0, before - after),
+            "bytes": after,
+            "problems": [str(p) for p in fsck.check(self.store, hashes=False).problems],
+        }
 
     def _merge(self, top: Layer, below: Layer) -> None:
         st = self.store
@@ -250,7 +268,7 @@ class Stack:
                     st.append_to_layer(below.id, key, list(getattr(top, key)), w)
             turns = [top.agent | {"layer": top.id, "message": top.message}] if top.agent else []
             turns += top.turns
-            if turns:   # the agent events of a merged layer stay with the one below
+            if turns:  # the agent events of a merged layer stay with the one below
                 st.append_to_layer(below.id, "turns", turns, w)
             w.txn.delete(S.u64(top.id), db=st.db_layers)
             _plan_discards(w, top)
@@ -277,7 +295,7 @@ class Stack:
         """Each change with who first made it ("who": pid, uid, cmd), from
         the layers since *since*; the internal "ino" is dropped."""
         layers = [layer.id for layer in self.store.layers() if layer.id >= since]
-        seg = redo.segment(self.store)     # (changes since the last rollback)
+        seg = redo.segment(self.store)  # (changes since the last rollback)
         if seg is not None:
             layers.append(seg)
         inos = [c.pop("ino", None) for c in changes]
@@ -297,8 +315,11 @@ class Stack:
             os.close(fd)
         removed = 0
         with self.store.read() as txn:
-            live = {n for n in names if n.isdigit()
-                    and txn.get(S.u64(int(n)), db=self.store.db_graves) is not None}
+            live = {
+                n
+                for n in names
+                if n.isdigit() and txn.get(S.u64(int(n)), db=self.store.db_graves) is not None
+            }
         for n in names:
             if n not in live:
                 B.remove_tree_at(self.store.grave_fd, os.fsencode(n))
@@ -307,8 +328,9 @@ class Stack:
 
     # -- rollback -------------------------------------------------------------------
 
-    def plan_rollback(self, to: int | None = None, keep_redo: bool = True,
-                      base: bool = True) -> PendingRecord:
+    def plan_rollback(
+        self, to: int | None = None, keep_redo: bool = True, base: bool = True
+    ) -> PendingRecord:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
         layers' snapshots (top layer first, last taken first), the files,
@@ -326,27 +348,39 @@ class Stack:
                 raise NeedsConfirmation(
                     f"the open layer {top.id} is the base layer: rolling it back undoes "
                     "everything since the workspace was mounted or last committed; confirm "
-                    f"with --yes, or name it with --to {top.id}; nothing was changed")
+                    f"with --yes, or name it with --to {top.id}; nothing was changed"
+                )
             to = top.id
         elif to not in {layer.id for layer in layers}:
-            raise UnknownLayer(f"no layer {to} (layers: "
-                               f"{', '.join(str(layer.id) for layer in layers)})")
+            raise UnknownLayer(
+                f"no layer {to} (layers: {', '.join(str(layer.id) for layer in layers)})"
+            )
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
         pending: PendingRecord = {
-            "op": "rollback", "to": to, "files": False,
-            "steps": _steps("restore", dropping) + _steps("discard", dropping)}
+            "op": "rollback",
+            "to": to,
+            "files": False,
+            "steps": _steps("restore", dropping) + _steps("discard", dropping),
+        }
         self.discard_redo("another rollback was made")
         why = None
         if not keep_redo:
             why = "it was made with --no-redo"
         elif any(layer.snapshots for layer in dropping):
-            why = ("it restored provider snapshots, and the state of those containers or "
-                   "VMs before it was not kept")
+            why = (
+                "it restored provider snapshots, and the state of those containers or "
+                "VMs before it was not kept"
+            )
         try:
             with self.store.write() as w:
                 w.set_pending(pending)
-                redo.begin(w, to, sorted(layer.id for layer in dropping),
-                           [layer.id for layer in layers if layer.id < to], why)
+                redo.begin(
+                    w,
+                    to,
+                    sorted(layer.id for layer in dropping),
+                    [layer.id for layer in layers if layer.id < to],
+                    why,
+                )
         except OSError:
             # a full disk: the rollback itself must still be possible
             self.store.set_pending(pending)
@@ -355,8 +389,10 @@ class Stack:
     def _give_up_redo(self, keeper: redo.Keeper | None, e: Exception) -> None:
         """Go on with the rollback without keeping what a redo needs; the
         record the keeper held is deleted like the others."""
-        self.discard_redo(f"what a redo needs could not be kept "
-                          f"({getattr(e, 'strerror', None) or e})", fallback=True)
+        self.discard_redo(
+            f"what a redo needs could not be kept ({getattr(e, 'strerror', None) or e})",
+            fallback=True,
+        )
         if keeper is not None and keeper.held:
             with self.store.write() as w:
                 for seq, _, _ in keeper.held:
@@ -365,9 +401,9 @@ class Stack:
     def apply_files(self) -> RollbackReport:
         """The file part of the pending rollback or redo (resumable)."""
         pending = self.planned()
-        self.kept.clear()       # (what it reads of the journal now is moved or deleted)
+        self.kept.clear()  # (what it reads of the journal now is moved or deleted)
         try:
-            with self.resolver.acting():    # (file requests are held off meanwhile)
+            with self.resolver.acting():  # (file requests are held off meanwhile)
                 if pending["op"] == "redo":
                     return self._redo()
                 return self._rollback_to(pending["to"])
@@ -422,17 +458,19 @@ class Stack:
             def skipped(seq: int, rec: S.Record) -> bool:
                 return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
 
-            keeps: list[tuple[int, int] | None] = []    # for the rest of the batch, last first
-            taken = -1          # the seq of a step taken with the one before it
+            keeps: list[tuple[int, int] | None] = []  # for the rest of the batch, last first
+            taken = -1  # the seq of a step taken with the one before it
             for i, (seq, rec) in enumerate(records):
                 self.board.step()
                 ino = fsck.restores(rec)
                 moved = False
                 try:
                     if isinstance(rec, S.Damaged):
-                        if seq not in known:   # else reported with its object
-                            report.failures.append(f"record {seq} is damaged and cannot be "
-                                                   "applied; what it would undo stays as it is")
+                        if seq not in known:  # else reported with its object
+                            report.failures.append(
+                                f"record {seq} is damaged and cannot be "
+                                "applied; what it would undo stays as it is"
+                            )
                     elif ino in unrestorable:
                         if ino not in reported:
                             reported.add(ino)
@@ -451,8 +489,11 @@ class Stack:
                                 keeps = []
                         if seq == taken:
                             moved = True
-                        elif isinstance(rec, S.Rename) and _removes_next(records, i, skipped) \
-                                and _both_steps(undo, keeper, keeps, rec, records[i + 1][0]):
+                        elif (
+                            isinstance(rec, S.Rename)
+                            and _removes_next(records, i, skipped)
+                            and _both_steps(undo, keeper, keeps, rec, records[i + 1][0])
+                        ):
                             taken = records[i + 1][0]
                         else:
                             moved = undo.apply(rec, keep)
@@ -462,7 +503,7 @@ class Stack:
                 if keeper is not None:
                     try:
                         keeper.hold(seq, rec, moved)
-                    except OSError as e:     # (a full disk: deleting still works)
+                    except OSError as e:  # (a full disk: deleting still works)
                         self._give_up_redo(keeper, e)
                         keeper = None
                         keeps = []
@@ -513,7 +554,7 @@ class Stack:
         layers = self.store.layers()
         for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
-            d["changes"] = len(self._changes(layer.id))    # (counted, not attributed)
+            d["changes"] = len(self._changes(layer.id))  # (counted, not attributed)
             d["records"] = self.store.count_records(layer.start, self.store.layer_end(layer.id))
             d["bytes"] = self.store.layer_bytes(layer.id)
             out.append(d)
@@ -522,8 +563,10 @@ class Stack:
     def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
         """The open layer's net changes (under *paths*, if given)."""
         layer_id = self.store.open_layer().id if layer_id is None else layer_id
-        return {"id": layer_id, "changes": self.attribute(
-            filter_paths(self._changes(layer_id), list(paths)), layer_id)}
+        return {
+            "id": layer_id,
+            "changes": self.attribute(filter_paths(self._changes(layer_id), list(paths)), layer_id),
+        }
 
     def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> list[dict]:
         """Net changes since layer *layer_id* was opened (what a rollback
@@ -581,7 +624,7 @@ class Stack:
             return None if here is None else (here + b"/" + name if here else name)
 
         out: dict[bytes, dict] = {}
-        deleted: dict[bytes, dict] = {}   # (at their paths then: kept apart)
+        deleted: dict[bytes, dict] = {}  # (at their paths then: kept apart)
         present: set[int] = set()
         gone: list[tuple[bytes, int]] = []
         for sp, was in j.start.items():
@@ -589,55 +632,77 @@ class Stack:
                 continue
             cur = names.now(sp)
             st = now(cur)
-            if cur is None or st is None or st.st_ino != was:   # (no path, no object)
+            if cur is None or st is None or st.st_ino != was:  # (no path, no object)
                 gone.append((sp, was))
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = {"path": cur, "kind": "R", "from": sp, "ino": was,
-                            "dir": stat.S_ISDIR(st.st_mode)}
+                out[cur] = {
+                    "path": cur,
+                    "kind": "R",
+                    "from": sp,
+                    "ino": was,
+                    "dir": stat.S_ISDIR(st.st_mode),
+                }
             elif cur:
-                kind = self.same.modified(cur, st, j.meta.get(was), j.chunks.get(was),
-                                          j.xattrs.get(was))
+                kind = self.same.modified(
+                    cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was)
+                )
                 if kind:
-                    out[cur] = {"path": cur, "kind": kind, "ino": was,
-                                "dir": stat.S_ISDIR(st.st_mode)}
-        stands_in: set[bytes] = set()     # where a new object replaced the one there at T
+                    out[cur] = {
+                        "path": cur,
+                        "kind": kind,
+                        "ino": was,
+                        "dir": stat.S_ISDIR(st.st_mode),
+                    }
+        stands_in: set[bytes] = set()  # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
             st = now(at)
-            if at is None or st is None or at in out:          # (no path, no object)
+            if at is None or st is None or at in out:  # (no path, no object)
                 if st is None or st.st_ino not in present:
-                    deleted.setdefault(sp, {"path": sp, "kind": "D", "ino": was,
-                                            "dir": was_dir(was)})
-                continue              # (else: a renamed object took its place)
+                    deleted.setdefault(
+                        sp, {"path": sp, "kind": "D", "ino": was, "dir": was_dir(was)}
+                    )
+                continue  # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
-            kind = self.same.replaced(at, st, gids[0] if gids else None,
-                                      m.rec if m is not None else None,
-                                      j.xattrs.get(was))
+            kind = self.same.replaced(
+                at,
+                st,
+                gids[0] if gids else None,
+                m.rec if m is not None else None,
+                j.xattrs.get(was),
+            )
             stands_in.add(at)
             if kind:
-                out[at] = {"path": at, "kind": kind, "ino": st.st_ino,
-                           "dir": stat.S_ISDIR(st.st_mode)}
+                out[at] = {
+                    "path": at,
+                    "kind": kind,
+                    "ino": st.st_ino,
+                    "dir": stat.S_ISDIR(st.st_mode),
+                }
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                out[cur] = {"path": cur, "kind": "A", "ino": st.st_ino,
-                            "dir": stat.S_ISDIR(st.st_mode)}
+                out[cur] = {
+                    "path": cur,
+                    "kind": "A",
+                    "ino": st.st_ino,
+                    "dir": stat.S_ISDIR(st.st_mode),
+                }
         result = []
         for c in sorted([*deleted.values(), *out.values()], key=lambda c: c["path"]):
             c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
             if "from" in c:
                 c["from"] = os.fsdecode(c["from"])
             if not c["dir"]:
-                del c["dir"]     # (said of directories only)
+                del c["dir"]  # (said of directories only)
             result.append(c)
         return result
-
 
 
 # -- the pending record's steps ------------------------------------------------------
@@ -654,12 +719,21 @@ def _removes_next(records: list[tuple[int, S.Record]], i: int, skipped) -> bool:
     if i + 1 == len(records):
         return False
     seq, nxt = records[i + 1]
-    return isinstance(nxt, S.Create) and isinstance(rec, S.Rename) and nxt.path == rec.src \
+    return (
+        isinstance(nxt, S.Create)
+        and isinstance(rec, S.Rename)
+        and nxt.path == rec.src
         and not skipped(seq, nxt)
+    )
 
 
-def _both_steps(undo: Undoer, keeper: redo.Keeper | None, keeps: list[tuple[int, int] | None],
-                ren: S.Rename, seq: int) -> bool:
+def _both_steps(
+    undo: Undoer,
+    keeper: redo.Keeper | None,
+    keeps: list[tuple[int, int] | None],
+    ren: S.Rename,
+    seq: int,
+) -> bool:
     """Take the undo steps of *ren* and of the CREATE of record *seq* after
     it as one (see ``Undoer.put_back_and_remove``), with nothing kept for a
     redo or with the CREATE's inverse kept in the batch under way (*keeps*:
@@ -675,9 +749,17 @@ def _both_steps(undo: Undoer, keeper: redo.Keeper | None, keeps: list[tuple[int,
 def _steps(do: str, layers: list[Layer]) -> list[dict]:
     """Provider steps for *layers* (in the order given), each layer's
     snapshots last taken first."""
-    return [{"do": do, "provider": snap["provider"], "layer": layer.id,
-             "data": snap["data"], "state": "todo"}
-            for layer in layers for snap in reversed(layer.snapshots)]
+    return [
+        {
+            "do": do,
+            "provider": snap["provider"],
+            "layer": layer.id,
+            "data": snap["data"],
+            "state": "todo",
+        }
+        for layer in layers
+        for snap in reversed(layer.snapshots)
+    ]
 
 
 def files_left(pending: PendingRecord) -> bool:
@@ -693,8 +775,9 @@ def _plan_discards(w, layer: Layer) -> None:
     """In the transaction that merges or commits *layer*: its snapshots are
     no longer needed; record their discards as pending."""
     if layer.snapshots:
-        w.set_pending({"op": "commit", "layer": layer.id, "files": True,
-                       "steps": _steps("discard", [layer])})
+        w.set_pending(
+            {"op": "commit", "layer": layer.id, "files": True, "steps": _steps("discard", [layer])}
+        )
 
 
 class Sameness:
@@ -712,17 +795,28 @@ class Sameness:
         self.resolver = resolver
         self.cache: dict[tuple, bool] = {}
 
-    def modified(self, path: bytes, st: os.stat_result, meta: MetaAt | None,
-                 chunks: dict[int, tuple[int, bytes]] | None, xattrs: bytes | None
-                 ) -> str | None:
+    def modified(
+        self,
+        path: bytes,
+        st: os.stat_result,
+        meta: MetaAt | None,
+        chunks: dict[int, tuple[int, bytes]] | None,
+        xattrs: bytes | None,
+    ) -> str | None:
         """M, m or None for the object at *path* (*st*), which was there at
         the start: *meta* (and its seq), *chunks* and *xattrs* are the
         oldest records the range holds of it."""
         m = meta.rec if meta is not None else None
         if stat.S_ISREG(st.st_mode) and (chunks or (m is not None and m.size != st.st_size)):
-            if meta is None or m is None or m.size != st.st_size or not self._cached(
+            if (
+                meta is None
+                or m is None
+                or m.size != st.st_size
+                or not self._cached(
                     ("c", meta.seq, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
-                    lambda: self._chunks_back(path, chunks or {})):
+                    lambda: self._chunks_back(path, chunks or {}),
+                )
+            ):
                 return "M"
         if xattrs is not None and self._xattrs_now(path) != S.decode_xattrs(xattrs):
             return "m"
@@ -730,8 +824,14 @@ class Sameness:
             return None
         return "m" if self._attrs_differ(st, m.mode, m.uid, m.gid, m.mtime_ns) else None
 
-    def replaced(self, path: bytes, st: os.stat_result, gid: int | None,
-                 meta: S.Meta | None, xattrs: bytes | None) -> str | None:
+    def replaced(
+        self,
+        path: bytes,
+        st: os.stat_result,
+        gid: int | None,
+        meta: S.Meta | None,
+        xattrs: bytes | None,
+    ) -> str | None:
         """T, M, m or None for *path*, where another object (*st*) now stands
         in for the one the layer removed into grave *gid*."""
         old = B.lstat_at(self.store.grave_fd, str(gid).encode()) if gid is not None else None
@@ -743,8 +843,9 @@ class Sameness:
         gloc = S.grave_loc(gid)
         if stat.S_ISREG(mode):
             if old.st_size != st.st_size or not self._cached(
-                    ("g", gid, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
-                    lambda: self._same_file(gloc, path)):
+                ("g", gid, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
+                lambda: self._same_file(gloc, path),
+            ):
                 return "M"
         elif stat.S_ISLNK(mode):
             if self._readlink(gloc) != self._readlink(path):
@@ -757,8 +858,7 @@ class Sameness:
         if meta is not None:
             differ = self._attrs_differ(st, meta.mode, meta.uid, meta.gid, meta.mtime_ns)
         else:
-            differ = self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid,
-                                        old.st_mtime_ns)
+            differ = self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid, old.st_mtime_ns)
         return "m" if differ else None
 
     @staticmethod

@@ -27,9 +27,9 @@ from .errors import AlreadyMounted, StoreError
 from .mounts import not_owner
 
 MAP_SIZE = 64 << 30
-RECORD_OVERHEAD = 64      # LMDB node and index entry per record, roughly
+RECORD_OVERHEAD = 64  # LMDB node and index entry per record, roughly
 AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
-FULL_MARGIN = 4 << 20     # a failed write with less room than this: the disk is full
+FULL_MARGIN = 4 << 20  # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
 # The pending record (JSON; see Writer.set_pending): {"op": "rollback", "redo",
@@ -44,18 +44,26 @@ class Layer:
     start: int
     created: float
     message: str
-    runs: tuple = ()        # records of `cowfs run` steps (dicts), oldest first
-    snapshots: tuple = ()   # provider snapshots taken with the layer, in order
+    runs: tuple = ()  # records of `cowfs run` steps (dicts), oldest first
+    snapshots: tuple = ()  # provider snapshots taken with the layer, in order
     postmortems: tuple = ()  # diagnostics captured before reverting layers above
-    drift: tuple = ()       # accepted drift: paths changed while not mounted
+    drift: tuple = ()  # accepted drift: paths changed while not mounted
     agent: dict | None = None  # the agent event (prompt, tool call) that opened the layer
-    turns: tuple = ()       # agent events of layers merged into this one, oldest first
+    turns: tuple = ()  # agent events of layers merged into this one, oldest first
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "start": self.start, "created": self.created,
-                "message": self.message, "runs": list(self.runs),
-                "snapshots": list(self.snapshots), "postmortems": list(self.postmortems),
-                "drift": list(self.drift), "agent": self.agent, "turns": list(self.turns)}
+        return {
+            "id": self.id,
+            "start": self.start,
+            "created": self.created,
+            "message": self.message,
+            "runs": list(self.runs),
+            "snapshots": list(self.snapshots),
+            "postmortems": list(self.postmortems),
+            "drift": list(self.drift),
+            "agent": self.agent,
+            "turns": list(self.turns),
+        }
 
 
 def digest(data: bytes) -> bytes:
@@ -93,7 +101,7 @@ class Writer:
         self.store = store
         self.txn = txn
         self.seq = store._next_seq
-        self.used: int | None = None     # store bytes in use, once --max-store asks
+        self.used: int | None = None  # store bytes in use, once --max-store asks
         # what was appended (for Store.on_append); None once a record already
         # written is deleted or put back (the journal's epoch moves on)
         self.written: list[tuple[int, S.Record]] | None = []
@@ -137,8 +145,11 @@ class Writer:
             self.used = self.store.data_bytes(self.txn)
         self.used += n
         if self.used > limit:
-            raise LimitReached(errno.ENOSPC, f"cowfs store limit reached ({limit} bytes; "
-                                             "commit, roll back or raise --max-store)")
+            raise LimitReached(
+                errno.ENOSPC,
+                f"cowfs store limit reached ({limit} bytes; "
+                "commit, roll back or raise --max-store)",
+            )
 
     def put_chunk(self, data: bytes) -> bytes:
         h = digest(data)
@@ -162,10 +173,10 @@ class Writer:
         else:
             self.txn.put(h, S.u64(n), db=self.store.db_refs)
 
-    def index_put(self, layer: int, ino: int, kind: bytes, seq: int,
-                  chunk: int | None = None) -> None:
-        self.txn.put(S.index_key(layer, ino, kind, chunk), S.u64(seq),
-                     db=self.store.db_index)
+    def index_put(
+        self, layer: int, ino: int, kind: bytes, seq: int, chunk: int | None = None
+    ) -> None:
+        self.txn.put(S.index_key(layer, ino, kind, chunk), S.u64(seq), db=self.store.db_index)
 
     def new_grave(self, ino: int, st: os.stat_result | None = None) -> int:
         """A grave entry for object *ino*, which the caller moves into the
@@ -192,9 +203,13 @@ class Writer:
 
     def _pending_sum(self, gid: int, st: os.stat_result) -> None:
         if self.store.db_sums is not None and stat.S_ISREG(st.st_mode):
-            self.txn.put(S.u64(gid), S.encode_sum(S.GraveSum(
-                S.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns())),
-                db=self.store.db_sums)
+            self.txn.put(
+                S.u64(gid),
+                S.encode_sum(
+                    S.GraveSum(S.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns())
+                ),
+                db=self.store.db_sums,
+            )
 
     def drop_grave(self, gid: int) -> None:
         """Grave entry *gid* no longer holds anything (and its hash goes)."""
@@ -221,8 +236,9 @@ class Writer:
             _, ino, kind, chunk = S.split_index_key(key)
             txn.delete(key, db=st.db_index)
             if ino not in created_below:
-                created_below[ino] = txn.get(
-                    S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
+                created_below[ino] = (
+                    txn.get(S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
+                )
             below = S.index_key(lower, ino, kind, chunk)
             lower_has = txn.get(below, db=st.db_index) is not None
             if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_has):
@@ -285,17 +301,24 @@ class Writer:
 class Store:
     """An opened store directory."""
 
-    def __init__(self, path: str, dirfd: int, lock_fd: int, env: lmdb.Environment,
-                 readonly: bool = False):
+    def __init__(
+        self, path: str, dirfd: int, lock_fd: int, env: lmdb.Environment, readonly: bool = False
+    ):
         self.path = path
         self.dirfd = dirfd
         self.lock_fd = lock_fd
         self.env = env
         self.readonly = readonly
         try:
-            (self.db_meta, self.db_layers, self.db_journal, self.db_index, self.db_chunks,
-             self.db_refs, self.db_graves) = [env.open_db(name, create=not readonly)
-                                              for name in S.ALL_DBS[:7]]
+            (
+                self.db_meta,
+                self.db_layers,
+                self.db_journal,
+                self.db_index,
+                self.db_chunks,
+                self.db_refs,
+                self.db_graves,
+            ) = [env.open_db(name, create=not readonly) for name in S.ALL_DBS[:7]]
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
@@ -304,22 +327,22 @@ class Store:
         self.db_audit: lmdb._Database | None
         self.db_redo: lmdb._Database | None
         self.db_sums: lmdb._Database | None
-        try:    # attribution, audit (newer: absent from older stores opened read-only)
+        try:  # attribution, audit (newer: absent from older stores opened read-only)
             self.db_who, self.db_writers, self.db_audit = [
                 env.open_db(name, create=not readonly)
-                for name in (S.DB_WHO, S.DB_WRITERS, S.DB_AUDIT)]
+                for name in (S.DB_WHO, S.DB_WRITERS, S.DB_AUDIT)
+            ]
         except lmdb.Error:
             self.db_who = self.db_writers = self.db_audit = None
-        try:    # what the last rollback kept for redo (newer, likewise)
+        try:  # what the last rollback kept for redo (newer, likewise)
             self.db_redo = env.open_db(S.DB_REDO, create=not readonly)
         except lmdb.Error:
             self.db_redo = None
-        try:    # hashes of the files kept in the grave (newer, likewise)
+        try:  # hashes of the files kept in the grave (newer, likewise)
             self.db_sums = env.open_db(S.DB_GRAVESUMS, create=not readonly)
         except lmdb.Error:
             self.db_sums = None
-        self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW,
-                                dir_fd=dirfd)
+        self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
         with env.begin() as txn:
             self.chunk_size = S.from_u64(need(txn, S.K_CHUNK_SIZE, self.db_meta))
             self._next_seq = S.from_u64(need(txn, S.K_NEXT_SEQ, self.db_meta))
@@ -337,9 +360,16 @@ class Store:
     # -- opening ------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str, workspace: str, *, create: bool = True,
-             chunk_size: int = DEFAULT_CHUNK_SIZE, readonly: bool = False,
-             locked: bool = True) -> Store:
+    def open(
+        cls,
+        path: str,
+        workspace: str,
+        *,
+        create: bool = True,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        readonly: bool = False,
+        locked: bool = True,
+    ) -> Store:
         """Open (and with *create*, initialise) the store at *path* for the
         workspace root *workspace*; lock it exclusively.  *readonly*: an
         existing store, opened so that nothing in it can be written; and
@@ -363,31 +393,39 @@ class Store:
         if st.st_dev != ws_st.st_dev:
             raise StoreError(
                 f"store {path} is not on the workspace's filesystem; whole-file "
-                "pre-images must move into it, so it has to be")
+                "pre-images must move into it, so it has to be"
+            )
         dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY)
         lock_fd = -1
         try:
-            lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600,
-                              dir_fd=dirfd)
+            lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
             try:
                 if locked or not readonly:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise AlreadyMounted(
-                    f"store {path} is in use by another cowfs process "
-                    "(is the workspace mounted?)") from None
+                    f"store {path} is in use by another cowfs process (is the workspace mounted?)"
+                ) from None
             if not readonly:
-                for sub in ("grave", "db"):   # (lmdb would make db with its files' 0600)
+                for sub in ("grave", "db"):  # (lmdb would make db with its files' 0600)
                     try:
                         os.mkdir(sub, 0o700, dir_fd=dirfd)
                     except FileExistsError:
                         pass
             elif not os.path.isdir(os.path.join(path, "db")):
                 raise StoreError(f"no cowfs store at {path}")
-            env = lmdb.open(os.path.join(path, "db"), map_size=MAP_SIZE,
-                            max_dbs=len(S.ALL_DBS) + 2, sync=False, metasync=False,
-                            writemap=False, readahead=False, subdir=True, mode=0o600,
-                            readonly=readonly)
+            env = lmdb.open(
+                os.path.join(path, "db"),
+                map_size=MAP_SIZE,
+                max_dbs=len(S.ALL_DBS) + 2,
+                sync=False,
+                metasync=False,
+                writemap=False,
+                readahead=False,
+                subdir=True,
+                mode=0o600,
+                readonly=readonly,
+            )
             if not readonly:
                 env.reader_check()
                 cls._init_meta(env, path, workspace, ws_st, chunk_size)
@@ -407,8 +445,9 @@ class Store:
             raise
 
     @staticmethod
-    def _init_meta(env: lmdb.Environment, path: str, workspace: str,
-                   ws_st: os.stat_result, chunk_size: int) -> None:
+    def _init_meta(
+        env: lmdb.Environment, path: str, workspace: str, ws_st: os.stat_result, chunk_size: int
+    ) -> None:
         meta = env.open_db(S.DB_META)
         for name in S.ALL_DBS:
             env.open_db(name)
@@ -416,9 +455,16 @@ class Store:
             fmt = txn.get(S.K_FORMAT)
             if fmt is None:
                 txn.put(S.K_FORMAT, S.u64(S.FORMAT))
-                txn.put(S.K_WORKSPACE, S.to_json(
-                    {"path": os.path.abspath(workspace), "dev": ws_st.st_dev,
-                     "ino": ws_st.st_ino}))
+                txn.put(
+                    S.K_WORKSPACE,
+                    S.to_json(
+                        {
+                            "path": os.path.abspath(workspace),
+                            "dev": ws_st.st_dev,
+                            "ino": ws_st.st_ino,
+                        }
+                    ),
+                )
                 txn.put(S.K_CHUNK_SIZE, S.u64(chunk_size))
                 txn.put(S.K_NEXT_SEQ, S.u64(1))
                 txn.put(S.K_NEXT_LAYER, S.u64(1))
@@ -433,18 +479,19 @@ class Store:
         if fmt is None:
             raise StoreError(f"store {path} is not initialised")
         if S.from_u64(fmt) != S.FORMAT:
-            raise StoreError(f"store {path} has format {S.from_u64(fmt)}, "
-                             f"this cowfs reads format {S.FORMAT}")
+            raise StoreError(
+                f"store {path} has format {S.from_u64(fmt)}, this cowfs reads format {S.FORMAT}"
+            )
         owner = S.from_json(need(txn, S.K_WORKSPACE))
         if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
-            raise StoreError(
-                f"store {path} belongs to another workspace ({owner['path']})")
+            raise StoreError(f"store {path} belongs to another workspace ({owner['path']})")
 
     @staticmethod
     def destroy(path: str) -> None:
         """Remove a store directory (keeping its parent's times, as creating
         it did)."""
         import shutil
+
         parent = os.path.dirname(os.path.abspath(path))
         pst = os.stat(parent)
         shutil.rmtree(path)
@@ -464,8 +511,7 @@ class Store:
             self.env.sync(True)
         except lmdb.Error as e:
             raise OSError(self.failure_errno(), f"cowfs store error: {e}") from None
-        fd = os.open("grave", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
-                     dir_fd=self.dirfd)
+        fd = os.open("grave", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.dirfd)
         try:
             os.fsync(fd)
         finally:
@@ -504,10 +550,20 @@ class Store:
             with self.env.begin(db=self.db_layers) as txn:
                 for k, v in txn.cursor():
                     d = S.from_json(v)
-                    out.append(Layer(S.from_u64(k), d["start"], d["created"], d["message"],
-                                     tuple(d.get("runs", ())), tuple(d.get("snapshots", ())),
-                                     tuple(d.get("postmortems", ())), tuple(d.get("drift", ())),
-                                     d.get("agent"), tuple(d.get("turns", ()))))
+                    out.append(
+                        Layer(
+                            S.from_u64(k),
+                            d["start"],
+                            d["created"],
+                            d["message"],
+                            tuple(d.get("runs", ())),
+                            tuple(d.get("snapshots", ())),
+                            tuple(d.get("postmortems", ())),
+                            tuple(d.get("drift", ())),
+                            d.get("agent"),
+                            tuple(d.get("turns", ())),
+                        )
+                    )
             self._layers = out
         return list(self._layers)
 
@@ -558,8 +614,9 @@ class Store:
         self._layers = None
         return layer
 
-    def set_snapshots(self, layer_id: int, snapshots: list[dict],
-                      close_pending: bool = False) -> None:
+    def set_snapshots(
+        self, layer_id: int, snapshots: list[dict], close_pending: bool = False
+    ) -> None:
         """Record a layer's snapshots (and, in the same transaction, close
         the pending record of the checkpoint that took them)."""
         with self.write() as w:
@@ -571,14 +628,17 @@ class Store:
                 w.set_pending(None)
         self._layers = None
 
-    def append_to_layer(self, layer_id: int, key: str, items: list[dict],
-                        w: Writer | None = None) -> None:
+    def append_to_layer(
+        self, layer_id: int, key: str, items: list[dict], w: Writer | None = None
+    ) -> None:
         """Append records (``runs``, ``postmortems``, ``turns``) to a layer's record."""
+
         def put(w: Writer) -> None:
             k = S.u64(layer_id)
             d = S.from_json(need(w.txn, k, self.db_layers))
             d[key] = d.get(key, []) + items
             w.txn.put(k, S.to_json(d), db=self.db_layers)
+
         if w is not None:
             put(w)
         else:
@@ -589,8 +649,9 @@ class Store:
     def forget_layer_cache(self) -> None:
         self._layers = None
 
-    def records(self, start: int, end: int, reverse: bool = False
-                ) -> Iterator[tuple[int, S.Record]]:
+    def records(
+        self, start: int, end: int, reverse: bool = False
+    ) -> Iterator[tuple[int, S.Record]]:
         """Journal records with start <= seq < end (a short read txn per
         batch, so callers may write between items)."""
         decode, from_u64 = S.decode_or_damaged, S.from_u64
@@ -647,6 +708,7 @@ class Store:
             if layer.id == layer_id:
                 return layer
         from .errors import UnknownLayer
+
         raise UnknownLayer(f"no layer {layer_id}")
 
     def layer_bytes(self, layer_id: int) -> int:
@@ -664,8 +726,7 @@ class Store:
                     total += len(data) if data is not None else 0
                 elif isinstance(rec, S.Grave):
                     try:
-                        st = os.stat(str(rec.grave), dir_fd=self.grave_fd,
-                                     follow_symlinks=False)
+                        st = os.stat(str(rec.grave), dir_fd=self.grave_fd, follow_symlinks=False)
                         total += st.st_blocks * 512
                     except OSError:
                         pass
@@ -687,16 +748,26 @@ class Store:
     def data_bytes(self, txn: lmdb.Transaction[bytes] | None = None) -> int:
         """Bytes of LMDB pages in use (pages freed by commits and rollbacks
         are reused, so this falls when data is freed)."""
+
         def count(txn) -> int:
             pages = 0
-            for db in (self.db_meta, self.db_layers, self.db_journal, self.db_index,
-                       self.db_chunks, self.db_refs, self.db_graves, self.db_redo,
-                       self.db_sums):
+            for db in (
+                self.db_meta,
+                self.db_layers,
+                self.db_journal,
+                self.db_index,
+                self.db_chunks,
+                self.db_refs,
+                self.db_graves,
+                self.db_redo,
+                self.db_sums,
+            ):
                 if db is None:
                     continue
                 st = txn.stat(db)
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
             return pages * st["psize"]
+
         if txn is not None:
             return count(txn)
         with self.env.begin() as t:
@@ -758,8 +829,7 @@ class Store:
                 cur = w.txn.cursor(db=self.db_audit)
                 n = S.from_u64(cur.key()) + 1 if cur.last() else 1
                 for e in events:
-                    w.txn.put(S.u64(n), S.to_json({"n": n, "time": now, **e}),
-                              db=self.db_audit)
+                    w.txn.put(S.u64(n), S.to_json({"n": n, "time": now, **e}), db=self.db_audit)
                     n += 1
         except OSError:
             pass
@@ -781,8 +851,9 @@ class Store:
         keeps blocks that even root cannot have), else EIO."""
         name = ".space-probe"
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600,
-                         dir_fd=self.dirfd)
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=self.dirfd
+            )
         except OSError as e:
             return errno.ENOSPC if e.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
         try:
@@ -821,7 +892,7 @@ class Store:
             cur = w.txn.cursor(db=self.db_audit)
             cur.first()
             while cur.key() and S.from_json(cur.value())["time"] < before:
-                cur.delete()        # (moves to the next; past the last, the key is empty)
+                cur.delete()  # (moves to the next; past the last, the key is empty)
                 dropped += 1
         return dropped
 
@@ -843,7 +914,8 @@ class Store:
                         if wid not in writers:
                             info = txn.get(wid, db=self.db_writers)
                             writers[wid] = (S.from_json(info) if info else {}) | {
-                                "id": S.from_u64(wid)}
+                                "id": S.from_u64(wid)
+                            }
                         out[ino] = writers[wid]
                         break
         return out

@@ -98,9 +98,14 @@ def snapshot(
     return snap
 
 
-def _walk(top_fd: int, top_rel: bytes, snap: Snapshot,
-          inodes: defaultdict[tuple[int, int], list[bytes]], skipped: frozenset[bytes],
-          content: bool) -> None:
+def _walk(
+    top_fd: int,
+    top_rel: bytes,
+    snap: Snapshot,
+    inodes: defaultdict[tuple[int, int], list[bytes]],
+    skipped: frozenset[bytes],
+    content: bool,
+) -> None:
     """Record everything below the directory *top_fd*, relative to directory
     fds (no path is ever longer than a name: trees deeper than PATH_MAX are
     fine), depth first with an explicit stack."""
@@ -141,7 +146,7 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
     is_file = kind == "file"
     # a short path to the entry itself, for the calls that take no dir fd
     path = b"/proc/self/fd/%d" % dir_fd + (b"/" + name if name is not None else b"")
-    here = name if name is not None else b"."      # relative to dir_fd
+    here = name if name is not None else b"."  # relative to dir_fd
     return Entry(
         kind=kind,
         mode=st.st_mode,
@@ -152,7 +157,7 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
         digest=_digest(dir_fd, here) if is_file and content else None,
         target=os.readlink(here, dir_fd=dir_fd) if kind == "symlink" else None,
         rdev=st.st_rdev if kind in ("chardev", "blockdev") else None,
-        xattrs=_xattrs(path, follow=name is None),   # (the directory: through its fd)
+        xattrs=_xattrs(path, follow=name is None),  # (the directory: through its fd)
         link=None,
     )
 

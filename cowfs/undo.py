@@ -28,9 +28,9 @@ class Touched:
     """What an undo run changed, for the mount to invalidate kernel caches."""
 
     entries: set[tuple[bytes, bytes]] = field(default_factory=set)  # (parent path, name)
-    objects: set[int] = field(default_factory=set)                   # backing inodes
-    moves: list[tuple[int, bytes]] = field(default_factory=list)     # (ino, new loc)
-    removed: list[int] = field(default_factory=list)                  # inodes freed
+    objects: set[int] = field(default_factory=set)  # backing inodes
+    moves: list[tuple[int, bytes]] = field(default_factory=list)  # (ino, new loc)
+    removed: list[int] = field(default_factory=list)  # inodes freed
 
     def entry(self, loc: bytes) -> None:
         if S.grave_id(loc) is None and loc:
@@ -38,12 +38,13 @@ class Touched:
 
 
 class Undoer:
-    def __init__(self, store: Store, resolver: B.Resolver, touched: Touched | None = None,
-                 ignored=None):
+    def __init__(
+        self, store: Store, resolver: B.Resolver, touched: Touched | None = None, ignored=None
+    ):
         self.store = store
         self.r = resolver
         self.touched = touched if touched is not None else Touched()
-        self.ignored = ignored    # (path, is_dir) -> bool: the capture filter, if any
+        self.ignored = ignored  # (path, is_dir) -> bool: the capture filter, if any
 
     def apply(self, rec: S.Record, keep: tuple[int, int] | None = None) -> bool:
         """Apply one undo record.  *keep*: (grave id, inode): move the object
@@ -55,11 +56,12 @@ class Undoer:
         if isinstance(rec, S.Grave):
             return self._grave(*rec)
         handler = _HANDLERS[rec.kind]
-        handler(self, *rec)        # (the handlers take the record's fields in order)
+        handler(self, *rec)  # (the handlers take the record's fields in order)
         return False
 
-    def put_back_and_remove(self, ren: S.Rename, keep: tuple[int, int] | None,
-                            seen: os.stat_result | None = None) -> bool:
+    def put_back_and_remove(
+        self, ren: S.Rename, keep: tuple[int, int] | None, seen: os.stat_result | None = None
+    ) -> bool:
         """The undo steps of a file written under a temporary name and
         renamed into place -- RENAME src -> dst, and before it the CREATE of
         src -- taken as one: the file goes from dst straight to where the
@@ -81,19 +83,18 @@ class Undoer:
             if st is None or st.st_ino != ino or stat.S_ISDIR(st.st_mode):
                 return False
             if keep is not None:
-                B.renameat2(d, n, self.store.grave_fd, str(keep[0]).encode(),
-                            B.RENAME_NOREPLACE)
+                B.renameat2(d, n, self.store.grave_fd, str(keep[0]).encode(), B.RENAME_NOREPLACE)
             else:
                 os.unlink(n, dir_fd=d)
         self.touched.entry(src)
         self.touched.entry(dst)
         if keep is not None:
             self.touched.moves.append((ino, S.grave_loc(keep[0])))
-            self.touched.objects.add(ino)   # (names in the grave are not counted)
+            self.touched.objects.add(ino)  # (names in the grave are not counted)
         elif st.st_nlink == 1:
             self.touched.removed.append(ino)
         else:
-            self.touched.objects.add(ino)   # its other names: one link fewer
+            self.touched.objects.add(ino)  # its other names: one link fewer
         return True
 
     # -- names -------------------------------------------------------------------
@@ -119,7 +120,7 @@ class Undoer:
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
         else:
-            self.touched.objects.add(st.st_ino)     # its other names: one link fewer
+            self.touched.objects.add(st.st_ino)  # its other names: one link fewer
         self.touched.entry(path)
 
     def _keep(self, path: bytes, gid: int, ino: int) -> bool:
@@ -139,7 +140,7 @@ class Undoer:
             self.r.moved()
         self.touched.entry(path)
         self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
-        self.touched.objects.add(st.st_ino)         # (names in the grave are not counted)
+        self.touched.objects.add(st.st_ino)  # (names in the grave are not counted)
         return True
 
     def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
@@ -154,7 +155,8 @@ class Undoer:
                     child = path + b"/" + os.fsencode(entry.name)
                     is_dir = entry.is_dir(follow_symlinks=False)
                     if not self.ignored(child, is_dir) and not (
-                            is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)):
+                        is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)
+                    ):
                         return False
         finally:
             os.close(fd)
@@ -172,14 +174,16 @@ class Undoer:
             with self.r.at(path) as (d, n):
                 st = B.lstat_at(d, n)
             if st is not None and st.st_ino == ino:
-                return False    # put back already (a resumed rollback)
-            raise UndoError(f"{_show(path)}: not restored: the removed object "
-                            f"(grave {gid}) is missing from the store")
+                return False  # put back already (a resumed rollback)
+            raise UndoError(
+                f"{_show(path)}: not restored: the removed object "
+                f"(grave {gid}) is missing from the store"
+            )
         with self.r.at(path) as (d, n):
             B.renameat2(self.store.grave_fd, g, d, n, B.RENAME_NOREPLACE)
         self.touched.entry(path)
         self.touched.moves.append((ino, path))
-        self.touched.objects.add(ino)               # (names in the grave are not counted)
+        self.touched.objects.add(ino)  # (names in the grave are not counted)
         return True
 
     def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
@@ -195,7 +199,7 @@ class Undoer:
         self.touched.entry(dst)
         self.touched.moves.append((ino, src))
         if S.grave_id(src) is not None or S.grave_id(dst) is not None:
-            self.touched.objects.add(ino)           # (names in the grave are not counted)
+            self.touched.objects.add(ino)  # (names in the grave are not counted)
 
     def _exchange(self, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
         with self.r.at(a) as (ad, an), self.r.at(b) as (bd, bn):
@@ -227,13 +231,15 @@ class Undoer:
             raise UndoError(f"{_show(loc)}: a different object is there")
         return st
 
-    def _meta(self, loc: bytes, ino: int, mode: int, uid: int, gid: int, size: int,
-              atime: int, mtime: int) -> None:
+    def _meta(
+        self, loc: bytes, ino: int, mode: int, uid: int, gid: int, size: int, atime: int, mtime: int
+    ) -> None:
         with self.r.at(loc) as (d, n):
             st = self._object(d, n, ino, loc)
             if stat.S_ISREG(st.st_mode) and st.st_size != size:
-                fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=d)
+                fd = os.open(
+                    n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
+                )
                 try:
                     os.ftruncate(fd, size)
                 finally:
@@ -265,8 +271,7 @@ class Undoer:
                 raise UndoError(f"{_show(loc)}: pre-image chunk {index} is corrupt")
         with self.r.at(loc) as (d, n):
             self._object(d, n, ino, loc)
-            fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=d)
+            fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
             try:
                 off = index * self.store.chunk_size
                 size = os.fstat(fd).st_size
@@ -290,11 +295,11 @@ def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
     pos = 0
     while pos < len(data):
         end = min(pos + PAGE, len(data))
-        zero = view[pos:end] == _ZERO_PAGE[:end - pos]
+        zero = view[pos:end] == _ZERO_PAGE[: end - pos]
         run_end = end
         while run_end < len(data):
             nxt = min(run_end + PAGE, len(data))
-            if (view[run_end:nxt] == _ZERO_PAGE[:nxt - run_end]) != zero:
+            if (view[run_end:nxt] == _ZERO_PAGE[: nxt - run_end]) != zero:
                 break
             run_end = nxt
         if not zero:

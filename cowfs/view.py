@@ -40,14 +40,13 @@ from .store import Store, need
 
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
-TIMEOUT = 1.0      # the past does not change, but the view must notice its end
+TIMEOUT = 1.0  # the past does not change, but the view must notice its end
 
 
 class View(pyfuse3.Operations):
     supports_dot_lookup = False
 
-    def __init__(self, store: Store, rootfd: int, layer: int, hidden: bytes | None,
-                 on_init=None):
+    def __init__(self, store: Store, rootfd: int, layer: int, hidden: bytes | None, on_init=None):
         super().__init__()
         self.store = store
         self.rootfd = rootfd
@@ -57,9 +56,9 @@ class View(pyfuse3.Operations):
         self.on_init = on_init
         self.h: History | None = None
         self.seen: tuple | None = None
-        self._graves: tuple = (None, {})          # (grave state, grave_counts())
+        self._graves: tuple = (None, {})  # (grave state, grave_counts())
         self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
-        self.inos: dict[int, int] = {}            # backing ino at T -> view inode
+        self.inos: dict[int, int] = {}  # backing ino at T -> view inode
         self.next_ino = pyfuse3.ROOT_INODE + 1
         self.dirs: dict[int, list[bytes]] = {}
         self.files: dict[int, bytes] = {}
@@ -138,8 +137,10 @@ class View(pyfuse3.Operations):
         """The store's grave_counts(), read again only when the grave's
         entries change (not on every getattr): their number, or a new one."""
         with self.store.env.begin() as txn:
-            key = (txn.stat(self.store.db_graves)["entries"],
-                   txn.get(S.K_NEXT_GRAVE, db=self.store.db_meta))
+            key = (
+                txn.stat(self.store.db_graves)["entries"],
+                txn.get(S.K_NEXT_GRAVE, db=self.store.db_meta),
+            )
         if self._graves[0] != key:
             self._graves = (key, self.store.grave_counts())
         return self._graves[1]
@@ -167,7 +168,7 @@ class View(pyfuse3.Operations):
         if obj.path != (parent + b"/" + name if parent else name):
             raise fail(errno.ENOENT)
         ino = self._ino(obj)
-        self.paths[ino] = obj.path         # the name it was reached by
+        self.paths[ino] = obj.path  # the name it was reached by
         return self._attr(obj)
 
     @handler
@@ -267,34 +268,60 @@ class View(pyfuse3.Operations):
     async def statfs(self, ctx):
         sv = os.fstatvfs(self.rootfd)
         out = pyfuse3.StatvfsData()
-        for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                     "f_files", "f_ffree", "f_favail", "f_namemax"):
+        for attr in (
+            "f_bsize",
+            "f_frsize",
+            "f_blocks",
+            "f_bfree",
+            "f_bavail",
+            "f_files",
+            "f_ffree",
+            "f_favail",
+            "f_namemax",
+        ):
             setattr(out, attr, getattr(sv, attr))
         return out
 
 
-def serve(rootfd: int, store_dirfd: int, layer: int, mountpoint: str,
-          hidden: bytes | None, report) -> int:
+def serve(
+    rootfd: int, store_dirfd: int, layer: int, mountpoint: str, hidden: bytes | None, report
+) -> int:
     ws_path = os.readlink(f"/proc/self/fd/{rootfd}")
     try:
-        store = Store.open(f"/proc/self/fd/{store_dirfd}", f"/proc/self/fd/{rootfd}",
-                           readonly=True, locked=False)
+        store = Store.open(
+            f"/proc/self/fd/{store_dirfd}", f"/proc/self/fd/{rootfd}", readonly=True, locked=False
+        )
         store.get_layer(layer)
     except CowfsError as e:
         report({"ok": False, **e.to_dict()})
         return e.code
-    fs = View(store, rootfd, layer, hidden,
-              on_init=lambda: report({"ok": True, "pid": os.getpid(),
-                                      "mountpoint": mountpoint, "layer": layer}))
-    options = {"ro", "default_permissions", f"fsname=cowfs-view:{ws_path}@{layer}",
-               "subtype=cowfs-view"}
+    fs = View(
+        store,
+        rootfd,
+        layer,
+        hidden,
+        on_init=lambda: report(
+            {"ok": True, "pid": os.getpid(), "mountpoint": mountpoint, "layer": layer}
+        ),
+    )
+    options = {
+        "ro",
+        "default_permissions",
+        f"fsname=cowfs-view:{ws_path}@{layer}",
+        "subtype=cowfs-view",
+    }
     if os.geteuid() == 0:
         options.add("allow_other")
     try:
         pyfuse3.init(fs, mountpoint, options)
     except (OSError, RuntimeError) as e:
-        report({"ok": False, "code": errors.DAEMON_ERROR,
-                "error": f"cannot mount the view at {mountpoint}: {e}"})
+        report(
+            {
+                "ok": False,
+                "code": errors.DAEMON_ERROR,
+                "error": f"cannot mount the view at {mountpoint}: {e}",
+            }
+        )
         return errors.DAEMON_ERROR
     try:
         trio.run(pyfuse3.main)
@@ -314,8 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
     from .launch import detach
-    return serve(a.root_fd, a.store_fd, a.layer, a.mountpoint,
-                 os.fsencode(a.hidden) or None, detach(a.ready_fd))
+
+    return serve(
+        a.root_fd,
+        a.store_fd,
+        a.layer,
+        a.mountpoint,
+        os.fsencode(a.hidden) or None,
+        detach(a.ready_fd),
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def main() -> int:
     mode = os.environ.get("BROKEN_VIEW", "garbage")
     detach = cowfs.launch.detach
     if mode == "failing":
+
         def readlink(self, obj):
             raise PermissionError(errno.EACCES, "planted")
 
@@ -48,9 +49,10 @@ def main() -> int:
                 report(msg)
             elif mode == "garbage":
                 os.write(ready_fd, b"garbage\n")
+
         return broken
 
-    cowfs.launch.detach = broken_detach     # view.main takes it from there when called
+    cowfs.launch.detach = broken_detach  # view.main takes it from there when called
     return view.main()
 
 

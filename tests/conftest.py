@@ -20,16 +20,32 @@ from cowfs.mounts import mount_table
 
 from .helpers import managed_workspace, view_processes
 
-pytest_plugins = ["tests.engines"]     # docker_client, busybox, libvirt_conn, tiny_vm
+pytest_plugins = ["tests.engines"]  # docker_client, busybox, libvirt_conn, tiny_vm
 
-settings.register_profile("ci", max_examples=25, deadline=None, stateful_step_count=30,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=15, deadline=None, stateful_step_count=25,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("soak", max_examples=400, deadline=None, stateful_step_count=60,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("COWFS_HYPOTHESIS_PROFILE",
-                                     "ci" if os.environ.get("CI") else "dev"))
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    stateful_step_count=30,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev",
+    max_examples=15,
+    deadline=None,
+    stateful_step_count=25,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "soak",
+    max_examples=400,
+    deadline=None,
+    stateful_step_count=60,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(
+    os.environ.get("COWFS_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+)
 
 
 # Modules that run on both FUSE engines (the rest on the default one).
@@ -40,8 +56,9 @@ ENGINES = ("kernel", "pyfuse3")
 def pytest_generate_tests(metafunc):
     if "engine" in metafunc.fixturenames:
         module = metafunc.module.__name__.rpartition(".")[2]
-        metafunc.parametrize("engine", ENGINES if module in BOTH_ENGINES else ["auto"],
-                             indirect=True, scope="module")
+        metafunc.parametrize(
+            "engine", ENGINES if module in BOTH_ENGINES else ["auto"], indirect=True, scope="module"
+        )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,8 +81,14 @@ def engine(request):
 # for tests that mount, `engines` for those run on each FUSE engine, `slow`
 # for the crash, scale and model tests and those that need dockerd or libvirtd.
 WITHOUT_FUSE = ("test_store", "test_treesnap", "test_engines")
-SLOW = ("test_crash", "test_scale", "test_model", "test_engines", "test_docker_provider",
-        "test_libvirt_provider")
+SLOW = (
+    "test_crash",
+    "test_scale",
+    "test_model",
+    "test_engines",
+    "test_docker_provider",
+    "test_libvirt_provider",
+)
 CONTAINER_FIXTURES = {"docker_client", "busybox", "libvirt_conn", "tiny_vm"}
 
 
@@ -83,8 +106,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     if os.geteuid() != 0:
-        pytest.exit("the cowfs test suite mounts FUSE filesystems as root; run it as root",
-                    returncode=2)
+        pytest.exit(
+            "the cowfs test suite mounts FUSE filesystems as root; run it as root", returncode=2
+        )
 
 
 @pytest.fixture
@@ -116,7 +140,7 @@ def view_dir(tmp_path):
         for pid in view_processes(where):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for _ in range(8):    # a mount stacked on another comes off first
+        for _ in range(8):  # a mount stacked on another comes off first
             if str(where) not in mount_table():
                 break
             subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -35,11 +35,11 @@ CHUNK = 64 << 10
 
 
 def cowfs(*args, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    r = subprocess.run([*COWFS, *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run([*COWFS, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
-        raise RuntimeError(f"cowfs {' '.join(map(str, args))} exited {r.returncode}: "
-                           f"{r.stderr.strip()}")
+        raise RuntimeError(
+            f"cowfs {' '.join(map(str, args))} exited {r.returncode}: {r.stderr.strip()}"
+        )
     return r
 
 
@@ -51,8 +51,9 @@ def writer(root: str, seed: int, ops: int) -> None:
     Errors are expected (names race with other writers; the mount dies)."""
     rnd = random.Random(seed)
     me = f"w{seed % 1000}"
-    names = [f"{d}/{n}" for d in ("", "d1", "d2", f"{me}") for n in
-             ("small", "big", "x", "y", f"{me}-f")]
+    names = [
+        f"{d}/{n}" for d in ("", "d1", "d2", f"{me}") for n in ("small", "big", "x", "y", f"{me}-f")
+    ]
 
     def path(name: str) -> str:
         return os.path.join(root, name.lstrip("/"))
@@ -62,7 +63,7 @@ def writer(root: str, seed: int, ops: int) -> None:
         p = path(name)
         op = rnd.randrange(12)
         try:
-            if op <= 2:   # write at a random offset, small or across chunks
+            if op <= 2:  # write at a random offset, small or across chunks
                 size = rnd.choice((1, 100, 4096, CHUNK + 7, 3 * CHUNK))
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
                 try:
@@ -131,7 +132,7 @@ class Trial:
     n: int
     moment: str
     exact: bool
-    interrupted: str      # what the remount said it finished, if anything
+    interrupted: str  # what the remount said it finished, if anything
     detail: str = ""
 
 
@@ -148,15 +149,24 @@ def kill_daemon(mountpoint: Path) -> None:
         time.sleep(0.005)
 
 
-def start_writers(ws: Path, count: int, seed: int, ops: int,
-                  function: str = "writer") -> list[subprocess.Popen]:
+def start_writers(
+    ws: Path, count: int, seed: int, ops: int, function: str = "writer"
+) -> list[subprocess.Popen]:
     """*count* processes running *function*(ws, seed, ops) of this module."""
-    code = (f"import sys; from tests.crashsoak import {function}; "
-            f"{function}(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
+    code = (
+        f"import sys; from tests.crashsoak import {function}; "
+        f"{function}(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
+    )
     repo = Path(__file__).resolve().parent.parent
-    return [subprocess.Popen([sys.executable, "-c", code, str(ws), str(seed * 100 + i), str(ops)],
-                             cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for i in range(count)]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(ws), str(seed * 100 + i), str(ops)],
+            cwd=repo,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(count)
+    ]
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -176,7 +186,7 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
     bg: subprocess.Popen | None = None
     try:
         cowfs("mount", ws)
-        start_writers(ws, 1, seed + 7, 40)[0].wait()       # some changes in the base layer
+        start_writers(ws, 1, seed + 7, 40)[0].wait()  # some changes in the base layer
         layer = json.loads(cowfs("--json", "-C", ws, "checkpoint", "-m", "trial").stdout)["id"]
         expected = treesnap.snapshot(ws)
         procs = start_writers(ws, writers, seed, 100_000)
@@ -190,12 +200,16 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
             start_writers(ws, 1, seed, rnd.randrange(500, 3000), "bulk")[0].wait()
             stop(procs)
             before = treesnap.snapshot(ws)
-            op = {"rollback": ["rollback", "--to", str(layer)], "commit": ["commit"],
-                  "redo": ["redo"]}[moment]
+            op = {
+                "rollback": ["rollback", "--to", str(layer)],
+                "commit": ["commit"],
+                "redo": ["redo"],
+            }[moment]
             if moment == "redo":
                 cowfs("-C", ws, "rollback", "--to", layer)
-            bg = subprocess.Popen([*COWFS, "-C", str(ws), *op], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+            bg = subprocess.Popen(
+                [*COWFS, "-C", str(ws), *op], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             time.sleep(rnd.uniform(0.1, 0.5))
             kill_daemon(ws)
         stop(procs)
@@ -205,7 +219,7 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
         finished = "; ".join(w for w in mounted.get("warnings", []) if "interrupted" in w)
         layers = [entry["id"] for entry in json.loads(cowfs("--json", "-C", ws, "log").stdout)]
         if moment == "redo" and layer not in layers:
-            cowfs("-C", ws, "redo")                   # (killed before the redo began)
+            cowfs("-C", ws, "redo")  # (killed before the redo began)
             layers.append(layer)
         diff = []
         if moment in ("rollback", "redo"):
@@ -237,10 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--writers", type=int, default=4)
-    p.add_argument("--dir", help="where to make the workspaces (default: a temporary "
-                                 "directory on /var/tmp)")
-    p.add_argument("--keep-failed", action="store_true",
-                   help="keep the workspaces of trials that were not exact")
+    p.add_argument(
+        "--dir", help="where to make the workspaces (default: a temporary directory on /var/tmp)"
+    )
+    p.add_argument(
+        "--keep-failed",
+        action="store_true",
+        help="keep the workspaces of trials that were not exact",
+    )
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     base = Path(tempfile.mkdtemp(prefix="cowfs-crash-", dir=args.dir or "/var/tmp"))
@@ -255,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # a trial that could not even finish is not exact
                 t = Trial(n, moment, False, "", f"{type(e).__name__}: {e}")
             results.append(t)
-            print(f"trial {n:3} kill while {moment:9} {'exact' if t.exact else 'NOT EXACT'}"
-                  + (f"  (mount: {t.interrupted})" if t.interrupted else "")
-                  + (f"  {t.detail}" if t.detail else ""), flush=True)
+            print(
+                f"trial {n:3} kill while {moment:9} {'exact' if t.exact else 'NOT EXACT'}"
+                + (f"  (mount: {t.interrupted})" if t.interrupted else "")
+                + (f"  {t.detail}" if t.detail else ""),
+                flush=True,
+            )
             if t.exact or not args.keep_failed:
                 shutil.rmtree(base / f"trial-{n}", ignore_errors=True)
     finally:
@@ -265,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     exact = sum(t.exact for t in results)
     resumed = sum(bool(t.interrupted) for t in results)
-    print(f"crashsoak: {exact}/{len(results)} exact ({resumed} trials resumed an interrupted "
-          f"rollback, commit or redo at the next mount), {time.monotonic() - t0:.0f} s, "
-          f"seed {seed}")
+    print(
+        f"crashsoak: {exact}/{len(results)} exact ({resumed} trials resumed an interrupted "
+        f"rollback, commit or redo at the next mount), {time.monotonic() - t0:.0f} s, "
+        f"seed {seed}"
+    )
     return 0 if exact == len(results) == args.trials else 1
 
 

@@ -24,8 +24,7 @@ def run(*args, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [*COWFS, *map(str, args)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if check and r.returncode != 0:
-        raise AssertionError(f"cowfs {' '.join(cmd[3:])} exited {r.returncode}: "
-                             f"{r.stderr.strip()}")
+        raise AssertionError(f"cowfs {' '.join(cmd[3:])} exited {r.returncode}: {r.stderr.strip()}")
     return r
 
 
@@ -94,8 +93,14 @@ class Workspace:
             try:
                 # (a daemon held up -- say in a provider's restore that a
                 # failed test never lets finish -- is killed below)
-                ok = subprocess.run([*COWFS, "unmount", "--lazy", str(self.path)],
-                                    capture_output=True, timeout=60).returncode == 0
+                ok = (
+                    subprocess.run(
+                        [*COWFS, "unmount", "--lazy", str(self.path)],
+                        capture_output=True,
+                        timeout=60,
+                    ).returncode
+                    == 0
+                )
             except subprocess.TimeoutExpired:
                 ok = False
             if not ok or is_cowfs_mount(str(self.path)):
@@ -116,8 +121,11 @@ class Workspace:
         log = self.path / ".cowfs" / "daemon.log"
         if self.mounted or not log.exists():
             return []
-        return [line for line in log.read_text(errors="replace").splitlines()
-                if " ERROR " in line or "Traceback" in line]
+        return [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if " ERROR " in line or "Traceback" in line
+        ]
 
 
 def plain(changes: list[dict]) -> list[dict]:
@@ -149,7 +157,11 @@ def view_processes(where: Path) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if argv[1:2] == [b"-m"] and argv[2:3] and argv[2].endswith(b"view") \
-                and os.fsencode(where) in argv:
+        if (
+            argv[1:2] == [b"-m"]
+            and argv[2:3]
+            and argv[2].endswith(b"view")
+            and os.fsencode(where) in argv
+        ):
             found.append(int(pid))
     return found

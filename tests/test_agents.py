@@ -38,12 +38,19 @@ CLAUDE_BASH = {
     "permission_mode": "default",
     "hook_event_name": "PreToolUse",
     "tool_name": "Bash",
-    "tool_input": {"command": "npm test", "description": "Run test suite", "timeout": 120000,
-                   "run_in_background": False},
+    "tool_input": {
+        "command": "npm test",
+        "description": "Run test suite",
+        "timeout": 120000,
+        "run_in_background": False,
+    },
     "tool_use_id": "toolu_01ABC123...",
 }
-CLAUDE_WRITE = {"hook_event_name": "PreToolUse", "tool_name": "Write",
-                "tool_input": {"file_path": "{ws}/src/index.ts", "content": "..."}}
+CLAUDE_WRITE = {
+    "hook_event_name": "PreToolUse",
+    "tool_name": "Write",
+    "tool_input": {"file_path": "{ws}/src/index.ts", "content": "..."},
+}
 # Gemini CLI: docs/hooks/reference.md of google-gemini/gemini-cli main, 2026-08-21
 # (0.56.0-nightly): the base input schema plus BeforeAgent's prompt; BeforeTool as in
 # docs/hooks/best-practices.md ("Test hooks independently").
@@ -87,9 +94,13 @@ CODEX_BASH = {
     "transcript_path": None,
 }
 CODEX_PATCH = CODEX_BASH | {
-    "tool_name": "apply_patch", "tool_use_id": "call_2",
-    "tool_input": {"command": "*** Begin Patch\n*** Update File: src/lib.rs\n@@\n-a\n+b\n"
-                              "*** Add File: NOTES.md\n+x\n*** End Patch\n"}}
+    "tool_name": "apply_patch",
+    "tool_use_id": "call_2",
+    "tool_input": {
+        "command": "*** Begin Patch\n*** Update File: src/lib.rs\n@@\n-a\n+b\n"
+        "*** Add File: NOTES.md\n+x\n*** End Patch\n"
+    },
+}
 
 
 def payload(template: dict, ws) -> bytes:
@@ -103,22 +114,37 @@ def payload(template: dict, ws) -> bytes:
 def hook(agent: str, event: str, data: bytes, *pre: str) -> subprocess.CompletedProcess:
     """Run `cowfs hook` as an agent does: the event JSON on stdin, from
     somewhere else (the workspace comes from -C or the payload's cwd)."""
-    return subprocess.run([*COWFS, *pre, "hook", agent, event], input=data, cwd="/",
-                          capture_output=True, timeout=120)
+    return subprocess.run(
+        [*COWFS, *pre, "hook", agent, event], input=data, cwd="/", capture_output=True, timeout=120
+    )
 
 
 def agent_layers(ws) -> list[dict]:
     return [x for x in ws.log() if x.get("agent")]
 
 
-@pytest.mark.parametrize("agent,prompt,tools,messages", [
-    ("claude-code", CLAUDE_PROMPT, [CLAUDE_BASH, CLAUDE_WRITE],
-     ["Write a function to calculate the factorial of a number", "Bash: npm test",
-      "Write: src/index.ts"]),
-    ("gemini", GEMINI_PROMPT, [GEMINI_WRITE], ["Refactor the parser", "write_file: test.txt"]),
-    ("codex", CODEX_PROMPT, [CODEX_BASH, CODEX_PATCH],
-     ["hello", "Bash: cargo test", "apply_patch: src/lib.rs, NOTES.md"]),
-])
+@pytest.mark.parametrize(
+    "agent,prompt,tools,messages",
+    [
+        (
+            "claude-code",
+            CLAUDE_PROMPT,
+            [CLAUDE_BASH, CLAUDE_WRITE],
+            [
+                "Write a function to calculate the factorial of a number",
+                "Bash: npm test",
+                "Write: src/index.ts",
+            ],
+        ),
+        ("gemini", GEMINI_PROMPT, [GEMINI_WRITE], ["Refactor the parser", "write_file: test.txt"]),
+        (
+            "codex",
+            CODEX_PROMPT,
+            [CODEX_BASH, CODEX_PATCH],
+            ["hello", "Bash: cargo test", "apply_patch: src/lib.rs, NOTES.md"],
+        ),
+    ],
+)
 def test_documented_events_become_checkpoints(mounted, agent, prompt, tools, messages):
     ws = mounted
     a = agents.AGENTS[agent]
@@ -136,9 +162,8 @@ def test_documented_events_become_checkpoints(mounted, agent, prompt, tools, mes
     assert turn.get("turn") == prompt.get("turn_id")
     for layer, tool in zip(layers[1:], tools, strict=False):
         rec = layer["agent"]
-        assert (rec["kind"], rec["tool"], rec["event"]) == ("tool", tool["tool_name"],
-                                                           a.tool_event)
-    assert layers[0]["changes"] == 1                    # the edit belongs to the turn
+        assert (rec["kind"], rec["tool"], rec["event"]) == ("tool", tool["tool_name"], a.tool_event)
+    assert layers[0]["changes"] == 1  # the edit belongs to the turn
     text = ws.cowfs("log").stdout
     assert f"{agent} turn ({a.prompt_event}, session {prompt['session_id'][:8]})" in text
     assert f"{agent} before {tools[0]['tool_name']}" in text
@@ -150,9 +175,13 @@ def test_a_hook_never_blocks_the_agent(workspace, agent):
     the agent's log, and a systemMessage for the user; no traceback."""
     a = agents.AGENTS[agent]
     for pre, data, why in (
-            ([], payload(CLAUDE_PROMPT | {"hook_event_name": a.prompt_event}, workspace),
-             "not inside a mounted cowfs workspace"),
-            (["-C", str(workspace.path)], b"{not json", "not valid JSON")):
+        (
+            [],
+            payload(CLAUDE_PROMPT | {"hook_event_name": a.prompt_event}, workspace),
+            "not inside a mounted cowfs workspace",
+        ),
+        (["-C", str(workspace.path)], b"{not json", "not valid JSON"),
+    ):
         r = hook(agent, a.prompt_event, data, *pre)
         assert r.returncode == 0
         [line] = r.stderr.decode().splitlines()
@@ -165,8 +194,7 @@ def test_a_hook_never_blocks_the_agent(workspace, agent):
     assert b"not one cowfs checkpoints at" in r.stderr
 
 
-def test_an_installed_hook_that_cannot_run_cowfs_still_lets_the_agent_go_on(
-        monkeypatch, tmp_path):
+def test_an_installed_hook_that_cannot_run_cowfs_still_lets_the_agent_go_on(monkeypatch, tmp_path):
     """cowfs uninstalled, or one too old to know `hook` (argparse's exit 2
     would block Claude Code's prompt): the command still exits 0 and says so."""
     old = tmp_path / "cowfs"
@@ -174,10 +202,10 @@ def test_an_installed_hook_that_cannot_run_cowfs_still_lets_the_agent_go_on(
     old.chmod(0o755)
     for argv in ([str(old)], [str(tmp_path / "gone" / "cowfs")]):
         monkeypatch.setattr(agents, "cowfs_argv", lambda argv=argv: argv)
-        command = agents.hook_command(agents.AGENTS["claude-code"], str(tmp_path),
-                                      "UserPromptSubmit")
-        r = subprocess.run(["sh", "-c", command], input=b"{}", capture_output=True,
-                           timeout=60)
+        command = agents.hook_command(
+            agents.AGENTS["claude-code"], str(tmp_path), "UserPromptSubmit"
+        )
+        r = subprocess.run(["sh", "-c", command], input=b"{}", capture_output=True, timeout=60)
         assert r.returncode == 0 and json.loads(r.stdout) == agents.FALLBACK
 
 
@@ -230,13 +258,16 @@ def test_install_keeps_the_users_settings_byte_for_byte(mounted, agent):
     text = path.read_text()
     once = path.read_bytes()
     settings = jsonedit.parse(text, comments=a.comments).value
-    for key, value in mine.items():                     # everything of the user's is kept
+    for key, value in mine.items():  # everything of the user's is kept
         if key != "hooks":
             assert settings[key] == value
     for event, groups in mine["hooks"].items():
-        assert settings["hooks"][event][:len(groups)] == groups
-    [ours] = [g for g in settings["hooks"][a.prompt_event]
-              if any(agents.is_ours(h["command"], a) for h in g["hooks"])]
+        assert settings["hooks"][event][: len(groups)] == groups
+    [ours] = [
+        g
+        for g in settings["hooks"][a.prompt_event]
+        if any(agents.is_ours(h["command"], a) for h in g["hooks"])
+    ]
     command = ours["hooks"][0]["command"]
     words = shlex.split(command)
     assert words[-8:-3] == ["-C", str(ws.path), "hook", agent, a.prompt_event]
@@ -244,18 +275,23 @@ def test_install_keeps_the_users_settings_byte_for_byte(mounted, agent):
     assert a.tool_event not in settings["hooks"] or a.tool_event in mine["hooks"]
     assert os.stat(path).st_mode & 0o777 == 0o640
 
-    ws.cowfs("hooks", "install", agent)                 # again: nothing changes
+    ws.cowfs("hooks", "install", agent)  # again: nothing changes
     assert path.read_bytes() == once
     ws.cowfs("hooks", "install", "--per-tool", agent)
     settings = jsonedit.parse(path.read_text(), comments=a.comments).value
-    [tool_group] = [g for g in settings["hooks"][a.tool_event]
-                    if g.get("matcher") == a.tool_matcher]
+    [tool_group] = [
+        g for g in settings["hooks"][a.tool_event] if g.get("matcher") == a.tool_matcher
+    ]
     assert agents.is_ours(tool_group["hooks"][0]["command"], a)
 
     # the installed command, run as the agent runs it (sh -c, the event on stdin)
-    r = subprocess.run(["sh", "-c", command], input=payload(
-        CLAUDE_PROMPT | {"hook_event_name": a.prompt_event}, ws), capture_output=True,
-        cwd="/", timeout=120)
+    r = subprocess.run(
+        ["sh", "-c", command],
+        input=payload(CLAUDE_PROMPT | {"hook_event_name": a.prompt_event}, ws),
+        capture_output=True,
+        cwd="/",
+        timeout=120,
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, b"", b"")
     assert ws.log()[-1]["message"] == CLAUDE_PROMPT["prompt"]
 
@@ -287,21 +323,25 @@ def test_a_users_hook_in_our_group_stays(mounted):
     path = ws.path / a.settings
     settings = json.loads(path.read_text())
     settings["hooks"]["UserPromptSubmit"][0]["hooks"].append(
-        {"type": "command", "command": "echo mine"})
+        {"type": "command", "command": "echo mine"}
+    )
     path.write_text(json.dumps(settings, indent=2))
     ws.cowfs("hooks", "uninstall", "claude-code")
-    assert json.loads(path.read_text()) == {"hooks": {"UserPromptSubmit": [
-        {"hooks": [{"type": "command", "command": "echo mine"}]}]}}
+    assert json.loads(path.read_text()) == {
+        "hooks": {"UserPromptSubmit": [{"hooks": [{"type": "command", "command": "echo mine"}]}]}
+    }
 
 
 def test_install_refuses_what_it_cannot_merge(mounted):
     ws = mounted
     path = ws.path / ".claude" / "settings.json"
     path.parent.mkdir()
-    for bad, why in (('{"hooks": [1, 2]', "not valid JSON"),
-                     ('{"hooks": []}', '"hooks" is not an object'),
-                     ('{"hooks": {"UserPromptSubmit": {}}}', "is not a list"),
-                     ('[1]', "does not hold a JSON object")):
+    for bad, why in (
+        ('{"hooks": [1, 2]', "not valid JSON"),
+        ('{"hooks": []}', '"hooks" is not an object'),
+        ('{"hooks": {"UserPromptSubmit": {}}}', "is not a list"),
+        ("[1]", "does not hold a JSON object"),
+    ):
         path.write_text(bad)
         r = ws.cowfs("hooks", "install", "claude-code", check=False)
         assert r.returncode == 2 and why in r.stderr and r.stderr.count("\n") == 1, r.stderr
@@ -322,8 +362,11 @@ def test_install_needs_the_workspace_mounted_if_it_has_a_store(workspace):
 
 def turn(ws, prompt: str, agent: str = "claude-code") -> None:
     a = agents.AGENTS[agent]
-    r = hook(agent, a.prompt_event, payload(CLAUDE_PROMPT | {
-        "hook_event_name": a.prompt_event, "prompt": prompt}, ws))
+    r = hook(
+        agent,
+        a.prompt_event,
+        payload(CLAUDE_PROMPT | {"hook_event_name": a.prompt_event, "prompt": prompt}, ws),
+    )
     assert r.returncode == 0 and not r.stdout, r
 
 
@@ -336,8 +379,9 @@ def test_rewind_undoes_the_last_turns_exactly(mounted):
     (ws / "a.txt").write_text("rewritten\n")
     r = hook("claude-code", "PreToolUse", payload(CLAUDE_BASH, ws))
     assert r.returncode == 0
-    subprocess.run(["sh", "-c", "rm -r dir && mkdir build && echo o > build/out"],
-                   cwd=ws.path, check=True)
+    subprocess.run(
+        ["sh", "-c", "rm -r dir && mkdir build && echo o > build/out"], cwd=ws.path, check=True
+    )
     turn(ws, "third: and a little more", agent="codex")
     (ws / "one.txt").write_text("one\n")
     after = ws.snapshot()
@@ -347,9 +391,14 @@ def test_rewind_undoes_the_last_turns_exactly(mounted):
     assert "Bash: npm test" in r.stdout and "D dir/b.txt" in r.stdout
     treesnap.assert_same(after, ws.snapshot())
 
-    r = subprocess.run([*COWFS, "-C", str(ws.path), "rewind", "2"], capture_output=True,
-                       text=True, timeout=60, start_new_session=True,
-                       stdin=subprocess.DEVNULL)            # no terminal to ask on
+    r = subprocess.run(
+        [*COWFS, "-C", str(ws.path), "rewind", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )  # no terminal to ask on
     assert r.returncode == 2 and "pass --yes" in r.stderr
     treesnap.assert_same(after, ws.snapshot())
 
@@ -358,11 +407,14 @@ def test_rewind_undoes_the_last_turns_exactly(mounted):
 
     res = ws.json("rewind", "--yes", "2")
     assert sorted(res["rolled_back"]["dropped"]) == [x["id"] for x in res["layers"]]
-    assert [x["message"] for x in res["layers"]] == ["second: rework everything",
-                                                      "Bash: npm test", "third: and a little more"]
+    assert [x["message"] for x in res["layers"]] == [
+        "second: rework everything",
+        "Bash: npm test",
+        "third: and a little more",
+    ]
     treesnap.assert_same(before_second, ws.snapshot())
     assert [x["message"] for x in agent_layers(ws)] == ["first: add a file"]
-    ws.cowfs("redo")                                         # and back again
+    ws.cowfs("redo")  # and back again
     treesnap.assert_same(after, ws.snapshot())
 
 
@@ -371,12 +423,14 @@ def test_rewind_asks_on_the_terminal(mounted):
     before = ws.snapshot()
     turn(ws, "make a mess")
     (ws / "mess").write_text("x\n")
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "rewind"], answer=b"n\n",
-                                   prompt=b"roll back 1 turn?")
+    code, out = _run_on_a_terminal(
+        ["-C", str(ws.path), "rewind"], answer=b"n\n", prompt=b"roll back 1 turn?"
+    )
     assert code == 1 and "make a mess" in out and "A mess" in out, out
     assert (ws / "mess").exists()
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "rewind"], answer=b"y\n",
-                                   prompt=b"roll back 1 turn?")
+    code, out = _run_on_a_terminal(
+        ["-C", str(ws.path), "rewind"], answer=b"y\n", prompt=b"roll back 1 turn?"
+    )
     assert code == 0 and "rewound 1 turn" in out, out
     treesnap.assert_same(before, ws.snapshot())
 
@@ -388,7 +442,7 @@ def test_turns_merged_by_a_commit_stay_in_the_log(mounted):
     turn(ws, "one")
     turn(ws, "two")
     (ws / "two.txt").write_text("2\n")
-    ws.commit()                                               # "two" merges into "one"
+    ws.commit()  # "two" merges into "one"
     text = ws.cowfs("log").stdout
     assert "layer 3, merged: claude-code turn (UserPromptSubmit, session abc123): two" in text
     [layer] = agent_layers(ws)
@@ -401,19 +455,41 @@ def test_turns_merged_by_a_commit_stay_in_the_log(mounted):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                max_size=3),
-    max_leaves=12)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
-@given(doc=st.dictionaries(st.text(max_size=6).filter(lambda k: k != "hooks"), json_values,
-                           max_size=4),
-       hooks=st.none() | st.dictionaries(
-           st.sampled_from(["Stop", "UserPromptSubmit", "PreToolUse", "Notification"]),
-           st.lists(st.fixed_dictionaries({"hooks": st.lists(st.fixed_dictionaries(
-               {"type": st.just("command"), "command": st.text(max_size=10)}),
-               min_size=1, max_size=2)}), min_size=1, max_size=2), min_size=1, max_size=3),
-       indent=st.sampled_from([None, 2, 4, "\t"]), per_tool=st.booleans())
+@given(
+    doc=st.dictionaries(
+        st.text(max_size=6).filter(lambda k: k != "hooks"), json_values, max_size=4
+    ),
+    hooks=st.none()
+    | st.dictionaries(
+        st.sampled_from(["Stop", "UserPromptSubmit", "PreToolUse", "Notification"]),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "hooks": st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.just("command"), "command": st.text(max_size=10)}
+                        ),
+                        min_size=1,
+                        max_size=2,
+                    )
+                }
+            ),
+            min_size=1,
+            max_size=2,
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    indent=st.sampled_from([None, 2, 4, "\t"]),
+    per_tool=st.booleans(),
+)
 def test_install_then_uninstall_gives_the_text_back(doc, hooks, indent, per_tool):
     a = agents.AGENTS["claude-code"]
     if hooks is not None:
@@ -427,6 +503,7 @@ def test_install_then_uninstall_gives_the_text_back(doc, hooks, indent, per_tool
         group["hooks"] = [a.handler(agents.hook_command(a, "/w", event), event)]
         text = agents.add_group(a, text, "settings.json", event, group)
     value = json.loads(text)
-    assert {k: v for k, v in value.items() if k != "hooks"} == \
-        {k: v for k, v in doc.items() if k != "hooks"}
+    assert {k: v for k, v in value.items() if k != "hooks"} == {
+        k: v for k, v in doc.items() if k != "hooks"
+    }
     assert agents.strip_ours(a, text, "settings.json") == original

@@ -21,11 +21,11 @@ def test_audit_records_kept_and_undone_changes_with_hashes_and_writers(mounted):
     layer = ws.checkpoint("edit")
     subprocess.run(["sed", "-i", "s/alpha/ALPHA/", "a.txt"], cwd=ws.path, check=True)
     (ws / "new.bin").write_bytes(b"\x00\x01" * 1000)
-    ws.commit()                                          # kept: into the base
+    ws.commit()  # kept: into the base
     ws.checkpoint("undone")
     (ws / "dir" / "b.txt").unlink()
     ws.rollback()
-    ws.commit()                                          # the base: permanent
+    ws.commit()  # the base: permanent
     ev = events(ws)
     kinds = [e["event"] for e in ev]
     assert kinds[0] == "mount" and "checkpoint" in kinds and kinds.count("commit") == 2
@@ -47,7 +47,7 @@ def test_audit_records_kept_and_undone_changes_with_hashes_and_writers(mounted):
     # it survives the commits and the unmount, and reads offline
     ws.unmount()
     offline = events(ws)
-    assert offline[:len(ev)] == ev and offline[-1]["event"] == "unmount"
+    assert offline[: len(ev)] == ev and offline[-1]["event"] == "unmount"
     assert ws.cowfs("audit").stdout.count("sed -i") >= 1
     since = events(ws, "--since", str(layer))
     assert since[0]["event"] == "checkpoint" and since[0]["layer"] == layer
@@ -61,10 +61,10 @@ def test_restore_is_audited_and_retention_is_separate(mounted):
     restore = [e for e in events(ws) if e["event"] == "restore"]
     assert restore and restore[0]["paths"] == ["a.txt"] and restore[0]["restored"] == ["a.txt"]
     before = len(events(ws))
-    assert ws.json("audit", "--prune", "1")["pruned"] == 0          # nothing a day old
-    assert ws.json("audit", "--prune", "0")["pruned"] == before     # everything so far
+    assert ws.json("audit", "--prune", "1")["pruned"] == 0  # nothing a day old
+    assert ws.json("audit", "--prune", "0")["pruned"] == before  # everything so far
     assert events(ws) == []
-    ws.checkpoint()                                                  # logging goes on
+    ws.checkpoint()  # logging goes on
     assert [e["event"] for e in events(ws)] == ["checkpoint"]
 
 
@@ -83,7 +83,7 @@ def test_audit_level_is_a_mount_option_kept_in_the_store(workspace):
     (ws / "f").write_text("three\n")
     ws.commit()
     ws.unmount()
-    ws.mount()                                      # kept
+    ws.mount()  # kept
     ws.checkpoint()
     (ws / "f").write_text("four\n")
     ws.commit()

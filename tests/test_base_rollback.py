@@ -19,8 +19,14 @@ REFUSAL = "is the base layer: rolling it back undoes everything since the worksp
 
 def rollback(ws, *args):
     """`cowfs rollback` without a terminal (stdin not a tty, no controlling one)."""
-    return subprocess.run([*COWFS, "-C", str(ws.path), *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, start_new_session=True, timeout=120)
+    return subprocess.run(
+        [*COWFS, "-C", str(ws.path), *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        timeout=120,
+    )
 
 
 def test_without_a_terminal_it_refuses_unless_yes(mounted):
@@ -38,9 +44,9 @@ def test_without_a_terminal_it_refuses_unless_yes(mounted):
     r = rollback(ws, "rollback", "--yes")
     assert r.returncode == 0, r.stderr
     assert (ws / "a.txt").read_text() == "alpha\n" and not (ws / "new").exists()
-    r = rollback(ws, "rollback")                      # nothing to roll back comes first
+    r = rollback(ws, "rollback")  # nothing to roll back comes first
     assert r.returncode == NOTHING_TO_DO and "nothing to roll back" in r.stderr
-    ws.checkpoint()                                   # above the base: no question
+    ws.checkpoint()  # above the base: no question
     (ws / "new").write_text("new\n")
     assert rollback(ws, "rollback").returncode == 0 and not (ws / "new").exists()
 
@@ -58,11 +64,9 @@ def test_on_a_terminal_it_asks(mounted):
     ws = mounted
     (ws / "new").write_text("new\n")
     prompt = b"Roll it back? [y/N]"
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "rollback"], answer=b"n\n",
-                                   prompt=prompt)
+    code, out = _run_on_a_terminal(["-C", str(ws.path), "rollback"], answer=b"n\n", prompt=prompt)
     assert code == CONFIRM and "not rolled back" in out and (ws / "new").exists(), out
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "rollback"], answer=b"y\n",
-                                   prompt=prompt)
+    code, out = _run_on_a_terminal(["-C", str(ws.path), "rollback"], answer=b"y\n", prompt=prompt)
     assert code == 0 and "rolled back layer" in out, out
     assert not (ws / "new").exists()
 

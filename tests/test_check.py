@@ -89,7 +89,7 @@ def test_a_consistent_store_checks_clean_and_check_writes_nothing(damaged):
     assert res["chunks"] >= 2 and res["records"] >= 4 and res["graves"] == 1
     assert store_state(ws) == state
     ws.mount()
-    code, res, _ = check(ws)                  # through the daemon too
+    code, res, _ = check(ws)  # through the daemon too
     assert (code, res["ok"]) == (0, True)
 
 
@@ -105,7 +105,7 @@ def test_flipped_bytes_in_a_chunk_are_found_and_the_rollback_skips_that_file(dam
     assert code == STORE_ERROR and not res["ok"]
     [p] = res["problems"]
     assert "corrupt" in p["problem"] and p["layers"] == [layer] and p["paths"] == ["big (chunk 1)"]
-    assert store_state(ws) == state           # a read-only check never writes
+    assert store_state(ws) == state  # a read-only check never writes
     # offline, on the store directly
     rollback_skips(ws, before, b"big", "big: not restored: its pre-image (chunk 1) is corrupt")
 
@@ -130,8 +130,9 @@ def test_a_removed_chunk_is_found_and_skipped_in_a_mounted_rollback(damaged):
         txn.delete(h, db=dbs[S.DB_CHUNKS])
     code, res, _ = check(ws)
     assert code == STORE_ERROR
-    assert [(p["layers"], p["paths"]) for p in res["problems"] if "missing" in p["problem"]] \
-        == [([layer], ["a.txt (chunk 0)"])]
+    assert [(p["layers"], p["paths"]) for p in res["problems"] if "missing" in p["problem"]] == [
+        ([layer], ["a.txt (chunk 0)"])
+    ]
     ws.mount()
     rollback_skips(ws, before, b"a.txt", "a.txt: not restored: its pre-image (chunk 0) is missing")
 
@@ -140,8 +141,7 @@ def test_a_damaged_record_and_a_removed_grave_object_are_named(damaged):
     ws, layer, before = damaged
     with raw_store(ws) as (txn, dbs):
         recs = records(txn, dbs)
-        meta_seq = next(seq for seq, rec in recs
-                        if isinstance(rec, S.Meta) and rec.loc == b"a.txt")
+        meta_seq = next(seq for seq, rec in recs if isinstance(rec, S.Meta) and rec.loc == b"a.txt")
         txn.put(S.u64(meta_seq), b"\x06garbage", db=dbs[S.DB_JOURNAL])
         gid = next(rec.grave for _, rec in recs if isinstance(rec, S.Grave))
     os.unlink(ws / ".cowfs" / "grave" / str(gid))
@@ -150,12 +150,14 @@ def test_a_damaged_record_and_a_removed_grave_object_are_named(damaged):
     texts = [p["text"] for p in res["problems"]]
     assert any(f"record {meta_seq} is damaged" in t and f"layer {layer}" in t for t in texts)
     assert any("dir/b.txt" in t and "missing" in t for t in texts)
-    assert any(f"record {meta_seq} is damaged" in p["text"] and p["paths"] == ["a.txt"]
-               for p in res["problems"])
+    assert any(
+        f"record {meta_seq} is damaged" in p["text"] and p["paths"] == ["a.txt"]
+        for p in res["problems"]
+    )
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == PARTIAL
     assert "a.txt: not restored: its undo record" in r.stderr and "dir/b.txt" in r.stderr
-    assert (ws / "a.txt").read_text() == "changed\n"   # skipped whole, not torn
+    assert (ws / "a.txt").read_text() == "changed\n"  # skipped whole, not torn
     assert ws.snapshot()[b"big"] == before[b"big"]
 
 
@@ -163,16 +165,16 @@ def test_repair_fixes_what_it_can_and_asks_first(damaged):
     ws, layer, before = damaged
     with raw_store(ws) as (txn, dbs):
         h = chunk_of(txn, dbs, b"a.txt")
-        txn.put(h, S.u64(7), db=dbs[S.DB_REFS])                 # wrong count
+        txn.put(h, S.u64(7), db=dbs[S.DB_REFS])  # wrong count
         orphan = b"\x01" * 16
-        txn.put(orphan, b"unused", db=dbs[S.DB_CHUNKS])          # used by nothing
+        txn.put(orphan, b"unused", db=dbs[S.DB_CHUNKS])  # used by nothing
         txn.put(orphan, S.u64(1), db=dbs[S.DB_REFS])
-    (ws / ".cowfs" / "grave" / "999").write_text("stray\n")      # held by nothing
+    (ws / ".cowfs" / "grave" / "999").write_text("stray\n")  # held by nothing
     code, res, _ = check(ws)
     assert code == STORE_ERROR and len(res["problems"]) == 3
     assert all(p["repairable"] for p in res["problems"])
     state = store_state(ws)
-    r = ws.cowfs("check", "--repair", check=False)               # no terminal: refused
+    r = ws.cowfs("check", "--repair", check=False)  # no terminal: refused
     assert r.returncode == STORE_ERROR and "--yes" in r.stderr
     assert store_state(ws) == state
     r = ws.cowfs("check", "--repair", "--yes")
@@ -180,5 +182,5 @@ def test_repair_fixes_what_it_can_and_asks_first(damaged):
     code, res, _ = check(ws)
     assert (code, res["ok"]) == (0, True)
     assert not (ws / ".cowfs" / "grave" / "999").exists()
-    ws.rollback()                                                # nothing was lost
+    ws.rollback()  # nothing was lost
     treesnap.assert_same(before, ws.snapshot())

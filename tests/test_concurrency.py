@@ -52,12 +52,12 @@ WRITERS = 8
 IN_PLACE = range(0, 4)
 REPLACING = range(4, 8)
 FILE_SIZE = 128 << 10
-REC_AT = 60 << 10          # an in-place record spans the 64 KiB chunk boundary
+REC_AT = 60 << 10  # an in-place record spans the 64 KiB chunk boundary
 REC_SIZE = 8 << 10
-PART = 40 << 10            # a replacing writer writes its record in three parts
-WAIT = 120.0               # generous bound for writers to make progress (liveness only)
-PAUSE = 0.004              # between a writer's generations: room for the CPUs, and files
-                           # that no writer touched between a rollback and the SIGSTOP
+PART = 40 << 10  # a replacing writer writes its record in three parts
+WAIT = 120.0  # generous bound for writers to make progress (liveness only)
+PAUSE = 0.004  # between a writer's generations: room for the CPUs, and files
+# that no writer touched between a rollback and the SIGSTOP
 
 
 def record(i: int, g: int, size: int) -> bytes:
@@ -69,7 +69,7 @@ def record(i: int, g: int, size: int) -> bytes:
 def generation(i: int, data: bytes, size: int) -> int | None:
     """The generation of a whole record of writer *i*, or None."""
     try:
-        g = int(data[data.index(b"G") + 1:data.index(b"|")])
+        g = int(data[data.index(b"G") + 1 : data.index(b"|")])
     except ValueError:
         return None
     return g if data == record(i, g, size) else None
@@ -78,10 +78,10 @@ def generation(i: int, data: bytes, size: int) -> int | None:
 def file_generation(i: int, data: bytes) -> int | None:
     """The generation of writer *i*'s whole file *data*, or None if torn."""
     if i in IN_PLACE:
-        outside = data[:REC_AT] + data[REC_AT + REC_SIZE:]
+        outside = data[:REC_AT] + data[REC_AT + REC_SIZE :]
         if len(data) != FILE_SIZE or outside != b"." * (FILE_SIZE - REC_SIZE):
             return None
-        return generation(i, data[REC_AT:REC_AT + REC_SIZE], REC_SIZE)
+        return generation(i, data[REC_AT : REC_AT + REC_SIZE], REC_SIZE)
     return generation(i, data, 3 * PART)
 
 
@@ -89,7 +89,7 @@ def make_writer_files(root: Path) -> None:
     root.mkdir()
     for i in IN_PLACE:
         data = bytearray(b"." * FILE_SIZE)
-        data[REC_AT:REC_AT + REC_SIZE] = record(i, 0, REC_SIZE)
+        data[REC_AT : REC_AT + REC_SIZE] = record(i, 0, REC_SIZE)
         (root / f"w{i}").write_bytes(data)
     for i in REPLACING:
         (root / f"w{i}").write_bytes(record(i, 0, 3 * PART))
@@ -120,17 +120,17 @@ class Writers:
     def __init__(self, root: Path):
         self.root = root
         n = self.OBS_AT + 2 * WRITERS * self.OBS
-        self.mem = mmap.mmap(-1, 8 * n)   # anonymous and shared: the children see it
+        self.mem = mmap.mmap(-1, 8 * n)  # anonymous and shared: the children see it
         self.arr = (ctypes.c_int64 * n).from_buffer(self.mem)
         self.pids: list[int] = []
 
     @property
     def started(self) -> list[int]:
-        return self.arr[self.STARTED:self.STARTED + WRITERS]
+        return self.arr[self.STARTED : self.STARTED + WRITERS]
 
     @property
     def done(self) -> list[int]:
-        return self.arr[self.DONE:self.DONE + WRITERS]
+        return self.arr[self.DONE : self.DONE + WRITERS]
 
     def announce(self) -> int:
         """A rollback is about to be sent; its number."""
@@ -144,12 +144,15 @@ class Writers:
     def observations(self, i: int) -> list[tuple[int, int]]:
         """(epoch, generation seen) of writer *i*."""
         base = self.OBS_AT + 2 * self.OBS * i
-        return [(self.arr[base + 2 * k], self.arr[base + 2 * k + 1])
-                for k in range(self.arr[self.NOBS + i])]
+        return [
+            (self.arr[base + 2 * k], self.arr[base + 2 * k + 1])
+            for k in range(self.arr[self.NOBS + i])
+        ]
 
     def start(self) -> None:
-        self.pids = [in_child(functools.partial(self._work, i), f"writer {i}")
-                     for i in range(WRITERS)]
+        self.pids = [
+            in_child(functools.partial(self._work, i), f"writer {i}") for i in range(WRITERS)
+        ]
 
     # -- in the writer processes --------------------------------------------------------
 
@@ -178,7 +181,7 @@ class Writers:
                 data = (self.root / f"w{i}").read_bytes()
             if epoch == settled == self.arr[self.EPOCH]:
                 break
-            time.sleep(PAUSE)   # a rollback overlapped the read: read again
+            time.sleep(PAUSE)  # a rollback overlapped the read: read again
         g = file_generation(i, data)
         if g is None:
             raise AssertionError(f"read a torn file: {data[:20]!r}... ({len(data)} bytes)")
@@ -201,7 +204,7 @@ class Writers:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 for k in range(3):
-                    os.write(fd, rec[k * PART:(k + 1) * PART])
+                    os.write(fd, rec[k * PART : (k + 1) * PART])
             finally:
                 os.close(fd)
             try:
@@ -256,9 +259,13 @@ class Writers:
 def change_static(root: Path, k: int) -> None:
     """A few changes of every kind in a subtree only the test touches, made
     from whatever state it is in (*k*: a number not used before)."""
+
     def numbered(prefix: str) -> list[Path]:
-        return sorted((p for p in root.iterdir() if p.name.startswith(prefix)),
-                      key=lambda p: int(p.name[len(prefix):]))
+        return sorted(
+            (p for p in root.iterdir() if p.name.startswith(prefix)),
+            key=lambda p: int(p.name[len(prefix) :]),
+        )
+
     olds, dirs = numbered("new"), numbered("d")
     (root / f"new{k}").write_text(f"made in step {k}\n")
     with open(root / "log", "a") as f:
@@ -276,12 +283,18 @@ def change_static(root: Path, k: int) -> None:
 class Layer:
     """What the test knows of the state a layer was opened on."""
 
-    def __init__(self, lid: int, lo: list[int], hi: list[int], static: treesnap.Snapshot,
-                 files: treesnap.Snapshot | None):
+    def __init__(
+        self,
+        lid: int,
+        lo: list[int],
+        hi: list[int],
+        static: treesnap.Snapshot,
+        files: treesnap.Snapshot | None,
+    ):
         self.id = lid
-        self.lo, self.hi = lo, hi   # each writer's generation lies in lo..hi
+        self.lo, self.hi = lo, hi  # each writer's generation lies in lo..hi
         self.static = static
-        self.files = files          # the writers' files, exactly (taken with them stopped)
+        self.files = files  # the writers' files, exactly (taken with them stopped)
 
 
 @pytest.fixture
@@ -304,7 +317,7 @@ def test_layer_switches_are_atomic_for_concurrent_writers(busy):
     static = ws / "static"
     rec = MountRecord.load(str(ws.path))
     steps = iter(range(1, 1000))
-    targets: dict[int, Layer] = {}   # epoch -> the layer that rollback went back to
+    targets: dict[int, Layer] = {}  # epoch -> the layer that rollback went back to
 
     def checkpoint(stopped: bool) -> Layer:
         """A checkpoint while the writers run, or *stopped* (then the state
@@ -320,7 +333,7 @@ def test_layer_switches_are_atomic_for_concurrent_writers(busy):
         if stopped:
             writers.resume()
         change_static(static, next(steps))
-        writers.wait_beyond(hi)          # every file changes after the checkpoint
+        writers.wait_beyond(hi)  # every file changes after the checkpoint
         return layer
 
     def rollback(layer: Layer, stack: list[Layer], stopped: bool = False) -> None:
@@ -341,9 +354,9 @@ def test_layer_switches_are_atomic_for_concurrent_writers(busy):
             treesnap.assert_same(layer.files, treesnap.snapshot(writers.root))
         else:
             check_writer_files(layer, pre, now)
-        del stack[stack.index(layer):]
+        del stack[stack.index(layer) :]
         writers.resume()
-        change_static(static, next(steps))   # on from the restored state
+        change_static(static, next(steps))  # on from the restored state
         writers.wait_beyond(now)
 
     def check_writer_files(layer: Layer, pre: list[int], now: list[int]) -> None:
@@ -355,31 +368,35 @@ def test_layer_switches_are_atomic_for_concurrent_writers(busy):
             g = file_generation(i, (writers.root / f"w{i}").read_bytes())
             where = f"w{i} after the rollback to layer {layer.id}"
             assert g is not None, f"{where} is torn"
-            if g <= pre[i]:   # not written since the rollback: restored
+            if g <= pre[i]:  # not written since the rollback: restored
                 assert layer.lo[i] <= g <= layer.hi[i], (
-                    f"{where} holds generation {g}, not one of {layer.lo[i]}..{layer.hi[i]}")
+                    f"{where} holds generation {g}, not one of {layer.lo[i]}..{layer.hi[i]}"
+                )
                 if layer.files is not None:
                     name = f"w{i}".encode()
                     assert snap[name] == layer.files[name], f"{where} is not exactly restored"
             else:
                 assert g <= now[i], f"{where} holds generation {g}, never started"
-        strays = [n for n in os.listdir(writers.root)
-                  if not (n.startswith("w") and (n[1:].isdigit() or ".tmp." in n))]
+        strays = [
+            n
+            for n in os.listdir(writers.root)
+            if not (n.startswith("w") and (n[1:].isdigit() or ".tmp." in n))
+        ]
         assert not strays, f"unexpected names: {strays}"
 
-    first = checkpoint(stopped=True)     # before the writers start
+    first = checkpoint(stopped=True)  # before the writers start
     writers.start()
     stack = [first]
     for rnd in range(3):
         a = checkpoint(stopped=True)
         b = checkpoint(stopped=False)
         stack += [a, b]
-        ws.commit()                      # b merges into a: rolling back to a still works
+        ws.commit()  # b merges into a: rolling back to a still works
         stack.remove(b)
         c = checkpoint(stopped=rnd == 1)
         stack.append(c)
-        rollback(c, stack)               # the top layer, writers running
-        ws.checkpoint("dropped")         # ... and one a rollback --to drops on its way
+        rollback(c, stack)  # the top layer, writers running
+        ws.checkpoint("dropped")  # ... and one a rollback --to drops on its way
         rollback(a, stack, stopped=rnd == 2)
     assert stack == [first]
     writers.finish()
@@ -390,7 +407,8 @@ def test_layer_switches_are_atomic_for_concurrent_writers(busy):
             assert layer is not None, f"writer {i} saw generation {g} before any rollback"
             assert layer.lo[i] <= g <= layer.hi[i], (
                 f"writer {i} saw generation {g} after the rollback to layer {layer.id}, "
-                f"not one of {layer.lo[i]}..{layer.hi[i]}")
+                f"not one of {layer.lo[i]}..{layer.hi[i]}"
+            )
     ws.rollback(to=first.id)
     treesnap.assert_same(first.files, treesnap.snapshot(writers.root))
     treesnap.assert_same(first.static, treesnap.snapshot(static))
@@ -404,19 +422,22 @@ def make_project(root: Path, units: int = 40) -> None:
     that sums them."""
     root.mkdir()
     (root / "gen.sh").write_text(
-        "#!/bin/sh\nset -e\nfor i in $(seq 0 $(($1 - 1))); do echo \"int f$i(void);\"; done\n")
+        '#!/bin/sh\nset -e\nfor i in $(seq 0 $(($1 - 1))); do echo "int f$i(void);"; done\n'
+    )
     os.chmod(root / "gen.sh", 0o755)
     for i in range(units):
         (root / f"u{i}.c").write_text(
             '#include "funcs.h"\n'
             f"static int table[] = {{{', '.join(str(i * k) for k in range(50))}}};\n"
             f"int f{i}(void) {{ int s = 0; for (int k = 0; k < 50; k++) s += table[k]; "
-            "return s; }\n")
+            "return s; }\n"
+        )
     (root / "main.c").write_text(
         '#include <stdio.h>\n#include "funcs.h"\n'
         "int main(void) { long s = 0;\n"
         + "".join(f"  s += f{i}();\n" for i in range(units))
-        + '  printf("%ld\\n", s); return 0; }\n')
+        + '  printf("%ld\\n", s); return 0; }\n'
+    )
     objs = " ".join(f"u{i}.o" for i in range(units))
     (root / "Makefile").write_text(
         f"OBJS = main.o {objs}\n"
@@ -426,7 +447,8 @@ def make_project(root: Path, units: int = 40) -> None:
         f"funcs.h: gen.sh\n\t./gen.sh {units} > $@.tmp && mv $@.tmp $@\n"
         "barrier:\n\t@while [ ! -e '$(GO)' ]; do sleep 0.01; done\n"
         "clean:\n\trm -f prog *.o funcs.h\n"
-        ".PHONY: barrier clean\n")
+        ".PHONY: barrier clean\n"
+    )
 
 
 def expected_sum(units: int = 40) -> int:
@@ -437,8 +459,13 @@ def build_while_switching(ws, project: Path, go: Path) -> None:
     """make -j8 while checkpoints and commits come and go.  The link step
     waits for *go*, made after the first switch: at least one falls inside
     the build, whatever the timing."""
-    make = subprocess.Popen(["make", "-j8", "-s", f"GO={go}"], cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    make = subprocess.Popen(
+        ["make", "-j8", "-s", f"GO={go}"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         while make.poll() is None:
             ws.checkpoint("during make")

@@ -88,11 +88,13 @@ def parse_answer(data: bytes) -> dict | None:
     for shape.  Raises AssertionError describing a malformed answer."""
     if not data:
         return None
-    assert data.endswith(b"\n") and data.count(b"\n") == 1, \
+    assert data.endswith(b"\n") and data.count(b"\n") == 1, (
         f"the answer is not exactly one line: {data[:300]!r}"
+    )
     resp = json.loads(data)
-    assert isinstance(resp, dict) and isinstance(resp.get("ok"), bool), \
+    assert isinstance(resp, dict) and isinstance(resp.get("ok"), bool), (
         f"the answer is not a response object: {data[:300]!r}"
+    )
     if not resp["ok"]:
         assert isinstance(resp.get("error"), str) and resp["error"], resp
         assert isinstance(resp.get("code"), int) and resp["code"] != 0, resp
@@ -140,8 +142,9 @@ def assert_mount_works(ws: Workspace, pid: int) -> None:
     assert ws.log()[-1]["id"] == layer
     for cmd in (["log"], ["status"]):  # the human forms must not crash either
         r = ws.cowfs(*cmd, check=False)
-        assert r.returncode == 0 and "Traceback" not in r.stderr, \
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (
             f"cowfs {cmd[0]} exited {r.returncode}: {r.stderr.strip()}"
+        )
     ws.rollback(to=layer)
     treesnap.assert_same(before, ws.snapshot())
     assert ws.daemon_pid() == pid and pid_alive(pid)
@@ -149,9 +152,15 @@ def assert_mount_works(ws: Workspace, pid: int) -> None:
 
 def brief(layers: list[dict]) -> str:
     """A stack in one line: id, message and runs of each layer."""
-    return "[" + ", ".join(f"{layer['id']} {layer['message']!r}"
-                           + (f" runs={layer['runs']!r}" if layer.get("runs") else "")
-                           for layer in layers) + "]"
+    return (
+        "["
+        + ", ".join(
+            f"{layer['id']} {layer['message']!r}"
+            + (f" runs={layer['runs']!r}" if layer.get("runs") else "")
+            for layer in layers
+        )
+        + "]"
+    )
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -167,17 +176,22 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 def _random_payloads(base: int) -> list[tuple[str, bytes]]:
     rnd = random.Random(20260101)
-    out = [("nothing at all", b""), ("a bare newline", b"\n"), ("CRLF", b"\r\n"),
-           ("spaces", b"   \n"), ("NULs", b"\0" * 64 + b"\n"),
-           ("an unterminated object", b'{"op": "ping"'),
-           ("a truncated object", b'{"op": "ping"\n'),
-           ("trailing garbage after the object", b'{"op": "ping"} xyz\n'),
-           ("two objects on one line", b'{"op": "ping"}{"op": "log"}\n'),
-           ("invalid UTF-8", b"\xff\xfe\xfd\n"),
-           ("invalid UTF-8 in a string", b'{"op": "ping\xff"}\n'),
-           ("an overlong UTF-8 slash", b'{"op": "\xc0\xafping"}\n'),
-           ("a lone surrogate escape", b'{"op": "\\ud800"}\n'),
-           ("Python syntax", b"{'op': 'ping'}\n")]
+    out = [
+        ("nothing at all", b""),
+        ("a bare newline", b"\n"),
+        ("CRLF", b"\r\n"),
+        ("spaces", b"   \n"),
+        ("NULs", b"\0" * 64 + b"\n"),
+        ("an unterminated object", b'{"op": "ping"'),
+        ("a truncated object", b'{"op": "ping"\n'),
+        ("trailing garbage after the object", b'{"op": "ping"} xyz\n'),
+        ("two objects on one line", b'{"op": "ping"}{"op": "log"}\n'),
+        ("invalid UTF-8", b"\xff\xfe\xfd\n"),
+        ("invalid UTF-8 in a string", b'{"op": "ping\xff"}\n'),
+        ("an overlong UTF-8 slash", b'{"op": "\xc0\xafping"}\n'),
+        ("a lone surrogate escape", b'{"op": "\\ud800"}\n'),
+        ("Python syntax", b"{'op': 'ping'}\n"),
+    ]
     for size in (1, 7, 100, 4095, 65536, 65537, 300_000, MiB - 1, MiB + 100_000):
         body = rnd.randbytes(size)
         out.append((f"{size} random bytes", body))
@@ -188,21 +202,34 @@ def _random_payloads(base: int) -> list[tuple[str, bytes]]:
 
 
 NOT_OBJECTS = [
-    ("an array", b'["op", "ping"]\n'), ("an empty array", b"[]\n"),
-    ("a string", b'"ping"\n'), ("a number", b"42\n"), ("a float", b"1e999\n"),
-    ("null", b"null\n"), ("true", b"true\n"), ("NaN", b"NaN\n"),
-    ("an object without op", b'{"cmd": "ping"}\n'), ("an empty object", b"{}\n"),
-    ("op null", b'{"op": null}\n'), ("op a number", b'{"op": 1}\n'),
-    ("op a list", b'{"op": ["ping"]}\n'), ("op an object", b'{"op": {"ping": 1}}\n'),
+    ("an array", b'["op", "ping"]\n'),
+    ("an empty array", b"[]\n"),
+    ("a string", b'"ping"\n'),
+    ("a number", b"42\n"),
+    ("a float", b"1e999\n"),
+    ("null", b"null\n"),
+    ("true", b"true\n"),
+    ("NaN", b"NaN\n"),
+    ("an object without op", b'{"cmd": "ping"}\n'),
+    ("an empty object", b"{}\n"),
+    ("op null", b'{"op": null}\n'),
+    ("op a number", b'{"op": 1}\n'),
+    ("op a list", b'{"op": ["ping"]}\n'),
+    ("op an object", b'{"op": {"ping": 1}}\n'),
     ("op true", b'{"op": true}\n'),
 ]
 
 UNKNOWN_OPS = [
-    ("an unknown op", b'{"op": "frobnicate"}\n'), ("an empty op", b'{"op": ""}\n'),
-    ("op in capitals", b'{"op": "PING"}\n'), ("op with a space", b'{"op": "ping "}\n'),
-    ("op with a NUL", b'{"op": "ping\\u0000"}\n'), ("op with its prefix", b'{"op": "op_ping"}\n'),
-    ("a dunder op", b'{"op": "__init__"}\n'), ("a private method", b'{"op": "_connection"}\n'),
-    ("another private method", b'{"op": "_flush"}\n'), ("the main loop", b'{"op": "_main"}\n'),
+    ("an unknown op", b'{"op": "frobnicate"}\n'),
+    ("an empty op", b'{"op": ""}\n'),
+    ("op in capitals", b'{"op": "PING"}\n'),
+    ("op with a space", b'{"op": "ping "}\n'),
+    ("op with a NUL", b'{"op": "ping\\u0000"}\n'),
+    ("op with its prefix", b'{"op": "op_ping"}\n'),
+    ("a dunder op", b'{"op": "__init__"}\n'),
+    ("a private method", b'{"op": "_connection"}\n'),
+    ("another private method", b'{"op": "_flush"}\n'),
+    ("the main loop", b'{"op": "_main"}\n'),
     ("an 800 KiB op", b'{"op": "' + b"x" * (800 << 10) + b'"}\n'),
 ]
 
@@ -239,16 +266,17 @@ def _bad_arguments(base: int) -> list[tuple[str, bytes]]:
         ("rollback to an object", {"op": "rollback", "to": {"id": base}}),
     ]
     out = [(name, json.dumps(req).encode() + b"\n") for name, req in cases]
-    out += [("rollback to NaN", b'{"op": "rollback", "to": NaN}\n'),
-            ("rollback to Infinity", b'{"op": "rollback", "to": Infinity}\n'),
-            ("rollback to a 5000-digit number",
-             b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n")]
+    out += [
+        ("rollback to NaN", b'{"op": "rollback", "to": NaN}\n'),
+        ("rollback to Infinity", b'{"op": "rollback", "to": Infinity}\n'),
+        ("rollback to a 5000-digit number", b'{"op": "rollback", "to": ' + b"9" * 5000 + b"}\n"),
+    ]
     # last: served, it would drop every layer
     out.append(("rollback to true", b'{"op": "rollback", "to": true}\n'))
     return out
 
 
-DEEP = 100_000   # far beyond Python's recursion limit, far below MAX_REQUEST
+DEEP = 100_000  # far beyond Python's recursion limit, far below MAX_REQUEST
 
 GROUPS = {
     "random-bytes": (_random_payloads, (USAGE,)),
@@ -256,13 +284,23 @@ GROUPS = {
     "unknown-op": (lambda base: UNKNOWN_OPS, (USAGE,)),
     "bad-arguments": (_bad_arguments, (USAGE, UNKNOWN_LAYER)),
     # each on its own mount: one that kills the daemon cannot hide the others
-    "nested-arrays": (lambda base: [
-        ("deeply nested arrays", b"[" * DEEP + b"]" * DEEP + b"\n")], (USAGE,)),
-    "nested-argument": (lambda base: [
-        ("a deeply nested argument",
-         b'{"op": "ping", "x": ' + b"[" * DEEP + b"]" * DEEP + b"}\n")], (USAGE,)),
-    "nested-objects": (lambda base: [
-        ("deeply nested objects", b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"\n")], (USAGE,)),
+    "nested-arrays": (
+        lambda base: [("deeply nested arrays", b"[" * DEEP + b"]" * DEEP + b"\n")],
+        (USAGE,),
+    ),
+    "nested-argument": (
+        lambda base: [
+            (
+                "a deeply nested argument",
+                b'{"op": "ping", "x": ' + b"[" * DEEP + b"]" * DEEP + b"}\n",
+            )
+        ],
+        (USAGE,),
+    ),
+    "nested-objects": (
+        lambda base: [("deeply nested objects", b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"\n")],
+        (USAGE,),
+    ),
 }
 
 
@@ -293,12 +331,13 @@ def test_garbage_gets_an_error_or_a_close_and_the_mount_keeps_working(mounted, g
         took = time.monotonic() - t0
         why = daemon_alive(ws, pid)
         if why is not None:
-            time.sleep(2)        # (only for the failure's message: what it is 2 s later)
+            time.sleep(2)  # (only for the failure's message: what it is 2 s later)
             later = daemon_alive(ws, pid)
             raise AssertionError(
                 f"after sending {name} ({len(payload)} bytes): {why}"
                 + (f"; 2 s later: {later}" if later and later != why else "")
-                + "".join(f"\n  earlier: {p}" for p in problems))
+                + "".join(f"\n  earlier: {p}" for p in problems)
+            )
         if took > 5:
             problems.append(f"{name}: took {took:.1f} s")
         try:
@@ -310,8 +349,10 @@ def test_garbage_gets_an_error_or_a_close_and_the_mount_keeps_working(mounted, g
             if resp["ok"]:
                 problems.append(f"{name}: served: {json.dumps(resp)[:300]}")
             elif resp["code"] not in codes:
-                problems.append(f"{name}: answered code {resp['code']} "
-                                f"(expected one of {codes}): {resp['error'][:200]}")
+                problems.append(
+                    f"{name}: answered code {resp['code']} "
+                    f"(expected one of {codes}): {resp['error'][:200]}"
+                )
         new_tree, new_state = ws.snapshot(), stack_state(rec)
         if new_state != state:
             problems.append(f"{name}: the stack changed: {brief(state)} -> {brief(new_state)}")
@@ -334,7 +375,7 @@ def test_valid_requests_in_odd_framing_are_served(mounted):
     with connect(rec.socket) as s:
         for piece in (b'{"o', b'p": "pi', b'ng"', b"}", b"\n"):
             s.sendall(piece)
-            time.sleep(0.05)     # the pause is what is tested: each piece its own read
+            time.sleep(0.05)  # the pause is what is tested: each piece its own read
         resp = parse_answer(read_all(s))
     assert resp == {"ok": True, "result": resp["result"]} and resp["result"]["pid"] == pid
     resp = parse_answer(exchange(rec.socket, b'  {"op": "ping"}  \nignored garbage \xff'))
@@ -347,8 +388,9 @@ def test_valid_requests_in_odd_framing_are_served(mounted):
 # -- 2. a huge request ----------------------------------------------------------------------
 
 
-def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
-           budget: float = 30.0) -> dict:
+def stream(
+    path: str, total: int, prefix: bytes = b"", suffix: bytes = b"", budget: float = 30.0
+) -> dict:
     """Stream *prefix*, *total* filler bytes and *suffix* as one message;
     report how far it got, how the daemon reacted and how long it took."""
     t0 = time.monotonic()
@@ -359,7 +401,7 @@ def stream(path: str, total: int, prefix: bytes = b"", suffix: bytes = b"",
         try:
             s.sendall(prefix)
             while sent < total:
-                s.sendall(block[:total - sent])
+                s.sendall(block[: total - sent])
                 sent += min(MiB, total - sent)
             s.sendall(suffix)
             s.shutdown(socket.SHUT_WR)
@@ -394,7 +436,8 @@ def test_a_100_mib_request_is_refused_quickly_in_bounded_memory(mounted):
         "100 MiB without a newline": stream(rec.socket, big),
         "100 MiB and a newline": stream(rec.socket, big, suffix=b"\n"),
         "a 100 MiB checkpoint message": stream(
-            rec.socket, big, prefix=b'{"op": "checkpoint", "message": "', suffix=b'"}\n'),
+            rec.socket, big, prefix=b'{"op": "checkpoint", "message": "', suffix=b'"}\n'
+        ),
     }
     parallel: dict[int, dict] = {}
 
@@ -458,7 +501,7 @@ def test_stalled_clients_do_not_block_others_and_are_closed(mounted):
         took = time.monotonic() - t
         assert took < 5, f"file I/O, status and 10 pings took {took:.1f} s"
         # a slow client that does finish its line is served
-        time.sleep(1)            # the slowness is what is tested
+        time.sleep(1)  # the slowness is what is tested
         slow.sendall(b'ng"}\n')
         resp = parse_answer(read_all(slow))
         slow.close()
@@ -481,15 +524,18 @@ def test_stalled_clients_do_not_block_others_and_are_closed(mounted):
                     continue
                 if data:
                     resp = parse_answer(data)  # an error answer is all right
-                    assert resp is not None and not resp["ok"], \
+                    assert resp is not None and not resp["ok"], (
                         f"{key.data}: served: {data[:300]!r}"
+                    )
                     continue
                 sel.unregister(key.fileobj)
                 open_.discard(key.data)
         sel.close()
-        assert not open_, (f"{len(open_)} stalled connections still open "
-                           f"{time.monotonic() - t0:.0f} s after connecting: "
-                           f"{sorted(open_)[:5]}")
+        assert not open_, (
+            f"{len(open_)} stalled connections still open "
+            f"{time.monotonic() - t0:.0f} s after connecting: "
+            f"{sorted(open_)[:5]}"
+        )
     finally:
         for s in [s for _, s in stalled] + others:
             s.close()
@@ -547,15 +593,16 @@ def test_fifty_concurrent_clients_are_all_answered_correctly(mounted):
         assert r["status"]["id"] in [before_ids[-1], *ids]
         seen = [layer["id"] for layer in r["log"]["layers"]]
         assert seen == list(range(seen[0], seen[0] + len(seen)))
-        assert seen[:len(before_ids)] == before_ids
+        assert seen[: len(before_ids)] == before_ids
     log = ws.log()
     assert [layer["id"] for layer in log] == before_ids + ids
     by_id = {r["checkpoint"]["id"]: f"client {i}" for i, r in results.items()}
-    assert {layer["id"]: layer["message"] for layer in log[len(before_ids):]} == by_id
+    assert {layer["id"]: layer["message"] for layer in log[len(before_ids) :]} == by_id
     # since the burst began: exactly the files the clients created
     net = control.call(rec, "changes", since=first)["changes"]
     assert sorted(plain(net), key=lambda c: c["path"]) == sorted(
-        ({"path": f"from-client-{i}", "kind": "A"} for i in range(n)), key=lambda c: c["path"])
+        ({"path": f"from-client-{i}", "kind": "A"} for i in range(n)), key=lambda c: c["path"]
+    )
     assert ws.daemon_pid() == pid
     ws.rollback(to=first)
     treesnap.assert_same(before_tree, ws.snapshot())
@@ -586,7 +633,7 @@ def test_clients_beyond_the_listen_backlog_wait_their_turn(mounted):
     try:
         for t in threads:
             t.start()
-        time.sleep(1)            # the stall is what is tested: clients meet a stopped daemon
+        time.sleep(1)  # the stall is what is tested: clients meet a stopped daemon
     finally:
         os.kill(pid, signal.SIGCONT)
     for t in threads:
@@ -695,11 +742,13 @@ def test_another_user_is_refused(mounted):
         os.rmdir(linkdir)
     assert stat.S_IMODE(os.stat(rec.socket).st_mode) == mode
     for req, item in zip(requests, items, strict=False):
-        assert "connect_errno" not in item, (req, item)   # it did reach the daemon
+        assert "connect_errno" not in item, (req, item)  # it did reach the daemon
         resp = parse_answer(item["data"].encode("latin-1"))
-        assert resp is None or (not resp["ok"] and resp["code"] == NOT_OWNER
-                                and "belongs to another user (uid 0)" in resp["error"]), \
-            (req, item)
+        assert resp is None or (
+            not resp["ok"]
+            and resp["code"] == NOT_OWNER
+            and "belongs to another user (uid 0)" in resp["error"]
+        ), (req, item)
     assert any(item["data"] for item in items), "no refusal was ever answered"
     why = daemon_alive(ws, pid)
     assert why is None, why
@@ -711,6 +760,7 @@ def test_another_user_is_refused(mounted):
 def cli_as_other_user(cwd: Path, args: list[str], uid: int = OTHER_UID) -> tuple[int, str, str]:
     """The cowfs command's main() run by *uid* in *cwd*."""
     from cowfs import daemon  # noqa: F401  (loaded before the child needs it)
+
     return users.cowfs_as(uid, uid, cwd, args)
 
 
@@ -737,8 +787,10 @@ def test_another_users_commands_say_whose_workspace_it_is(reachable):
     for args in (["status"], ["-C", ".", "rollback"], ["--json", "log"], ["checkpoint"]):
         code, out, err = cli_as_other_user(ws.path, args)
         assert code == NOT_OWNER, (args, code, out, err)
-        assert f"mounted at {ws.path} belongs to another user (uid 0); only that user or " \
-               "root may control it" in err, err
+        assert (
+            f"mounted at {ws.path} belongs to another user (uid 0); only that user or "
+            "root may control it" in err
+        ), err
         assert "cowfs mount" not in err
     assert json.loads(cli_as_other_user(ws.path, ["--json", "status"])[1])["code"] == NOT_OWNER
     ws.unmount()
@@ -752,14 +804,15 @@ def test_another_users_commands_say_whose_workspace_it_is(reachable):
 
 @pytest.fixture
 def second(tmp_path):
-    with managed_workspace(tmp_path / "ws2") as ws:   # "ws" is a prefix of it on purpose
+    with managed_workspace(tmp_path / "ws2") as ws:  # "ws" is a prefix of it on purpose
         yield ws
 
 
 def cowfs_in(cwd: Path, *args) -> subprocess.CompletedProcess:
     """The real command run from *cwd*, without -C."""
-    return subprocess.run([*COWFS, *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [*COWFS, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path):
@@ -779,10 +832,20 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     start1, start2 = one.snapshot(), two.snapshot()
 
     # -C with paths nested inside each (a directory, a file) picks the right one
-    id1 = json.loads(subprocess.run([*COWFS, "-C", str(deep1), "--json", "checkpoint", "-m",
-                                     "in one"], capture_output=True, text=True).stdout)["id"]
-    id2 = json.loads(subprocess.run([*COWFS, "-C", str(deep2 / "f.txt"), "--json", "checkpoint",
-                                     "-m", "in two"], capture_output=True, text=True).stdout)["id"]
+    id1 = json.loads(
+        subprocess.run(
+            [*COWFS, "-C", str(deep1), "--json", "checkpoint", "-m", "in one"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )["id"]
+    id2 = json.loads(
+        subprocess.run(
+            [*COWFS, "-C", str(deep2 / "f.txt"), "--json", "checkpoint", "-m", "in two"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )["id"]
     assert one.log()[-1]["message"] == "in one" and two.log()[-1]["message"] == "in two"
     assert "in two" not in [layer["message"] for layer in one.log()]
     assert "in one" not in [layer["message"] for layer in two.log()]
@@ -794,12 +857,16 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     # without -C: the working directory decides
     r = cowfs_in(deep1, "--json", "status")
     assert r.returncode == 0, r.stderr
-    assert sorted(c["path"] for c in json.loads(r.stdout)["changes"]) == \
-        ["deep/er/still/f.txt", "only-in-one"]
+    assert sorted(c["path"] for c in json.loads(r.stdout)["changes"]) == [
+        "deep/er/still/f.txt",
+        "only-in-one",
+    ]
     r = cowfs_in(deep2, "--json", "status")
     assert r.returncode == 0, r.stderr
-    assert sorted(c["path"] for c in json.loads(r.stdout)["changes"]) == \
-        ["deep/er/still/new-in-two", "top.txt"]
+    assert sorted(c["path"] for c in json.loads(r.stdout)["changes"]) == [
+        "deep/er/still/new-in-two",
+        "top.txt",
+    ]
     r = cowfs_in(tmp_path, "status")
     assert r.returncode == NOT_MOUNTED, r.stderr
 
@@ -810,8 +877,10 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
         for i in range(10):
             got[key].append(control.call(rec, "checkpoint", message=f"{key} {i}")["id"])
 
-    ts = [threading.Thread(target=burst, args=(r1, "one")),
-          threading.Thread(target=burst, args=(r2, "two"))]
+    ts = [
+        threading.Thread(target=burst, args=(r1, "one")),
+        threading.Thread(target=burst, args=(r2, "two")),
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -830,8 +899,9 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     # and the other way round
     live1 = one.snapshot()
     log1 = one.log()
-    r = subprocess.run([*COWFS, "-C", str(deep2), "rollback", "--to", str(id2)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*COWFS, "-C", str(deep2), "rollback", "--to", str(id2)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     treesnap.assert_same(start2, two.snapshot())
     treesnap.assert_same(live1, one.snapshot())
@@ -842,5 +912,5 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     one.unmount()
     r = one.cowfs("checkpoint", check=False)
     assert r.returncode == NOT_MOUNTED, r.stderr
-    assert one.json("status")["mounted"] is False     # read from its store directly
+    assert one.json("status")["mounted"] is False  # read from its store directly
     assert_mount_works(two, pid2)

@@ -164,8 +164,14 @@ def test_status_lists_net_changes_like_git(mounted):
     os.symlink("x", ws / "renamed" / "b.txt")
     kinds = {c["path"]: c["kind"] for c in ws.status()}
     # (b.txt moved with its directory, then a symlink took its place: a type change)
-    assert kinds == {"added": "A", "a.txt": "M", "c": "D", "renamed": "R",
-                     "renamed/b.txt": "T", "was-file": "T"}
+    assert kinds == {
+        "added": "A",
+        "a.txt": "M",
+        "c": "D",
+        "renamed": "R",
+        "renamed/b.txt": "T",
+        "was-file": "T",
+    }
     assert ws.json("status")["id"] == ws.log()[-1]["id"]
 
 
@@ -286,6 +292,7 @@ def test_hard_links_keep_identity(mounted):
 def test_rename_flags(mounted):
     ws = mounted
     import ctypes
+
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     (ws / "c").write_text("c")
     before = ws.snapshot()
@@ -329,9 +336,9 @@ def test_o_trunc_and_truncate_up_and_down(mounted):
     ws.commit()
     before = ws.snapshot()
     ws.checkpoint()
-    (ws / "f").write_bytes(b"short")        # O_TRUNC
-    os.truncate(ws / "f", 1_000_000)           # up
-    os.truncate(ws / "f", 70_000)              # down
+    (ws / "f").write_bytes(b"short")  # O_TRUNC
+    os.truncate(ws / "f", 1_000_000)  # up
+    os.truncate(ws / "f", 70_000)  # down
     (ws / "a.txt").write_text("")
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
@@ -341,9 +348,19 @@ def test_new_objects_get_caller_owner_and_umask(workspace):
     workspace.mount()
     ws = workspace
     os.chmod(ws.path, 0o777)
-    subprocess.run(["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups",
-                    "sh", "-c", "umask 027 && touch f && mkdir d && ln -s f l"],
-                   cwd=ws.path, check=True)
+    subprocess.run(
+        [
+            "setpriv",
+            "--reuid=1234",
+            "--regid=1234",
+            "--clear-groups",
+            "sh",
+            "-c",
+            "umask 027 && touch f && mkdir d && ln -s f l",
+        ],
+        cwd=ws.path,
+        check=True,
+    )
     f, d, link = (os.lstat(ws / n) for n in ("f", "d", "l"))
     assert (f.st_uid, f.st_gid, stat.S_IMODE(f.st_mode)) == (1234, 1234, 0o640)
     assert (d.st_uid, d.st_gid, stat.S_IMODE(d.st_mode)) == (1234, 1234, 0o750)
@@ -353,11 +370,19 @@ def test_new_objects_get_caller_owner_and_umask(workspace):
 def test_permissions_are_checked_for_other_users(mounted):
     ws = mounted
     os.chmod(ws / "a.txt", 0o600)
-    r = subprocess.run(["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups",
-                        "cat", "a.txt"], capture_output=True, text=True, cwd=ws.path)
+    r = subprocess.run(
+        ["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups", "cat", "a.txt"],
+        capture_output=True,
+        text=True,
+        cwd=ws.path,
+    )
     assert r.returncode != 0 and "Permission denied" in r.stderr
-    r = subprocess.run(["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups",
-                        "cat", "dir/b.txt"], capture_output=True, text=True, cwd=ws.path)
+    r = subprocess.run(
+        ["setpriv", "--reuid=1234", "--regid=1234", "--clear-groups", "cat", "dir/b.txt"],
+        capture_output=True,
+        text=True,
+        cwd=ws.path,
+    )
     assert r.stdout == "beta\n"
 
 
@@ -388,8 +413,10 @@ def test_a_setxattr_its_flag_fails_records_nothing(mounted):
     ws = mounted
     os.setxattr(ws / "a.txt", "user.k", b"v")
     ws.checkpoint()
-    for path, name, flag, err in ((ws / "dir", "user.none", os.XATTR_REPLACE, errno.ENODATA),
-                                  (ws / "a.txt", "user.k", os.XATTR_CREATE, errno.EEXIST)):
+    for path, name, flag, err in (
+        (ws / "dir", "user.none", os.XATTR_REPLACE, errno.ENODATA),
+        (ws / "a.txt", "user.k", os.XATTR_CREATE, errno.EEXIST),
+    ):
         with pytest.raises(OSError) as e:
             os.setxattr(path, name, b"x", flag)
         assert e.value.errno == err
@@ -413,10 +440,12 @@ def test_store_is_hidden_and_unreachable(mounted):
     ws = mounted
     assert ".cowfs" not in os.listdir(ws.path)
     assert not os.path.exists(ws / ".cowfs")
-    for action in (lambda: os.mkdir(ws / ".cowfs"),
-                   lambda: open(ws / ".cowfs", "w"),
-                   lambda: os.rename(ws / "a.txt", ws / ".cowfs"),
-                   lambda: os.symlink("x", ws / ".cowfs")):
+    for action in (
+        lambda: os.mkdir(ws / ".cowfs"),
+        lambda: open(ws / ".cowfs", "w"),
+        lambda: os.rename(ws / "a.txt", ws / ".cowfs"),
+        lambda: os.symlink("x", ws / ".cowfs"),
+    ):
         with pytest.raises(OSError) as e:
             action()
         assert e.value.errno == errno.EPERM
@@ -454,16 +483,21 @@ def test_kill_9_then_mount_recovers_and_rolls_back_exactly(mounted):
     before = ws.snapshot()
     ws.checkpoint("before the crash")
     writer = subprocess.Popen(
-        ["python3", "-c",
-         "import os, random\n"
-         "fd = os.open('data', os.O_RDWR)\n"
-         "i = 0\n"
-         "while True:\n"
-         "    os.pwrite(fd, os.urandom(4096), random.randrange(0, 2 << 20))\n"
-         "    if i % 50 == 0: open(f'new{i}', 'w').write('x')\n"
-         "    i += 1\n"],
-        cwd=ws.path, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60                 # the crash hits a writer at work
+        [
+            "python3",
+            "-c",
+            "import os, random\n"
+            "fd = os.open('data', os.O_RDWR)\n"
+            "i = 0\n"
+            "while True:\n"
+            "    os.pwrite(fd, os.urandom(4096), random.randrange(0, 2 << 20))\n"
+            "    if i % 50 == 0: open(f'new{i}', 'w').write('x')\n"
+            "    i += 1\n",
+        ],
+        cwd=ws.path,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60  # the crash hits a writer at work
     while not (ws / "new100").exists():
         assert time.monotonic() < deadline and writer.poll() is None, "the writer did not run"
         time.sleep(0.01)
@@ -520,6 +554,7 @@ def small_fs(tmp_path):
 
 def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
     from .helpers import Workspace
+
     ws = Workspace(small_fs / "ws")
     ws.path.mkdir()
     original = os.urandom(2 << 20)
@@ -580,10 +615,18 @@ def test_open_file_outliving_its_committed_removal_still_works(mounted):
 
 def test_missing_dev_fuse_is_reported(workspace):
     r = subprocess.run(
-        ["unshare", "-m", "sh", "-c",
-         'mount -t tmpfs none /dev && exec "$0" -m cowfs mount "$1"',
-         sys.executable, str(workspace.path)],
-        capture_output=True, text=True)
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount -t tmpfs none /dev && exec "$0" -m cowfs mount "$1"',
+            sys.executable,
+            str(workspace.path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == NO_FUSE, r.stderr
     assert "/dev/fuse" in r.stderr and "Traceback" not in r.stderr
 
@@ -596,9 +639,9 @@ def test_objects_moved_out_of_a_new_directory_that_is_then_removed(mounted):
     ws.checkpoint()
     (ws / "d" / "e").mkdir(parents=True)
     (ws / "d" / "e" / "f").write_text("new")
-    os.rename(ws / "d" / "e" / "f", ws / "dir" / "g")          # a new file, moved out
-    os.rename(ws / "a.txt", ws / "d" / "a.txt")                 # an old file, moved in
-    os.rename(ws / "d" / "a.txt", ws / "a2.txt")                # ... and out again
+    os.rename(ws / "d" / "e" / "f", ws / "dir" / "g")  # a new file, moved out
+    os.rename(ws / "a.txt", ws / "d" / "a.txt")  # an old file, moved in
+    os.rename(ws / "d" / "a.txt", ws / "a2.txt")  # ... and out again
     os.rmdir(ws / "d" / "e")
     os.rmdir(ws / "d")
     (ws / "t").mkdir()
@@ -619,12 +662,15 @@ def test_many_more_files_than_the_daemon_may_hold_open(workspace):
         for f in range(200):
             (ws / f"d{d}" / f"f{f}").write_text(f"{d}/{f}\n")
     os.link(ws / "d0" / "f0", ws / "d9" / "hard")
-    subprocess.run(["prlimit", "--nofile=600:600", sys.executable, "-m", "cowfs", "mount",
-                    str(ws.path)], check=True, capture_output=True)
+    subprocess.run(
+        ["prlimit", "--nofile=600:600", sys.executable, "-m", "cowfs", "mount", str(ws.path)],
+        check=True,
+        capture_output=True,
+    )
     ws.mounted = True
     before = ws.snapshot()
     ws.checkpoint()
-    with open(ws / "d0" / "f0", "a") as held:   # an open file keeps its fd
+    with open(ws / "d0" / "f0", "a") as held:  # an open file keeps its fd
         for d in range(10):
             for f in range(0, 200, 7):
                 with open(ws / f"d{d}" / f"f{f}", "a") as fh:
@@ -640,6 +686,7 @@ def test_many_more_files_than_the_daemon_may_hold_open(workspace):
 
 def test_shared_mmap_writes_belong_to_the_layer_they_were_made_in(mounted):
     import mmap
+
     ws = mounted
     (ws / "m").write_bytes(b"0" * 8192)
     ws.commit()
@@ -647,7 +694,7 @@ def test_shared_mmap_writes_belong_to_the_layer_they_were_made_in(mounted):
     ws.checkpoint()
     with open(ws / "m", "r+b") as f:
         with mmap.mmap(f.fileno(), 8192) as m:
-            m[0:5] = b"dirty"            # a dirty page only the kernel knows about
-            ws.rollback()                 # flushes it into the layer first, then undoes it
+            m[0:5] = b"dirty"  # a dirty page only the kernel knows about
+            ws.rollback()  # flushes it into the layer first, then undoes it
             assert m[0:5] == b"00000"
     treesnap.assert_same(before, ws.snapshot())

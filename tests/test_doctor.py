@@ -125,10 +125,13 @@ def test_missing_dev_fuse_fails(tmp_path):
     code = "from cowfs.doctor import report; raise SystemExit(report(None, False))"
     # A private mount namespace with an empty /dev: the host's /dev is untouched.
     script = 'mount -t tmpfs none /dev && exec "$0" -c "$1"'
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
-                        sys.executable, code],
-                       capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     fail = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
     assert fail and "/dev/fuse" in fail[0] and "does not exist" in fail[0], r.stdout

@@ -22,7 +22,7 @@ def prepared(ws):
 def test_changes_made_while_unmounted_are_refused_then_accepted(mounted):
     ws = mounted
     prepared(ws)
-    with open(ws / "a.txt", "a") as f:           # behind cowfs's back
+    with open(ws / "a.txt", "a") as f:  # behind cowfs's back
         f.write("edited while not mounted\n")
     os.unlink(ws / "dir" / "b.txt")
     (ws / "untouched-by-layers").write_text("fine\n")
@@ -31,13 +31,13 @@ def test_changes_made_while_unmounted_are_refused_then_accepted(mounted):
     assert "a.txt" in r.stderr and "dir/b.txt" in r.stderr and "--accept-drift" in r.stderr
     assert "untouched-by-layers" not in r.stderr
     assert not is_cowfs_mount(str(ws.path))
-    assert ws.cowfs("rollback", check=False).returncode == DRIFT    # offline neither
+    assert ws.cowfs("rollback", check=False).returncode == DRIFT  # offline neither
     ws.mount("--accept-drift")
     top = ws.log()[-1]
     assert top["drift"][0]["paths"] == ["a.txt", "dir/b.txt"]
     assert "drift accepted at mount" in ws.cowfs("log").stdout
     ws.unmount()
-    ws.mount()                                    # accepted once: mounts normally again
+    ws.mount()  # accepted once: mounts normally again
 
 
 def test_a_replaced_file_with_the_same_size_and_times_is_drift(mounted):
@@ -45,8 +45,8 @@ def test_a_replaced_file_with_the_same_size_and_times_is_drift(mounted):
     prepared(ws)
     a = ws / "a.txt"
     st = os.stat(a)
-    shutil.copy2(a, ws / "copy")                  # same bytes, size and mtime
-    os.replace(ws / "copy", a)                    # but another inode
+    shutil.copy2(a, ws / "copy")  # same bytes, size and mtime
+    os.replace(ws / "copy", a)  # but another inode
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = ws.cowfs("mount", ws.path, check=False)
     assert r.returncode == DRIFT and "a.txt" in r.stderr
@@ -55,10 +55,10 @@ def test_a_replaced_file_with_the_same_size_and_times_is_drift(mounted):
 def test_no_drift_mounts_and_offline_commands_keep_the_record(mounted):
     ws = mounted
     prepared(ws)
-    assert ws.json("status")["changes"]           # offline status leaves it alone
-    ws.mount()                                    # nothing changed: mounts
+    assert ws.json("status")["changes"]  # offline status leaves it alone
+    ws.mount()  # nothing changed: mounts
     assert ws.log()[-1].get("drift") == []
     ws.unmount()
-    ws.rollback()                                 # offline rollback, then a change
+    ws.rollback()  # offline rollback, then a change
     (ws / "a.txt").write_text("after the offline rollback\n")
-    ws.mount()                                    # a.txt is no longer a layer's path
+    ws.mount()  # a.txt is no longer a layer's path

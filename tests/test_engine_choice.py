@@ -28,8 +28,7 @@ def test_the_kernel_engine_is_the_default_for_root_and_says_why(workspace):
     info = engine(workspace)
     assert info["name"] == "kernel" and info["why"]
     assert {"killpriv_v2", "passthrough", "readdirplus"} <= set(info["features"])
-    doctor = json.loads(workspace.cowfs("--json", "doctor", workspace.path,
-                                        check=False).stdout)
+    doctor = json.loads(workspace.cowfs("--json", "doctor", workspace.path, check=False).stdout)
     detail = {c["name"]: c["detail"] for c in doctor}
     assert detail["engine"].startswith("kernel")
 
@@ -40,14 +39,14 @@ def test_pyfuse3_on_request_by_option_or_environment(workspace):
     assert "chosen" in engine(workspace)["why"]
     workspace.unmount()
     env = dict(os.environ, COWFS_ENGINE="pyfuse3")
-    subprocess.run([*COWFS, "mount", str(workspace.path)], env=env, check=True,
-                   capture_output=True)
+    subprocess.run([*COWFS, "mount", str(workspace.path)], env=env, check=True, capture_output=True)
     workspace.mounted = True
     assert engine(workspace)["name"] == "pyfuse3"
     workspace.unmount()
     env["COWFS_ENGINE"] = "turbo"
-    r = subprocess.run([*COWFS, "mount", str(workspace.path)], env=env, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [*COWFS, "mount", str(workspace.path)], env=env, capture_output=True, text=True
+    )
     assert r.returncode == 2 and "COWFS_ENGINE is 'turbo'" in r.stderr
 
 
@@ -58,24 +57,24 @@ def test_requests_the_kernel_engine_saves_and_the_same_results(workspace):
     layer = workspace.checkpoint()
     base = requests(workspace)
 
-    fd = os.open(workspace / "existing", os.O_RDWR)       # captured by the daemon
+    fd = os.open(workspace / "existing", os.O_RDWR)  # captured by the daemon
     for i in range(200):
         os.pwrite(fd, b"y" * 512, i * 512)
     os.close(fd)
-    with open(workspace / "made", "wb") as f:             # made in the layer: passthrough
+    with open(workspace / "made", "wb") as f:  # made in the layer: passthrough
         for _ in range(100):
             f.write(b"z" * 4096)
             f.flush()
-    for _ in range(50):                                    # a missing name, looked up again
+    for _ in range(50):  # a missing name, looked up again
         assert not os.path.exists(workspace / "missing")
-    assert (workspace / "made").read_bytes() == b"z" * 409_600     # passthrough read
+    assert (workspace / "made").read_bytes() == b"z" * 409_600  # passthrough read
 
     got = requests(workspace)
     grown = {k: got.get(k, 0) - base.get(k, 0) for k in got}
-    assert grown.get("getxattr", 0) <= 2, grown          # (not one per write)
-    assert grown.get("write", 0) == 200, grown            # only the captured file's
+    assert grown.get("getxattr", 0) <= 2, grown  # (not one per write)
+    assert grown.get("write", 0) == 200, grown  # only the captured file's
     assert grown.get("read", 0) == 0, grown
-    assert grown.get("lookup", 0) <= 5, grown             # (the missing name: once)
+    assert grown.get("lookup", 0) <= 5, grown  # (the missing name: once)
     workspace.rollback(to=layer)
     treesnap.assert_same(before, workspace.snapshot())
 
@@ -85,11 +84,11 @@ def test_small_files_are_read_through_the_page_cache_large_ones_by_passthrough(w
     between opens (no READ once cached, and no GETATTR at each stat, which
     the kernel sends after every passthrough read); a large one by
     passthrough (no READ at all).  Both read back right after a rollback."""
-    small, large = b"s" * 4096, bytes(range(256)) * 4096       # 4 KiB, 1 MiB
+    small, large = b"s" * 4096, bytes(range(256)) * 4096  # 4 KiB, 1 MiB
     (workspace / "small").write_bytes(small)
     (workspace / "large").write_bytes(large)
     workspace.mount("--engine", "kernel")
-    assert (workspace / "small").read_bytes() == small            # (now cached)
+    assert (workspace / "small").read_bytes() == small  # (now cached)
     os.stat(workspace / "small")
     base = requests(workspace)
     for _ in range(20):
@@ -100,12 +99,12 @@ def test_small_files_are_read_through_the_page_cache_large_ones_by_passthrough(w
     assert grown.get("read", 0) == 0 and grown.get("getattr", 0) <= 1, grown
     for _ in range(5):
         assert (workspace / "large").read_bytes() == large
-    assert requests(workspace).get("read", 0) == got.get("read", 0)      # passthrough
+    assert requests(workspace).get("read", 0) == got.get("read", 0)  # passthrough
     layer = workspace.checkpoint()
     (workspace / "small").write_bytes(b"changed")
     (workspace / "large").write_bytes(b"changed")
     workspace.rollback(to=layer)
-    assert (workspace / "small").read_bytes() == small                # not the cached pages
+    assert (workspace / "small").read_bytes() == small  # not the cached pages
     assert (workspace / "large").read_bytes() == large
 
 
@@ -125,13 +124,23 @@ def test_setuid_is_cleared_by_the_daemon_as_ext4_clears_it(workspace, tmp_path):
     layer = workspace.checkpoint()
     modes = {}
     for d in (native, workspace.path):
-        subprocess.run(["setpriv", "--reuid=4321", "--regid=4321", "--clear-groups", "sh", "-c",
-                        "for n in suid sgid-x sgid-nox; do "
-                        "printf x | dd of=$n conv=notrunc status=none; done"],
-                       cwd=d, check=True)
+        subprocess.run(
+            [
+                "setpriv",
+                "--reuid=4321",
+                "--regid=4321",
+                "--clear-groups",
+                "sh",
+                "-c",
+                "for n in suid sgid-x sgid-nox; do "
+                "printf x | dd of=$n conv=notrunc status=none; done",
+            ],
+            cwd=d,
+            check=True,
+        )
         modes[d] = {n: oct(os.stat(d / n).st_mode) for n in ("suid", "sgid-x", "sgid-nox")}
     assert modes[workspace.path] == modes[native]
-    assert modes[native]["suid"] == oct(0o100777)         # (the kernel's rule, natively)
+    assert modes[native]["suid"] == oct(0o100777)  # (the kernel's rule, natively)
     workspace.rollback(to=layer)
     treesnap.assert_same(before, workspace.snapshot())
 
@@ -148,19 +157,19 @@ def test_a_passthrough_writer_across_checkpoints_is_undone_exactly(workspace):
         os.write(fd, b"A" * 70_000)
         at_second = workspace.snapshot()
         second = workspace.checkpoint("more")
-        os.pwrite(fd, b"B" * 1000, 65_000)                 # across a chunk boundary
-        os.write(fd, b"C" * 5000)                          # and past the old end
+        os.pwrite(fd, b"B" * 1000, 65_000)  # across a chunk boundary
+        os.write(fd, b"C" * 5000)  # and past the old end
         assert (workspace / "log").read_bytes()[65_000:66_000] == b"B" * 1000
         at_third = workspace.snapshot()
         workspace.checkpoint("yet more")
         os.ftruncate(fd, 10)
         grown = requests(workspace)
-        assert grown.get("write", 0) == 0, grown           # (all through passthrough)
+        assert grown.get("write", 0) == 0, grown  # (all through passthrough)
         workspace.rollback()
         treesnap.assert_same(at_third, workspace.snapshot())
         workspace.rollback(to=second)
         treesnap.assert_same(at_second, workspace.snapshot())
-        os.write(fd, b"D")                                 # the fd still works
+        os.write(fd, b"D")  # the fd still works
     finally:
         os.close(fd)
     workspace.rollback(to=first)

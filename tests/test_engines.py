@@ -14,6 +14,7 @@ from tools import provider_engines as engines
 
 # ------------------------------------------------------------------ docker
 
+
 def test_busybox_image_runs_with_the_cli_and_the_sdk(docker_client, busybox):
     assert engines.busybox_image(docker_client) == busybox  # reused, not rebuilt
     img = docker_client.images.get(busybox)
@@ -22,11 +23,16 @@ def test_busybox_image_runs_with_the_cli_and_the_sdk(docker_client, busybox):
         cli = engines.docker_cli()
     except engines.EngineUnavailable as e:
         pytest.skip(str(e))
-    r = subprocess.run([cli, "run", "--rm", busybox, "sh", "-c", "echo ok"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [cli, "run", "--rm", busybox, "sh", "-c", "echo ok"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stdout) == (0, "ok\n"), r.stderr
-    out = docker_client.containers.run(busybox, ["sh", "-c", "id -un; ls -d /usr/local/bin /tmp"],
-                                       remove=True, network_mode="none")
+    out = docker_client.containers.run(
+        busybox, ["sh", "-c", "id -un; ls -d /usr/local/bin /tmp"], remove=True, network_mode="none"
+    )
     assert sorted(out.decode().split()) == ["/tmp", "/usr/local/bin", "root"]
 
 
@@ -39,10 +45,17 @@ def _recreate(client, container, image: str):
     name = a["Name"].lstrip("/")
     container.remove(force=True)
     new = client.api.create_container(
-        image, name=name, command=cfg["Cmd"], entrypoint=cfg["Entrypoint"],
-        environment=cfg["Env"], working_dir=cfg["WorkingDir"], labels=cfg["Labels"],
-        host_config=client.api.create_host_config(binds=host["Binds"],
-                                                  network_mode=host["NetworkMode"]))
+        image,
+        name=name,
+        command=cfg["Cmd"],
+        entrypoint=cfg["Entrypoint"],
+        environment=cfg["Env"],
+        working_dir=cfg["WorkingDir"],
+        labels=cfg["Labels"],
+        host_config=client.api.create_host_config(
+            binds=host["Binds"], network_mode=host["NetworkMode"]
+        ),
+    )
     client.api.start(new["Id"])
     return client.containers.get(new["Id"])
 
@@ -53,9 +66,15 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
     (ws / "README").write_text("workspace\n")
     name = engines.unique_name("ctr")
     c = docker_client.containers.run(
-        busybox, ["sleep", "3600"], name=name, detach=True, environment={"STAGE": "build"},
-        working_dir="/work", labels={engines.LABEL: "1", "role": "agent"},
-        volumes={str(ws): {"bind": "/work", "mode": "rw"}})
+        busybox,
+        ["sleep", "3600"],
+        name=name,
+        detach=True,
+        environment={"STAGE": "build"},
+        working_dir="/work",
+        labels={engines.LABEL: "1", "role": "agent"},
+        volumes={str(ws): {"bind": "/work", "mode": "rw"}},
+    )
     assert c.exec_run(["cat", "README"]).output == b"workspace\n"
 
     t0 = time.monotonic()
@@ -63,8 +82,14 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
     c.commit(repository=ckpt.rsplit(":", 1)[0], tag=ckpt.rsplit(":", 1)[1])
     capture_s = time.monotonic() - t0
 
-    r = c.exec_run(["sh", "-c", "printf '#!/bin/sh\\necho tool\\n' > /usr/local/bin/tool && "
-                    "chmod +x /usr/local/bin/tool && tool && exit 3"])
+    r = c.exec_run(
+        [
+            "sh",
+            "-c",
+            "printf '#!/bin/sh\\necho tool\\n' > /usr/local/bin/tool && "
+            "chmod +x /usr/local/bin/tool && tool && exit 3",
+        ]
+    )
     assert (r.exit_code, r.output) == (3, b"tool\n")
     changed = {d["Path"] for d in c.diff()}
     assert "/usr/local/bin/tool" in changed  # docker diff sees the change outside /work
@@ -76,8 +101,10 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
 
     assert c2.name == name and c2.status in ("running", "created")
     assert c2.exec_run(["ls", "/usr/local/bin/tool"]).exit_code != 0
-    assert c2.exec_run(["sh", "-c", "echo $STAGE; pwd; cat README"]).output == \
-        b"build\n/work\nworkspace\n"
+    assert (
+        c2.exec_run(["sh", "-c", "echo $STAGE; pwd; cat README"]).output
+        == b"build\n/work\nworkspace\n"
+    )
     assert c2.labels["role"] == "agent"
     assert not [d for d in (c2.diff() or []) if d["Path"].startswith("/usr/local")]
 
@@ -88,14 +115,20 @@ def test_cleanup_docker_removes_what_tests_made(docker_client, busybox):
     c.commit(repository=f"{engines.IMAGE_REPO_PREFIX}gone", tag=name)
     removed = engines.cleanup_docker(docker_client, keep_base=True)
     assert f"container {name}" in removed
-    assert not [c for c in docker_client.containers.list(all=True)
-                if c.name.startswith(engines.PREFIX)]
-    left = [t for i in docker_client.images.list() for t in i.tags
-            if t.startswith(engines.IMAGE_REPO_PREFIX)]
+    assert not [
+        c for c in docker_client.containers.list(all=True) if c.name.startswith(engines.PREFIX)
+    ]
+    left = [
+        t
+        for i in docker_client.images.list()
+        for t in i.tags
+        if t.startswith(engines.IMAGE_REPO_PREFIX)
+    ]
     assert left == [engines.BUSYBOX_TAG]
 
 
 # ------------------------------------------------------------------ libvirt
+
 
 def test_shut_off_domain_disk_snapshot_revert_removes_the_marker(libvirt_conn, tiny_vm):
     dom = tiny_vm
@@ -117,6 +150,7 @@ def test_shut_off_domain_disk_snapshot_revert_removes_the_marker(libvirt_conn, t
 
 def test_running_domain_memory_snapshot_revert(libvirt_conn, tiny_vm):
     import libvirt
+
     dom = tiny_vm
     dom.create()
     assert dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
@@ -127,16 +161,18 @@ def test_running_domain_memory_snapshot_revert(libvirt_conn, tiny_vm):
     desc = snap.getXMLDesc(0)
     assert "<state>running</state>" in desc and "<memory snapshot='internal'/>" in desc
 
-    engines.write_marker(dom)          # through the monitor: the domain runs
+    engines.write_marker(dom)  # through the monitor: the domain runs
     assert engines.has_marker(dom)
-    extra = engines.snapshot(dom, "extra")   # taken and dropped while running
+    extra = engines.snapshot(dom, "extra")  # taken and dropped while running
     extra.delete(0)
     assert engines.qcow2_snapshots(engines.domain_disk(dom)) == ["live"]
     t0 = time.monotonic()
     dom.revertToSnapshot(snap, 0)
     restore_s = time.monotonic() - t0
-    print(f"libvirt ({engines.virt_type(libvirt_conn)}) running snapshot {capture_s:.2f}s, "
-          f"revert {restore_s:.2f}s")
+    print(
+        f"libvirt ({engines.virt_type(libvirt_conn)}) running snapshot {capture_s:.2f}s, "
+        f"revert {restore_s:.2f}s"
+    )
     assert dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
     assert not engines.has_marker(dom)
 

@@ -62,8 +62,8 @@ def make_socket(path: str) -> None:
 
 def changes(ws: Path) -> dict:
     """One change of each kind a capture guards, by name."""
-    p = lambda name: str(ws / name)   # noqa: E731
-    return {   # (in an order in which each one, carried out, leaves the next possible)
+    p = lambda name: str(ws / name)  # noqa: E731
+    return {  # (in an order in which each one, carried out, leaves the next possible)
         "create": lambda: os.close(os.open(p("new"), os.O_CREAT | os.O_WRONLY, 0o644)),
         "mkdir": lambda: os.mkdir(p("newdir")),
         "mknod fifo": lambda: os.mkfifo(p("fifo")),
@@ -124,7 +124,7 @@ def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(sm
             with pytest.raises(OSError) as e:
                 change()
             assert e.value.errno == errno.ENOSPC, (name, e.value)
-            treesnap.assert_same(before, ws.snapshot())            # nothing half-done
+            treesnap.assert_same(before, ws.snapshot())  # nothing half-done
             treesnap.assert_same(underneath, treesnap.snapshot(backing_dir(ws)))
 
         # a little room: captures fit until one is written in part (LMDB
@@ -138,15 +138,15 @@ def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(sm
                 write_at(str(ws / "big"), k * (64 << 10) + 100, b"changed")
             except OSError as e:
                 assert e.errno == errno.ENOSPC, (k, e)
-                assert (ws / "big").read_bytes()[k * (64 << 10):] == big[k * (64 << 10):]
+                assert (ws / "big").read_bytes()[k * (64 << 10) :] == big[k * (64 << 10) :]
                 break
         else:
             pytest.fail("every capture fitted")
 
-        for f in small_ext4.glob("filler-*"):                   # room again
+        for f in small_ext4.glob("filler-*"):  # room again
             f.unlink()
         for change in changes(ws.path).values():
-            change()                                            # no remount needed
+            change()  # no remount needed
         assert stat.S_IMODE(os.stat(ws / "moved.txt").st_mode) == 0o600
         assert ws.json("check")["ok"]
         ws.rollback()

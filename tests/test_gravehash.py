@@ -43,8 +43,9 @@ def on_ext4(tmp_path):
     with open(image, "wb") as f:
         f.truncate(256 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    dev = subprocess.run(["losetup", "-f", "--show", str(image)], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    dev = subprocess.run(
+        ["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     try:
         subprocess.run(["mount", dev, str(fs)], check=True)
         try:
@@ -64,8 +65,7 @@ def bitrot(ws, path, offset: int) -> None:
     st = os.stat(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        buf = bytearray(struct.pack("=QQIIII", offset, 1, FIEMAP_FLAG_SYNC, 0, 1, 0)
-                        + bytes(56))
+        buf = bytearray(struct.pack("=QQIIII", offset, 1, FIEMAP_FLAG_SYNC, 0, 1, 0) + bytes(56))
         fcntl.ioctl(fd, FS_IOC_FIEMAP, buf)
         assert struct.unpack_from("=I", buf, 20)[0] == 1, "no extent there"
         logical, physical = struct.unpack_from("=QQ", buf, 32)
@@ -75,7 +75,7 @@ def bitrot(ws, path, offset: int) -> None:
     where = physical + offset - logical
     dev = os.open(ws.device, os.O_RDWR | os.O_DIRECT)
     try:
-        page = mmap.mmap(-1, PAGE)                      # (aligned, as O_DIRECT wants)
+        page = mmap.mmap(-1, PAGE)  # (aligned, as O_DIRECT wants)
         os.preadv(dev, [page], where - where % PAGE)
         page[where % PAGE] ^= 0x01
         os.pwritev(dev, [page], where - where % PAGE)
@@ -83,13 +83,16 @@ def bitrot(ws, path, offset: int) -> None:
         os.close(dev)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # (read from the device again)
-        assert os.pread(fd, 1, offset)[0] == page[where % PAGE]   # the file has it now
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (read from the device again)
+        assert os.pread(fd, 1, offset)[0] == page[where % PAGE]  # the file has it now
     finally:
         os.close(fd)
     after = os.stat(path)
-    assert (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == \
-        (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    assert (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+    )
 
 
 def check(ws) -> tuple[int, dict]:
@@ -114,8 +117,11 @@ def graves(ws) -> dict[bytes, int]:
     (GRAVE records, and files a rollback kept for a redo); unmounted."""
     store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False, readonly=True)
     try:
-        out = {rec.path: rec.grave for _, rec in store.records(0, store.next_seq)
-               if isinstance(rec, S.Grave)}
+        out = {
+            rec.path: rec.grave
+            for _, rec in store.records(0, store.next_seq)
+            if isinstance(rec, S.Grave)
+        }
         with store.read() as txn:
             for kind, rec in redo.references(store, txn):
                 held = redo.held_grave(kind, rec)
@@ -192,14 +198,14 @@ def test_bit_rot_in_a_removed_file_is_found_and_the_rollback_skips_only_it(on_ex
     [p] = res["problems"]
     assert p["layers"] == [layer] and p["paths"] == ["big.bin"] and not p["repairable"]
     assert "big.bin is corrupt in the store" in p["problem"]
-    r = ws.cowfs("check", "--repair", "--yes", check=False)     # no data is invented
+    r = ws.cowfs("check", "--repair", "--yes", check=False)  # no data is invented
     assert r.returncode == STORE_ERROR and "nothing here can be repaired" in r.stdout
 
     ws.mount()
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == PARTIAL
     assert "big.bin: not restored: the removed file kept in the store is corrupt" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 2              # the heading and big.bin
+    assert len(r.stderr.strip().splitlines()) == 2  # the heading and big.bin
     treesnap.assert_same(without(before, b"big.bin"), ws.snapshot())
     assert not (ws / "big.bin").exists()
 
@@ -217,8 +223,8 @@ def test_removed_files_written_afterwards_keep_no_stale_hash(workspace):
     ws.checkpoint("write removed files")
     before = ws.snapshot()
     os.unlink(ws / "b")
-    assert wait_hashed(ws)["graves_hashed"] == 1               # b, hashed in the grave
-    with open(ws / "a", "r+b") as f:                            # the same object
+    assert wait_hashed(ws)["graves_hashed"] == 1  # b, hashed in the grave
+    with open(ws / "a", "r+b") as f:  # the same object
         f.seek(CHUNK + 5)
         f.write(b"through the other name")
     with open(ws / "open.bin", "r+b") as f:
@@ -228,7 +234,7 @@ def test_removed_files_written_afterwards_keep_no_stale_hash(workspace):
         f.truncate(CHUNK + 7)
     res = wait_hashed(ws)
     assert res["ok"] and res["graves_hashed"] == 0 and res["graves_changed"] == 2
-    ws.unmount()                                                # (and through a remount)
+    ws.unmount()  # (and through a remount)
     code, res = check(ws)
     assert code == 0 and res["graves_changed"] == 2
     ws.mount()
@@ -250,7 +256,7 @@ def test_a_file_changed_in_the_grave_before_it_was_hashed_is_never_blessed(works
     try:
         os.unlink(ws / "f.bin")
         os.unlink(ws / "g.bin")
-        res = wait_hashed_except(ws, pending=1)                   # f is open: not yet
+        res = wait_hashed_except(ws, pending=1)  # f is open: not yet
         assert res["graves_hashed"] == 1
         ws.kill()
     finally:
@@ -258,8 +264,8 @@ def test_a_file_changed_in_the_grave_before_it_was_hashed_is_never_blessed(works
             f.close()
         except OSError:
             pass
-    ws.cowfs("status")               # offline: clears the dead mount
-    code, res = check(ws)            # the file left pending: identity only
+    ws.cowfs("status")  # offline: clears the dead mount
+    code, res = check(ws)  # the file left pending: identity only
     assert code == 0 and res["graves_pending"] == 1
     gid = graves(ws)[b"f.bin"]
     flip(ws / ".cowfs" / "grave" / str(gid), 100)
@@ -294,8 +300,8 @@ def test_kill_9_with_unhashed_removed_files_then_remount_and_rollback_is_exact(w
                 f.close()
             except OSError:
                 pass
-    ws.mount()                                   # clears the dead mount
-    res = wait_hashed(ws)                        # the new pass hashes what was left
+    ws.mount()  # clears the dead mount
+    res = wait_hashed(ws)  # the new pass hashes what was left
     assert res["ok"] and hashed_all(res)
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
@@ -307,16 +313,16 @@ def test_a_store_from_before_hashes_is_verified_by_identity_and_rolls_back(works
     rm_rf(ws / "src")
     ws.unmount()
     env = lmdb.open(str(ws / ".cowfs" / "db"), max_dbs=16, subdir=True)
-    try:                             # as older cowfs made it: no hash database
+    try:  # as older cowfs made it: no hash database
         with env.begin(write=True) as txn:
             txn.drop(env.open_db(S.DB_GRAVESUMS, txn=txn), delete=True)
     finally:
         env.close()
-    code, res = check(ws)                        # read-only: the database is absent
+    code, res = check(ws)  # read-only: the database is absent
     assert code == 0 and res["graves_hashed"] == 0 and res["graves"] > 40
     ws.mount()
     second = ws.checkpoint("remove more")
-    os.unlink(ws / "big.bin")                    # removed by this cowfs: hashed
+    os.unlink(ws / "big.bin")  # removed by this cowfs: hashed
     res = wait_hashed(ws)
     assert res["ok"] and res["graves_hashed"] == 1
     ws.rollback(to=layer)
@@ -334,28 +340,29 @@ def test_redo_skips_a_kept_file_that_is_corrupt_and_keeps_hashes_through_redo(on
     ws.mount()
     ws.checkpoint("make and remove")
     start = ws.snapshot()
-    (ws / "made.bin").write_bytes(os.urandom(2 * CHUNK))   # kept in the grave for a redo
+    (ws / "made.bin").write_bytes(os.urandom(2 * CHUNK))  # kept in the grave for a redo
     (ws / "other.txt").write_text("other\n")
-    os.unlink(ws / "old.bin")                               # removed: a GRAVE
+    os.unlink(ws / "old.bin")  # removed: a GRAVE
     done = ws.snapshot()
     assert wait_hashed(ws)["graves_hashed"] == 1
     ws.rollback()
     treesnap.assert_same(start, ws.snapshot())
-    res = wait_hashed(ws)                    # made.bin and other.txt, kept for the redo
+    res = wait_hashed(ws)  # made.bin and other.txt, kept for the redo
     assert res["ok"] and res["graves_hashed"] == 2
-    ws.json("redo")                          # old.bin goes back into the grave
+    ws.json("redo")  # old.bin goes back into the grave
     treesnap.assert_same(done, ws.snapshot())
     res = wait_hashed(ws)
     assert res["ok"] and res["graves_hashed"] == 1
     ws.rollback()
     treesnap.assert_same(start, ws.snapshot())
-    ws.unmount()                             # the redo is kept across a remount
+    ws.unmount()  # the redo is kept across a remount
 
     gid = graves(ws)[b"made.bin"]
     bitrot(ws, ws / ".cowfs" / "grave" / str(gid), 5)
     code, res = check(ws)
-    assert code == STORE_ERROR and [p["paths"] for p in res["problems"]] == \
-        [["made.bin (kept for a redo)"]]
+    assert code == STORE_ERROR and [p["paths"] for p in res["problems"]] == [
+        ["made.bin (kept for a redo)"]
+    ]
     ws.mount()
     r = ws.cowfs("redo", check=False)
     assert r.returncode == PARTIAL
@@ -374,8 +381,8 @@ def test_removed_files_are_hashed_while_requests_never_pause(workspace):
         rm_rf(ws / "src", ws / "big.bin")
         deadline = time.monotonic() + 60
         while True:
-            for i in range(25):                  # a request every few ms, no pause
-                os.chmod(ws / "keep.txt", 0o600 if i % 2 else 0o644)   # (SETATTR: never cached)
+            for i in range(25):  # a request every few ms, no pause
+                os.chmod(ws / "keep.txt", 0o600 if i % 2 else 0o644)  # (SETATTR: never cached)
                 time.sleep(0.002)
             _, res = check(ws)
             if res["graves_pending"] == len(held):

@@ -36,7 +36,7 @@ def victim(tmp_path):
         (v / f).write_text("victim\n")
     before = treesnap.snapshot(v)
     yield v
-    treesnap.assert_same(before, treesnap.snapshot(v))   # untouched, mtimes included
+    treesnap.assert_same(before, treesnap.snapshot(v))  # untouched, mtimes included
 
 
 class Split:
@@ -95,9 +95,9 @@ def test_directory_swapped_for_a_symlink_behind_the_daemon(split, victim):
     os.symlink(victim / "a", split.backing / "a")
     r = split.cowfs("rollback", check=False)
     assert r.returncode == PARTIAL, r.stderr
-    assert "d/f" in r.stderr or "d/" in r.stderr     # what could not be undone is named
+    assert "d/f" in r.stderr or "d/" in r.stderr  # what could not be undone is named
     assert os.readlink(split.backing / "d") == str(victim / "d")
-    assert split.cowfs("status").returncode == 0      # the daemon is alive
+    assert split.cowfs("status").returncode == 0  # the daemon is alive
 
 
 @pytest.mark.parametrize("component", ["a", "a/b", "a/b/c"])
@@ -161,6 +161,7 @@ def test_directories_renamed_and_swapped_while_a_rollback_runs(split, victim):
                     swaps += 1
                 except OSError:
                     pass
+
     t = threading.Thread(target=hostile)
     t.start()
     try:
@@ -170,7 +171,7 @@ def test_directories_renamed_and_swapped_while_a_rollback_runs(split, victim):
         t.join()
     assert swaps > 0
     assert r.returncode in (0, PARTIAL), r.stderr
-    for d in ("x", "y"):       # the hostile thread put everything back in the end
+    for d in ("x", "y"):  # the hostile thread put everything back in the end
         assert (split.backing / d).is_dir() and not (split.backing / d).is_symlink()
 
 
@@ -189,10 +190,12 @@ def test_store_is_unreachable_through_the_mount(split):
         assert ".cowfs" not in os.listdir(root)
     finally:
         os.close(root)
-    for action in (lambda: os.rename(m / "d", m / ".cowfs"),
-                   lambda: os.link(m / "d" / "f", m / ".cowfs"),
-                   lambda: os.symlink(".", m / ".cowfs"),
-                   lambda: os.rename(m / "d" / "f", m / "d" / ".." / ".cowfs")):
+    for action in (
+        lambda: os.rename(m / "d", m / ".cowfs"),
+        lambda: os.link(m / "d" / "f", m / ".cowfs"),
+        lambda: os.symlink(".", m / ".cowfs"),
+        lambda: os.rename(m / "d" / "f", m / "d" / ".." / ".cowfs"),
+    ):
         with pytest.raises(OSError) as e:
             action()
         assert e.value.errno == errno.EPERM

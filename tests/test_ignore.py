@@ -24,8 +24,17 @@ tmp/
 """
 
 IGNORED = ["a.log", "sub/b.log", "build/out", "tmp/t", "sub/tmp/t", "x/cache/c.bin"]
-CAPTURED = ["keep.log", "a.logx", "sub/build/out", "tmp-file", "tmpx/t", "x/cache/c.txt",
-            "x/cache/deeper/c.bin.txt", "#literal.txt", "plain.txt"]
+CAPTURED = [
+    "keep.log",
+    "a.logx",
+    "sub/build/out",
+    "tmp-file",
+    "tmpx/t",
+    "x/cache/c.txt",
+    "x/cache/deeper/c.bin.txt",
+    "#literal.txt",
+    "plain.txt",
+]
 
 
 def write_all(root, paths, text):
@@ -48,9 +57,9 @@ def test_tricky_patterns_capture_exactly_what_they_do_not_match(workspace):
     assert {c["path"] for c in ws.json("diff")["changes"]} == set(CAPTURED)
     ws.rollback()
     after = ws.snapshot()
-    for p in CAPTURED:                       # restored exactly
+    for p in CAPTURED:  # restored exactly
         assert after[os.fsencode(p)] == before[os.fsencode(p)], p
-    for p in IGNORED:                        # left as they are
+    for p in IGNORED:  # left as they are
         assert (ws / p).read_text() == "after, and longer\n", p
 
 
@@ -73,7 +82,7 @@ def test_compileall_caches_cost_nothing_and_survive_rollback(workspace):
     caches = sorted(os.listdir(pkg / "__pycache__"))
     ws.rollback()
     assert (pkg / "m3.py").read_text() == "VALUE = 3\n"
-    assert sorted(os.listdir(pkg / "__pycache__")) == caches       # left as they are
+    assert sorted(os.listdir(pkg / "__pycache__")) == caches  # left as they are
 
 
 def with_scratch(ws):
@@ -90,9 +99,9 @@ def test_a_tracked_file_moved_into_an_ignored_path_stays_captured(workspace):
     before = ws.snapshot(exclude=(b".cowfs", b"scratch"))
     ws.checkpoint()
     os.rename(ws / "data.txt", ws / "scratch" / "data.txt")
-    with open(ws / "scratch" / "data.txt", "a") as f:   # changed at the ignored path
+    with open(ws / "scratch" / "data.txt", "a") as f:  # changed at the ignored path
         f.write("scribbled on\n")
-    ws.unmount()                                        # (pinned across mounts too)
+    ws.unmount()  # (pinned across mounts too)
     ws.mount()
     with open(ws / "scratch" / "data.txt", "a") as f:
         f.write("more\n")
@@ -128,11 +137,11 @@ def test_ignored_files_that_existed_are_not_kept_and_ignore_option(workspace):
     ws.rollback()
     assert (ws / "real.txt").read_text() == "real\n" and not (ws / "old.tmp").exists()
     ws.unmount()
-    ws.mount()                                          # the pattern was kept
+    ws.mount()  # the pattern was kept
     (ws / "new.tmp").write_text("x\n")
     assert ws.status() == []
     ws.unmount()
-    ws.mount("--ignore", "")                            # and can be cleared
+    ws.mount("--ignore", "")  # and can be cleared
     (ws / "other.tmp").write_text("x\n")
     assert [c["path"] for c in plain(ws.status())] == ["other.tmp"]
 
@@ -140,7 +149,7 @@ def test_ignored_files_that_existed_are_not_kept_and_ignore_option(workspace):
 def test_an_ignored_file_renamed_over_a_captured_one_does_not_lose_it(workspace):
     ws = with_scratch(workspace)
     ws.checkpoint()
-    os.rename(ws / "data.txt", ws / "scratch" / "data.txt")   # captured: stays so
+    os.rename(ws / "data.txt", ws / "scratch" / "data.txt")  # captured: stays so
     (ws / "scratch" / "tmp").write_text("scratch work\n")
     os.rename(ws / "scratch" / "tmp", ws / "scratch" / "data.txt")
     ws.rollback()
@@ -161,16 +170,16 @@ def test_cowfsignore_edited_through_the_mount_applies_to_the_very_next_request(w
         (ws / path).write_text("x\n")
         return path in {c["path"] for c in plain(ws.status())}
 
-    ignore.write_text("one/\n")                          # written in place
+    ignore.write_text("one/\n")  # written in place
     assert not captured("one/a") and captured("two/a")
-    with open(ignore, "a") as f:                         # appended to
+    with open(ignore, "a") as f:  # appended to
         f.write("two/\n")
     assert not captured("two/b") and captured("three/a")
-    (ws / "new-ignore").write_text("three/\n")           # replaced by a rename
+    (ws / "new-ignore").write_text("three/\n")  # replaced by a rename
     os.rename(ws / "new-ignore", ignore)
     assert not captured("three/b") and captured("one/b")
-    ignore.write_text("fours/\n")                        # rewritten, same size
+    ignore.write_text("fours/\n")  # rewritten, same size
     assert not captured("fours/a") and captured("three/c")
-    os.unlink(ignore)                                    # removed
+    os.unlink(ignore)  # removed
     assert captured("fours/b")
     assert ".cowfsignore" not in {c["path"] for c in plain(ws.status())}  # (made in the layer)

@@ -14,9 +14,12 @@ from cowfs.journal import Kept, Reading
 from cowfs.store import Store
 
 NAMES = [b"a", b"b", b"c"]
-PATHS = [b"/".join(p) for p in
-         [(x,) for x in NAMES] + [(x, y) for x in NAMES for y in NAMES]
-         + [(x, y, z) for x in NAMES[:2] for y in NAMES[:2] for z in NAMES[:2]]]
+PATHS = [
+    b"/".join(p)
+    for p in [(x,) for x in NAMES]
+    + [(x, y) for x in NAMES for y in NAMES]
+    + [(x, y, z) for x in NAMES[:2] for y in NAMES[:2] for z in NAMES[:2]]
+]
 
 
 def _under(p: bytes, q: bytes) -> bool:
@@ -27,8 +30,11 @@ def _under(p: bytes, q: bytes) -> bool:
 def record(draw) -> S.Change:
     path = st.sampled_from(PATHS)
     ino = st.integers(1, 12)
-    kind = draw(st.sampled_from(["create", "link", "grave", "rename", "exchange",
-                                 "meta", "chunk", "xattrs"]))
+    kind = draw(
+        st.sampled_from(
+            ["create", "link", "grave", "rename", "exchange", "meta", "chunk", "xattrs"]
+        )
+    )
     if kind == "create":
         return S.Create(draw(path))
     if kind == "link":
@@ -37,16 +43,29 @@ def record(draw) -> S.Change:
         return S.Grave(draw(path), draw(st.integers(1, 99)), draw(ino))
     if kind in ("rename", "exchange"):
         a = draw(path)
-        b = draw(path.filter(lambda b: not _under(a, b)))   # (the kernel refuses those)
+        b = draw(path.filter(lambda b: not _under(a, b)))  # (the kernel refuses those)
         if kind == "rename":
             return S.Rename(a, b, draw(ino))
         return S.Exchange(a, b, draw(ino), draw(ino))
     if kind == "meta":
-        return S.Meta(draw(path), draw(ino), draw(st.sampled_from([0o100644, 0o40755])),
-                      0, 0, draw(st.integers(0, 9)), 1, draw(st.integers(1, 3)))
+        return S.Meta(
+            draw(path),
+            draw(ino),
+            draw(st.sampled_from([0o100644, 0o40755])),
+            0,
+            0,
+            draw(st.integers(0, 9)),
+            1,
+            draw(st.integers(1, 3)),
+        )
     if kind == "chunk":
-        return S.Chunk(draw(path), draw(ino), draw(st.integers(0, 2)), 5,
-                       draw(st.sampled_from([b"h1", b"h2", None])))
+        return S.Chunk(
+            draw(path),
+            draw(ino),
+            draw(st.integers(0, 2)),
+            5,
+            draw(st.sampled_from([b"h1", b"h2", None])),
+        )
     return S.Xattrs(draw(path), draw(ino), draw(st.sampled_from([b"", b"x"])))
 
 
@@ -57,8 +76,11 @@ def said(j: Reading) -> dict:
         "start": dict(j.start),
         "created": [names.where(s) for s in j.created],
         "linked": [names.where(s) for s in j.linked],
-        "meta": dict(j.meta), "chunks": j.chunks, "xattrs": j.xattrs,
-        "graves": j.graves, "removed": j.removed,
+        "meta": dict(j.meta),
+        "chunks": j.chunks,
+        "xattrs": j.xattrs,
+        "graves": j.graves,
+        "removed": j.removed,
         "touched": j.touched(),
         "now": {p: names.now(p) for p in PATHS},
         "back": {p: names.back(p) for p in PATHS},
@@ -73,10 +95,14 @@ def query(j: Reading, paths: list[bytes]) -> None:
         j.names.back(p)
 
 
-@given(st.lists(record(), max_size=40), st.lists(st.integers(0, 40), max_size=6),
-       st.lists(st.sampled_from(PATHS), max_size=4))
+@given(
+    st.lists(record(), max_size=40),
+    st.lists(st.integers(0, 40), max_size=6),
+    st.lists(st.sampled_from(PATHS), max_size=4),
+)
 def test_a_reading_fed_in_parts_and_queried_between_says_what_one_reading_says(
-        records, cuts, asked):
+    records, cuts, asked
+):
     numbered = list(enumerate(records))
     kept = Reading(())
     last = 0
@@ -106,22 +132,22 @@ def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(t
     store = open_store(tmp_path)
     try:
         kept = Kept(store)
-        kept.WAIT = 3                                # (read in the write's wake, or when asked)
+        kept.WAIT = 3  # (read in the write's wake, or when asked)
         start = store.next_seq
         kept.opened(start)
         write(store, S.Create(b"a.tmp"), S.Rename(b"a.tmp", b"a", 7))
         j = kept.get(start)
         write(store, S.Create(b"d"), S.Rename(b"a", b"d/a", 7))
-        assert kept.get(start) is j                  # (fed as the transaction committed)
+        assert kept.get(start) is j  # (fed as the transaction committed)
         assert said(j) == said(Reading(store.records(start, store.next_seq)))
         assert said(j)["created"] == [b"d/a", b"d"]
 
-        with store.write() as w:                     # (a rollback's or commit's kind of write)
+        with store.write() as w:  # (a rollback's or commit's kind of write)
             w.delete_record(start + 3)
         fresh = kept.get(start)
         assert fresh is not j
         assert said(fresh) == said(Reading(store.records(start, store.next_seq)))
-        assert said(fresh)["created"] == [b"a", b"d"]      # (the move is gone)
+        assert said(fresh)["created"] == [b"a", b"d"]  # (the move is gone)
     finally:
         store.close()
 
@@ -131,11 +157,11 @@ def test_a_reading_not_kept_when_appends_came_past_it_catches_up(tmp_path):
     try:
         start = store.next_seq
         write(store, S.Create(b"x"))
-        kept = Kept(store)                # (it was not there for the first write)
+        kept = Kept(store)  # (it was not there for the first write)
         j = kept.get(start)
-        store.on_append = None            # (nobody told of this one)
+        store.on_append = None  # (nobody told of this one)
         write(store, S.Rename(b"x", b"y", 3))
-        assert kept.get(start) is j       # (read on demand from where it got to)
+        assert kept.get(start) is j  # (read on demand from where it got to)
         assert said(j) == said(Reading(store.records(start, store.next_seq)))
         assert j.names.now(b"x") == b"y"
     finally:
@@ -162,7 +188,7 @@ def test_a_reading_past_the_limit_is_not_kept_yet_says_the_same(tmp_path):
             write(store, S.Create(b"n%d" % store.next_seq))
             others.append(store.next_seq)
             kept.opened(others[-1])
-        kept_now = [kept.get(s) for s in others[-Kept.KEEP:]]
-        assert [kept.get(s) for s in others[-Kept.KEEP:]] == kept_now
+        kept_now = [kept.get(s) for s in others[-Kept.KEEP :]]
+        assert [kept.get(s) for s in others[-Kept.KEEP :]] == kept_now
     finally:
         store.close()

@@ -25,7 +25,7 @@ def test_shut_off_vm_disk_is_reverted_with_the_files(mounted, tiny_vm):
     ws.rollback()
     assert not engines.has_marker(dom)
     treesnap.assert_same(before, ws.snapshot())
-    assert dom.snapshotListNames() == []          # dropped with its layer
+    assert dom.snapshotListNames() == []  # dropped with its layer
 
 
 def test_running_vm_is_reverted_and_merges_keep_the_chain_short(mounted, tiny_vm):
@@ -35,7 +35,7 @@ def test_running_vm_is_reverted_and_merges_keep_the_chain_short(mounted, tiny_vm
     first = ws.json("checkpoint", "--provider", "vm")["id"]
     ws.json("checkpoint", "--provider", "vm")
     assert len(dom.snapshotListNames()) == 2
-    ws.commit()                                   # the upper snapshot is no longer needed
+    ws.commit()  # the upper snapshot is no longer needed
     assert dom.snapshotListNames() == [f"cowfs-layer-{first}"]
     engines.write_marker(dom)
     ws.rollback()
@@ -45,9 +45,19 @@ def test_running_vm_is_reverted_and_merges_keep_the_chain_short(mounted, tiny_vm
 
 def test_diagnostics_are_kept_and_a_failed_health_check_is_loud(mounted, tiny_vm):
     ws, dom = mounted, tiny_vm
-    ws.cowfs("provider", "add", "vm", "--type", "libvirt", "--domain", dom.name(),
-             "--diagnostics", 'echo "post-mortem of $COWFS_DOMAIN: disk full"',
-             "--health", "test -n \"$COWFS_DOMAIN\"")
+    ws.cowfs(
+        "provider",
+        "add",
+        "vm",
+        "--type",
+        "libvirt",
+        "--domain",
+        dom.name(),
+        "--diagnostics",
+        'echo "post-mortem of $COWFS_DOMAIN: disk full"',
+        "--health",
+        'test -n "$COWFS_DOMAIN"',
+    )
     ws.json("checkpoint", "-m", "risky", "--provider", "vm")
     engines.write_marker(dom)
     res = ws.rollback()
@@ -57,8 +67,17 @@ def test_diagnostics_are_kept_and_a_failed_health_check_is_loud(mounted, tiny_vm
     assert base["postmortems"][0]["domain"] == dom.name()
     assert "post-mortem of" in ws.cowfs("log").stdout
 
-    ws.cowfs("provider", "add", "sick", "--type", "libvirt", "--domain", dom.name(),
-             "--health", "echo 'web1 does not answer' >&2; exit 1")
+    ws.cowfs(
+        "provider",
+        "add",
+        "sick",
+        "--type",
+        "libvirt",
+        "--domain",
+        dom.name(),
+        "--health",
+        "echo 'web1 does not answer' >&2; exit 1",
+    )
     ws.json("checkpoint", "--provider", "sick")
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == 10
@@ -74,32 +93,54 @@ def test_checkpoint_vm_shorthand_registers_the_domain(mounted, tiny_vm):
     engines.write_marker(dom)
     ws.rollback()
     assert not engines.has_marker(dom)
-    ws.json("checkpoint", "--vm", dom.name())          # the same provider is reused
+    ws.json("checkpoint", "--vm", dom.name())  # the same provider is reused
     assert len(ws.json("provider", "list")) == 1
 
 
 def test_a_failed_health_check_keeps_the_post_mortem(mounted, tiny_vm):
     ws, dom = mounted, tiny_vm
-    ws.cowfs("provider", "add", "sick", "--type", "libvirt", "--domain", dom.name(),
-             "--diagnostics", "echo diag-output", "--health", "false")
+    ws.cowfs(
+        "provider",
+        "add",
+        "sick",
+        "--type",
+        "libvirt",
+        "--domain",
+        dom.name(),
+        "--diagnostics",
+        "echo diag-output",
+        "--health",
+        "false",
+    )
     layer = ws.json("checkpoint", "--provider", "sick")["id"]
     engines.write_marker(dom)
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == 10
     assert f"restore sick of layer {layer}: reverted, but the health check failed" in r.stderr
-    assert not engines.has_marker(dom)            # the revert itself happened
+    assert not engines.has_marker(dom)  # the revert itself happened
     postmortems = ws.log()[-1]["postmortems"]
-    assert [(p["provider"], p["domain"], p["layer"], p["output"].strip())
-            for p in postmortems] == [("sick", dom.name(), layer, "diag-output")]
+    assert [(p["provider"], p["domain"], p["layer"], p["output"].strip()) for p in postmortems] == [
+        ("sick", dom.name(), layer, "diag-output")
+    ]
     assert dom.snapshotListNames() == []
 
 
 def test_a_rollback_killed_before_the_revert_is_finished_by_the_next_mount(
-        mounted, tiny_vm, tmp_path):
+    mounted, tiny_vm, tmp_path
+):
     ws, dom = mounted, tiny_vm
     switch = KillSwitch(tmp_path / "kill")
-    ws.cowfs("provider", "add", "vm", "--type", "libvirt", "--domain", dom.name(),
-             "--diagnostics", switch.guard("vm $COWFS_LAYER") + "echo diag-output")
+    ws.cowfs(
+        "provider",
+        "add",
+        "vm",
+        "--type",
+        "libvirt",
+        "--domain",
+        dom.name(),
+        "--diagnostics",
+        switch.guard("vm $COWFS_LAYER") + "echo diag-output",
+    )
     before = ws.snapshot()
     layer = ws.json("checkpoint", "--provider", "vm")["id"]
     engines.write_marker(dom)

@@ -18,23 +18,37 @@ from cowfs.mounts import is_cowfs_mount
 
 from .helpers import COWFS
 
-TOOLS = {"status", "diff", "show", "log", "checkpoint", "rollback", "commit", "redo",
-         "restore", "run"}
+TOOLS = {
+    "status",
+    "diff",
+    "show",
+    "log",
+    "checkpoint",
+    "rollback",
+    "commit",
+    "redo",
+    "restore",
+    "run",
+}
 
 
 def serve(path, steps, *extra: str, errlog=None):
     """Start ``cowfs mcp -C PATH`` through the SDK's stdio client, run
     ``await steps(session)`` and return what it returns."""
     env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
-    params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "cowfs", "mcp", "-C", str(path), *extra],
-                                   env=env, cwd="/")
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "cowfs", "mcp", "-C", str(path), *extra],
+        env=env,
+        cwd="/",
+    )
 
     async def main():
         async with stdio_client(params, errlog=errlog or sys.stderr) as (read, write):
             async with ClientSession(read, write) as session:
                 await session.initialize()
                 return await steps(session)
+
     return anyio.run(main)
 
 
@@ -53,6 +67,7 @@ async def fails(session: ClientSession, tool: str, **args) -> tuple[int, str]:
 def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
     async def steps(s):
         return {t.name: t for t in (await s.list_tools()).tools}
+
     tools = serve(mounted.path, steps)
     assert set(tools) == TOOLS
     for t in tools.values():
@@ -61,8 +76,15 @@ def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
     assert {"to", "dry_run", "no_redo", "yes"} <= props["rollback"]
     assert {"layer", "paths", "stat", "name_status", "max_bytes"} <= props["diff"]
     assert {"paths", "from"} <= props["restore"]
-    assert {"command", "verify", "message", "on_fail", "on_success", "timeout",
-            "max_bytes"} <= props["run"]
+    assert {
+        "command",
+        "verify",
+        "message",
+        "on_fail",
+        "on_success",
+        "timeout",
+        "max_bytes",
+    } <= props["run"]
     assert props["checkpoint"] == {"message"}
     assert tools["run"].input_schema["required"] == ["command"]
 
@@ -93,6 +115,7 @@ def test_checkpoint_change_through_the_mount_roll_back_exactly(mounted):
         treesnap.assert_same(after, ws.snapshot())
         log = await ok(s, "log")
         assert [x["message"] for x in log["layers"]][-1] == "before the edits"
+
     serve(ws.path, steps)
 
 
@@ -108,10 +131,11 @@ def test_a_bad_layer_id_is_a_tool_error_and_the_server_goes_on(mounted, tmp_path
         assert code == 4
         code, text = await fails(s, "restore", paths=["nowhere"])
         assert code == 1 and "nowhere" in text
-        code, _ = await fails(s, "commit")          # the base layer holds nothing
+        code, _ = await fails(s, "commit")  # the base layer holds nothing
         assert code == 1
         assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
         assert (await ok(s, "status"))["changes"] == []
+
     serve(mounted.path, steps, errlog=errlog)
     errlog.seek(0)
     assert "Traceback" not in errlog.read()
@@ -126,9 +150,10 @@ def test_a_rollback_of_the_base_layer_needs_yes(mounted):
     async def steps(s):
         code, text = await fails(s, "rollback")
         assert code == 14 and "base layer" in text
-        treesnap.assert_same(changed, ws.snapshot())    # nothing was changed
+        treesnap.assert_same(changed, ws.snapshot())  # nothing was changed
         await ok(s, "rollback", yes=True)
         treesnap.assert_same(before, ws.snapshot())
+
     serve(ws.path, steps)
 
 
@@ -141,15 +166,22 @@ def test_run_captures_output_and_rolls_back_a_failing_step(mounted):
         assert (r["outcome"], r["exit_status"], r["ok"]) == ("rolled back", 3, False)
         assert (r["stdout"], r["stderr"], r["changes"]) == ("out\n", "err\n", ["A new.txt"])
         treesnap.assert_same(before, ws.snapshot())
-        r = await ok(s, "run", command=["sh", "-c", "cat; echo y >> a.txt"],
-                     verify="grep -q nothing a.txt")
+        r = await ok(
+            s, "run", command=["sh", "-c", "cat; echo y >> a.txt"], verify="grep -q nothing a.txt"
+        )
         assert (r["outcome"], r["verify_status"]) == ("rolled back", 1)
-        treesnap.assert_same(before, ws.snapshot())     # cat read nothing: stdin is empty
+        treesnap.assert_same(before, ws.snapshot())  # cat read nothing: stdin is empty
         r = await ok(s, "run", command="sleep 600", timeout=1)
         assert (r["exit_status"], r["outcome"]) == (124, "rolled back")
         assert "timed out" in r["error"]
-        r = await ok(s, "run", command="seq 1 100000 > numbers; seq 1 100000", cwd="dir",
-                     max_bytes=1000, message="numbers")
+        r = await ok(
+            s,
+            "run",
+            command="seq 1 100000 > numbers; seq 1 100000",
+            cwd="dir",
+            max_bytes=1000,
+            message="numbers",
+        )
         assert (r["outcome"], r["exit_status"]) == ("kept", 0)
         assert r["layer"] == (await ok(s, "log"))["layers"][-1]["id"]
         assert len(r["stdout"].encode()) < 1200 and "left out" in r["stdout"]
@@ -157,6 +189,7 @@ def test_run_captures_output_and_rolls_back_a_failing_step(mounted):
         assert (ws / "dir" / "numbers").read_text().endswith("\n100000\n")
         code, _ = await fails(s, "run", command="true", cwd="../..")
         assert code == 2
+
     serve(ws.path, steps)
 
 
@@ -186,6 +219,7 @@ def test_diff_is_cut_at_its_byte_limit_and_show_reads_the_past(mounted):
         restored = await ok(s, "restore", paths=["a.txt"], **{"from": layer})
         assert restored["restored"] == ["a.txt"]
         assert (ws / "a.txt").read_text() == "alpha\n"
+
     serve(ws.path, steps)
 
 
@@ -199,13 +233,19 @@ def test_the_server_outlives_an_unmount(mounted):
         assert code == 3 and "not inside a mounted cowfs workspace" in text
         ws.mount()
         assert [x["message"] for x in (await ok(s, "log"))["layers"]][-1] == "one"
+
     serve(ws.path, steps)
 
 
 def test_an_unmounted_workspace_is_refused_or_mounted_with_mount(workspace):
     (workspace / "f").write_text("x\n")
-    r = subprocess.run([*COWFS, "mcp", "-C", str(workspace.path)], capture_output=True,
-                       text=True, stdin=subprocess.DEVNULL, timeout=60)
+    r = subprocess.run(
+        [*COWFS, "mcp", "-C", str(workspace.path)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     assert r.returncode == 3 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "not inside a mounted cowfs workspace" in r.stderr
 
@@ -215,12 +255,14 @@ def test_an_unmounted_workspace_is_refused_or_mounted_with_mount(workspace):
         (workspace / "f").write_text("y\n")
         await ok(s, "rollback", to=layer)
         return (workspace / "f").read_text()
+
     assert serve(workspace.path, steps, "--mount") == "x\n"
-    assert is_cowfs_mount(str(workspace.path))      # it stays mounted
+    assert is_cowfs_mount(str(workspace.path))  # it stays mounted
 
 
 @pytest.mark.parametrize("args", [["-C"], ["--bogus"]])
 def test_usage_errors_are_one_line(args):
-    r = subprocess.run([*COWFS, "mcp", *args], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=60)
+    r = subprocess.run(
+        [*COWFS, "mcp", *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1

@@ -74,27 +74,38 @@ MAX_FILE = 300 * 1024
 
 # A small pool of names in a couple of directories: entries get created,
 # replaced, moved and removed under each other's names all the time.
-POOL = ["f1", "f2", "f3", "d1", "d2",
-        "d1/f1", "d1/f2", "d1/f3", "d1/d2",
-        "d2/f1", "d2/f2",
-        "d1/d2/f1"]
+POOL = [
+    "f1",
+    "f2",
+    "f3",
+    "d1",
+    "d2",
+    "d1/f1",
+    "d1/f2",
+    "d1/f3",
+    "d1/d2",
+    "d2/f1",
+    "d2/f2",
+    "d1/d2/f1",
+]
 PATHS = st.sampled_from(POOL)
 ATTR_PATHS = st.sampled_from(POOL + ["."])  # the workspace root too
 # Relative targets without "..": whatever resolves through them stays inside
 # the tree it is in (the workspace, or the shadow).
 TARGETS = st.sampled_from(["f1", "f2", "d1", "d1/f2", "f3", "d2/f1", "nowhere"])
 SEEDS = st.integers(0, 2**16)
-BOUNDARY = st.builds(lambda k, d: max(0, k * CHUNK + d), st.integers(1, 4),
-                     st.integers(-300, 300))
+BOUNDARY = st.builds(lambda k, d: max(0, k * CHUNK + d), st.integers(1, 4), st.integers(-300, 300))
 OFFSETS = st.one_of(st.integers(0, 4096), BOUNDARY, st.integers(0, MAX_FILE))
 SIZES = st.one_of(st.integers(0, 3000), BOUNDARY, st.integers(CHUNK, MAX_FILE))
 LENGTHS = st.one_of(st.integers(1, 600), st.integers(1, CHUNK + CHUNK // 2))
-MODES = st.one_of(st.sampled_from([0o644, 0o600, 0o755, 0o700, 0o000, 0o777]),
-                  st.integers(0, 0o7777))
+MODES = st.one_of(
+    st.sampled_from([0o644, 0o600, 0o755, 0o700, 0o000, 0o777]), st.integers(0, 0o7777)
+)
 IDS = st.sampled_from([0, 1000, 65534])
-MTIMES = st.one_of(st.sampled_from([0, 10**9, 1_700_000_000_123_456_789]),
-                   st.builds(lambda s, ns: s * 10**9 + ns, st.integers(0, 2**33),
-                             st.integers(0, 10**9 - 1)))
+MTIMES = st.one_of(
+    st.sampled_from([0, 10**9, 1_700_000_000_123_456_789]),
+    st.builds(lambda s, ns: s * 10**9 + ns, st.integers(0, 2**33), st.integers(0, 10**9 - 1)),
+)
 XNAMES = st.sampled_from(["user.a", "user.b"])
 XVALUES = st.one_of(st.binary(max_size=16), st.binary(min_size=200, max_size=2000))
 XFLAGS = st.sampled_from([0, os.XATTR_CREATE, os.XATTR_REPLACE])
@@ -114,8 +125,12 @@ def data_for(seed: int, n: int) -> bytes:
 
 
 def renameat2(src: str, dst: str, flags: int) -> None:
-    if _libc.renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst),
-                       ctypes.c_uint(flags)) != 0:
+    if (
+        _libc.renameat2(
+            AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags)
+        )
+        != 0
+    ):
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), src, None, dst)
 
@@ -255,8 +270,9 @@ class CowfsModel(RuleBasedStateMachine):
         before = treesnap.snapshot(self.shadow)
         expected = outcome(fn, self.shadow)
         got = outcome(fn, str(self.ws.path))
-        assert got == expected, \
+        assert got == expected, (
             f"{name}: the native filesystem gives {expected}, the cowfs mount {got}"
+        )
         if self.redo_model is not None:
             self.redo_model.touched = True
         if expected[0] == "error":
@@ -280,6 +296,7 @@ class CowfsModel(RuleBasedStateMachine):
                 os.write(fd, data_for(seed, size))
             finally:
                 os.close(fd)
+
         self.both("create_file", op)
 
     @rule(path=PATHS, offset=OFFSETS, length=LENGTHS, seed=SEEDS)
@@ -290,17 +307,20 @@ class CowfsModel(RuleBasedStateMachine):
                 os.pwrite(fd, data_for(seed, length), offset)
             finally:
                 os.close(fd)
+
         self.both("write_at", op)
 
     @rule(path=PATHS, offset=BOUNDARY, length=st.integers(1, 2 * CHUNK + 10), seed=SEEDS)
     def write_across_chunks(self, path, offset, length, seed):
         """A write straddling one or more 64 KiB chunk boundaries."""
+
         def op(root):
             fd = os.open(at(root, path), os.O_RDWR | NB)
             try:
                 os.pwrite(fd, data_for(seed, length), max(0, offset - length // 2))
             finally:
                 os.close(fd)
+
         self.both("write_across_chunks", op)
 
     @rule(path=PATHS, size=SIZES)
@@ -315,6 +335,7 @@ class CowfsModel(RuleBasedStateMachine):
                 os.write(fd, data_for(seed, length))
             finally:
                 os.close(fd)
+
         self.both("append", op)
 
     @rule(src=PATHS, dst=PATHS)
@@ -324,25 +345,23 @@ class CowfsModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def rename_over_existing_file(self, data):
         """rename(2) onto another existing file (the replaced one must come back)."""
-        files = sorted(p for p in POOL
-                       if stat.S_ISREG(_lmode(at(self.shadow, p))))
+        files = sorted(p for p in POOL if stat.S_ISREG(_lmode(at(self.shadow, p))))
         if len(files) < 2:
             return
         src = data.draw(st.sampled_from(files), label="src")
         dst = data.draw(st.sampled_from([f for f in files if f != src]), label="dst")
-        self.both("rename_over_existing_file",
-                  lambda root: os.rename(at(root, src), at(root, dst)))
+        self.both("rename_over_existing_file", lambda root: os.rename(at(root, src), at(root, dst)))
 
-    @rule(src=PATHS, dst=PATHS,
-          flags=st.sampled_from([RENAME_NOREPLACE, RENAME_EXCHANGE]))
+    @rule(src=PATHS, dst=PATHS, flags=st.sampled_from([RENAME_NOREPLACE, RENAME_EXCHANGE]))
     def rename2(self, src, dst, flags):
         """renameat2 with RENAME_NOREPLACE / RENAME_EXCHANGE."""
         self.both("rename2", lambda root: renameat2(at(root, src), at(root, dst), flags))
 
     @rule(src=PATHS, dst=PATHS, follow=st.booleans())
     def link(self, src, dst, follow):
-        self.both("link", lambda root: os.link(at(root, src), at(root, dst),
-                                              follow_symlinks=follow))
+        self.both(
+            "link", lambda root: os.link(at(root, src), at(root, dst), follow_symlinks=follow)
+        )
 
     @rule(dest=TARGETS, path=PATHS)
     def symlink(self, dest, path):
@@ -370,23 +389,27 @@ class CowfsModel(RuleBasedStateMachine):
 
     @rule(path=ATTR_PATHS, uid=IDS, gid=IDS, follow=st.booleans())
     def chown(self, path, uid, gid, follow):
-        self.both("chown", lambda root: os.chown(at(root, path), uid, gid,
-                                                follow_symlinks=follow))
+        self.both("chown", lambda root: os.chown(at(root, path), uid, gid, follow_symlinks=follow))
 
     @rule(path=ATTR_PATHS, mtime=MTIMES, follow=st.booleans())
     def utime(self, path, mtime, follow):
-        self.both("utime", lambda root: os.utime(at(root, path), ns=(mtime, mtime),
-                                                follow_symlinks=follow))
+        self.both(
+            "utime",
+            lambda root: os.utime(at(root, path), ns=(mtime, mtime), follow_symlinks=follow),
+        )
 
     @rule(path=ATTR_PATHS, name=XNAMES, value=XVALUES, flags=XFLAGS, follow=st.booleans())
     def setxattr(self, path, name, value, flags, follow):
-        self.both("setxattr", lambda root: os.setxattr(at(root, path), name, value, flags,
-                                                      follow_symlinks=follow))
+        self.both(
+            "setxattr",
+            lambda root: os.setxattr(at(root, path), name, value, flags, follow_symlinks=follow),
+        )
 
     @rule(path=ATTR_PATHS, name=XNAMES, follow=st.booleans())
     def removexattr(self, path, name, follow):
-        self.both("removexattr", lambda root: os.removexattr(at(root, path), name,
-                                                            follow_symlinks=follow))
+        self.both(
+            "removexattr", lambda root: os.removexattr(at(root, path), name, follow_symlinks=follow)
+        )
 
     # -- stack operations ----------------------------------------------------------
 
@@ -449,7 +472,7 @@ class CowfsModel(RuleBasedStateMachine):
         layers' shadows are kept by the redo model)."""
         target = self.stack[i]
         replace_tree(target.shadow, self.shadow)
-        del self.stack[i + 1:]
+        del self.stack[i + 1 :]
         if i == 0:
             # A fresh base layer opens, on the very same tree.
             self.stack = [Layer(top_id, target.snap, target.shadow)]
@@ -462,8 +485,9 @@ class CowfsModel(RuleBasedStateMachine):
         """Before a rollback down to stack[i]: what its redo must bring back."""
         self.forget_redo()
         live = self.ws.snapshot()
-        self.redo_model = Redo([dataclasses.replace(layer) for layer in self.stack],
-                               self.save_shadow(), live)
+        self.redo_model = Redo(
+            [dataclasses.replace(layer) for layer in self.stack], self.save_shadow(), live
+        )
 
     def forget_redo(self) -> None:
         """The last rollback can no longer be redone: drop the shadows only
@@ -487,8 +511,9 @@ class CowfsModel(RuleBasedStateMachine):
         if r.returncode != 0:
             STATS["redo refused"] += 1
             assert r.returncode in (NOTHING_TO_DO, REFUSED), (r.returncode, r.stderr)
-            assert model is None or model.touched, \
+            assert model is None or model.touched, (
                 f"redo refused right after a rollback: {r.stderr}"
+            )
             treesnap.assert_same(live, self.ws.snapshot())
             self.check_log()
             self.forget_redo()
@@ -525,8 +550,10 @@ class CowfsModel(RuleBasedStateMachine):
             r = self.ws.cowfs("--json", "commit", check=False)
             if top.dirty == 0 or (top.dirty == 1 and r.returncode == NOTHING_TO_DO):
                 STATS["commit (nothing)"] += 1
-                assert r.returncode == NOTHING_TO_DO and "nothing to commit" in r.stderr, \
-                    (r.returncode, r.stderr)
+                assert r.returncode == NOTHING_TO_DO and "nothing to commit" in r.stderr, (
+                    r.returncode,
+                    r.stderr,
+                )
                 top.dirty = 0
             else:
                 STATS["commit base"] += 1
@@ -563,23 +590,32 @@ class CowfsModel(RuleBasedStateMachine):
             if entry is None:
                 assert info["kind"] is None, (where, info)
                 continue
-            assert (info["kind"], info["mode"], info["uid"], info["gid"]) == \
-                (entry.kind, entry.mode, entry.uid, entry.gid), (where, info, entry)
+            assert (info["kind"], info["mode"], info["uid"], info["gid"]) == (
+                entry.kind,
+                entry.mode,
+                entry.uid,
+                entry.gid,
+            ), (where, info, entry)
             assert info["mtime_ns"] == entry.mtime_ns, (where, info, entry)
-            xattrs = tuple(sorted((base64.b64decode(n), base64.b64decode(v))
-                                  for n, v in info["xattrs"]))
+            xattrs = tuple(
+                sorted((base64.b64decode(n), base64.b64decode(v)) for n, v in info["xattrs"])
+            )
             assert xattrs == entry.xattrs, (where, xattrs, entry.xattrs)
             if entry.kind == "file":
                 data_ = b"".join(Workspace_api(rec)._pages(target.id, rel, info))
-                assert (len(data_), xxhash.xxh3_128_hexdigest(data_)) == \
-                    (entry.size, entry.digest), where
+                assert (len(data_), xxhash.xxh3_128_hexdigest(data_)) == (
+                    entry.size,
+                    entry.digest,
+                ), where
             elif entry.kind == "symlink":
                 assert os.fsencode(info["target"]) == entry.target, where
             elif entry.kind == "dir":
                 prefix = b"" if rel == "." else os.fsencode(rel) + b"/"
-                names = sorted(p[len(prefix):] for p in target.snap
-                               if p != treesnap.ROOT and p.startswith(prefix)
-                               and b"/" not in p[len(prefix):])
+                names = sorted(
+                    p[len(prefix) :]
+                    for p in target.snap
+                    if p != treesnap.ROOT and p.startswith(prefix) and b"/" not in p[len(prefix) :]
+                )
                 assert sorted(os.fsencode(n) for n in info["entries"]) == names, where
 
     @precondition(lambda self: bool(self.stack))
@@ -612,8 +648,11 @@ class CowfsModel(RuleBasedStateMachine):
         STATS["nothing_to_roll_back"] += 1
         live = self.ws.snapshot()
         r = self.ws.cowfs("rollback", check=False)
-        assert r.returncode == NOTHING_TO_DO and "nothing to roll back" in r.stderr, \
-            (r.returncode, r.stdout, r.stderr)
+        assert r.returncode == NOTHING_TO_DO and "nothing to roll back" in r.stderr, (
+            r.returncode,
+            r.stdout,
+            r.stderr,
+        )
         treesnap.assert_same(live, self.ws.snapshot())
         self.check_log()
 
@@ -634,10 +673,10 @@ class CowfsModel(RuleBasedStateMachine):
     def live_tree_matches_the_shadow(self):
         if not self.stack:  # before mount()
             return
-        diffs = treesnap.compare(treesnap.snapshot(self.shadow), self.ws.snapshot(),
-                                 mtimes=False)
-        assert not diffs, "the mounted tree differs from the native shadow:\n  " + \
-            "\n  ".join(diffs[:50])
+        diffs = treesnap.compare(treesnap.snapshot(self.shadow), self.ws.snapshot(), mtimes=False)
+        assert not diffs, "the mounted tree differs from the native shadow:\n  " + "\n  ".join(
+            diffs[:50]
+        )
 
 
 def unmounted_view(snap: treesnap.Snapshot) -> treesnap.Snapshot:
@@ -649,7 +688,8 @@ def unmounted_view(snap: treesnap.Snapshot) -> treesnap.Snapshot:
     group = Counter(e.link for e in snap.values() if e.link is not None)
     return treesnap.Snapshot(
         (rel, dataclasses.replace(e, link=None) if e.link == rel and group[rel] == 1 else e)
-        for rel, e in snap.items())
+        for rel, e in snap.items()
+    )
 
 
 def _lmode(path: str) -> int:

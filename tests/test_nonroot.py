@@ -33,7 +33,7 @@ from cowfs.mounts import mounts
 
 from . import users
 
-USER = pwd.getpwnam("nobody")      # fusermount3 wants a user name for the uid
+USER = pwd.getpwnam("nobody")  # fusermount3 wants a user name for the uid
 
 
 def preload() -> None:
@@ -44,7 +44,7 @@ def preload() -> None:
             continue
         try:
             importlib.import_module(info.name)
-        except ImportError:     # an optional extra that is not installed
+        except ImportError:  # an optional extra that is not installed
             pass
     import lmdb  # noqa: E401,F401
 
@@ -59,11 +59,24 @@ def cowfs_cmd(cwd: str, *args: str) -> tuple[int, str, str]:
 
 def shell(script: str, cwd: str) -> None:
     """A shell script run by the user (real programs on the mount)."""
-    r = subprocess.run(["setpriv", f"--reuid={USER.pw_uid}", f"--regid={USER.pw_gid}",
-                        "--clear-groups", "sh", "-ec", 'cd "$1"; ' + script, "sh", cwd],
-                       cwd="/",    # (root may not enter the user's mount)
-                       capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "HOME": "/"})
+    r = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={USER.pw_uid}",
+            f"--regid={USER.pw_gid}",
+            "--clear-groups",
+            "sh",
+            "-ec",
+            'cd "$1"; ' + script,
+            "sh",
+            cwd,
+        ],
+        cwd="/",  # (root may not enter the user's mount)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/"},
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -102,8 +115,10 @@ class UserMount:
                 def report(msg: dict) -> None:
                     os.write(w, json.dumps(msg).encode() + b"\n")
                     os.close(w)
-                code = daemon.serve(self.path, None, None, report, foreground=False,
-                                    engine=self.engine)
+
+                code = daemon.serve(
+                    self.path, None, None, report, foreground=False, engine=self.engine
+                )
             finally:
                 os._exit(code)
         os.close(w)
@@ -165,15 +180,18 @@ def test_a_user_mounts_checkpoints_rolls_back_and_unmounts(user_mount):
     assert code == 0, err
     engine = json.loads(out)["engine"]
     assert engine["name"] == m.engine
-    if m.engine == "kernel":    # a user may not hand the kernel backing files
+    if m.engine == "kernel":  # a user may not hand the kernel backing files
         assert "passthrough" not in engine["features"], engine
 
     before = as_user(treesnap.snapshot, m.path)
     assert sorted(before) == [b".", b"a.txt", b"dir", b"dir/b.txt", b"link"]
     code, _, err = cowfs_cmd(m.path, "checkpoint", "-m", "try")
     assert code == 0, err
-    shell("echo more >> a.txt; rm dir/b.txt; mkdir -p new/deep; cp a.txt new/deep/c;"
-          " mv dir gone; chmod 600 a.txt; ln -sf gone link; tar cf t.tar new", m.path)
+    shell(
+        "echo more >> a.txt; rm dir/b.txt; mkdir -p new/deep; cp a.txt new/deep/c;"
+        " mv dir gone; chmod 600 a.txt; ln -sf gone link; tar cf t.tar new",
+        m.path,
+    )
     code, out, err = cowfs_cmd(m.path, "--json", "status")
     assert code == 0, err
     kinds = {c["path"]: c["kind"] for c in json.loads(out)["changes"]}
@@ -189,6 +207,6 @@ def test_a_user_mounts_checkpoints_rolls_back_and_unmounts(user_mount):
     _, status = os.waitpid(m.pid, 0)
     m.pid = 0
     assert os.waitstatus_to_exitcode(status) == 0
-    after = treesnap.snapshot(m.path)       # the directory itself, as it was
+    after = treesnap.snapshot(m.path)  # the directory itself, as it was
     treesnap.assert_same(before, after)
     assert os.stat(Path(m.path) / ".cowfs").st_uid == USER.pw_uid

@@ -27,7 +27,10 @@ def test_status_log_rollback_commit_without_a_mount(mounted):
     status = ws.json("status")
     assert status["mounted"] is False
     assert sorted((c["kind"], c["path"]) for c in status["changes"]) == [
-        ("A", "new"), ("D", "dir/b.txt"), ("M", "a.txt")]
+        ("A", "new"),
+        ("D", "dir/b.txt"),
+        ("M", "a.txt"),
+    ]
     assert [entry["id"] for entry in ws.json("log")][-1] == layer
     # -C may name any path inside the workspace, as when mounted
     inner = json.loads(run("-C", ws / "dir", "--json", "status").stdout)
@@ -54,14 +57,14 @@ def test_rollback_after_kill_9_without_mounting_again(mounted):
     layer = ws.checkpoint()
     (ws / "a.txt").write_text("half-done work\n")
     (ws / "dir" / "c").write_text("c\n")
-    ws.kill()                                      # the mount is left behind, dead
+    ws.kill()  # the mount is left behind, dead
     r = ws.cowfs("--json", "rollback", "--to", layer)
     assert "cleared the dead mount" in r.stderr
     assert json.loads(r.stdout)["dropped"] == [layer]
     assert not is_cowfs_mount(str(ws.path))
     ws.mounted = False
     treesnap.assert_same(before, ws.snapshot())
-    ws.mount()                                     # and mounts again normally
+    ws.mount()  # and mounts again normally
     assert ws.status() == []
 
 
@@ -71,7 +74,7 @@ def test_offline_errors(workspace, tmp_path):
     r = run("-C", plain, "status", check=False)
     assert r.returncode == NOT_MOUNTED and r.stdout == ""
     assert "not inside a cowfs workspace" in r.stderr and len(r.stderr.splitlines()) == 1
-    r = run("-C", plain, "checkpoint", check=False)      # needs the daemon
+    r = run("-C", plain, "checkpoint", check=False)  # needs the daemon
     assert r.returncode == NOT_MOUNTED
     workspace.mount()
     workspace.checkpoint()
@@ -103,7 +106,9 @@ def test_offline_status_carries_who_like_the_mounted_one(mounted):
     mounted_view = ws.json("status")
     assert ws.json("status")["redo"]["available"]
     assert {c["path"]: c["who"]["cmd"][0] for c in mounted_view["changes"]} == {
-        "made": "touch", "dir/since": "sh"}
+        "made": "touch",
+        "dir/since": "sh",
+    }
     ws.unmount()
     offline = ws.json("status")
     assert offline["mounted"] is False

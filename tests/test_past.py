@@ -42,7 +42,12 @@ def test_diff_text_binary_stat_name_status_and_paths(mounted):
     assert f"Binary: 25600 bytes xxh3 {old_hash} -> 25600 bytes xxh3 {new_hash}" in text
 
     assert ws.cowfs("diff", "--name-status").stdout.splitlines() == [
-        "M\ta.txt", "M\tbin", "D\tdir/b.txt", "R\tdir -> moved", "A\tmoved/c.txt"]
+        "M\ta.txt",
+        "M\tbin",
+        "D\tdir/b.txt",
+        "R\tdir -> moved",
+        "A\tmoved/c.txt",
+    ]
     stat_lines = ws.cowfs("diff", "--stat").stdout
     assert "a.txt" in stat_lines and "+2 -1" in stat_lines and "binary 25600 bytes" in stat_lines
     only = ws.cowfs("diff", "--name-status", "--", "moved").stdout.splitlines()
@@ -51,7 +56,7 @@ def test_diff_text_binary_stat_name_status_and_paths(mounted):
     [entry] = data["changes"]
     assert entry["old"]["xxh3"] == xxhash.xxh3_128_hexdigest(b"alpha\n")
     assert entry["new"]["size"] == len("ALPHA\nomega\n") and entry["added"] == 2
-    ws.unmount()                                    # the same offline
+    ws.unmount()  # the same offline
     assert ws.cowfs("diff", "--name-status").stdout.splitlines()[0] == "M\ta.txt"
 
 
@@ -75,8 +80,8 @@ def test_show_reads_any_layer_without_changing_anything(mounted):
     assert r.returncode == 2 and "ID:PATH" in r.stderr
     r = ws.cowfs("show", f"{first}:../etc/passwd", check=False)
     assert r.returncode == 2
-    treesnap.assert_same(live, ws.snapshot())       # nothing changed
-    big = os.urandom(9 << 20)                       # more than one page
+    treesnap.assert_same(live, ws.snapshot())  # nothing changed
+    big = os.urandom(9 << 20)  # more than one page
     ws.checkpoint()
     (ws / "big").write_bytes(big)
     third = ws.checkpoint()
@@ -87,6 +92,7 @@ def test_show_reads_any_layer_without_changing_anything(mounted):
 
 def ws_cowfs(ws) -> list[str]:
     from .helpers import COWFS
+
     return [*COWFS, "-C", str(ws.path)]
 
 
@@ -108,14 +114,19 @@ def test_restore_a_file_and_a_subtree_as_a_change_that_can_be_undone(mounted):
     ws.checkpoint("restore")
 
     res = ws.json("restore", "--from", str(old), "dir", "a.txt")
-    assert set(res["restored"]) >= {"dir", "dir/b.txt", "dir/sub", "dir/sub/deep.txt",
-                                    "dir/sub/ln", "a.txt"}
+    assert set(res["restored"]) >= {
+        "dir",
+        "dir/b.txt",
+        "dir/sub",
+        "dir/sub/deep.txt",
+        "dir/sub/ln",
+        "a.txt",
+    }
     now = ws.snapshot()
-    for path in (b"a.txt", b"dir", b"dir/b.txt", b"dir/sub", b"dir/sub/deep.txt",
-                 b"dir/sub/ln"):
-        assert now[path] == original[path], path          # bytes, modes, times, xattrs
+    for path in (b"a.txt", b"dir", b"dir/b.txt", b"dir/sub", b"dir/sub/deep.txt", b"dir/sub/ln"):
+        assert now[path] == original[path], path  # bytes, modes, times, xattrs
     assert (ws / "keep.txt").read_text() == "unrelated work\n"
-    ws.rollback()                                         # the restore was a change too
+    ws.rollback()  # the restore was a change too
     treesnap.assert_same(before_restore, ws.snapshot())
 
 
@@ -136,9 +147,11 @@ def test_restore_of_a_path_that_names_nothing_is_an_error(mounted):
     before = ws.snapshot()
     r = ws.cowfs("restore", "--from", str(layer), "a.txt", "no/such/file", check=False)
     assert r.returncode == NOTHING_TO_DO
-    assert f"no/such/file: no such path, now or when layer {layer} was opened; nothing " \
-           "restored" in r.stderr
-    treesnap.assert_same(before, ws.snapshot())       # not even a.txt
+    assert (
+        f"no/such/file: no such path, now or when layer {layer} was opened; nothing "
+        "restored" in r.stderr
+    )
+    treesnap.assert_same(before, ws.snapshot())  # not even a.txt
     r = ws.cowfs("--json", "restore", "typo", check=False)
     assert r.returncode == NOTHING_TO_DO and json.loads(r.stdout)["code"] == NOTHING_TO_DO
 
@@ -153,7 +166,7 @@ def test_dry_run_lists_exactly_what_the_rollback_then_does(mounted):
     os.chmod(ws / "dir", 0o700)
     before = ws.snapshot()
     listed = json.loads(ws.cowfs("--json", "rollback", "--dry-run", "--to", str(layer)).stdout)
-    assert ws.snapshot() == before                        # a dry run changes nothing
+    assert ws.snapshot() == before  # a dry run changes nothing
     expected_paths = set()
     for c in listed["changes"]:
         expected_paths.add(c["path"])
@@ -161,15 +174,19 @@ def test_dry_run_lists_exactly_what_the_rollback_then_does(mounted):
             expected_paths.add(c["from"])
     ws.rollback(to=layer)
     after = ws.snapshot()
-    changed = {os.fsdecode(p) for p in set(before) | set(after)
-               if before.get(p) != after.get(p)}
+    changed = {os.fsdecode(p) for p in set(before) | set(after) if before.get(p) != after.get(p)}
     # every path the rollback changed was listed (a directory's mtime moves
     # with its entries, so parents of listed paths count as listed)
     parents = {os.path.dirname(p) or "." for p in expected_paths}
     assert changed <= expected_paths | parents, changed - expected_paths
     assert expected_paths <= changed
     assert {(c["kind"], c["path"]) for c in listed["changes"]} == {
-        ("M", "a.txt"), ("m", "dir"), ("R", "renamed.txt"), ("A", "new"), ("A", "new/f")}
+        ("M", "a.txt"),
+        ("m", "dir"),
+        ("R", "renamed.txt"),
+        ("A", "new"),
+        ("A", "new/f"),
+    }
 
 
 @contextlib.contextmanager
@@ -197,21 +214,25 @@ def test_view_is_the_past_read_only_and_ends_with_its_layer(mounted, tmp_path):
     subprocess.run(["rm", "-rf", str(ws / "dir")], check=True)
     (ws / "new").mkdir()
     with view_of(ws, layer, tmp_path / "view") as v:
-        treesnap.assert_same(then, treesnap.snapshot(v))      # mtimes, links, xattrs
-        for attempt in (lambda: open(v / "x", "w"), lambda: (v / "a.txt").write_text("no"),
-                        lambda: os.mkdir(v / "d2"), lambda: os.unlink(v / "a.txt")):
+        treesnap.assert_same(then, treesnap.snapshot(v))  # mtimes, links, xattrs
+        for attempt in (
+            lambda: open(v / "x", "w"),
+            lambda: (v / "a.txt").write_text("no"),
+            lambda: os.mkdir(v / "d2"),
+            lambda: os.unlink(v / "a.txt"),
+        ):
             try:
                 attempt()
             except OSError as e:
                 assert e.errno == errno.EROFS
             else:
                 raise AssertionError("the view took a write")
-        (ws / "a.txt").write_text("changed again, while viewed\n")   # captured first
+        (ws / "a.txt").write_text("changed again, while viewed\n")  # captured first
         assert (v / "a.txt").read_text() == "alpha\n"
         assert ws.cowfs("unmount", v).returncode == 0
         assert str(v) not in mount_table()
     with view_of(ws, layer, tmp_path / "view2") as v:
-        ws.rollback(to=layer)                                 # its layer is gone
+        ws.rollback(to=layer)  # its layer is gone
         try:
             os.stat(v / "a.txt")
         except OSError as e:
@@ -232,7 +253,7 @@ def test_a_view_counts_only_the_names_an_object_had_then(mounted, tmp_path):
     os.link(ws / "a.txt", ws / "dir" / "to-a")
     os.link(ws / "c.txt", ws / "dir" / "to-c")
     ws.checkpoint("later")
-    os.rename(ws / "b.txt", ws / "dir" / "to-a")         # over the link
+    os.rename(ws / "b.txt", ws / "dir" / "to-a")  # over the link
     os.unlink(ws / "dir" / "to-c")
     with view_of(ws, layer, tmp_path / "view") as v:
         treesnap.assert_same(then, treesnap.snapshot(v))
@@ -259,38 +280,40 @@ def test_changes_are_attributed_to_the_process_that_first_made_them(mounted):
     subprocess.run([sys.executable, "-c", script], cwd=ws.path, check=True)
     os.mkdir(ws / "by-the-test")
     changes = {c["path"]: c["who"] for c in ws.status()}
-    assert changes["a.txt"]["cmd"][:2] == ["sed", "-i"]          # the first to change it
+    assert changes["a.txt"]["cmd"][:2] == ["sed", "-i"]  # the first to change it
     assert changes["made.py"]["cmd"][1:3] == ["-c", script]
     assert changes["by-the-test"]["pid"] == os.getpid()
     assert all(w["uid"] == os.getuid() for w in changes.values())
-    assert "\tpid " in ws.cowfs("status", "--who").stdout and "sed -i" in \
-        ws.cowfs("status", "--who").stdout
+    assert (
+        "\tpid " in ws.cowfs("status", "--who").stdout
+        and "sed -i" in ws.cowfs("status", "--who").stdout
+    )
     names = ws.cowfs("diff", "--name-status", "--who").stdout
     assert any(line.startswith("M\ta.txt\tpid ") and "sed" in line for line in names.splitlines())
     ws.checkpoint("later")
     subprocess.run(["touch", "a.txt"], cwd=ws.path, check=True)
-    ws.commit()                                     # merged: the older entry wins
+    ws.commit()  # merged: the older entry wins
     assert {c["path"]: c["who"]["cmd"][0] for c in ws.status()}["a.txt"] == "sed"
 
 
 def test_restore_links_names_that_were_one_object_and_writes_through_no_other(mounted):
     ws = mounted
     (ws / "dir" / "twin").write_text("twin\n")
-    os.link(ws / "dir" / "twin", ws / "dir" / "twin2")          # one object, two names
+    os.link(ws / "dir" / "twin", ws / "dir" / "twin2")  # one object, two names
     ws.commit()
     original = ws.snapshot()
     layer = ws.checkpoint()
     (ws / "dir" / "twin").write_text("changed through one name\n")
     os.unlink(ws / "dir" / "twin2")
     (ws / "dir" / "twin2").write_text("a file of its own now\n")
-    os.link(ws / "a.txt", ws / "alias")                         # a.txt gets a second name
+    os.link(ws / "a.txt", ws / "alias")  # a.txt gets a second name
     with open(ws / "alias", "w") as f:
         f.write("edited through the alias\n")
 
     ws.cowfs("restore", "--from", str(layer), "dir", "a.txt")
     now = ws.snapshot()
     for path in (b"dir", b"dir/twin", b"dir/twin2", b"a.txt"):
-        assert now[path] == original[path], path                # linked again, as then
+        assert now[path] == original[path], path  # linked again, as then
     assert os.stat(ws / "dir" / "twin").st_ino == os.stat(ws / "dir" / "twin2").st_ino
     assert os.stat(ws / "dir" / "twin").st_nlink == 2
     # the alias made later keeps its content: restoring a.txt wrote nothing through it
@@ -304,11 +327,14 @@ def test_diff_of_content_put_back_says_so_and_shows_what_differs(mounted):
     ws.commit()
     layer = ws.checkpoint()
     (ws / "a.txt").write_text("changed\n")
-    (ws / "a.txt").write_text("alpha\n")                  # the same bytes again
+    (ws / "a.txt").write_text("alpha\n")  # the same bytes again
     os.chmod(ws / "a.txt", 0o600)
     text = ws.cowfs("diff", str(layer)).stdout
     digest = xxhash.xxh3_128_hexdigest(b"alpha\n")
-    assert f"diff --cowfs m a.txt\ncontent unchanged (6 bytes xxh3 {digest})\n" \
-           "mode 100644 -> 100600\nmtime 2001-09-09T01:46:40.000000000Z -> " in text
-    assert ws.cowfs("diff", "--stat", str(layer)).stdout.split("|")[1].strip() == \
-        "content unchanged"
+    assert (
+        f"diff --cowfs m a.txt\ncontent unchanged (6 bytes xxh3 {digest})\n"
+        "mode 100644 -> 100600\nmtime 2001-09-09T01:46:40.000000000Z -> " in text
+    )
+    assert (
+        ws.cowfs("diff", "--stat", str(layer)).stdout.split("|")[1].strip() == "content unchanged"
+    )

@@ -47,9 +47,9 @@ from cowfs import treesnap
 
 from .helpers import Workspace, managed_workspace
 
-T0 = 1_600_000_000 * 10**9     # an old atime/mtime given to everything before an operation
-USER = 1234                    # an unprivileged uid (and gid)
-GROUP = 555                    # a group USER is not in
+T0 = 1_600_000_000 * 10**9  # an old atime/mtime given to everything before an operation
+USER = 1234  # an unprivileged uid (and gid)
+GROUP = 555  # a group USER is not in
 AT_FDCWD = -100
 
 
@@ -58,7 +58,7 @@ class Roots:
     ws: Workspace
     native: Path
     at_mount: treesnap.Snapshot
-    backing: Path   # the workspace underneath the mount, as the daemon sees it
+    backing: Path  # the workspace underneath the mount, as the daemon sees it
 
 
 def backing_dir(ws: Workspace) -> Path:
@@ -70,7 +70,7 @@ def backing_dir(ws: Workspace) -> Path:
         try:
             if os.readlink(fd) == str(ws.path):
                 return fd
-        except FileNotFoundError:    # closed meanwhile (the daemon is running)
+        except FileNotFoundError:  # closed meanwhile (the daemon is running)
             continue
     raise AssertionError("the daemon holds no fd on the workspace root")
 
@@ -136,7 +136,7 @@ def settle() -> None:
     ctimes that this set."""
     for p in entries():
         os.utime(p, ns=(T0, T0), follow_symlinks=False)
-    time.sleep(0.02)             # a clock tick (the thing waited for), not a condition
+    time.sleep(0.02)  # a clock tick (the thing waited for), not a condition
 
 
 def tree() -> list[tuple]:
@@ -166,8 +166,12 @@ def facts(before: os.stat_result | None, after: os.stat_result | None) -> dict |
     """What matters about one watched name after the operation."""
     if after is None:
         return None
-    out = {"mode": oct(after.st_mode), "uid": after.st_uid, "gid": after.st_gid,
-           "nlink": after.st_nlink}
+    out = {
+        "mode": oct(after.st_mode),
+        "uid": after.st_uid,
+        "gid": after.st_gid,
+        "nlink": after.st_nlink,
+    }
     out["size"] = after.st_size
     if before is not None:
         out["same object"] = before.st_ino == after.st_ino
@@ -179,8 +183,11 @@ def facts(before: os.stat_result | None, after: os.stat_result | None) -> dict |
 def changed(before: os.stat_result | None, after: os.stat_result | None) -> list[str] | None:
     if before is None or after is None or before.st_ino != after.st_ino:
         return None
-    return [t for t in ("atime", "mtime", "ctime")
-            if getattr(before, f"st_{t}_ns") != getattr(after, f"st_{t}_ns")]
+    return [
+        t
+        for t in ("atime", "mtime", "ctime")
+        if getattr(before, f"st_{t}_ns") != getattr(after, f"st_{t}_ns")
+    ]
 
 
 # -- running an operation ------------------------------------------------------------------
@@ -234,11 +241,10 @@ class Case:
     name: str
     setup: str
     op: Callable[[], object]
-    watch: str = "."         # space-separated names whose facts are compared
-    user: bool = False       # run the operation as USER
-    known: str = ""          # why the pyfuse3 engine cannot behave natively here (xfail)
+    watch: str = "."  # space-separated names whose facts are compared
+    user: bool = False  # run the operation as USER
+    known: str = ""  # why the pyfuse3 engine cannot behave natively here (xfail)
     extra: Callable[[], object] | None = field(default=None)  # observed after the operation
-
 
     @property
     def sub(self) -> str:
@@ -269,11 +275,13 @@ def observe(case: Case, underneath: Path | None = None) -> dict:
     before = {p: (lstat(p), lstat(under / p)) for p in watched}
     result = as_user(case.op) if case.user else outcome(case.op)
     after = {p: (lstat(p), lstat(under / p)) for p in watched}
-    return {"result": result,
-            "facts": {p: facts(before[p][0], after[p][0]) for p in watched},
-            "underneath": {p: changed(before[p][1], after[p][1]) for p in watched},
-            "extra": case.extra() if case.extra else None,
-            "tree": tree()}
+    return {
+        "result": result,
+        "facts": {p: facts(before[p][0], after[p][0]) for p in watched},
+        "underneath": {p: changed(before[p][1], after[p][1]) for p in watched},
+        "extra": case.extra() if case.extra else None,
+        "tree": tree(),
+    }
 
 
 # -- operations ------------------------------------------------------------------------------
@@ -281,22 +289,26 @@ def observe(case: Case, underneath: Path | None = None) -> dict:
 
 def opened(path, flags, mode=0o666, then: Callable[[int], object] | None = None):
     """open(), an optional action on the fd, close()."""
+
     def op():
         fd = os.open(path, flags, mode)
         try:
             return then(fd) if then else None
         finally:
             os.close(fd)
+
     return op
 
 
 def held(path: str, change: Callable[[], object]):
     """*change* while *path* is open; the link count and size the open file
     reports afterwards."""
+
     def w(fd):
         change()
         st = os.fstat(fd)
         return st.st_nlink, st.st_size if stat.S_ISREG(st.st_mode) else None
+
     return opened(path, os.O_RDONLY, then=w)
 
 
@@ -311,6 +323,7 @@ def read(path: str):
 def write(path: str, data: bytes = b"more", flags: int = os.O_WRONLY, offset: int | None = None):
     def w(fd):
         return os.write(fd, data) if offset is None else os.pwrite(fd, data, offset)
+
     return opened(path, flags, then=w)
 
 
@@ -326,8 +339,10 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
 
 
 def xattrs(path: str = "f"):
-    return lambda: sorted((n, os.getxattr(path, n, follow_symlinks=False))
-                          for n in os.listxattr(path, follow_symlinks=False))
+    return lambda: sorted(
+        (n, os.getxattr(path, n, follow_symlinks=False))
+        for n in os.listxattr(path, follow_symlinks=False)
+    )
 
 
 WHITEOUT = 4
@@ -357,8 +372,7 @@ CASES = [
     Case("unlink missing", "", lambda: os.unlink("f"), "."),
     Case("unlink symlink", "f l->f", lambda: os.unlink("l"), ". f"),
     Case("unlink while open", "f", held("f", lambda: os.unlink("f")), ". f"),
-    Case("unlink one of two links while open", "f g=>f", held("f", lambda: os.unlink("f")),
-         ". g"),
+    Case("unlink one of two links while open", "f g=>f", held("f", lambda: os.unlink("f")), ". g"),
     Case("rmdir while open", "d/", held("d", lambda: os.rmdir("d")), "."),
     Case("rename over a file held open", "f g", held("g", lambda: os.rename("f", "g")), ". g"),
     Case("unlink through file", "f", lambda: os.unlink("f/x"), ". f"),
@@ -373,53 +387,71 @@ CASES = [
     Case("rename file over dir", "f d/", lambda: os.rename("f", "d"), ". f d"),
     Case("rename dir over file", "d/ f", lambda: os.rename("d", "f"), ". f d"),
     Case("rename dir into own subdir", "d/ d/e/", lambda: os.rename("d", "d/e/x"), ". d"),
-    Case("rename dir to another parent", "a/ a/d/ b/", lambda: os.rename("a/d", "b/d"),
-         ". a b b/d"),
-    Case("rename dir over empty dir in another parent", "a/ a/d/ a/d/f b/ b/e/",
-         lambda: os.rename("a/d", "b/e"), ". a b b/e"),
-    Case("rename exchange dirs across parents", "a/ a/d/ b/ b/e/ b/e/f",
-         rename2("a/d", "b/e", B.RENAME_EXCHANGE), ". a b a/d b/e"),
-    Case("rename exchange hard links", "f g=>f", rename2("f", "g", B.RENAME_EXCHANGE),
-         ". f g"),
+    Case(
+        "rename dir to another parent", "a/ a/d/ b/", lambda: os.rename("a/d", "b/d"), ". a b b/d"
+    ),
+    Case(
+        "rename dir over empty dir in another parent",
+        "a/ a/d/ a/d/f b/ b/e/",
+        lambda: os.rename("a/d", "b/e"),
+        ". a b b/e",
+    ),
+    Case(
+        "rename exchange dirs across parents",
+        "a/ a/d/ b/ b/e/ b/e/f",
+        rename2("a/d", "b/e", B.RENAME_EXCHANGE),
+        ". a b a/d b/e",
+    ),
+    Case("rename exchange hard links", "f g=>f", rename2("f", "g", B.RENAME_EXCHANGE), ". f g"),
     Case("rename missing", "", lambda: os.rename("f", "g"), "."),
     Case("rename file to trailing slash", "f", lambda: os.rename("f", "g/"), ". f"),
     Case("rename symlink", "f l->f", lambda: os.rename("l", "m"), ". f m"),
-    Case("rename noreplace onto existing", "f g", rename2("f", "g", B.RENAME_NOREPLACE),
-         ". f g"),
+    Case("rename noreplace onto existing", "f g", rename2("f", "g", B.RENAME_NOREPLACE), ". f g"),
     Case("rename noreplace to new name", "f", rename2("f", "g", B.RENAME_NOREPLACE), ". g"),
-    Case("rename exchange file and dir", "f d/ d/x",
-         rename2("f", "d", B.RENAME_EXCHANGE), ". f d"),
-    Case("rename exchange across dirs", "a/ a/f=one b/ b/g/",
-         rename2("a/f", "b/g", B.RENAME_EXCHANGE), ". a b a/f b/g"),
+    Case("rename exchange file and dir", "f d/ d/x", rename2("f", "d", B.RENAME_EXCHANGE), ". f d"),
+    Case(
+        "rename exchange across dirs",
+        "a/ a/f=one b/ b/g/",
+        rename2("a/f", "b/g", B.RENAME_EXCHANGE),
+        ". a b a/f b/g",
+    ),
     Case("rename exchange with missing", "f", rename2("f", "g", B.RENAME_EXCHANGE), ". f"),
-    Case("rename exchange and noreplace", "f g",
-         rename2("f", "g", B.RENAME_EXCHANGE | B.RENAME_NOREPLACE), ". f g"),
+    Case(
+        "rename exchange and noreplace",
+        "f g",
+        rename2("f", "g", B.RENAME_EXCHANGE | B.RENAME_NOREPLACE),
+        ". f g",
+    ),
     Case("rename whiteout", "f", rename2("f", "g", WHITEOUT), ". f g"),
     # link / symlink / mknod
     Case("link", "f", lambda: os.link("f", "g"), ". f"),
     Case("link dir", "d/", lambda: os.link("d", "e"), ". d"),
     Case("link over existing", "f g", lambda: os.link("f", "g"), ". f g"),
-    Case("link symlink itself", "f l->f",
-         lambda: os.link("l", "m", follow_symlinks=False), ". f l"),
+    Case(
+        "link symlink itself", "f l->f", lambda: os.link("l", "m", follow_symlinks=False), ". f l"
+    ),
     Case("link through symlink", "f l->f", lambda: os.link("l", "m"), ". f l"),
     Case("symlink", "", lambda: os.symlink("target", "l"), ". l"),
     Case("symlink over existing", "f", lambda: os.symlink("t", "f"), ". f"),
     Case("symlink long target", "", lambda: os.symlink("t" * 4095, "l"), ". l"),
     Case("symlink too long target", "", lambda: os.symlink("t" * 4096, "l"), "."),
     Case("mkfifo", "", lambda: os.mkfifo("p", 0o640), ". p"),
-    Case("mknod char device", "", lambda: os.mknod("c", 0o600 | stat.S_IFCHR,
-                                                    os.makedev(1, 3)), ". c"),
+    Case(
+        "mknod char device",
+        "",
+        lambda: os.mknod("c", 0o600 | stat.S_IFCHR, os.makedev(1, 3)),
+        ". c",
+    ),
     # symlink loops
     Case("open self loop", "l->l", read("l"), ". l"),
     Case("open two-link loop", "a->b b->a", read("a"), ". a b"),
     Case("stat through loop", "a->b b->a", lambda: os.stat("a/x") and None, "."),
     Case("open nofollow symlink", "f l->f", opened("l", os.O_RDONLY | os.O_NOFOLLOW), ". l"),
-    Case("open nofollow path symlink", "f l->f",
-         opened("l", os.O_PATH | os.O_NOFOLLOW), ". l"),
-    Case("create through dangling symlink", "l->new", opened("l", os.O_WRONLY | CREAT),
-         ". l"),
-    Case("create excl on dangling symlink", "l->new",
-         opened("l", os.O_WRONLY | CREAT | EXCL), ". l"),
+    Case("open nofollow path symlink", "f l->f", opened("l", os.O_PATH | os.O_NOFOLLOW), ". l"),
+    Case("create through dangling symlink", "l->new", opened("l", os.O_WRONLY | CREAT), ". l"),
+    Case(
+        "create excl on dangling symlink", "l->new", opened("l", os.O_WRONLY | CREAT | EXCL), ". l"
+    ),
     Case("readlink", "l->target", lambda: os.readlink("l"), ". l"),
     # name lengths
     Case("create 255-byte name", "", opened(LONG, os.O_WRONLY | CREAT), "."),
@@ -444,42 +476,73 @@ CASES = [
     Case("write", "f=0123456789", write("f", offset=3), ". f"),
     Case("write nothing", "f=0123456789", write("f", b""), ". f"),
     Case("append", "f=0123456789", write("f", flags=os.O_WRONLY | os.O_APPEND), ". f"),
-    Case("pwrite on an append fd", "f=0123456789",
-         write("f", flags=os.O_WRONLY | os.O_APPEND, offset=0), ". f"),
+    Case(
+        "pwrite on an append fd",
+        "f=0123456789",
+        write("f", flags=os.O_WRONLY | os.O_APPEND, offset=0),
+        ". f",
+    ),
     Case("write to read-only fd", "f", write("f", flags=os.O_RDONLY), ". f"),
-    Case("read from write-only fd", "f", opened("f", os.O_WRONLY,
-                                                then=lambda fd: os.read(fd, 1)), ". f"),
+    Case(
+        "read from write-only fd",
+        "f",
+        opened("f", os.O_WRONLY, then=lambda fd: os.read(fd, 1)),
+        ". f",
+    ),
     Case("pwrite past the end", "f=0123", write("f", offset=10_000), ". f"),
     Case("read", "f=0123456789", read("f"), ". f"),
     Case("read dir", "d/", read("d"), ". d"),
     Case("open read-only", "f", opened("f", os.O_RDONLY), ". f"),
-    Case("open dir without reading it", "d/ d/f", opened("d", os.O_RDONLY | os.O_DIRECTORY),
-         ". d"),
+    Case("open dir without reading it", "d/ d/f", opened("d", os.O_RDONLY | os.O_DIRECTORY), ". d"),
     Case("read twice", "f=0123456789", lambda: (read("f")(), read("f")()), ". f"),
     Case("list dir", "d/ d/f", lambda: sorted(os.listdir("d")), ". d"),
     Case("fsync", "f", opened("f", os.O_WRONLY, then=os.fsync), ". f"),
-    Case("o_tmpfile", "d/", opened("d", os.O_WRONLY | os.O_TMPFILE), ". d",
-         known="pyfuse3 has no tmpfile operation (EOPNOTSUPP)"),
-    Case("seek hole", "f", opened("f", RW, then=lambda fd: (
-        os.ftruncate(fd, 1 << 20), os.lseek(fd, 0, os.SEEK_HOLE))), ". f",
-        known="pyfuse3 has no lseek operation: no holes are reported"),
-    Case("punch hole", "f=0123456789", opened("f", RW, then=lambda fd: fallocate(
-        fd, FALLOC_PUNCH_HOLE | FALLOC_KEEP_SIZE, 0, 4)), ". f",
-        known="pyfuse3 has no fallocate operation (EOPNOTSUPP)"),
-    Case("posix_fallocate", "f=0123", opened("f", RW, then=lambda fd: os.posix_fallocate(
-        fd, 0, 10_000)), ". f"),
+    Case(
+        "o_tmpfile",
+        "d/",
+        opened("d", os.O_WRONLY | os.O_TMPFILE),
+        ". d",
+        known="pyfuse3 has no tmpfile operation (EOPNOTSUPP)",
+    ),
+    Case(
+        "seek hole",
+        "f",
+        opened("f", RW, then=lambda fd: (os.ftruncate(fd, 1 << 20), os.lseek(fd, 0, os.SEEK_HOLE))),
+        ". f",
+        known="pyfuse3 has no lseek operation: no holes are reported",
+    ),
+    Case(
+        "punch hole",
+        "f=0123456789",
+        opened("f", RW, then=lambda fd: fallocate(fd, FALLOC_PUNCH_HOLE | FALLOC_KEEP_SIZE, 0, 4)),
+        ". f",
+        known="pyfuse3 has no fallocate operation (EOPNOTSUPP)",
+    ),
+    Case(
+        "posix_fallocate",
+        "f=0123",
+        opened("f", RW, then=lambda fd: os.posix_fallocate(fd, 0, 10_000)),
+        ". f",
+    ),
     # attributes
     Case("fchmod", "f", opened("f", os.O_RDONLY, then=lambda fd: os.fchmod(fd, 0o600)), ". f"),
-    Case("fchown", "f", opened("f", os.O_RDONLY, then=lambda fd: os.fchown(fd, USER, -1)),
-         ". f"),
+    Case("fchown", "f", opened("f", os.O_RDONLY, then=lambda fd: os.fchown(fd, USER, -1)), ". f"),
     Case("futimens now", "f", opened("f", os.O_RDONLY, then=lambda fd: os.utime(fd)), ". f"),
-    Case("ftruncate longer", "f=0123", opened("f", os.O_WRONLY,
-                                              then=lambda fd: os.ftruncate(fd, 9000)), ". f"),
+    Case(
+        "ftruncate longer",
+        "f=0123",
+        opened("f", os.O_WRONLY, then=lambda fd: os.ftruncate(fd, 9000)),
+        ". f",
+    ),
     Case("truncate shorter", "f=0123456789", lambda: os.truncate("f", 3), ". f"),
     Case("truncate longer", "f=0123", lambda: os.truncate("f", 100), ". f"),
     Case("truncate to same size", "f=0123", lambda: os.truncate("f", 4), ". f"),
-    Case("ftruncate to same size", "f=0123", opened("f", os.O_WRONLY,
-                                                    then=lambda fd: os.ftruncate(fd, 4)), ". f"),
+    Case(
+        "ftruncate to same size",
+        "f=0123",
+        opened("f", os.O_WRONLY, then=lambda fd: os.ftruncate(fd, 4)),
+        ". f",
+    ),
     Case("truncate dir", "d/", lambda: os.truncate("d", 0), ". d"),
     Case("truncate through symlink", "f=0123 l->f", lambda: os.truncate("l", 1), ". f l"),
     Case("chmod", "f", lambda: os.chmod("f", 0o600), ". f"),
@@ -491,89 +554,212 @@ CASES = [
     Case("chown nothing of setuid file", "f:6775", lambda: os.chown("f", -1, -1), ". f"),
     Case("chown setuid file", "f:4755", lambda: os.chown("f", USER, USER), ". f"),
     Case("chown setgid dir", "d/:2775", lambda: os.chown("d", USER, USER), ". d"),
-    Case("lchown symlink", "f l->f", lambda: os.chown("l", USER, USER, follow_symlinks=False),
-         ". f l"),
+    Case(
+        "lchown symlink",
+        "f l->f",
+        lambda: os.chown("l", USER, USER, follow_symlinks=False),
+        ". f l",
+    ),
     Case("utime explicit", "f", lambda: os.utime("f", ns=(5, 6)), ". f"),
     Case("utime now", "f", lambda: os.utime("f"), ". f"),
-    Case("utime symlink", "f l->f", lambda: os.utime("l", ns=(5, 6), follow_symlinks=False),
-         ". f l"),
+    Case(
+        "utime symlink", "f l->f", lambda: os.utime("l", ns=(5, 6), follow_symlinks=False), ". f l"
+    ),
     Case("utime dir", "d/", lambda: os.utime("d", ns=(5, 6)), ". d"),
     Case("setxattr", "f", lambda: os.setxattr("f", "user.k", b"v"), ". f", extra=xattrs()),
-    Case("setxattr dir", "d/", lambda: os.setxattr("d", "user.k", b"v"), ". d",
-         extra=xattrs("d")),
-    Case("setxattr create existing", "f", lambda: (
-        os.setxattr("f", "user.k", b"v"), os.setxattr("f", "user.k", b"w", os.XATTR_CREATE)),
-        ". f", extra=xattrs()),
-    Case("setxattr replace missing", "f",
-         lambda: os.setxattr("f", "user.k", b"v", os.XATTR_REPLACE), ". f", extra=xattrs()),
+    Case("setxattr dir", "d/", lambda: os.setxattr("d", "user.k", b"v"), ". d", extra=xattrs("d")),
+    Case(
+        "setxattr create existing",
+        "f",
+        lambda: (
+            os.setxattr("f", "user.k", b"v"),
+            os.setxattr("f", "user.k", b"w", os.XATTR_CREATE),
+        ),
+        ". f",
+        extra=xattrs(),
+    ),
+    Case(
+        "setxattr replace missing",
+        "f",
+        lambda: os.setxattr("f", "user.k", b"v", os.XATTR_REPLACE),
+        ". f",
+        extra=xattrs(),
+    ),
     Case("removexattr missing", "f", lambda: os.removexattr("f", "user.k"), ". f"),
     Case("getxattr missing", "f", lambda: os.getxattr("f", "user.k"), ". f"),
-    Case("setxattr on symlink", "f l->f",
-         lambda: os.setxattr("l", "user.k", b"v", follow_symlinks=False), ". f l"),
-    Case("setxattr trusted", "f", lambda: os.setxattr("f", "trusted.k", b"v"), ". f",
-         extra=xattrs()),
+    Case(
+        "setxattr on symlink",
+        "f l->f",
+        lambda: os.setxattr("l", "user.k", b"v", follow_symlinks=False),
+        ". f l",
+    ),
+    Case(
+        "setxattr trusted", "f", lambda: os.setxattr("f", "trusted.k", b"v"), ". f", extra=xattrs()
+    ),
     # cross-device
-    Case("rename to another filesystem", "f",
-         lambda: os.rename("f", f"/dev/shm/cowfs-posix-{os.getpid()}"), ". f"),
-    Case("link to another filesystem", "f",
-         lambda: os.link("f", f"/dev/shm/cowfs-posix-{os.getpid()}"), ". f"),
+    Case(
+        "rename to another filesystem",
+        "f",
+        lambda: os.rename("f", f"/dev/shm/cowfs-posix-{os.getpid()}"),
+        ". f",
+    ),
+    Case(
+        "link to another filesystem",
+        "f",
+        lambda: os.link("f", f"/dev/shm/cowfs-posix-{os.getpid()}"),
+        ". f",
+    ),
     # permissions, as an unprivileged user
     Case("user reads 0600 file of root", "f:0600", read("f"), ". f", user=True),
     Case("user reads 0644 file of root", "f:0644", read("f"), ". f", user=True),
     Case("user writes 0644 file of root", "f:0644", write("f"), ". f", user=True),
-    Case("user creates in 0755 dir of root", "d/:0755", opened("d/f", os.O_WRONLY | CREAT),
-         ". d", user=True),
-    Case("user mkdir in 0755 dir of root", "d/:0755", lambda: os.mkdir("d/e"), ". d",
-         user=True),
-    Case("user creates in 0777 dir", "d/:0777", opened("d/f", os.O_WRONLY | CREAT, 0o666),
-         ". d d/f", user=True),
-    Case("user creates in setgid dir", f"d/:2777:0:{GROUP}",
-         opened("d/f", os.O_WRONLY | CREAT, 0o2777), ". d d/f", user=True),
-    Case("user mkdir in setgid dir", f"d/:2777:0:{GROUP}", lambda: os.mkdir("d/e", 0o777),
-         ". d d/e", user=True),
-    Case("user creates a mode-0 file and writes it", "d/:0777",
-         opened("d/f", RW | CREAT, 0, then=lambda fd: (os.write(fd, b"x"), os.pread(fd, 9, 0))),
-         ". d d/f", user=True),
-    Case("user opens own 0400 file for writing", f"f:0400:{USER}", write("f"), ". f",
-         user=True),
-    Case("user renames out of 0755 dir of root", "a/:0755 a/f:0666 b/:0777",
-         lambda: os.rename("a/f", "b/f"), ". a b", user=True),
+    Case(
+        "user creates in 0755 dir of root",
+        "d/:0755",
+        opened("d/f", os.O_WRONLY | CREAT),
+        ". d",
+        user=True,
+    ),
+    Case("user mkdir in 0755 dir of root", "d/:0755", lambda: os.mkdir("d/e"), ". d", user=True),
+    Case(
+        "user creates in 0777 dir",
+        "d/:0777",
+        opened("d/f", os.O_WRONLY | CREAT, 0o666),
+        ". d d/f",
+        user=True,
+    ),
+    Case(
+        "user creates in setgid dir",
+        f"d/:2777:0:{GROUP}",
+        opened("d/f", os.O_WRONLY | CREAT, 0o2777),
+        ". d d/f",
+        user=True,
+    ),
+    Case(
+        "user mkdir in setgid dir",
+        f"d/:2777:0:{GROUP}",
+        lambda: os.mkdir("d/e", 0o777),
+        ". d d/e",
+        user=True,
+    ),
+    Case(
+        "user creates a mode-0 file and writes it",
+        "d/:0777",
+        opened("d/f", RW | CREAT, 0, then=lambda fd: (os.write(fd, b"x"), os.pread(fd, 9, 0))),
+        ". d d/f",
+        user=True,
+    ),
+    Case("user opens own 0400 file for writing", f"f:0400:{USER}", write("f"), ". f", user=True),
+    Case(
+        "user renames out of 0755 dir of root",
+        "a/:0755 a/f:0666 b/:0777",
+        lambda: os.rename("a/f", "b/f"),
+        ". a b",
+        user=True,
+    ),
     Case("user enters 0700 dir of root", "d/:0700 d/f", read("d/f"), ". d", user=True),
-    Case("user deletes root's file in sticky dir", "t/:1777 t/f:0666", lambda: os.unlink("t/f"),
-         ". t t/f", user=True),
-    Case("user deletes own file in sticky dir", f"t/:1777 t/f::{USER}",
-         lambda: os.unlink("t/f"), ". t", user=True),
-    Case("user renames root's file in sticky dir", "t/:1777 t/f:0666",
-         lambda: os.rename("t/f", "t/g"), ". t t/f", user=True),
-    Case("user replaces root's file in sticky dir", f"t/:1777 t/f:0666 t/g::{USER}",
-         lambda: os.rename("t/g", "t/f"), ". t t/f t/g", user=True),
+    Case(
+        "user deletes root's file in sticky dir",
+        "t/:1777 t/f:0666",
+        lambda: os.unlink("t/f"),
+        ". t t/f",
+        user=True,
+    ),
+    Case(
+        "user deletes own file in sticky dir",
+        f"t/:1777 t/f::{USER}",
+        lambda: os.unlink("t/f"),
+        ". t",
+        user=True,
+    ),
+    Case(
+        "user renames root's file in sticky dir",
+        "t/:1777 t/f:0666",
+        lambda: os.rename("t/f", "t/g"),
+        ". t t/f",
+        user=True,
+    ),
+    Case(
+        "user replaces root's file in sticky dir",
+        f"t/:1777 t/f:0666 t/g::{USER}",
+        lambda: os.rename("t/g", "t/f"),
+        ". t t/f t/g",
+        user=True,
+    ),
     Case("user chmods root's file", "f:0666", lambda: os.chmod("f", 0o600), ". f", user=True),
-    Case("user chowns own file to root", f"f::{USER}", lambda: os.chown("f", 0, 0), ". f",
-         user=True),
-    Case("user chgrps own file to a foreign group", f"f::{USER}",
-         lambda: os.chown("f", -1, GROUP), ". f", user=True),
-    Case("user sets setgid on own file of a foreign group", f"f::{USER}:{GROUP}",
-         lambda: os.chmod("f", 0o2755), ". f", user=True),
-    Case("user touches writable file of root", "f:0666", lambda: os.utime("f"), ". f",
-         user=True),
-    Case("user sets times of writable file of root", "f:0666",
-         lambda: os.utime("f", ns=(5, 6)), ". f", user=True),
-    Case("user truncates 0644 file of root", "f:0644", lambda: os.truncate("f", 0), ". f",
-         user=True),
+    Case(
+        "user chowns own file to root", f"f::{USER}", lambda: os.chown("f", 0, 0), ". f", user=True
+    ),
+    Case(
+        "user chgrps own file to a foreign group",
+        f"f::{USER}",
+        lambda: os.chown("f", -1, GROUP),
+        ". f",
+        user=True,
+    ),
+    Case(
+        "user sets setgid on own file of a foreign group",
+        f"f::{USER}:{GROUP}",
+        lambda: os.chmod("f", 0o2755),
+        ". f",
+        user=True,
+    ),
+    Case("user touches writable file of root", "f:0666", lambda: os.utime("f"), ". f", user=True),
+    Case(
+        "user sets times of writable file of root",
+        "f:0666",
+        lambda: os.utime("f", ns=(5, 6)),
+        ". f",
+        user=True,
+    ),
+    Case(
+        "user truncates 0644 file of root", "f:0644", lambda: os.truncate("f", 0), ". f", user=True
+    ),
     Case("user writes own setuid file", f"f:4755:{USER}", write("f"), ". f", user=True),
-    Case("user truncates own setgid file", f"f:2775:{USER}:{USER}",
-         lambda: os.truncate("f", 1), ". f", user=True),
+    Case(
+        "user truncates own setgid file",
+        f"f:2775:{USER}:{USER}",
+        lambda: os.truncate("f", 1),
+        ". f",
+        user=True,
+    ),
     Case("user writes 0666 setuid file of root", "f:4777", write("f"), ". f", user=True),
-    Case("user sets xattr on 0644 file of root", "f:0644",
-         lambda: os.setxattr("f", "user.k", b"v"), ". f", user=True),
-    Case("user sets xattr on own file", f"f::{USER}",
-         lambda: os.setxattr("f", "user.k", b"v"), ". f", user=True, extra=xattrs()),
-    Case("user hard-links 0600 file of root", "d/:0777 f:0600", lambda: os.link("f", "d/g"),
-         ". f d", user=True),
-    Case("user opens root's file noatime", "f:0644", opened("f", os.O_RDONLY | os.O_NOATIME),
-         ". f", user=True),
-    Case("user access", "f:0640", lambda: [os.access("f", m) for m in (os.R_OK, os.W_OK)],
-         ". f", user=True),
+    Case(
+        "user sets xattr on 0644 file of root",
+        "f:0644",
+        lambda: os.setxattr("f", "user.k", b"v"),
+        ". f",
+        user=True,
+    ),
+    Case(
+        "user sets xattr on own file",
+        f"f::{USER}",
+        lambda: os.setxattr("f", "user.k", b"v"),
+        ". f",
+        user=True,
+        extra=xattrs(),
+    ),
+    Case(
+        "user hard-links 0600 file of root",
+        "d/:0777 f:0600",
+        lambda: os.link("f", "d/g"),
+        ". f d",
+        user=True,
+    ),
+    Case(
+        "user opens root's file noatime",
+        "f:0644",
+        opened("f", os.O_RDONLY | os.O_NOATIME),
+        ". f",
+        user=True,
+    ),
+    Case(
+        "user access",
+        "f:0640",
+        lambda: [os.access("f", m) for m in (os.R_OK, os.W_OK)],
+        ". f",
+        user=True,
+    ),
 ]
 
 
@@ -587,14 +773,17 @@ def test_like_native(roots, case, layer, engine, request):
     was made in it (nothing of it needs capturing)."""
     if case.known and engine == "pyfuse3":
         request.applymarker(pytest.mark.xfail(reason=case.known, strict=True))
+
     def run(underneath=None):
         if layer == "new":
             build(case.setup)
         return observe(case, underneath)
+
     new = layer == "new"
     want = in_dir(roots.native / layer / case.sub, run, create=new)
-    got = in_dir(roots.ws.path / layer / case.sub,
-                 lambda: run(roots.backing / layer / case.sub), create=new)
+    got = in_dir(
+        roots.ws.path / layer / case.sub, lambda: run(roots.backing / layer / case.sub), create=new
+    )
     assert got == want, "\n".join(differences(want, got))
 
 
@@ -605,8 +794,7 @@ def differences(want: dict, got: dict) -> list[str]:
             for p, w in want[key].items():
                 g = got[key][p]
                 if w != g:
-                    out.append(f"  {key} {p}: native {w}\n"
-                               f"  {' ' * len(key + p)}   cowfs  {g}")
+                    out.append(f"  {key} {p}: native {w}\n  {' ' * len(key + p)}   cowfs  {g}")
         elif want[key] != got[key]:
             out.append(f"  {key}: native {want[key]}\n  {' ' * len(key)}  cowfs  {got[key]}")
     return out
@@ -641,7 +829,7 @@ def test_renames_and_links_out_of_the_mount_are_cross_device(roots, op):
 
 APPEND_HEAD = b"records follow\n"
 APPEND_WRITERS = 4
-APPENDS = [(3000, 150), (150_000, 8)]   # (record size, records per writer)
+APPENDS = [(3000, 150), (150_000, 8)]  # (record size, records per writer)
 
 
 def record(writer: int, i: int, size: int) -> bytes:
@@ -663,8 +851,7 @@ def append_concurrently(path: Path, size: int, count: int) -> None:
                 raise OSError(errno.EIO, "short write")
         os.close(fd)
 
-    pids = [in_child(functools.partial(append, w), f"writer {w}")
-            for w in range(APPEND_WRITERS)]
+    pids = [in_child(functools.partial(append, w), f"writer {w}") for w in range(APPEND_WRITERS)]
     os.close(go_r)
     os.close(go_w)  # go
     for pid in pids:
@@ -679,11 +866,11 @@ def test_concurrent_appends_lose_and_tear_nothing(roots, where, size, count):
     append_concurrently(path, size, count)
     data = path.read_bytes()
     assert data.startswith(APPEND_HEAD)
-    body = data[len(APPEND_HEAD):]
+    body = data[len(APPEND_HEAD) :]
     assert len(body) == APPEND_WRITERS * count * size
     seen = {w: [] for w in range(APPEND_WRITERS)}
     for off in range(0, len(body), size):
-        rec = body[off:off + size]
+        rec = body[off : off + size]
         writer, i = (int(x) for x in rec.split(b":", 2)[:2])
         assert rec == record(writer, i, size), f"torn record at {off}"
         seen[writer].append(i)
@@ -699,6 +886,7 @@ def _make_objects(prefix: str) -> None:
     """Create one object of each kind with the widest modes a program asks
     for, in the current directory."""
     import socket
+
     os.close(os.open(f"{prefix}file", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o666))
     os.close(os.open(f"{prefix}exe", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o777))
     os.mkdir(f"{prefix}dir", 0o777)
@@ -730,10 +918,12 @@ def test_creation_modes_follow_the_callers_umask(tmp_path, daemon_umask):
 
         def make_all(d: Path) -> None:
             for mask in CALLER_UMASKS:
+
                 def make(mask=mask):
                     os.umask(mask)
                     os.chdir(d)
                     _make_objects(f"u{mask:03o}-")
+
                 pid = in_child(make, f"umask {mask:03o}")
                 assert os.waitpid(pid, 0)[1] == 0
 
@@ -758,4 +948,3 @@ def test_rollback_undoes_every_case(roots):
     (roots.ws / "new" / "one-more").write_text("so that there is a change")
     roots.ws.rollback()
     treesnap.assert_same(roots.at_mount, roots.ws.snapshot())
-

@@ -28,11 +28,14 @@ T0 = 1_600_000_000  # a fixed, old mtime (2020-09-13), so "unchanged" is visible
 def sh(cwd, *cmd, env=None, input=None) -> subprocess.CompletedProcess:
     """Run a real program; fail with its stderr if it exits non-zero."""
     argv = [str(c) for c in cmd]
-    r = subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=120
+    )
     if r.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} (in {cwd}) exited {r.returncode}:\n"
-                             f"stdout: {r.stdout}\nstderr: {r.stderr}")
+        raise AssertionError(
+            f"{' '.join(argv)} (in {cwd}) exited {r.returncode}:\n"
+            f"stdout: {r.stdout}\nstderr: {r.stderr}"
+        )
     return r
 
 
@@ -40,8 +43,9 @@ def settle_mtimes(root: Path, when: int = T0) -> None:
     """Give every entry under root (root included) the same fixed mtime."""
     for dirpath, dirnames, filenames in os.walk(root, topdown=False):
         for name in dirnames + filenames:
-            os.utime(os.path.join(dirpath, name), ns=(when * 10**9, when * 10**9),
-                     follow_symlinks=False)
+            os.utime(
+                os.path.join(dirpath, name), ns=(when * 10**9, when * 10**9), follow_symlinks=False
+            )
         os.utime(dirpath, ns=(when * 10**9, when * 10**9))
 
 
@@ -93,8 +97,17 @@ def git_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-GIT = ["git", "-c", "init.defaultBranch=main", "-c", "gc.auto=0",
-       "-c", "maintenance.auto=false", "-c", "advice.detachedHead=false"]
+GIT = [
+    "git",
+    "-c",
+    "init.defaultBranch=main",
+    "-c",
+    "gc.auto=0",
+    "-c",
+    "maintenance.auto=false",
+    "-c",
+    "advice.detachedHead=false",
+]
 
 
 def git(cwd, env, *args) -> str:
@@ -285,8 +298,11 @@ def test_tar_extract_into_workspace_then_rollback(workspace, tmp_path):
     treesnap.assert_same(before, ws.snapshot())
 
 
-@pytest.mark.parametrize("mode", [[], ["--overwrite"], ["--recursive-unlink"]],
-                         ids=["default-unlink", "overwrite", "recursive-unlink"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--overwrite"], ["--recursive-unlink"]],
+    ids=["default-unlink", "overwrite", "recursive-unlink"],
+)
 def test_tar_extract_over_existing_files_then_rollback(workspace, tmp_path, mode):
     ws = workspace
     src = tmp_path / "src"
@@ -343,10 +359,16 @@ def test_sed_in_place_on_several_files_then_rollback(workspace):
     before = ws.snapshot()
     ws.checkpoint("sed -i")
 
-    sh(ws.path, "sed", "-i", "s/old/new/; s/port = 80/port = 90/",
-       *(f"conf/c{i}.conf" for i in range(4)), "README.md", "src/lib/util.py")
-    sh(ws.path, "sed", "-i", "--follow-symlinks", "1i # edited via a symlink",
-       "c4-symlink.conf")
+    sh(
+        ws.path,
+        "sed",
+        "-i",
+        "s/old/new/; s/port = 80/port = 90/",
+        *(f"conf/c{i}.conf" for i in range(4)),
+        "README.md",
+        "src/lib/util.py",
+    )
+    sh(ws.path, "sed", "-i", "--follow-symlinks", "1i # edited via a symlink", "c4-symlink.conf")
     sh(ws.path, "sed", "-i.bak", "s/guide/GUIDE/g", "docs/guide.md")  # leaves a backup
     assert "new0" in (ws / "conf" / "c0.conf").read_text()
     assert os.stat(ws / "c3-hardlink.conf").st_nlink == 1
@@ -363,9 +385,19 @@ def test_sed_in_place_on_several_files_then_rollback(workspace):
 
 
 def python_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX",
-                        "SOURCE_DATE_EPOCH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PYTHONDONTWRITEBYTECODE",
+            "PYTHONPYCACHEPREFIX",
+            "SOURCE_DATE_EPOCH",
+            "VIRTUAL_ENV",
+            "PYTHONHOME",
+            "PYTHONPATH",
+        )
+    }
     return env
 
 
@@ -384,8 +416,7 @@ def test_python_compileall_then_rollback(workspace):
 
     sh(ws.path, "python3", "-m", "compileall", "-q", "pkg", "src", env=python_env())
     assert list((pkg / "sub" / "__pycache__").glob("deep.*.pyc"))
-    r = sh(ws.path, "python3", "-c", "import pkg.sub.deep as d; print(d.VALUE)",
-           env=python_env())
+    r = sh(ws.path, "python3", "-c", "import pkg.sub.deep as d; print(d.VALUE)", env=python_env())
     assert r.stdout.strip() == "42"
     changed(before, ws.snapshot())
 
@@ -401,8 +432,13 @@ def test_python_venv_creation_then_rollback(workspace):
     ws.checkpoint("venv")
 
     sh(ws.path, "python3", "-m", "venv", "--without-pip", ".venv", env=python_env())
-    r = sh(ws.path, ws / ".venv" / "bin" / "python", "-c",
-           "import sys; print(sys.prefix != sys.base_prefix)", env=python_env())
+    r = sh(
+        ws.path,
+        ws / ".venv" / "bin" / "python",
+        "-c",
+        "import sys; print(sys.prefix != sys.base_prefix)",
+        env=python_env(),
+    )
     assert r.stdout.strip() == "True"
     assert (ws / ".venv" / "pyvenv.cfg").exists()
     changed(before, ws.snapshot())
@@ -414,13 +450,19 @@ def test_python_venv_creation_then_rollback(workspace):
 # -- 5. gcc --------------------------------------------------------------------------
 
 
-C_MAIN = '#include <stdio.h>\n#include "util.h"\nint main(void) {\n' \
-         '    printf("%d %s\\n", twice(21), greeting());\n    return 0;\n}\n'
+C_MAIN = (
+    '#include <stdio.h>\n#include "util.h"\nint main(void) {\n'
+    '    printf("%d %s\\n", twice(21), greeting());\n    return 0;\n}\n'
+)
 C_UTIL_H = "int twice(int x);\nconst char *greeting(void);\n"
-C_UTIL_V1 = '#include "util.h"\nint twice(int x) { return 2 * x; }\n' \
-            'const char *greeting(void) { return "old"; }\n'
-C_UTIL_V2 = '#include "util.h"\nint twice(int x) { return x + x; }\n' \
-            'const char *greeting(void) { return "new build"; }\n'
+C_UTIL_V1 = (
+    '#include "util.h"\nint twice(int x) { return 2 * x; }\n'
+    'const char *greeting(void) { return "old"; }\n'
+)
+C_UTIL_V2 = (
+    '#include "util.h"\nint twice(int x) { return x + x; }\n'
+    'const char *greeting(void) { return "new build"; }\n'
+)
 
 
 def build(cwd) -> None:
@@ -495,14 +537,22 @@ def test_sqlite_transactions_then_rollback(workspace):
     s0 = ws.snapshot()
     first = ws.checkpoint("create db")
 
-    sh(ws.path, "sqlite3", "app.db", input=(
-        "pragma journal_mode=delete;\n"
-        "create table items (id integer primary key, name text, qty integer, pad blob);\n"
-        "create index items_name on items(name);\n"
-        "begin;\n"
-        + "".join(f"insert into items values ({i}, 'item{i}', {i * 10}, randomblob(300));\n"
-                  for i in range(1, 401))
-        + "commit;\n"))
+    sh(
+        ws.path,
+        "sqlite3",
+        "app.db",
+        input=(
+            "pragma journal_mode=delete;\n"
+            "create table items (id integer primary key, name text, qty integer, pad blob);\n"
+            "create index items_name on items(name);\n"
+            "begin;\n"
+            + "".join(
+                f"insert into items values ({i}, 'item{i}', {i * 10}, randomblob(300));\n"
+                for i in range(1, 401)
+            )
+            + "commit;\n"
+        ),
+    )
     rows_v1 = sh(ws.path, "sqlite3", "app.db", SELECT).stdout
     assert rows_v1.count("\n") == 400
     s1 = ws.snapshot()
@@ -510,13 +560,19 @@ def test_sqlite_transactions_then_rollback(workspace):
     ws.checkpoint("modify rows")
 
     # Pages rewritten in place; app.db-journal is created and deleted per transaction.
-    sh(ws.path, "sqlite3", "app.db", input=(
-        "begin;\n"
-        "update items set qty = qty + 1, name = 'renamed' || id where id % 3 = 0;\n"
-        "delete from items where id between 100 and 150;\n"
-        "insert into items values (1000, 'late', 1, randomblob(5000));\n"
-        "commit;\n"
-        "begin;\nupdate items set qty = -1 where id = 1;\ncommit;\n"))
+    sh(
+        ws.path,
+        "sqlite3",
+        "app.db",
+        input=(
+            "begin;\n"
+            "update items set qty = qty + 1, name = 'renamed' || id where id % 3 = 0;\n"
+            "delete from items where id between 100 and 150;\n"
+            "insert into items values (1000, 'late', 1, randomblob(5000));\n"
+            "commit;\n"
+            "begin;\nupdate items set qty = -1 where id = 1;\ncommit;\n"
+        ),
+    )
     rows_v2 = sh(ws.path, "sqlite3", "app.db", SELECT).stdout
     assert rows_v2 != rows_v1
     assert not (ws / "app.db-journal").exists()
@@ -536,20 +592,36 @@ def test_sqlite_transactions_then_rollback(workspace):
 def test_sqlite_wal_mode_then_rollback(workspace):
     ws = workspace
     mounted_project(ws)
-    sh(ws.path, "sqlite3", "wal.db", input=(
-        "pragma journal_mode=wal;\n"
-        "create table t (id integer primary key, v text);\n"
-        + "".join(f"insert into t values ({i}, 'v{i}');\n" for i in range(200))))
+    sh(
+        ws.path,
+        "sqlite3",
+        "wal.db",
+        input=(
+            "pragma journal_mode=wal;\n"
+            "create table t (id integer primary key, v text);\n"
+            + "".join(f"insert into t values ({i}, 'v{i}');\n" for i in range(200))
+        ),
+    )
     rows_v1 = sh(ws.path, "sqlite3", "wal.db", "select * from t order by id;").stdout
     before = ws.snapshot()
     ws.checkpoint("wal writes")
 
     # The -wal file and the mmapped -shm file come and go with the connection.
-    sh(ws.path, "sqlite3", "wal.db", input=(
-        "begin;\nupdate t set v = 'changed' where id % 2 = 0;\ncommit;\n"
-        "delete from t where id > 150;\n"))
-    assert sh(ws.path, "sqlite3", "wal.db",
-              "select count(*) from t where v = 'changed';").stdout.strip() == "76"
+    sh(
+        ws.path,
+        "sqlite3",
+        "wal.db",
+        input=(
+            "begin;\nupdate t set v = 'changed' where id % 2 = 0;\ncommit;\n"
+            "delete from t where id > 150;\n"
+        ),
+    )
+    assert (
+        sh(
+            ws.path, "sqlite3", "wal.db", "select count(*) from t where v = 'changed';"
+        ).stdout.strip()
+        == "76"
+    )
     changed(before, ws.snapshot())
 
     ws.rollback()
@@ -620,12 +692,12 @@ def test_mv_directories_then_rollback(workspace):
     before = ws.snapshot()
     ws.checkpoint("mv")
 
-    sh(ws.path, "mv", "src", "source")                     # rename a dir with content
-    sh(ws.path, "mv", "docs", "archive/")                  # move a dir into another dir
-    sh(ws.path, "mv", "-T", "build", "empty-target")       # replace an empty dir
-    sh(ws.path, "mv", "source/lib", "archive/docs/")       # a nested dir, across parents
-    sh(ws.path, "mv", "notes.txt", "todo.txt")             # a file over a file
-    sh(ws.path, "mv", "archive", "data/")                  # and the moved dirs again
+    sh(ws.path, "mv", "src", "source")  # rename a dir with content
+    sh(ws.path, "mv", "docs", "archive/")  # move a dir into another dir
+    sh(ws.path, "mv", "-T", "build", "empty-target")  # replace an empty dir
+    sh(ws.path, "mv", "source/lib", "archive/docs/")  # a nested dir, across parents
+    sh(ws.path, "mv", "notes.txt", "todo.txt")  # a file over a file
+    sh(ws.path, "mv", "archive", "data/")  # and the moved dirs again
     assert (ws / "data" / "archive" / "docs" / "lib" / "util.py").exists()
     assert (ws / "empty-target" / "out" / "artifact").exists()
     assert os.readlink(ws / "empty-target" / "latest") == "out/artifact"

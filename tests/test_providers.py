@@ -23,8 +23,9 @@ from .helpers import COWFS, run
 
 
 def sql(db, statement: str) -> str:
-    return subprocess.run(["sqlite3", str(db), statement], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["sqlite3", str(db), statement], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -36,10 +37,17 @@ def db(tmp_path):
 
 
 def add_db_provider(ws, db, name="db", capture=None):
-    ws.cowfs("provider", "add", name,
-             "--capture", capture or f'cp "{db}" "$COWFS_STATE_DIR/copy.db"',
-             "--restore", f'cp "$COWFS_STATE_DIR/copy.db" "{db}"',
-             "--discard", f'echo "$COWFS_LAYER" >> "{db.parent}/discarded"')
+    ws.cowfs(
+        "provider",
+        "add",
+        name,
+        "--capture",
+        capture or f'cp "{db}" "$COWFS_STATE_DIR/copy.db"',
+        "--restore",
+        f'cp "$COWFS_STATE_DIR/copy.db" "{db}"',
+        "--discard",
+        f'echo "$COWFS_LAYER" >> "{db.parent}/discarded"',
+    )
 
 
 def test_checkpoint_with_a_provider_restores_files_and_state_together(mounted, db):
@@ -91,9 +99,9 @@ def test_commit_discards_snapshots_no_longer_needed(mounted, db):
     sql(db, "update t set x = 'one'")
     second = ws.json("checkpoint", "--provider", "db")["id"]
     sql(db, "update t set x = 'two'")
-    ws.commit()                                      # merge second into first
+    ws.commit()  # merge second into first
     assert (db.parent / "discarded").read_text().split() == [str(second)]
-    ws.rollback()                                    # back to before first
+    ws.rollback()  # back to before first
     assert sql(db, "select x from t") == "original"
     assert (db.parent / "discarded").read_text().split() == [str(second), str(first)]
 
@@ -101,13 +109,12 @@ def test_commit_discards_snapshots_no_longer_needed(mounted, db):
 def test_a_failing_capture_fails_the_whole_checkpoint(mounted, db):
     ws = mounted
     add_db_provider(ws, db, "good")
-    ws.cowfs("provider", "add", "bad", "--capture", "echo broken >&2; exit 3",
-             "--restore", "true")
+    ws.cowfs("provider", "add", "bad", "--capture", "echo broken >&2; exit 3", "--restore", "true")
     layers = ws.log()
     r = ws.cowfs("checkpoint", "--provider", "good", "--provider", "bad", check=False)
     assert r.returncode == DAEMON_ERROR and "provider 'bad'" in r.stderr and "broken" in r.stderr
-    assert [x["id"] for x in ws.log()] == [x["id"] for x in layers]   # nothing half-taken
-    assert (db.parent / "discarded").exists()                       # good's was discarded
+    assert [x["id"] for x in ws.log()] == [x["id"] for x in layers]  # nothing half-taken
+    assert (db.parent / "discarded").exists()  # good's was discarded
 
 
 def test_a_failing_restore_is_reported_and_the_rest_still_runs(mounted, db):
@@ -118,7 +125,7 @@ def test_a_failing_restore_is_reported_and_the_rest_still_runs(mounted, db):
     (ws / "new").write_text("x")
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == PARTIAL and "restore flaky of layer" in r.stderr
-    treesnap.assert_same(before, ws.snapshot())   # the files were still rolled back
+    treesnap.assert_same(before, ws.snapshot())  # the files were still rolled back
 
 
 def test_provider_registry_and_bad_input(mounted, db):
@@ -130,19 +137,21 @@ def test_provider_registry_and_bad_input(mounted, db):
     ws.json("checkpoint", "--provider", "db")
     r = ws.cowfs("provider", "remove", "db", check=False)
     assert r.returncode == USAGE and "has snapshots" in r.stderr
-    ws.commit()                                    # its snapshot is discarded
+    ws.commit()  # its snapshot is discarded
     ws.cowfs("provider", "remove", "db")
     assert ws.json("provider", "list") == []
-    ws.unmount()                                   # the registry lives in the store
+    ws.unmount()  # the registry lives in the store
     import tomllib
+
     assert tomllib.loads((ws / ".cowfs" / "cowfs.toml").read_text()).get("provider") == {}
 
 
 def test_api_run_with_a_provider(mounted, db):
     ws = Workspace.attach(mounted.path)
     add_db_provider(mounted, db)
-    result = ws.run(["sqlite3", str(db), "update t set x = 'broken'; select nope;"],
-                    providers=["db"])
+    result = ws.run(
+        ["sqlite3", str(db), "update t set x = 'broken'; select nope;"], providers=["db"]
+    )
     assert not result.ok and result.outcome == "rolled back"
     assert sql(db, "select x from t") == "original"
 
@@ -163,8 +172,10 @@ class KillSwitch:
     def guard(self, step: str) -> str:
         """Shell to put first in a command; *step* may use $COWFS_* variables."""
         t = shlex.quote(str(self.path))
-        return (f'if [ "$(head -n1 {t} 2>/dev/null)" = "{step}" ]; then '
-                f'pid=$(tail -n1 {t}); rm -f {t}; kill -9 "$pid"; exit 1; fi; ')
+        return (
+            f'if [ "$(head -n1 {t} 2>/dev/null)" = "{step}" ]; then '
+            f'pid=$(tail -n1 {t}); rm -f {t}; kill -9 "$pid"; exit 1; fi; '
+        )
 
     def arm(self, step: str, pid: int) -> None:
         self.path.write_text(f"{step}\n{pid}\n")
@@ -205,14 +216,22 @@ class Outside:
     def add(self, ws, name: str = "st", restore_fails: bool = False) -> None:
         def cmd(what: str, work: str) -> str:
             step = f"{what} $COWFS_PROVIDER $COWFS_LAYER"
-            return (self.switch.guard(step) + f'echo "{step}" >> {shlex.quote(str(self.log))}'
-                    f" && {work}")
+            return (
+                self.switch.guard(step) + f'echo "{step}" >> {shlex.quote(str(self.log))} && {work}'
+            )
+
         state = shlex.quote(str(self.state))
-        ws.cowfs("provider", "add", name,
-                 "--capture", f'cp {state} "$COWFS_STATE_DIR/copy"',
-                 "--restore", cmd("restore", "exit 7" if restore_fails else
-                                  f'cp "$COWFS_STATE_DIR/copy" {state}'),
-                 "--discard", cmd("discard", "true"))
+        ws.cowfs(
+            "provider",
+            "add",
+            name,
+            "--capture",
+            f'cp {state} "$COWFS_STATE_DIR/copy"',
+            "--restore",
+            cmd("restore", "exit 7" if restore_fails else f'cp "$COWFS_STATE_DIR/copy" {state}'),
+            "--discard",
+            cmd("discard", "true"),
+        )
 
     def ran(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
@@ -247,13 +266,18 @@ def state_dirs(ws) -> list[str]:
 
 @pytest.mark.parametrize("kill_at", ["restore 0", "restore 1", "discard 0", "discard 1"])
 def test_a_rollback_killed_at_any_provider_step_is_finished_once_by_the_next_mount(
-        mounted, outside, kill_at):
+    mounted, outside, kill_at
+):
     ws, out = mounted, outside
     layers = [x["id"] for x in ws.log()]
     before = ws.snapshot()
     first, second = out.two_layers(ws)
-    expected = [f"restore st {second}", f"restore st {first}",
-                f"discard st {second}", f"discard st {first}"]
+    expected = [
+        f"restore st {second}",
+        f"restore st {first}",
+        f"discard st {second}",
+        f"discard st {first}",
+    ]
     what, index = kill_at.split()
     killed = [step for step in expected if step.startswith(what)][int(index)]
 
@@ -262,10 +286,9 @@ def test_a_rollback_killed_at_any_provider_step_is_finished_once_by_the_next_mou
     # Every step ran exactly once, in order (the killed attempt did nothing).
     assert out.ran() == expected
     # The mount says what it finished: the killed step (again) and the rest.
-    finished = [s.replace(" st ", " st of layer ") for s in expected[expected.index(killed):]]
+    finished = [s.replace(" st ", " st of layer ") for s in expected[expected.index(killed) :]]
     finished[0] += " (again: it was interrupted)"
-    assert ("finished the provider work of an interrupted rollback: "
-            + ", ".join(finished)) in err
+    assert ("finished the provider work of an interrupted rollback: " + ", ".join(finished)) in err
     assert ("finished an interrupted rollback (" in err) == (what == "restore")  # the files
     assert out.state.read_text() == "original"
     treesnap.assert_same(before, ws.snapshot())
@@ -275,28 +298,28 @@ def test_a_rollback_killed_at_any_provider_step_is_finished_once_by_the_next_mou
     assert state_dirs(ws) == []
 
 
-def test_a_commit_killed_before_its_discards_is_finished_once_by_the_next_mount(
-        mounted, outside):
+def test_a_commit_killed_before_its_discards_is_finished_once_by_the_next_mount(mounted, outside):
     ws, out = mounted, outside
     first, second = out.two_layers(ws)
     after = ws.snapshot()
 
     err = crash_during(ws, out.switch, f"discard st {second}", "commit")
 
-    assert (f"finished the provider work of an interrupted commit: discard st of layer "
-            f"{second} (again: it was interrupted)") in err
+    assert (
+        f"finished the provider work of an interrupted commit: discard st of layer "
+        f"{second} (again: it was interrupted)"
+    ) in err
     assert out.ran() == [f"discard st {second}"]
-    treesnap.assert_same(after, ws.snapshot())       # a commit never changes the tree
+    treesnap.assert_same(after, ws.snapshot())  # a commit never changes the tree
     assert [x["id"] for x in ws.log()][-1] == first  # merged into first
-    ws.rollback()                                    # first's snapshot is still there
+    ws.rollback()  # first's snapshot is still there
     assert out.state.read_text() == "original"
     assert out.ran() == [f"discard st {second}", f"restore st {first}", f"discard st {first}"]
     ws.unmount()
     assert state_dirs(ws) == []
 
 
-def test_a_restore_that_failed_before_the_crash_is_reported_and_not_run_again(
-        mounted, outside):
+def test_a_restore_that_failed_before_the_crash_is_reported_and_not_run_again(mounted, outside):
     ws, out = mounted, outside
     out.add(ws, "flaky", restore_fails=True)
     before = ws.snapshot()
@@ -307,8 +330,12 @@ def test_a_restore_that_failed_before_the_crash_is_reported_and_not_run_again(
     err = crash_during(ws, out.switch, f"discard flaky {layer}", "rollback")
 
     assert f"restore flaky of layer {layer}: restore command exited 7" in err
-    assert out.ran() == [f"restore flaky {layer}", f"restore st {layer}",
-                         f"discard flaky {layer}", f"discard st {layer}"]
+    assert out.ran() == [
+        f"restore flaky {layer}",
+        f"restore st {layer}",
+        f"discard flaky {layer}",
+        f"discard st {layer}",
+    ]
     assert out.state.read_text() == "original"
     treesnap.assert_same(before, ws.snapshot())
 
@@ -321,30 +348,45 @@ def test_a_checkpoint_killed_while_capturing_leaves_nothing_behind(mounted, tmp_
     out = Outside(tmp_path / "outside")
     log, state = shlex.quote(str(out.log)), shlex.quote(str(out.state))
     for name in ("first", "second"):
-        ws.cowfs("provider", "add", name,
-                 "--capture", out.switch.guard("capture $COWFS_PROVIDER")
-                 + f'cp {state} "$COWFS_STATE_DIR/copy"',
-                 "--restore", f'cp "$COWFS_STATE_DIR/copy" {state}',
-                 "--discard", f'echo "discard $COWFS_PROVIDER $COWFS_LAYER" >> {log}')
+        ws.cowfs(
+            "provider",
+            "add",
+            name,
+            "--capture",
+            out.switch.guard("capture $COWFS_PROVIDER") + f'cp {state} "$COWFS_STATE_DIR/copy"',
+            "--restore",
+            f'cp "$COWFS_STATE_DIR/copy" {state}',
+            "--discard",
+            f'echo "discard $COWFS_PROVIDER $COWFS_LAYER" >> {log}',
+        )
     (ws / "a.txt").write_text("before the checkpoint\n")
     layers = [layer["id"] for layer in ws.log()]
-    err = crash_during(ws, out.switch, "capture second", "checkpoint", "--provider", "first",
-                       "--provider", "second")
+    err = crash_during(
+        ws,
+        out.switch,
+        "capture second",
+        "checkpoint",
+        "--provider",
+        "first",
+        "--provider",
+        "second",
+    )
     assert "was interrupted while taking snapshots" in err
     half = max(layers) + 1
     assert out.ran() == [f"discard first {half}", f"discard second {half}"]
-    assert [layer["id"] for layer in ws.log()] == layers      # no half-made layer
+    assert [layer["id"] for layer in ws.log()] == layers  # no half-made layer
     assert (ws / "a.txt").read_text() == "before the checkpoint\n"
     ws.unmount()
     assert state_dirs(ws) == []
     ws.mount()
-    ws.rollback()                                              # still undoable
+    ws.rollback()  # still undoable
     assert (ws / "a.txt").read_text() == "alpha\n"
 
 
 def _stderr_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> str:
     """Read *proc*'s stderr until *text* appears (or it ends)."""
     import selectors
+
     sel = selectors.DefaultSelector()
     sel.register(proc.stderr, selectors.EVENT_READ)
     seen = ""
@@ -371,15 +413,26 @@ def _blocking_rollback(ws, tmp_path, offline: bool = False):
     a `cowfs rollback` started on it (*offline*: unmounted first), held in
     that restore."""
     gate, started = tmp_path / "gate", tmp_path / "restoring"
-    ws.cowfs("provider", "add", "slow", "--capture", "true", "--restore",
-             f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done')
+    ws.cowfs(
+        "provider",
+        "add",
+        "slow",
+        "--capture",
+        "true",
+        "--restore",
+        f'touch "{started}"; while [ ! -e "{gate}" ]; do sleep 0.05; done',
+    )
     ws.json("checkpoint", "--provider", "slow")
     (ws / "a.txt").write_text("changed\n")
     if offline:
         ws.unmount()
-    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "rollback"],
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True, preexec_fn=interruptible)
+    proc = subprocess.Popen(
+        [*COWFS, "-C", str(ws.path), "rollback"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=interruptible,
+    )
     deadline = time.monotonic() + 60
     while not started.exists():
         assert time.monotonic() < deadline and proc.poll() is None
@@ -391,7 +444,7 @@ def test_ctrl_c_during_a_rollback_waits_for_it_and_says_so(mounted, tmp_path):
     ws = mounted
     before = ws.snapshot()
     proc, gate = _blocking_rollback(ws, tmp_path)
-    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     said = _stderr_until(proc, "Ctrl-C again")
     assert "the rollback goes on in the daemon" in said and proc.poll() is None
     gate.touch()
@@ -405,15 +458,15 @@ def test_a_second_ctrl_c_stops_waiting_and_the_daemon_finishes(mounted, tmp_path
     ws = mounted
     before = ws.snapshot()
     proc, gate = _blocking_rollback(ws, tmp_path)
-    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     _stderr_until(proc, "Ctrl-C again")
-    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "stopped waiting; the rollback goes on in the daemon" in err.decode()
     gate.touch()
     deadline = time.monotonic() + 60
-    while len(ws.log()) > 1:             # (the daemon answers once it is done)
+    while len(ws.log()) > 1:  # (the daemon answers once it is done)
         assert time.monotonic() < deadline
     treesnap.assert_same(before, ws.snapshot())
 
@@ -422,7 +475,7 @@ def test_ctrl_c_during_an_offline_rollback_finishes_it_first(mounted, tmp_path):
     ws = mounted
     before = ws.snapshot()
     proc, gate = _blocking_rollback(ws, tmp_path, offline=True)
-    os.killpg(proc.pid, signal.SIGINT)     # as a terminal's Ctrl-C
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
     said = _stderr_until(proc, "Ctrl-C again")
     assert "finishing the rollback first" in said
     gate.touch()

@@ -31,26 +31,26 @@ def layer_ids(ws) -> list[int]:
 
 def change_everything(ws) -> None:
     """One layer's worth of every kind of change."""
-    with open(ws / "big.bin", "r+b") as f:             # bytes inside chunks
+    with open(ws / "big.bin", "r+b") as f:  # bytes inside chunks
         f.seek(70_000)
         f.write(b"X" * 100)
         f.seek(200_000)
         f.write(b"\0" * 5000)
-    with open(ws / "grow.txt", "a") as f:              # an append past several chunks
+    with open(ws / "grow.txt", "a") as f:  # an append past several chunks
         f.write("longer now\n" * 20_000)
-    os.truncate(ws / "shrink.bin", 1000)               # a truncation
+    os.truncate(ws / "shrink.bin", 1000)  # a truncation
     subprocess.run(["sed", "-i", "s/alpha/ALPHA/", str(ws / "a.txt")], check=True)
     os.chmod(ws / "big.bin", 0o600)
     os.chown(ws / "grow.txt", 1000, 1000)
     os.setxattr(ws / "x.txt", "user.k", b"two")
     os.utime(ws / "x.txt", ns=(1_500_000_000_000_000_000, 1_500_000_000_000_000_000))
-    (ws / "new" / "deep").mkdir(parents=True)          # new directories and files
+    (ws / "new" / "deep").mkdir(parents=True)  # new directories and files
     (ws / "new" / "deep" / "f").write_text("made\n")
-    os.rename(ws / "dir", ws / "moved")                # a directory renamed
-    os.link(ws / "moved" / "b.txt", ws / "hard")       # a hard link
+    os.rename(ws / "dir", ws / "moved")  # a directory renamed
+    os.link(ws / "moved" / "b.txt", ws / "hard")  # a hard link
     os.symlink("moved/b.txt", ws / "sym")
-    os.unlink(ws / "gone.txt")                         # a removal
-    os.rename(ws / "x.txt", ws / "moved" / "x2.txt")   # a file moved into the moved dir
+    os.unlink(ws / "gone.txt")  # a removal
+    os.rename(ws / "x.txt", ws / "moved" / "x2.txt")  # a file moved into the moved dir
 
 
 def prepare(ws) -> None:
@@ -76,17 +76,21 @@ def test_redo_brings_back_the_tree_and_the_layers_exactly(mounted):
 
     assert ws.rollback()["dropped"] == [layer]
     treesnap.assert_same(start, ws.snapshot())
-    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": "",
-                                        "current": True}
+    assert ws.json("status")["redo"] == {
+        "available": True,
+        "layers": [layer],
+        "why": "",
+        "current": True,
+    }
     assert "can be undone: cowfs redo" in ws.cowfs("status").stdout
-    assert ws.json("check")["ok"]                     # what is kept is consistent
+    assert ws.json("check")["ok"]  # what is kept is consistent
 
     res = ws.json("redo")
     assert res["restored"] == [layer] and not res["failures"] and res["top"] == layer
     treesnap.assert_same(before, ws.snapshot())
     assert plain(ws.status()) == status
     assert [(x["id"], x["message"], x["changes"], x["records"]) for x in ws.log()] == log
-    after = ws.json("status")["usage"]                 # nothing kept behind
+    after = ws.json("status")["usage"]  # nothing kept behind
     assert after["grave"] == usage["grave"] and after["data"] <= usage["data"] + (64 << 10)
     assert ws.json("status")["redo"] is None
     assert ws.json("check")["ok"]
@@ -96,9 +100,9 @@ def test_redo_brings_back_the_tree_and_the_layers_exactly(mounted):
     treesnap.assert_same(start, ws.snapshot())
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
-    r = ws.cowfs("redo", check=False)                 # only the last rollback, once
+    r = ws.cowfs("redo", check=False)  # only the last rollback, once
     assert r.returncode == NOTHING_TO_DO and "nothing to redo" in r.stderr
-    ws.unmount()                                      # and the stack persists
+    ws.unmount()  # and the stack persists
     ws.mount()
     treesnap.assert_same(before, ws.snapshot())
     ws.rollback()
@@ -120,13 +124,13 @@ def test_redo_of_a_rollback_of_several_layers_and_of_the_base(mounted):
     ids = layer_ids(ws)
     assert ids == [base, second, third]
 
-    res = ws.rollback(to=base)                        # every layer: a fresh base opens
+    res = ws.rollback(to=base)  # every layer: a fresh base opens
     assert res["dropped"] == ids and res["top"] not in ids
-    api = ApiWorkspace.attach(str(ws.path))           # (the Python API)
+    api = ApiWorkspace.attach(str(ws.path))  # (the Python API)
     redone = api.redo()
     assert redone.restored == ids and redone.top == third
     treesnap.assert_same(before, ws.snapshot())
-    assert layer_ids(ws) == ids                       # the fresh base is gone again
+    assert layer_ids(ws) == ids  # the fresh base is gone again
     ws.rollback(to=second)
     treesnap.assert_same(at_second, ws.snapshot())
     assert ws.json("check")["ok"]
@@ -136,7 +140,7 @@ def test_redo_is_refused_after_a_change_it_would_touch_and_changes_nothing(mount
     ws = mounted
     r = ws.cowfs("redo", check=False)
     assert r.returncode == NOTHING_TO_DO and "nothing to redo" in r.stderr
-    with open(ws / "a.txt", "a") as f:                # captured by the base layer
+    with open(ws / "a.txt", "a") as f:  # captured by the base layer
         f.write("in the base layer\n")
     layer = ws.checkpoint()
     (ws / "new.txt").write_text("new\n")
@@ -151,13 +155,18 @@ def test_redo_is_refused_after_a_change_it_would_touch_and_changes_nothing(mount
     changed = ws.snapshot()
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED, (r.returncode, r.stderr)
-    assert f"cannot redo the rollback of layer {layer}: a.txt changed since the rollback; " \
-           "nothing was changed" in r.stderr
-    treesnap.assert_same(changed, ws.snapshot())      # nothing changed
+    assert (
+        f"cannot redo the rollback of layer {layer}: a.txt changed since the rollback; "
+        "nothing was changed" in r.stderr
+    )
+    treesnap.assert_same(changed, ws.snapshot())  # nothing changed
     assert len(layer_ids(ws)) == 1
-    assert ws.json("status")["redo"] == {"available": False, "layers": [layer],
-                                         "why": "a.txt changed since the rollback",
-                                         "current": True}
+    assert ws.json("status")["redo"] == {
+        "available": False,
+        "layers": [layer],
+        "why": "a.txt changed since the rollback",
+        "current": True,
+    }
     assert "cannot be redone: a.txt changed since the rollback" in ws.cowfs("log").stdout
     assert ws.json("check")["ok"]
     # what was kept is freed by the next checkpoint (or commit, or rollback)
@@ -167,13 +176,13 @@ def test_redo_is_refused_after_a_change_it_would_touch_and_changes_nothing(mount
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
 
-    (ws / "later.txt").write_text("later\n")         # a checkpoint ends it too
+    (ws / "later.txt").write_text("later\n")  # a checkpoint ends it too
     ws.rollback()
     ws.checkpoint()
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "a checkpoint was taken after it" in r.stderr
 
-    (ws / "more.txt").write_text("more\n")            # and --no-redo keeps nothing
+    (ws / "more.txt").write_text("more\n")  # and --no-redo keeps nothing
     ws.cowfs("rollback", "--no-redo")
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "made with --no-redo" in r.stderr
@@ -187,11 +196,11 @@ def test_redo_after_a_remount_and_offline_and_refused_after_an_offline_edit(moun
     before = ws.snapshot()
     ws.rollback()
     ws.unmount()
-    ws.mount()                                        # a remount changes nothing
+    ws.mount()  # a remount changes nothing
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
 
-    ws.unmount()                                      # not mounted at all
+    ws.unmount()  # not mounted at all
     ws.cowfs("rollback")
     res = ws.json("redo")
     assert res["restored"] == [layer] and res["mounted"] is False
@@ -204,7 +213,7 @@ def test_redo_after_a_remount_and_offline_and_refused_after_an_offline_edit(moun
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "a.txt" in r.stderr and "changed since" in r.stderr
     assert (ws / "a.txt").read_text() == "edited behind cowfs's back\n"
-    assert not (ws / "dir" / "c.txt").exists()       # nothing was changed
+    assert not (ws / "dir" / "c.txt").exists()  # nothing was changed
 
 
 def test_a_file_held_open_across_rollback_and_redo(mounted):
@@ -216,18 +225,21 @@ def test_a_file_held_open_across_rollback_and_redo(mounted):
         before = ws.snapshot()
         ws.rollback()
         assert not (ws / "made.txt").exists()
-        ws.json("redo")                               # the very same file comes back
+        ws.json("redo")  # the very same file comes back
         treesnap.assert_same(before, ws.snapshot())
-        os.write(fd, b"second\n")                     # and the open fd still writes to it
+        os.write(fd, b"second\n")  # and the open fd still writes to it
         assert (ws / "made.txt").read_bytes() == b"first\nsecond\n"
         ws.rollback()
         assert not (ws / "made.txt").exists()
-        os.write(fd, b"third\n")                      # writing to it after the rollback
-        r = ws.cowfs("redo", check=False)             # is a change: no redo
+        os.write(fd, b"third\n")  # writing to it after the rollback
+        r = ws.cowfs("redo", check=False)  # is a change: no redo
         # (the daemon sees the write, or -- written through passthrough by
         # the kernel engine -- the fingerprint of the kept file shows it)
-        assert r.returncode == REFUSED and "(removed object" in r.stderr \
-            and "changed since the rollback" in r.stderr, r.stderr
+        assert (
+            r.returncode == REFUSED
+            and "(removed object" in r.stderr
+            and "changed since the rollback" in r.stderr
+        ), r.stderr
         assert not (ws / "made.txt").exists()
     finally:
         os.close(fd)
@@ -251,9 +263,9 @@ def test_redo_brings_back_a_new_package_with_its_ignored_cache(workspace):
     ws = workspace
     before = new_package_with_a_cache(ws)
     ws.rollback()
-    assert not (ws / "pkg").exists()                  # with what was made in it, ignored
+    assert not (ws / "pkg").exists()  # with what was made in it, ignored
     ws.json("redo")
-    treesnap.assert_same(before, ws.snapshot())       # ... and all of it comes back
+    treesnap.assert_same(before, ws.snapshot())  # ... and all of it comes back
 
 
 def test_redo_is_in_the_audit_log(mounted):
@@ -273,8 +285,17 @@ def test_a_rollback_with_provider_snapshots_cannot_be_redone(mounted, tmp_path):
     ws = mounted
     state = tmp_path / "state"
     state.write_text("v1\n")
-    ws.cowfs("provider", "add", "cfg", "--capture", f"cp {state} \"$COWFS_STATE_DIR/s\"",
-             "--restore", f"cp \"$COWFS_STATE_DIR/s\" {state}", "--discard", "true")
+    ws.cowfs(
+        "provider",
+        "add",
+        "cfg",
+        "--capture",
+        f'cp {state} "$COWFS_STATE_DIR/s"',
+        "--restore",
+        f'cp "$COWFS_STATE_DIR/s" {state}',
+        "--discard",
+        "true",
+    )
     ws.json("checkpoint", "--provider", "cfg")
     state.write_text("v2\n")
     (ws / "a.txt").write_text("changed\n")
@@ -292,8 +313,8 @@ def test_link_counts_follow_rollback_and_redo(mounted):
     os.link(ws / "dir" / "b.txt", ws / "b2")
     ws.commit()
     ws.checkpoint()
-    os.link(ws / "a.txt", ws / "a2")                  # a link made in the layer
-    os.unlink(ws / "b2")                              # and one removed
+    os.link(ws / "a.txt", ws / "a2")  # a link made in the layer
+    os.unlink(ws / "b2")  # and one removed
     counts = {"a.txt": 2, "a2": 2, "dir/b.txt": 1}
     assert {p: os.stat(ws / p).st_nlink for p in counts} == counts
     ws.rollback()
@@ -307,15 +328,15 @@ def test_an_offline_change_inside_a_directory_the_redo_would_move_refuses_it(mou
     ws = mounted
     ws.checkpoint()
     os.unlink(ws / "dir" / "b.txt")
-    os.rmdir(ws / "dir")                              # the redo moves dir back to the grave
+    os.rmdir(ws / "dir")  # the redo moves dir back to the grave
     ws.rollback()
     ws.unmount()
-    (ws / "dir" / "new").write_text("important\n")    # made while not mounted
+    (ws / "dir" / "new").write_text("important\n")  # made while not mounted
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "dir" in r.stderr and "changed since" in r.stderr
     assert (ws / "dir" / "new").read_text() == "important\n"
     os.unlink(ws / "dir" / "new")
-    os.setxattr(ws / "dir", "user.other", b"x")      # so is an attribute of it
+    os.setxattr(ws / "dir", "user.other", b"x")  # so is an attribute of it
     r = ws.cowfs("redo", check=False)
     assert r.returncode == REFUSED and "dir" in r.stderr
     assert os.getxattr(ws / "dir", "user.other") == b"x"
@@ -324,7 +345,7 @@ def test_an_offline_change_inside_a_directory_the_redo_would_move_refuses_it(mou
 def test_a_refused_commit_leaves_the_redo(mounted):
     ws = mounted
     (ws / "new.txt").write_text("new\n")
-    ws.rollback()                                     # the base layer: a fresh one opens
+    ws.rollback()  # the base layer: a fresh one opens
     r = ws.cowfs("commit", check=False)
     assert r.returncode == NOTHING_TO_DO
     ws.json("redo")
@@ -338,14 +359,18 @@ def test_writes_racing_a_rollback_and_its_redo(mounted):
     and one after the rollback), and one that goes ahead is exact: rolling
     the layer back again gives the tree it was opened on."""
     ws = mounted
-    with open(ws / "a.txt", "a") as f:                # captured by the base layer:
-        f.write("base\n")                             # appends record nothing new
+    with open(ws / "a.txt", "a") as f:  # captured by the base layer:
+        f.write("base\n")  # appends record nothing new
     ws.checkpoint()
     start = ws.snapshot()
     for i in range(2000):
         (ws / "dir" / f"f{i}").write_bytes(b"x")
-    rollback = subprocess.Popen([sys.executable, "-m", "cowfs", "-C", str(ws.path), "rollback"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rollback = subprocess.Popen(
+        [sys.executable, "-m", "cowfs", "-C", str(ws.path), "rollback"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while rollback.poll() is None:
         with open(ws / "a.txt", "a") as f:
             f.write("x")
@@ -353,8 +378,7 @@ def test_writes_racing_a_rollback_and_its_redo(mounted):
     now = ws.snapshot()
     r = ws.cowfs("--json", "redo", check=False)
     if r.returncode != 0:
-        assert r.returncode == REFUSED and "a.txt changed since the rollback" in r.stderr, \
-            r.stderr
+        assert r.returncode == REFUSED and "a.txt changed since the rollback" in r.stderr, r.stderr
         treesnap.assert_same(now, ws.snapshot())
         return
     assert len(os.listdir(ws / "dir")) == 2001
@@ -369,6 +393,7 @@ def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(worksp
     from cowfs import backing as B
     from cowfs.stack import Stack
     from cowfs.store import Store
+
     ws = workspace
     before = new_package_with_a_cache(ws)
     ws.unmount()
@@ -381,7 +406,7 @@ def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(worksp
         store.close()
         os.close(rootfd)
     ws.mount()
-    assert not (ws / "pkg").exists()                 # with its ignored cache
+    assert not (ws / "pkg").exists()  # with its ignored cache
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
 
@@ -393,6 +418,7 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
 
     from cowfs import redo
     from cowfs import schema as S
+
     ws = mounted
     ws.checkpoint()
     (ws / "a.txt").write_text("edited\n")
@@ -422,13 +448,15 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
 
 def without(snap: treesnap.Snapshot, top: bytes) -> treesnap.Snapshot:
     """*snap* without the directory *top* and what is below it."""
-    return treesnap.Snapshot((p, e) for p, e in snap.items()
-                             if p != top and not p.startswith(top + b"/"))
+    return treesnap.Snapshot(
+        (p, e) for p, e in snap.items() if p != top and not p.startswith(top + b"/")
+    )
 
 
 def only(snap: treesnap.Snapshot, top: bytes) -> treesnap.Snapshot:
-    return treesnap.Snapshot((p, e) for p, e in snap.items()
-                             if p == top or p.startswith(top + b"/"))
+    return treesnap.Snapshot(
+        (p, e) for p, e in snap.items() if p == top or p.startswith(top + b"/")
+    )
 
 
 def test_a_change_elsewhere_leaves_the_redo_and_is_kept_by_it(mounted):
@@ -442,7 +470,7 @@ def test_a_change_elsewhere_leaves_the_redo_and_is_kept_by_it(mounted):
     (ws / "other").mkdir()
     (ws / "other" / "kept.txt").write_text("base\n")
     ws.commit()
-    with open(ws / "other" / "kept.txt", "a") as f:   # captured by the base layer
+    with open(ws / "other" / "kept.txt", "a") as f:  # captured by the base layer
         f.write("in the base layer\n")
     layer = ws.checkpoint("work")
     start = ws.snapshot()
@@ -453,17 +481,21 @@ def test_a_change_elsewhere_leaves_the_redo_and_is_kept_by_it(mounted):
     treesnap.assert_same(start, ws.snapshot())
 
     (ws / "other" / "new.txt").write_text("made since the rollback\n")
-    with open(ws / "other" / "kept.txt", "a") as f:   # nothing new for the base layer,
-        f.write("and since the rollback\n")           # but the redo's layer needs it
+    with open(ws / "other" / "kept.txt", "a") as f:  # nothing new for the base layer,
+        f.write("and since the rollback\n")  # but the redo's layer needs it
     (ws / "other" / "cache").mkdir()
     (ws / "other" / "cache" / "x.pyc").write_bytes(b"\x00cache")
     since = ws.snapshot()
     listed = plain(ws.status())
     assert sorted(c["path"] for c in listed) == ["other/kept.txt", "other/new.txt"]
     [who] = [c["who"] for c in ws.status() if c["path"] == "other/new.txt"]
-    assert who["pid"] > 0                             # attributed like any change
-    assert ws.json("status")["redo"] == {"available": True, "layers": [layer], "why": "",
-                                         "current": True}
+    assert who["pid"] > 0  # attributed like any change
+    assert ws.json("status")["redo"] == {
+        "available": True,
+        "layers": [layer],
+        "why": "",
+        "current": True,
+    }
     assert ws.json("check")["ok"]
 
     res = ws.json("redo")
@@ -472,18 +504,20 @@ def test_a_change_elsewhere_leaves_the_redo_and_is_kept_by_it(mounted):
     # what the layer changed is back exactly; what changed since, exactly as it was
     treesnap.assert_same(without(before, b"other"), without(after, b"other"))
     treesnap.assert_same(only(since, b"other"), only(after, b"other"))
+
     def key(c):
         return c["path"], c["kind"], c.get("from")
+
     assert sorted(map(key, plain(ws.status()))) == sorted(map(key, status + listed))
     assert ws.json("check")["ok"]
 
-    ws.unmount()                                      # (persists)
+    ws.unmount()  # (persists)
     ws.mount()
-    ws.rollback()                                     # the layer, with what came since
-    treesnap.assert_same(start, without(ws.snapshot(), b"other/cache"))   # (ignored: left)
+    ws.rollback()  # the layer, with what came since
+    treesnap.assert_same(start, without(ws.snapshot(), b"other/cache"))  # (ignored: left)
     ws.json("redo")
     treesnap.assert_same(after, ws.snapshot())
-    ws.rollback(to=layer_ids(ws)[0])                  # and the base layer below it
+    ws.rollback(to=layer_ids(ws)[0])  # and the base layer below it
     assert (ws / "other" / "kept.txt").read_text() == "base\n"
     assert not (ws / "other" / "new.txt").exists()
 
@@ -509,7 +543,7 @@ def test_a_change_elsewhere_after_a_rollback_of_every_layer(mounted):
     ws.rollback(to=layer_ids(ws)[0])
     (ws / "other" / "new.txt").write_text("since\n")
     since = ws.snapshot()
-    ws.unmount()                                      # offline, too
+    ws.unmount()  # offline, too
     res = ws.json("redo")
     assert res["top"] == second and res["mounted"] is False
     ws.mount()
@@ -530,13 +564,15 @@ def test_a_change_where_the_redo_acts_refuses_it(mounted):
     (ws / "dir" / "sub" / "s.txt").write_text("s\n")
     ws.commit()
     layer = ws.checkpoint()
-    os.rename(ws / "dir", ws / "moved")               # the redo moves dir again
+    os.rename(ws / "dir", ws / "moved")  # the redo moves dir again
     (ws / "a.txt").write_text("edited\n")
     ws.rollback()
     cases = [
         (lambda: (ws / "dir" / "new").write_text("x\n"), "dir changed since the rollback"),
-        (lambda: (ws / "dir" / "sub" / "deep").write_text("x\n"),
-         "dir/sub/deep changed since the rollback, inside dir, which the redo moves"),
+        (
+            lambda: (ws / "dir" / "sub" / "deep").write_text("x\n"),
+            "dir/sub/deep changed since the rollback, inside dir, which the redo moves",
+        ),
         (lambda: os.chmod(ws / "a.txt", 0o600), "a.txt changed since the rollback"),
     ]
     for change, message in cases:
@@ -544,12 +580,12 @@ def test_a_change_where_the_redo_acts_refuses_it(mounted):
         now = ws.snapshot()
         r = ws.cowfs("redo", check=False)
         assert r.returncode == REFUSED, r.stderr
-        assert f"cannot redo the rollback of layer {layer}: " in r.stderr and \
-            all(part in r.stderr for part in message.split(" changed since the rollback")), \
-            r.stderr
+        assert f"cannot redo the rollback of layer {layer}: " in r.stderr and all(
+            part in r.stderr for part in message.split(" changed since the rollback")
+        ), r.stderr
         treesnap.assert_same(now, ws.snapshot())
         assert ws.json("status")["redo"]["available"] is False
-        ws.rollback()                                 # (the change goes, the redo with it)
+        ws.rollback()  # (the change goes, the redo with it)
         layer = ws.checkpoint()
         os.rename(ws / "dir", ws / "moved")
         (ws / "a.txt").write_text("edited\n")
@@ -566,11 +602,14 @@ def test_the_room_a_redo_holds_is_given_back_to_a_change_that_needs_it(workspace
     ws.mount("--max-store", "5M")
     layer = ws.checkpoint()
     (ws / "big.bin").write_bytes(os.urandom(2 << 20))  # 2 MiB of pre-images
-    ws.rollback()                                     # + 2 MiB kept for the redo
+    ws.rollback()  # + 2 MiB kept for the redo
     (ws / "other.bin").write_bytes(os.urandom(2 << 20))  # needs 2 MiB more: there is room
     r = ws.cowfs("redo", check=False)
-    assert r.returncode == REFUSED and f"the rollback of layer {layer}" in r.stderr \
-        and "the store needed the room it held" in r.stderr, r.stderr
+    assert (
+        r.returncode == REFUSED
+        and f"the rollback of layer {layer}" in r.stderr
+        and "the store needed the room it held" in r.stderr
+    ), r.stderr
     assert ws.json("check")["ok"]
 
 
@@ -585,7 +624,7 @@ def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mo
     (ws / "other" / "kept.txt").write_text("base\n")
     ws.commit()
     base_start = ws.snapshot()
-    with open(ws / "other" / "kept.txt", "a") as f:   # captured by the base layer
+    with open(ws / "other" / "kept.txt", "a") as f:  # captured by the base layer
         f.write("in the base layer\n")
     ws.checkpoint()
     change_everything_but_other(ws)
@@ -593,10 +632,10 @@ def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mo
     with open(ws / "other" / "kept.txt", "a") as f:
         f.write("since the rollback\n")
     (ws / "other" / "new.txt").write_text("since\n")
-    os.unlink(ws / "dir" / "b.txt")                   # (where the redo acts: refused)
+    os.unlink(ws / "dir" / "b.txt")  # (where the redo acts: refused)
     live = ws.snapshot()
     if ending == "commit":
-        ws.commit()                                   # the base layer: permanent
+        ws.commit()  # the base layer: permanent
         assert ws.status() == [] and ws.json("check")["ok"]
         treesnap.assert_same(live, ws.snapshot())
         return
@@ -634,10 +673,14 @@ session.offline(sys.argv[1], None, sys.argv[2], **({"yes": True} if sys.argv[2] 
 def kill_within(ws, op: str, steps: int) -> None:
     """Run *op* on the unmounted workspace and kill it (as kill -9 would)
     after *steps* of its undo steps."""
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))}
-    r = subprocess.run([sys.executable, "-c", KILL_AT, str(ws.path), op, str(steps)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    r = subprocess.run(
+        [sys.executable, "-c", KILL_AT, str(ws.path), op, str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 9, f"the {op} took fewer than {steps} steps: {r.stderr}"
 
 
@@ -692,7 +735,7 @@ def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted,
     at_checkpoint, before = a_layer_of_many_kinds(ws)
     ws.unmount()
     kill_within(ws, "rollback", steps)
-    ws.mount()          # (finishes the rollback)
+    ws.mount()  # (finishes the rollback)
     treesnap.assert_same(at_checkpoint, ws.snapshot())
     assert ws.json("status")["redo"]["available"] is True
     ws.json("redo")
@@ -709,7 +752,7 @@ def test_a_redo_killed_within_a_batch_resumes_exactly(mounted, steps):
     treesnap.assert_same(at_checkpoint, ws.snapshot())
     ws.unmount()
     kill_within(ws, "redo", steps)
-    ws.mount()          # (finishes the redo)
+    ws.mount()  # (finishes the redo)
     treesnap.assert_same(before, ws.snapshot())
 
 
@@ -740,8 +783,9 @@ def test_the_locations_of_a_rollback_that_moved_no_directory(groups):
     moved, so none holds other places) is what following them finds."""
     locs, moved, last = redo._locations(enumerate(groups))
     assert (locs, moved) == redo.touched_locations(groups)
-    assert last == {loc: i for i, group in enumerate(groups) for rec in group
-                    for loc in redo._locs(rec)}
+    assert last == {
+        loc: i for i, group in enumerate(groups) for rec in group for loc in redo._locs(rec)
+    }
 
 
 def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
@@ -750,6 +794,7 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
     file, a directory, a symlink, nothing, a name under a file or under a
     missing directory, the root, grave entries present and absent."""
     from cowfs import backing as B
+
     root, graves = tmp_path / "root", tmp_path / "graves"
     (root / "d" / "e").mkdir(parents=True)
     graves.mkdir()
@@ -758,8 +803,23 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
     os.symlink("f", root / "d" / "link")
     (graves / "7").write_text("kept\n")
     os.chmod(root / "d" / "f", 0o600)
-    locs = sorted([b"", b"d", b"d/e", b"d/e/g", b"d/f", b"d/f/under", b"d/link", b"d/none",
-                   b"gone/x", b"gone/y/z", b"top", S.grave_loc(7), S.grave_loc(8)])
+    locs = sorted(
+        [
+            b"",
+            b"d",
+            b"d/e",
+            b"d/e/g",
+            b"d/f",
+            b"d/f/under",
+            b"d/link",
+            b"d/none",
+            b"gone/x",
+            b"gone/y/z",
+            b"top",
+            S.grave_loc(7),
+            S.grave_loc(8),
+        ]
+    )
     rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     gravefd = os.open(graves, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -772,12 +832,15 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
         os.close(gravefd)
     assert fast == slow
     got = dict(fast)
-    assert got[b"d/none"] == b"null" and got[b"d/f/under"] == b'["unreachable"]' \
-        and got[S.grave_loc(8)] == b"null" and json.loads(got[S.grave_loc(7)])[4] == 5
+    assert (
+        got[b"d/none"] == b"null"
+        and got[b"d/f/under"] == b'["unreachable"]'
+        and got[S.grave_loc(8)] == b"null"
+        and json.loads(got[S.grave_loc(7)])[4] == 5
+    )
 
 
-def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mounted,
-                                                                          monkeypatch):
+def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mounted, monkeypatch):
     """The seal takes some fingerprints from the steps themselves (a file
     written under a temporary name and renamed into place leaves nothing at
     either name): every one it keeps is what looking at the location gives
@@ -786,6 +849,7 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
     from cowfs import backing as B
     from cowfs import session
     from cowfs.store import Store, scan
+
     ws = mounted
     for d in ("p", "q"):
         (ws / d).mkdir()
@@ -802,8 +866,8 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
         (ws / d / "t").write_text("1\n")
         os.rename(ws / d / "t", ws / d / "u")
         (ws / d / "t").write_text("2\n")
-        os.rename(ws / d / "t", ws / d / "n3")          # over a new file
-        os.rename(ws / d / "f1", ws / d / "f2")         # over an old one
+        os.rename(ws / d / "t", ws / d / "n3")  # over a new file
+        os.rename(ws / d / "f1", ws / d / "f2")  # over an old one
         os.link(ws / d / "n4", ws / d / "n4.link")
         (ws / d / "n5.tmp").write_text("again\n")
         os.rename(ws / d / "n5.tmp", ws / d / "n5")
@@ -812,15 +876,18 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
     ws.unmount()
     looked: list[bytes] = []
     fingerprints = redo.fingerprints
-    monkeypatch.setattr(redo, "fingerprints",
-                        lambda r, locs: looked.extend(locs) or fingerprints(r, locs))
+    monkeypatch.setattr(
+        redo, "fingerprints", lambda r, locs: looked.extend(locs) or fingerprints(r, locs)
+    )
     session.offline(str(ws.path), None, "rollback", yes=True)
     store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
     rootfd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with store.env.begin(db=store.db_redo) as txn:
-            kept = {bytes(S.split_redo_key(k)[1]): bytes(v)
-                    for k, v in scan(txn, store.db_redo, S.REDO_PRINT)}
+            kept = {
+                bytes(S.split_redo_key(k)[1]): bytes(v)
+                for k, v in scan(txn, store.db_redo, S.REDO_PRINT)
+            }
         r = B.Resolver(rootfd, store.grave_fd)
         now = {loc: redo.print_json(redo.fingerprint(r, loc)) for loc in kept}
     finally:

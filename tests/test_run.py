@@ -27,12 +27,17 @@ def test_a_failing_build_is_rolled_back_exactly(mounted):
     ws = mounted
     (ws / "main.c").write_text(BROKEN_C)
     before = ws.snapshot()
-    r = ws.cowfs("run", "--", "sh", "-c",
-                 "mkdir -p build && gcc -c main.c -o build/main.o && gcc build/main.o -o app",
-                 check=False)
-    assert r.returncode == 1, r.stderr          # gcc's status is passed on
+    r = ws.cowfs(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p build && gcc -c main.c -o build/main.o && gcc build/main.o -o app",
+        check=False,
+    )
+    assert r.returncode == 1, r.stderr  # gcc's status is passed on
     assert "rolled back (the command exited 1)" in r.stderr
-    assert "A build/main.o" in r.stderr          # the summary of what it had changed
+    assert "A build/main.o" in r.stderr  # the summary of what it had changed
     treesnap.assert_same(before, ws.snapshot())
     runs = ws.log()[-1]["runs"]
     assert runs[-1]["outcome"] == "rolled back" and runs[-1]["exit_status"] == 1
@@ -48,8 +53,9 @@ def test_a_successful_step_is_its_own_layer(mounted):
     assert first["outcome"] == "kept" and first["layer"] == ws.log()[-1]["id"]
     assert f"kept as layer {first['layer']}" in r.stderr
     after_first = ws.snapshot()
-    second = json.loads(ws.cowfs("--json", "run", "--", "sed", "-i", "s/alpha/beta/",
-                                 "a.txt").stdout)
+    second = json.loads(
+        ws.cowfs("--json", "run", "--", "sed", "-i", "s/alpha/beta/", "a.txt").stdout
+    )
     layers = ws.log()
     assert [x["id"] for x in layers[1:]] == [first["layer"], second["layer"]]
     assert [x["message"] for x in layers[1:]] == ["first edit", "run: sed -i s/alpha/beta/ a.txt"]
@@ -66,15 +72,16 @@ def test_a_successful_step_is_its_own_layer(mounted):
 def test_a_successful_step_is_committed_and_recorded(mounted):
     ws = mounted
     (ws / "main.c").write_text(GOOD_C)
-    r = ws.cowfs("--json", "run", "--on-success", "commit", "-m", "build", "--",
-                 "gcc", "main.c", "-o", "app")
+    r = ws.cowfs(
+        "--json", "run", "--on-success", "commit", "-m", "build", "--", "gcc", "main.c", "-o", "app"
+    )
     assert (ws / "app").exists()
-    assert len(ws.log()) == 1                    # merged into the base layer
+    assert len(ws.log()) == 1  # merged into the base layer
     result = __import__("json").loads(r.stdout.splitlines()[-1])
     assert result["outcome"] == "committed" and result["exit_status"] == 0
     [app] = [c for c in result["changes"] if c["path"] == "app"]
     assert (app["kind"], app["source"]) == ("A", None)
-    assert os.path.basename(app["who"]["cmd"][0]) == "ld"    # gcc's linker made it
+    assert os.path.basename(app["who"]["cmd"][0]) == "ld"  # gcc's linker made it
     text = ws.cowfs("log").stdout
     assert "run committed (exit 0" in text and "gcc main.c -o app" in text
 
@@ -82,19 +89,28 @@ def test_a_successful_step_is_committed_and_recorded(mounted):
 def test_a_verify_gate_rejects(mounted):
     ws = mounted
     before = ws.snapshot()
-    r = ws.cowfs("run", "--verify", "grep -q alpha a.txt", "--",
-                 "sed", "-i", "s/alpha/omega/", "a.txt", check=False)
+    r = ws.cowfs(
+        "run",
+        "--verify",
+        "grep -q alpha a.txt",
+        "--",
+        "sed",
+        "-i",
+        "s/alpha/omega/",
+        "a.txt",
+        check=False,
+    )
     assert r.returncode == 1 and "the verifier exited 1" in r.stderr
     treesnap.assert_same(before, ws.snapshot())
-    r = ws.cowfs("run", "--verify", "grep -q omega a.txt", "--",
-                 "sed", "-i", "s/alpha/omega/", "a.txt")
+    r = ws.cowfs(
+        "run", "--verify", "grep -q omega a.txt", "--", "sed", "-i", "s/alpha/omega/", "a.txt"
+    )
     assert (ws / "a.txt").read_text() == "omega\n"
 
 
 def test_on_fail_keep_and_on_success_keep(mounted):
     ws = mounted
-    r = ws.cowfs("run", "--on-fail", "keep", "--", "sh", "-c", "echo x > x; exit 4",
-                 check=False)
+    r = ws.cowfs("run", "--on-fail", "keep", "--", "sh", "-c", "echo x > x; exit 4", check=False)
     assert r.returncode == 4 and (ws / "x").exists()
     kept = ws.log()[-1]
     assert kept["id"] > 1 and kept["runs"][-1]["outcome"] == "kept"
@@ -107,9 +123,12 @@ def test_on_fail_keep_and_on_success_keep(mounted):
 def test_ctrl_c_reaches_the_command_and_the_step_is_rolled_back(mounted):
     ws = mounted
     before = ws.snapshot()
-    proc = subprocess.Popen([*COWFS, "-C", str(ws.path), "run", "--", "sh", "-c",
-                             "echo started > marker; sleep 60"],
-                            start_new_session=True, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*COWFS, "-C", str(ws.path), "run", "--", "sh", "-c", "echo started > marker; sleep 60"],
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     # (until the command runs: a shell that gets SIGINT before it starts
     # `sleep` may go on to start it)
@@ -136,9 +155,12 @@ def _session_runs(sid: int, name: str) -> bool:
     return False
 
 
-def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
-                       timeout: float = 60, prompt: bytes = b"keep these changes?"
-                       ) -> tuple[int, str]:
+def _run_on_a_terminal(
+    args: list[str],
+    answer: bytes | None = None,
+    timeout: float = 60,
+    prompt: bytes = b"keep these changes?",
+) -> tuple[int, str]:
     """Run cowfs with a pseudo-terminal as its controlling terminal (and
     stdin); type *answer* when it asks (*prompt*)."""
     pid, fd = pty.fork()
@@ -167,8 +189,20 @@ def _run_on_a_terminal(args: list[str], answer: bytes | None = None,
 def test_an_approval_that_times_out_discards(mounted):
     ws = mounted
     before = ws.snapshot()
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "run", "--approve", "--timeout", "1",
-                                    "--", "sh", "-c", "echo new > new"])
+    code, out = _run_on_a_terminal(
+        [
+            "-C",
+            str(ws.path),
+            "run",
+            "--approve",
+            "--timeout",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "echo new > new",
+        ]
+    )
     assert "keep these changes?" in out and "discarding" in out, out
     assert code == 0
     treesnap.assert_same(before, ws.snapshot())
@@ -176,8 +210,9 @@ def test_an_approval_that_times_out_discards(mounted):
 
 def test_an_approval_answered_keep(mounted):
     ws = mounted
-    code, out = _run_on_a_terminal(["-C", str(ws.path), "run", "--approve", "--",
-                                    "sh", "-c", "echo new > new"], answer=b"k\n")
+    code, out = _run_on_a_terminal(
+        ["-C", str(ws.path), "run", "--approve", "--", "sh", "-c", "echo new > new"], answer=b"k\n"
+    )
     assert code == 0 and "kept as layer" in out, out
     assert (ws / "new").read_text() == "new\n" and len(ws.log()) == 2
 
@@ -185,21 +220,34 @@ def test_an_approval_answered_keep(mounted):
 def test_approve_without_a_terminal_never_hangs(mounted):
     ws = mounted
     before = ws.snapshot()
-    r = subprocess.run([*COWFS, "-C", str(ws.path), "run", "--approve", "--", "touch", "t"],
-                       capture_output=True, text=True, timeout=60, start_new_session=True,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [*COWFS, "-C", str(ws.path), "run", "--approve", "--", "touch", "t"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0 and "no terminal" in r.stderr
     treesnap.assert_same(before, ws.snapshot())
 
 
 def test_ephemeral_run_kept(workspace):
     (workspace / "f").write_text("one\n")
-    r = run("run", "--workspace", workspace.path, "--yes", "--",
-            "sh", "-c", "echo two >> f && mkdir d && echo x > d/x")
+    r = run(
+        "run",
+        "--workspace",
+        workspace.path,
+        "--yes",
+        "--",
+        "sh",
+        "-c",
+        "echo two >> f && mkdir d && echo x > d/x",
+    )
     assert "committed" in r.stderr
     assert (workspace / "f").read_text() == "one\ntwo\n"
     assert (workspace / "d" / "x").read_text() == "x\n"
-    assert not (workspace / ".cowfs").exists()   # the store it made is gone again
+    assert not (workspace / ".cowfs").exists()  # the store it made is gone again
     assert "fuse.cowfs" not in open("/proc/self/mounts").read().split(str(workspace.path))[-1][:20]
 
 
@@ -207,14 +255,27 @@ def test_ephemeral_run_discarded_byte_for_byte(workspace):
     (workspace / "f").write_text("one\n")
     os.symlink("f", workspace / "link")
     before = workspace.snapshot()
-    r = run("run", "--workspace", workspace.path, "--no", "--",
-            "sh", "-c", "echo two >> f && rm link && touch new")
+    r = run(
+        "run",
+        "--workspace",
+        workspace.path,
+        "--no",
+        "--",
+        "sh",
+        "-c",
+        "echo two >> f && rm link && touch new",
+    )
     assert "rolled back" in r.stderr
     treesnap.assert_same(before, workspace.snapshot())
     # without a terminal and without --yes it is discarded too
-    r = subprocess.run([*COWFS, "run", "--workspace", str(workspace.path), "--", "touch", "n2"],
-                       capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                       start_new_session=True, timeout=120)
+    r = subprocess.run(
+        [*COWFS, "run", "--workspace", str(workspace.path), "--", "touch", "n2"],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "discarding" in r.stderr
     treesnap.assert_same(before, workspace.snapshot())
 
@@ -233,7 +294,7 @@ def test_a_command_that_cannot_be_started_says_why(mounted):
     r = ws.cowfs("run", "--", "no-such-command-here", "arg", check=False)
     assert r.returncode == 127
     assert "cowfs: rolled back (no-such-command-here: command not found)" in r.stderr
-    (ws / "script").write_text("#!/bin/sh\necho hi\n")    # not executable
+    (ws / "script").write_text("#!/bin/sh\necho hi\n")  # not executable
     ws.commit()
     before = ws.snapshot()
     r = ws.cowfs("run", "--", "./script", check=False)
@@ -274,8 +335,11 @@ def test_api_step_rolls_back_on_failed_verification(mounted):
     ws = Workspace.attach(mounted.path)
     before = mounted.snapshot()
     with pytest.raises(StepFailed) as e:
-        with ws.step("bad edit", verify="grep alpha a.txt || { echo no alpha >&2; exit 3; }",
-                     capture_output=True) as step:
+        with ws.step(
+            "bad edit",
+            verify="grep alpha a.txt || { echo no alpha >&2; exit 3; }",
+            capture_output=True,
+        ) as step:
             (mounted / "a.txt").write_text("beta\n")
     assert e.value.verify_status == 3
     assert [str(c) for c in e.value.changes] == ["M a.txt"]
@@ -310,12 +374,20 @@ def test_api_run_captures_output_from_a_thread_and_times_out(mounted):
     verifier wrote (its beginning and end past the limit), so a server can
     run steps from a worker thread; a timeout kills the command's session."""
     import threading
+
     ws = Workspace.attach(mounted.path)
     before = mounted.snapshot()
     results = []
-    worker = threading.Thread(target=lambda: results.append(ws.run(
-        "cat; seq 1 5000; echo oops >&2; touch made", verify="echo checked; false",
-        capture_output=True, output_limit=400)))
+    worker = threading.Thread(
+        target=lambda: results.append(
+            ws.run(
+                "cat; seq 1 5000; echo oops >&2; touch made",
+                verify="echo checked; false",
+                capture_output=True,
+                output_limit=400,
+            )
+        )
+    )
     worker.start()
     worker.join()
     [res] = results
@@ -339,7 +411,7 @@ def test_agent_loop_retries_a_failed_step_from_a_clean_state(mounted):
         result = ws.run(["gcc", "prog.c", "-o", "prog"], verify="./prog")
         if result.ok:
             break
-        assert not (mounted / "prog").exists()   # each failure left nothing behind
+        assert not (mounted / "prog").exists()  # each failure left nothing behind
     assert result.ok and (mounted / "prog").exists()
 
 
@@ -351,31 +423,35 @@ def test_readme_agent_loop_with_steps(mounted):
         try:
             with ws.step(f"attempt {attempt}", verify="./prog"):
                 (mounted / "prog.c").write_text(next(sources))
-                subprocess.run(["gcc", "prog.c", "-o", "prog"], cwd=ws.root, check=True,
-                               capture_output=True)
+                subprocess.run(
+                    ["gcc", "prog.c", "-o", "prog"], cwd=ws.root, check=True, capture_output=True
+                )
             break
         except (StepFailed, subprocess.CalledProcessError) as e:
             failures.append(e)
-            assert not (mounted / "prog.c").exists()     # undone: a clean state again
+            assert not (mounted / "prog.c").exists()  # undone: a clean state again
     assert len(failures) == 1 and attempt == 1
     assert (mounted / "prog.c").read_text() == GOOD_C
-    assert [x.message for x in ws.log()] == ["base", "attempt 1"]   # the step kept
+    assert [x.message for x in ws.log()] == ["base", "attempt 1"]  # the step kept
 
 
 def test_api_run_captures_output_and_reports_changes_and_layer(mounted):
     ws = Workspace.attach(mounted.path)
-    res = ws.run("echo out; echo err >&2; echo x > made", verify="echo vout; echo verr >&2",
-                 capture_output=True)
+    res = ws.run(
+        "echo out; echo err >&2; echo x > made",
+        verify="echo vout; echo verr >&2",
+        capture_output=True,
+    )
     assert res.ok and res.outcome == "kept" and res.layer == ws.top()
     assert (res.stdout, res.stderr) == ("out\n", "err\n")
     assert (res.verify_stdout, res.verify_stderr) == ("vout\n", "verr\n")
     assert [str(c) for c in res.changes] == ["A made"] and res.changes[0].who["pid"] > 0
-    assert "stdout" not in ws.log()[-1].runs[-1]          # output is not kept on the layer
+    assert "stdout" not in ws.log()[-1].runs[-1]  # output is not kept on the layer
     res = ws.run(["sh", "-c", "echo failing; exit 3"], capture_output=True)
     assert res.status == 3 and res.stdout == "failing\n" and res.layer is None
     res = ws.run(["no-such-command-here"], capture_output=True)
     assert res.status == 127 and res.error and (res.stdout, res.stderr) == ("", "")
-    res = ws.run(["true"])                                # passed through: nothing kept
+    res = ws.run(["true"])  # passed through: nothing kept
     assert res.stdout is None and res.verify_stdout is None
 
 
@@ -416,7 +492,7 @@ def test_api_rollback_of_the_base_layer_needs_yes(mounted):
     assert e.value.code == 14 and "base layer" in str(e.value)
     treesnap.assert_same(before, mounted.snapshot())
     base = ws.top()
-    assert ws.rollback(to=base).dropped == [base]         # naming it is explicit
+    assert ws.rollback(to=base).dropped == [base]  # naming it is explicit
     (mounted / "a.txt").write_text("changed again\n")
     base = ws.top()
     assert ws.rollback(yes=True).dropped == [base]

@@ -21,8 +21,8 @@ from cowfs import treesnap
 from .helpers import COWFS, managed_workspace
 from .test_posix import backing_dir
 
-TOP, SUB, FILES = 12, 8, 24            # a base tree of 12 * 8 * 24 = 2,304 files
-RENAMES = 24_000                       # operations in all, over two layers
+TOP, SUB, FILES = 12, 8, 24  # a base tree of 12 * 8 * 24 = 2,304 files
+RENAMES = 24_000  # operations in all, over two layers
 
 
 def inode_tree(root) -> dict[str, tuple[int, bool]]:
@@ -81,8 +81,9 @@ def expected_changes(then: dict, now: dict) -> dict[str, tuple]:
 
 
 def listed(changes: list[dict]) -> dict[str, tuple]:
-    return {c["path"]: (c["kind"], c["from"]) if c["kind"] == "R" else (c["kind"],)
-            for c in changes}
+    return {
+        c["path"]: (c["kind"], c["from"]) if c["kind"] == "R" else (c["kind"],) for c in changes
+    }
 
 
 class Shuffler:
@@ -107,36 +108,40 @@ class Shuffler:
     def step(self) -> None:
         r = self.rng.random()
         files, dirs = self.files, self.dirs
-        if r < 0.40:                                   # a file renamed, maybe elsewhere
+        if r < 0.40:  # a file renamed, maybe elsewhere
             i = self.rng.randrange(len(files))
             dst = self.fresh(self.rng.choice(dirs + [""]))
             os.rename(self.abs(files[i]), self.abs(dst))
             files[i] = dst
-        elif r < 0.60:                                 # written and renamed over (sed -i)
+        elif r < 0.60:  # written and renamed over (sed -i)
             p = self.rng.choice(files)
             tmp = self.fresh(p.rpartition("/")[0])
             with open(self.abs(tmp), "w") as f:
                 f.write(f"replaced {self.n}\n")
             os.rename(self.abs(tmp), self.abs(p))
-        elif r < 0.70:                                 # two files exchanged
+        elif r < 0.70:  # two files exchanged
             a, b = self.rng.sample(range(len(files)), 2)
-            B.renameat2(-100, os.fsencode(self.abs(files[a])), -100,
-                        os.fsencode(self.abs(files[b])), B.RENAME_EXCHANGE)
-        elif r < 0.80:                                 # a new file
+            B.renameat2(
+                -100,
+                os.fsencode(self.abs(files[a])),
+                -100,
+                os.fsencode(self.abs(files[b])),
+                B.RENAME_EXCHANGE,
+            )
+        elif r < 0.80:  # a new file
             p = self.fresh(self.rng.choice(dirs + [""]))
             with open(self.abs(p), "w") as f:
                 f.write(f"new {self.n}\n")
             files.append(p)
-        elif r < 0.88:                                 # a file removed
+        elif r < 0.88:  # a file removed
             p = files.pop(self.rng.randrange(len(files)))
             os.unlink(self.abs(p))
-        else:                                          # a directory renamed, with all in it
+        else:  # a directory renamed, with all in it
             d = self.rng.choice(dirs)
             targets = [x for x in dirs + [""] if x != d and not x.startswith(d + "/")]
             dst = self.fresh(self.rng.choice(targets))
             os.rename(self.abs(d), self.abs(dst))
-            move = {p: dst + p[len(d):] for p in dirs + files
-                    if p == d or p.startswith(d + "/")}
+            move = {p: dst + p[len(d) :] for p in dirs + files if p == d or p.startswith(d + "/")}
             self.dirs = [move.get(p, p) for p in dirs]
             self.files = [move.get(p, p) for p in files]
 
@@ -165,8 +170,9 @@ def test_tens_of_thousands_of_renames_are_listed_viewed_and_undone_exactly(tmp_p
         assert listed(ws.json("status")["changes"]) == expected_changes(trees[1], now)
         since_first = ws.json("diff", "--name-status", str(layers[0]))["changes"]
         assert listed(since_first) == expected_changes(trees[0], now)
-        assert listed(ws.json("rollback", "--dry-run", "--to", str(layers[0]))["changes"]) \
-            == expected_changes(trees[0], now)
+        assert listed(
+            ws.json("rollback", "--dry-run", "--to", str(layers[0]))["changes"]
+        ) == expected_changes(trees[0], now)
 
         # each layer's start, as the view shows it and `show` reads it
         for layer, snap, tree in zip(layers, snaps, trees, strict=False):
@@ -179,13 +185,16 @@ def test_tens_of_thousands_of_renames_are_listed_viewed_and_undone_exactly(tmp_p
                 subprocess.run(["umount", str(view)], check=True)
             some = rng.sample(sorted(p for p, (_, d) in tree.items() if not d), 20)
             for p in some:
-                shown = subprocess.run([*COWFS, "-C", str(ws.path), "show", f"{layer}:{p}"],
-                                       capture_output=True, check=True).stdout
+                shown = subprocess.run(
+                    [*COWFS, "-C", str(ws.path), "show", f"{layer}:{p}"],
+                    capture_output=True,
+                    check=True,
+                ).stdout
                 assert xxhash.xxh3_128_hexdigest(shown) == snap[os.fsencode(p)].digest
 
         ws.json("rollback", "--to", str(layers[1]))
         treesnap.assert_same(snaps[1], ws.snapshot())
         assert ws.json("redo")["restored"] == [layers[1]]
-        assert inode_tree(backing_dir(ws)) == now        # the very same objects
+        assert inode_tree(backing_dir(ws)) == now  # the very same objects
         ws.json("rollback", "--to", str(layers[0]))
         treesnap.assert_same(snaps[0], ws.snapshot())

@@ -37,7 +37,7 @@ def old_decode(data: bytes) -> tuple[int, tuple]:
         tag = data[pos]
         if tag == ord("b"):
             n = _L.unpack_from(data, pos + 1)[0]
-            fields.append(bytes(data[pos + 5:pos + 5 + n]))
+            fields.append(bytes(data[pos + 5 : pos + 5 + n]))
             pos += 5 + n
         elif tag == ord("i"):
             fields.append(_I.unpack_from(data, pos + 1)[0])
@@ -52,20 +52,32 @@ def old_decode(data: bytes) -> tuple[int, tuple]:
 GOLDEN = [
     (S.Create(b"dir/new file"), "01620000000c6469722f6e65772066696c65"),
     (S.Link(b"a/\xffb"), "026200000004612fff62"),
-    (S.Grave(b"gone.txt", 12, 4242),
-     "036200000008676f6e652e74787469000000000000000c690000000000001092"),
-    (S.Rename(b"a", S.grave_loc(7), 99),
-     "0462000000016162000000080067726176652f37690000000000000063"),
-    (S.Exchange(b"x", b"y/z", 5, 6),
-     "056200000001786200000003792f7a690000000000000005690000000000000006"),
-    (S.Meta(b"", 2, 0o40755, 1000, 1000, 4096, -1, 1700000000123456789),
-     "0662000000006900000000000000026900000000000041ed6900000000000003e86900000000000003e8"
-     "69000000000000100069ffffffffffffffff6917979cfe3d85cd15"),
-    (S.Xattrs(b"f", 3, S.encode_xattrs([(b"user.a", b"\x00\x01")])),
-     "07620000000166690000000000000003620000001000000006757365722e61000000020001"),
-    (S.Chunk(b"big", 8, 3, 65536, bytes(range(16))),
-     "0862000000036269676900000000000000086900000000000000036900000000000100006200000010"
-     "000102030405060708090a0b0c0d0e0f"),
+    (
+        S.Grave(b"gone.txt", 12, 4242),
+        "036200000008676f6e652e74787469000000000000000c690000000000001092",
+    ),
+    (
+        S.Rename(b"a", S.grave_loc(7), 99),
+        "0462000000016162000000080067726176652f37690000000000000063",
+    ),
+    (
+        S.Exchange(b"x", b"y/z", 5, 6),
+        "056200000001786200000003792f7a690000000000000005690000000000000006",
+    ),
+    (
+        S.Meta(b"", 2, 0o40755, 1000, 1000, 4096, -1, 1700000000123456789),
+        "0662000000006900000000000000026900000000000041ed6900000000000003e86900000000000003e8"
+        "69000000000000100069ffffffffffffffff6917979cfe3d85cd15",
+    ),
+    (
+        S.Xattrs(b"f", 3, S.encode_xattrs([(b"user.a", b"\x00\x01")])),
+        "07620000000166690000000000000003620000001000000006757365722e61000000020001",
+    ),
+    (
+        S.Chunk(b"big", 8, 3, 65536, bytes(range(16))),
+        "0862000000036269676900000000000000086900000000000000036900000000000100006200000010"
+        "000102030405060708090a0b0c0d0e0f",
+    ),
 ]
 
 
@@ -73,8 +85,11 @@ def test_golden_covers_every_kind():
     assert {type(rec) for rec, _ in GOLDEN} == set(S.RECORD_TYPES.values())
     assert {rec.kind for rec, _ in GOLDEN} == set(S.KIND_NAMES) - {S.DAMAGED}
     for kind, cls in S.RECORD_TYPES.items():
-        assert S.KIND_NAMES[kind] and S.record_name(cls._make(
-            b"" if t is bytes else 0 for t in S._SHAPES[kind])) == S.KIND_NAMES[kind]
+        assert (
+            S.KIND_NAMES[kind]
+            and S.record_name(cls._make(b"" if t is bytes else 0 for t in S._SHAPES[kind]))
+            == S.KIND_NAMES[kind]
+        )
 
 
 @pytest.mark.parametrize("rec, raw", GOLDEN, ids=lambda x: type(x).__name__)
@@ -89,7 +104,7 @@ def test_golden_bytes(rec, raw):
 
 
 _loc = st.one_of(st.binary(max_size=40), st.integers(0, 2**40).map(S.grave_loc))
-_i64 = st.integers(-2**63, 2**63 - 1)
+_i64 = st.integers(-(2**63), 2**63 - 1)
 _u = st.integers(0, 2**63 - 1)
 
 
@@ -98,10 +113,14 @@ def records(draw):
     kind = draw(st.sampled_from(sorted(S.RECORD_TYPES)))
     cls = S.RECORD_TYPES[kind]
     names = cls._fields
-    fields = [draw(_loc) if t is bytes and n in ("path", "src", "dst", "a", "b", "loc")
-              else draw(st.binary(max_size=300)) if t is bytes
-              else draw(_i64 if n.endswith("_ns") else _u)
-              for n, t in zip(names, S._SHAPES[kind], strict=True)]
+    fields = [
+        draw(_loc)
+        if t is bytes and n in ("path", "src", "dst", "a", "b", "loc")
+        else draw(st.binary(max_size=300))
+        if t is bytes
+        else draw(_i64 if n.endswith("_ns") else _u)
+        for n, t in zip(names, S._SHAPES[kind], strict=True)
+    ]
     return cls._make(fields)
 
 
@@ -118,8 +137,7 @@ def test_named_fields_are_the_positions_of_the_format():
     assert S.Grave._fields == ("path", "grave", "ino")
     assert S.Rename._fields == ("src", "dst", "ino")
     assert S.Exchange._fields == ("a", "b", "ino_a", "ino_b")
-    assert S.Meta._fields == ("loc", "ino", "mode", "uid", "gid", "size", "atime_ns",
-                              "mtime_ns")
+    assert S.Meta._fields == ("loc", "ino", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns")
     assert S.Xattrs._fields == ("loc", "ino", "blob")
     assert S.Chunk._fields == ("loc", "ino", "chunk", "length", "digest")
 
@@ -129,24 +147,35 @@ def test_meta_record_from_a_stat(tmp_path):
     p.write_bytes(b"12345")
     s = p.stat()
     m = S.meta_record(b"f", s)
-    assert S.encode_record(m) == old_encode(S.META, b"f", s.st_ino, s.st_mode, s.st_uid,
-                                            s.st_gid, s.st_size, s.st_atime_ns,
-                                            s.st_mtime_ns)
+    assert S.encode_record(m) == old_encode(
+        S.META,
+        b"f",
+        s.st_ino,
+        s.st_mode,
+        s.st_uid,
+        s.st_gid,
+        s.st_size,
+        s.st_atime_ns,
+        s.st_mtime_ns,
+    )
     assert (m.mode, m.size, m.mtime_ns) == (s.st_mode, 5, s.st_mtime_ns)
 
 
-@pytest.mark.parametrize("raw", [
-    b"\x06garbage",                                   # a bad tag
-    old_encode(9, b"x"),                              # no such kind
-    old_encode(S.DAMAGED, b"x"),                      # never written
-    old_encode(S.CREATE),                             # no fields
-    old_encode(S.CREATE, 5),                          # an int for a path
-    old_encode(S.GRAVE, b"p", 1),                     # a field short
-    old_encode(S.CHUNK, b"p", 1, 2, 3, b"h", 4),      # a field too many
-    old_encode(S.META, b"p", 1, 2, 3, None, 5, 6, 7),  # a None
-    old_encode(S.CHUNK, b"p", 1, 2, 3, 4),            # an int for the digest
-    b"\x08i\x00",                                      # cut short
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x06garbage",  # a bad tag
+        old_encode(9, b"x"),  # no such kind
+        old_encode(S.DAMAGED, b"x"),  # never written
+        old_encode(S.CREATE),  # no fields
+        old_encode(S.CREATE, 5),  # an int for a path
+        old_encode(S.GRAVE, b"p", 1),  # a field short
+        old_encode(S.CHUNK, b"p", 1, 2, 3, b"h", 4),  # a field too many
+        old_encode(S.META, b"p", 1, 2, 3, None, 5, 6, 7),  # a None
+        old_encode(S.CHUNK, b"p", 1, 2, 3, 4),  # an int for the digest
+        b"\x08i\x00",  # cut short
+    ],
+)
 def test_what_does_not_decode_is_damaged(raw):
     with pytest.raises((ValueError, IndexError, struct.error)):
         S.decode_record(raw)
@@ -174,8 +203,15 @@ def test_keys_as_they_were_built_by_hand():
     assert S.redo_kept_key(S.REDO_MOVED, b"a/b") == b"ma/b"
     assert S.split_redo_key(S.redo_layer_key(4)) == (b"L", S.u64(4))
     # the one-byte kinds never begin the state key
-    kinds = [S.REDO_LAYER, S.REDO_RECORD, S.REDO_INVERSE, S.REDO_INDEX, S.REDO_WHO,
-             S.REDO_PRINT, S.REDO_MOVED]
+    kinds = [
+        S.REDO_LAYER,
+        S.REDO_RECORD,
+        S.REDO_INVERSE,
+        S.REDO_INDEX,
+        S.REDO_WHO,
+        S.REDO_PRINT,
+        S.REDO_MOVED,
+    ]
     assert len(set(kinds)) == len(kinds) and S.K_REDO_STATE[:1] not in kinds
 
 
@@ -185,12 +221,30 @@ def test_docstring_names_every_database_and_index_kind():
         assert f"``{db.decode()}``" in doc
     for kind in (S.IDX_CREATED, S.IDX_META, S.IDX_XATTRS, S.IDX_CHUNK, S.IDX_PINNED):
         assert f"``{kind.decode()}``" in doc
-    for kind in (S.REDO_LAYER, S.REDO_RECORD, S.REDO_INVERSE, S.REDO_INDEX, S.REDO_WHO,
-                 S.REDO_PRINT, S.REDO_MOVED):
+    for kind in (
+        S.REDO_LAYER,
+        S.REDO_RECORD,
+        S.REDO_INVERSE,
+        S.REDO_INDEX,
+        S.REDO_WHO,
+        S.REDO_PRINT,
+        S.REDO_MOVED,
+    ):
         assert f"``{kind.decode()}`` +" in doc
-    for key in (S.K_FORMAT, S.K_WORKSPACE, S.K_CHUNK_SIZE, S.K_NEXT_SEQ, S.K_NEXT_LAYER,
-                S.K_NEXT_GRAVE, S.K_NEXT_WRITER, S.K_PENDING, S.K_STATE, S.K_LIMITS,
-                S.K_IGNORE, S.K_DRIFT):
+    for key in (
+        S.K_FORMAT,
+        S.K_WORKSPACE,
+        S.K_CHUNK_SIZE,
+        S.K_NEXT_SEQ,
+        S.K_NEXT_LAYER,
+        S.K_NEXT_GRAVE,
+        S.K_NEXT_WRITER,
+        S.K_PENDING,
+        S.K_STATE,
+        S.K_LIMITS,
+        S.K_IGNORE,
+        S.K_DRIFT,
+    ):
         assert f"``{key.decode()}``" in doc
     for op in ("rollback", "commit", "redo", "checkpoint"):
         assert f'"op": "{op}"' in doc

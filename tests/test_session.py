@@ -46,11 +46,9 @@ def test_a_session_without_a_mount_runs_the_layer_lifecycle(tmp_path):
         assert session.hooks is NO_MOUNT
         one = run(session.checkpoint, message="one")
         two = run(session.checkpoint, message="two")
-        assert [layer["message"] for layer in run(session.log)["layers"]] == \
-            ["base", "one", "two"]
+        assert [layer["message"] for layer in run(session.log)["layers"]] == ["base", "one", "two"]
         assert run(session.status)["engine"] is None
-        assert run(session.commit) == {"committed": two["id"], "into": one["id"],
-                                       "top": one["id"]}
+        assert run(session.commit) == {"committed": two["id"], "into": one["id"], "top": one["id"]}
         undone = run(session.rollback)
         assert undone["dropped"] == [one["id"]] and not undone["failures"]
         assert run(session.redo)["restored"] == [one["id"]]
@@ -72,8 +70,7 @@ def test_the_session_calls_its_mount_hooks(tmp_path):
         hooks.calls.clear()
         run(session.checkpoint, message="two")
         run(session.commit)
-        assert hooks.calls == ["flush", "layer_switched", "flush", "layer_switched",
-                               "after_commit"]
+        assert hooks.calls == ["flush", "layer_switched", "flush", "layer_switched", "after_commit"]
         hooks.calls.clear()
         run(session.rollback)
         assert hooks.calls == ["flush", "after_undo"]

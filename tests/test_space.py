@@ -21,7 +21,7 @@ def usage(ws) -> dict:
 
 def test_max_store_fails_the_write_that_would_exceed_it_and_leaves_the_file(workspace):
     ws = workspace
-    original = os.urandom(64 * CHUNK)                       # 4 MiB
+    original = os.urandom(64 * CHUNK)  # 4 MiB
     (ws / "big").write_bytes(original)
     ws.mount("--max-store", "1M")
     ws.checkpoint()
@@ -36,12 +36,12 @@ def test_max_store_fails_the_write_that_would_exceed_it_and_leaves_the_file(work
             except OSError as e:
                 assert e.errno == errno.ENOSPC
                 break
-            expected[k * CHUNK:(k + 1) * CHUNK] = block
+            expected[k * CHUNK : (k + 1) * CHUNK] = block
             written += 1
     finally:
         os.close(fd)
-    assert 4 <= written < 16                     # about 1 MiB of pre-images, not more
-    assert (ws / "big").read_bytes() == bytes(expected)   # the refused write changed nothing
+    assert 4 <= written < 16  # about 1 MiB of pre-images, not more
+    assert (ws / "big").read_bytes() == bytes(expected)  # the refused write changed nothing
     u = usage(ws)
     assert u["max_store"] == 1 << 20 and u["bytes"] <= (1 << 20) + CHUNK
     assert "of at most 1.0 MiB" in ws.cowfs("status").stdout
@@ -51,12 +51,12 @@ def test_max_store_fails_the_write_that_would_exceed_it_and_leaves_the_file(work
     ws.checkpoint()
     with open(ws / "big", "r+b") as f:
         f.write(os.urandom(8 * CHUNK))
-    ws.commit()                                  # into the base: still undoable
-    ws.commit()                                  # the base: permanent, freed
+    ws.commit()  # into the base: still undoable
+    ws.commit()  # the base: permanent, freed
     assert usage(ws)["data"] < 200 << 10
     with open(ws / "big", "r+b") as f:
         f.seek(32 * CHUNK)
-        f.write(os.urandom(8 * CHUNK))           # fits again
+        f.write(os.urandom(8 * CHUNK))  # fits again
 
 
 def test_limits_are_kept_in_the_store_and_can_be_cleared(workspace):
@@ -67,7 +67,7 @@ def test_limits_are_kept_in_the_store_and_can_be_cleared(workspace):
     u = usage(ws)
     assert (u["max_store"], u["max_layers"]) == (2 << 30, 4)
     ws.unmount()
-    assert ws.json("status")["usage"]["max_layers"] == 4   # offline too
+    assert ws.json("status")["usage"]["max_layers"] == 4  # offline too
     ws.mount("--max-store", "0")
     assert (usage(ws)["max_store"], usage(ws)["max_layers"]) == (None, 4)
     r = ws.cowfs("mount", "--max-layers", "many", ws.path, check=False)
@@ -87,7 +87,7 @@ def test_max_layers_merges_the_oldest_into_the_base(workspace):
     layers = ws.log()
     assert len(layers) == 3 and layers[0]["id"] == base
     assert [layer["message"] for layer in layers[1:]] == ["step 3", "step 4"]
-    ws.rollback(to=base)                          # undo back to the base is never lost
+    ws.rollback(to=base)  # undo back to the base is never lost
     treesnap.assert_same(at_mount, ws.snapshot())
 
 
@@ -108,11 +108,11 @@ def test_gc_frees_what_nothing_needs(mounted):
     finally:
         env.close()
     (ws / ".cowfs" / "grave" / "4242").write_bytes(os.urandom(CHUNK))
-    res = ws.json("gc")                           # offline
+    res = ws.json("gc")  # offline
     assert res["freed_bytes"] >= 20 * CHUNK and res["problems"] == []
     assert any("20 chunks" in d for d in res["done"])
     assert not (ws / ".cowfs" / "grave" / "4242").exists()
     ws.mount()
-    ws.rollback()                                 # what was needed is still there
+    ws.rollback()  # what was needed is still there
     assert (ws / "a.txt").read_text() == "alpha\n"
-    assert ws.json("gc")["done"] == []            # nothing left to free
+    assert ws.json("gc")["done"] == []  # nothing left to free

@@ -68,7 +68,7 @@ def test_a_path_whose_whole_state_is_back_is_no_change(mounted):
     (ws / "a.txt").write_text("changed\n")
     (ws / "a.txt").write_text("alpha\n")
     os.utime(ws / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))
-    with open(ws / "big", "r+b") as f:                # chunks in the middle, and a tail
+    with open(ws / "big", "r+b") as f:  # chunks in the middle, and a tail
         f.seek(100_000)
         f.write(b"x" * 70_000)
         f.truncate(250_000)
@@ -100,10 +100,11 @@ def test_changes_since_an_older_layer_compare_with_that_layers_start(mounted):
     os.chmod(ws / "a.txt", 0o600)
     (ws / "dir" / "b.txt").write_text("beta 2\n")
     ws.checkpoint("two")
-    os.chmod(ws / "a.txt", 0o644)                       # back as it was before "one"
+    os.chmod(ws / "a.txt", 0o644)  # back as it was before "one"
     (ws / "dir" / "b.txt").write_text("beta 3\n")
     since_first = {c["path"]: c["kind"] for c in ws.json("diff", str(first))["changes"]}
     assert since_first == {"dir/b.txt": "M"}
     assert kinds(ws, "status") == {"a.txt": "m", "dir/b.txt": "M"}
-    assert {c["path"] for c in ws.json("rollback", "--dry-run", "--to", str(first))
-            ["changes"]} == {"dir/b.txt"}
+    assert {c["path"] for c in ws.json("rollback", "--dry-run", "--to", str(first))["changes"]} == {
+        "dir/b.txt"
+    }

@@ -113,8 +113,8 @@ def test_merge_keeps_the_lower_entry_and_drops_redundant_ones(h):
     h.pwrite("f", b"one", 0)
     lower = len(h.store.layer_records(h.store.top().id))
     h.checkpoint()
-    h.pwrite("f", b"two", 1)      # same chunk: redundant after the merge
-    h.pwrite("f", b"two", C)      # a chunk only the upper layer has
+    h.pwrite("f", b"two", 1)  # same chunk: redundant after the merge
+    h.pwrite("f", b"two", C)  # a chunk only the upper layer has
     h.stack.commit()
     h.rec.reset(fresh=False)
     merged = h.store.layer_records(h.store.top().id)
@@ -149,14 +149,16 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
     layer = h.store.top()
     with h.rec.txn() as w:
         h.rec.create(w, b"g")
-    (h.root / "g").write_text("a new g")   # a replacement, as after unlink + create
+    (h.root / "g").write_text("a new g")  # a replacement, as after unlink + create
     # Interrupt the rollback after two undo steps, the second one applied
     # but its record not yet deleted (as a crash would).
     h.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": layer.id})
     from cowfs.undo import Undoer
+
     undo = Undoer(h.store, h.stack.resolver)
-    (seq1, rec1), (seq2, rec2) = list(
-        h.store.records(layer.start, h.store.next_seq, reverse=True))[:2]
+    (seq1, rec1), (seq2, rec2) = list(h.store.records(layer.start, h.store.next_seq, reverse=True))[
+        :2
+    ]
     undo.apply(rec1)
     with h.store.write() as w:
         w.delete_record(seq1)

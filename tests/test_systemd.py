@@ -68,8 +68,13 @@ def mount_fstype(path: Path) -> str | None:
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
-            mp = left.split(" ")[4].replace("\\040", " ").replace("\\011", "\t") \
-                .replace("\\012", "\n").replace("\\134", "\\")
+            mp = (
+                left.split(" ")[4]
+                .replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\012", "\n")
+                .replace("\\134", "\\")
+            )
             if mp == str(path):
                 fstype = right.split(" ")[0]
     return fstype
@@ -89,10 +94,21 @@ def test_unit_declares_notify_and_clean_stop():
     assert "TimeoutStopSec" in svc
     # Options that give the service its own mount namespace would hide the
     # FUSE mount from everybody else.
-    for key in ("PrivateTmp", "ProtectSystem", "ProtectHome", "PrivateDevices",
-                "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths",
-                "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths", "RootDirectory",
-                "MountFlags", "PrivateMounts"):
+    for key in (
+        "PrivateTmp",
+        "ProtectSystem",
+        "ProtectHome",
+        "PrivateDevices",
+        "ReadOnlyPaths",
+        "ReadWritePaths",
+        "InaccessiblePaths",
+        "TemporaryFileSystem",
+        "BindPaths",
+        "BindReadOnlyPaths",
+        "RootDirectory",
+        "MountFlags",
+        "PrivateMounts",
+    ):
         assert key not in svc, f"{key}= would put the mount in a private namespace"
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
     assert "ln -s /path/to/repo/.venv/bin/cowfs /usr/local/bin/cowfs" in UNIT.read_text()
@@ -110,24 +126,38 @@ def test_systemd_analyze_verify(tmp_path):
     (tmp_path / "cowfs@.service").write_text(text)
     os.symlink("cowfs@.service", tmp_path / "cowfs@srv-project.service")
     for name in ("cowfs@.service", "cowfs@srv-project.service"):
-        r = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / name)],
-                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        r = subprocess.run(
+            [analyze, "verify", "--man=no", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         if r.returncode != 0 and "Failed to " in r.stderr and "cowfs" not in r.stderr:
             pytest.skip(f"systemd-analyze cannot run here: {r.stderr.strip()}")
         complaints = [line for line in (r.stdout + r.stderr).splitlines() if "cowfs" in line]
-        assert r.returncode == 0 and not complaints, \
+        assert r.returncode == 0 and not complaints, (
             f"systemd-analyze verify {name} (exit {r.returncode}):\n{r.stdout}{r.stderr}"
+        )
 
 
 def test_systemd_escape_names_the_workspace():
     escape = shutil.which("systemd-escape")
     if escape is None:
         pytest.skip("systemd-escape is not installed (Debian package 'systemd')")
-    name = subprocess.run([escape, "--path", "--template=cowfs@.service", "/srv/my project"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    name = subprocess.run(
+        [escape, "--path", "--template=cowfs@.service", "/srv/my project"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert name == r"cowfs@srv-my\x20project.service"
-    back = subprocess.run([escape, "--unescape", "--path", name[len("cowfs@"):-len(".service")]],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    back = subprocess.run(
+        [escape, "--unescape", "--path", name[len("cowfs@") : -len(".service")]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert back == "/srv/my project"
 
 
@@ -159,23 +189,32 @@ def receive(sock: socket.socket, proc: subprocess.Popen, timeout: float, logs: P
             data = sock.recv(65536)
         except TimeoutError:
             if proc.poll() is not None:
-                pytest.fail(f"daemon exited {proc.returncode} before notifying:\n"
-                            f"{logs.read_text(errors='replace')}")
+                pytest.fail(
+                    f"daemon exited {proc.returncode} before notifying:\n"
+                    f"{logs.read_text(errors='replace')}"
+                )
             continue
         return dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
     pytest.fail(f"no notification within {timeout}s:\n{logs.read_text(errors='replace')}")
 
 
 def test_exec_start_notifies_ready_when_mounted_and_unmounts_on_sigterm(
-        workspace, notify_socket, tmp_path):
+    workspace, notify_socket, tmp_path
+):
     sock, sock_path = notify_socket
     (workspace / "before.txt").write_text("here before the mount\n")
     argv = exec_start(workspace.path)
     logs = tmp_path / "daemon.out"
     env = {**os.environ, "NOTIFY_SOCKET": sock_path}
     with open(logs, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         msg = receive(sock, proc, 120, logs)
         # Checked at once: READY=1 must not arrive before the mount is live.
@@ -186,8 +225,9 @@ def test_exec_start_notifies_ready_when_mounted_and_unmounts_on_sigterm(
         assert str(workspace.path) in msg.get("STATUS", "")
         workspace.mounted = True
 
-        ls = subprocess.run(["ls", "-A", str(workspace.path)], capture_output=True,
-                            text=True, timeout=30)
+        ls = subprocess.run(
+            ["ls", "-A", str(workspace.path)], capture_output=True, text=True, timeout=30
+        )
         assert ls.returncode == 0, ls.stderr
         assert ls.stdout.split() == ["before.txt"]  # the store stays hidden
         (workspace / "during.txt").write_text("written through the mount\n")

@@ -55,7 +55,14 @@ def test_identical_trees_compare_equal(tree: Path) -> None:
     assert_same(before, after)
     assert fingerprint(before) == fingerprint(after)
     assert set(before) == {
-        b".", b"f", b"ln", b"sub", b"sub/g", b"sub/hard", b"sub/deep", b"sub/deep/h"
+        b".",
+        b"f",
+        b"ln",
+        b"sub",
+        b"sub/g",
+        b"sub/hard",
+        b"sub/deep",
+        b"sub/deep/h",
     }
 
 
@@ -96,9 +103,7 @@ def test_content_change_past_first_chunk(tree: Path) -> None:
 def test_mode_change(tree: Path) -> None:
     before = snapshot(tree)
     os.chmod(tree / "sub" / "g", 0o600)
-    assert compare(before, snapshot(tree)) == [
-        "changed sub/g: mode 0o100644 -> 0o100600"
-    ]
+    assert compare(before, snapshot(tree)) == ["changed sub/g: mode 0o100644 -> 0o100600"]
 
 
 def test_mtime_change(tree: Path) -> None:
@@ -106,9 +111,7 @@ def test_mtime_change(tree: Path) -> None:
     old = before[b"sub/g"].mtime_ns
     os.utime(tree / "sub" / "g", ns=(old, 1_700_000_000_000_000_000))
     after = snapshot(tree)
-    assert compare(before, after) == [
-        f"changed sub/g: mtime {old} -> 1700000000000000000"
-    ]
+    assert compare(before, after) == [f"changed sub/g: mtime {old} -> 1700000000000000000"]
     assert compare(before, after, mtimes=False) == []
 
 

@@ -18,9 +18,9 @@ from cowfs import treesnap
 NEWLINE = b"new\nline"
 NON_UTF8 = b"\xff\xfe-latin1-\xe9"
 LONG = b"L" * 255
-DEPTH, SEGMENT = 24, b"d" * 200          # 24 * 201 bytes: deeper than PATH_MAX (4096)
-BIG_SIZE = (4 << 30) + (256 << 10)       # just over 4 GiB, sparse
-BIG_AT = (4 << 30) + (64 << 10)          # data beyond the 4 GiB boundary
+DEPTH, SEGMENT = 24, b"d" * 200  # 24 * 201 bytes: deeper than PATH_MAX (4096)
+BIG_SIZE = (4 << 30) + (256 << 10)  # just over 4 GiB, sparse
+BIG_AT = (4 << 30) + (64 << 10)  # data beyond the 4 GiB boundary
 
 
 def deep_dir_fd(root: bytes, create: bool) -> int:
@@ -76,7 +76,7 @@ def build(root: bytes) -> None:
     finally:
         os.close(d)
     cwd = os.getcwd()
-    os.chdir(root)   # a socket's path must be short
+    os.chdir(root)  # a socket's path must be short
     try:
         s = socket.socket(socket.AF_UNIX)
         s.bind(b"sock")
@@ -129,20 +129,20 @@ def test_unusual_objects_round_trip(mounted):
     treesnap.assert_same(empty, ws.snapshot())
 
     build(root)
-    ws.commit()                        # into the base layer
+    ws.commit()  # into the base layer
     before = ws.snapshot()
     sparse_blocks = blocks(ws / "sparse")
     ws.checkpoint("change")
     change_everything(root)
     ws.rollback()
     treesnap.assert_same(before, ws.snapshot())
-    assert blocks(ws / "sparse") <= sparse_blocks + 16       # still sparse
+    assert blocks(ws / "sparse") <= sparse_blocks + 16  # still sparse
 
     ws.checkpoint("remove")
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)        # fd-based: copes with the deep tree
+            shutil.rmtree(path)  # fd-based: copes with the deep tree
         else:
             os.unlink(path)
     assert os.listdir(root) == []
@@ -189,8 +189,11 @@ def test_file_over_4_gib(mounted):
     assert ws.log()[-1]["bytes"] < 1 << 20
     ws.rollback()
     after = os.stat(big)
-    assert (after.st_size, after.st_mtime_ns, after.st_mode) == (st.st_size, st.st_mtime_ns,
-                                                                 st.st_mode)
+    assert (after.st_size, after.st_mtime_ns, after.st_mode) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_mode,
+    )
     assert region(big, BIG_AT, 12) == b"beyond 4 GiB"
     assert region(big, BIG_AT - 4096, 4096) == bytes(4096)
     assert after.st_blocks <= st.st_blocks + 16

@@ -51,6 +51,7 @@ def run_as(uid: int, gid: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 def cowfs_as(uid: int, gid: int, cwd: str | os.PathLike, args: list[str]) -> tuple[int, str, str]:
     """The cowfs command's main() run by *uid* in *cwd*: (exit code, stdout, stderr)."""
+
     def main() -> tuple[int, str, str]:
         os.chdir(cwd)
         out, err = io.StringIO(), io.StringIO()
@@ -60,4 +61,5 @@ def cowfs_as(uid: int, gid: int, cwd: str | os.PathLike, args: list[str]) -> tup
         finally:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         return code, out.getvalue(), err.getvalue()
+
     return run_as(uid, gid, main)

@@ -63,6 +63,7 @@ def unique_name(what: str = "") -> str:
 # shared plumbing
 # --------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _lock(name: str) -> Iterator[None]:
     """Serialise daemon start-up between concurrent test processes."""
@@ -100,9 +101,15 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         out.write(f"\n==== {time.strftime('%F %T')} {' '.join(argv)}\n".encode())
         out.flush()
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, close_fds=True,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -124,8 +131,9 @@ def _pidfile_alive(path: str) -> bool:
 
 def _need_root(engine: str) -> None:
     if os.geteuid() != 0:
-        raise EngineUnavailable(f"{engine}: starting the daemon needs root (running as uid "
-                                f"{os.geteuid()})")
+        raise EngineUnavailable(
+            f"{engine}: starting the daemon needs root (running as uid {os.geteuid()})"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -146,6 +154,7 @@ DOCKERD_FLAG_SETS: list[list[str]] = [
 
 def _docker_client(base_url: str | None = None):
     import docker
+
     if base_url:
         return docker.DockerClient(base_url=base_url, version="auto", timeout=120)
     return docker.from_env(version="auto", timeout=120)
@@ -170,13 +179,15 @@ def ensure_docker(timeout: float = 60.0):
     try:
         import docker  # noqa: F401
     except ImportError:
-        raise EngineUnavailable("docker: the Python package 'docker' is not installed "
-                                "(pip install docker)") from None
+        raise EngineUnavailable(
+            "docker: the Python package 'docker' is not installed (pip install docker)"
+        ) from None
     if os.environ.get("DOCKER_HOST"):
         c = _docker_ping()
         if c is None:
-            raise EngineUnavailable(f"docker: DOCKER_HOST={os.environ['DOCKER_HOST']} "
-                                    "does not answer")
+            raise EngineUnavailable(
+                f"docker: DOCKER_HOST={os.environ['DOCKER_HOST']} does not answer"
+            )
         return c
     if _socket_accepts(DOCKER_SOCK) and (c := _docker_ping(f"unix://{DOCKER_SOCK}")):
         return c
@@ -185,8 +196,10 @@ def ensure_docker(timeout: float = 60.0):
         raise EngineUnavailable("docker: dockerd is not installed (Debian package docker.io)")
     for helper in ("containerd", "runc"):
         if _find(helper) is None:
-            raise EngineUnavailable(f"docker: {helper} is not installed (Debian package "
-                                    f"{helper}, a dependency of docker.io)")
+            raise EngineUnavailable(
+                f"docker: {helper} is not installed (Debian package "
+                f"{helper}, a dependency of docker.io)"
+            )
     _need_root("docker")
     log = LOG_DIR / "dockerd.log"
     with _lock("docker"):
@@ -195,12 +208,14 @@ def ensure_docker(timeout: float = 60.0):
         if _pidfile_alive("/var/run/docker.pid"):  # started elsewhere, still coming up
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and _pidfile_alive("/var/run/docker.pid"):
-                if (c := _docker_ping(f"unix://{DOCKER_SOCK}")):
+                if c := _docker_ping(f"unix://{DOCKER_SOCK}"):
                     return c
                 time.sleep(0.25)
             if _pidfile_alive("/var/run/docker.pid"):
-                raise EngineUnavailable(f"docker: a dockerd is running but does not answer on "
-                                        f"{DOCKER_SOCK} within {timeout:.0f}s")
+                raise EngineUnavailable(
+                    f"docker: a dockerd is running but does not answer on "
+                    f"{DOCKER_SOCK} within {timeout:.0f}s"
+                )
         env_flags = os.environ.get("COWFS_DOCKERD_FLAGS")
         flag_sets = [env_flags.split()] if env_flags is not None else DOCKERD_FLAG_SETS
         failures = []
@@ -220,13 +235,19 @@ def ensure_docker(timeout: float = 60.0):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                failures.append(f"dockerd {' '.join(flags) or '(defaults)'}: no answer on "
-                                f"{DOCKER_SOCK} within {timeout:.0f}s")
+                failures.append(
+                    f"dockerd {' '.join(flags) or '(defaults)'}: no answer on "
+                    f"{DOCKER_SOCK} within {timeout:.0f}s"
+                )
             else:
-                failures.append(f"dockerd {' '.join(flags) or '(defaults)'}: exited "
-                                f"{proc.returncode}")
-        raise EngineUnavailable("docker: dockerd could not be started: " + "; ".join(failures)
-                                + f"\nlast lines of {log}:\n{_tail(log)}")
+                failures.append(
+                    f"dockerd {' '.join(flags) or '(defaults)'}: exited {proc.returncode}"
+                )
+        raise EngineUnavailable(
+            "docker: dockerd could not be started: "
+            + "; ".join(failures)
+            + f"\nlast lines of {log}:\n{_tail(log)}"
+        )
 
 
 def docker_cli() -> str:
@@ -234,23 +255,25 @@ def docker_cli() -> str:
     path = _find("docker")
     if path is None:
         raise EngineUnavailable(
-            "docker: the docker CLI is not installed (Debian package docker.io)")
+            "docker: the docker CLI is not installed (Debian package docker.io)"
+        )
     return path
 
 
 def _is_static_elf(path: str) -> bool:
     """True for an ELF executable without a program interpreter (PT_INTERP)."""
     import struct
+
     with open(path, "rb") as f:
         head = f.read(64)
         if head[:4] != b"\x7fELF" or head[4] != 2:  # ELF, 64-bit
             return False
         end = "<" if head[5] == 1 else ">"
-        phoff, = struct.unpack_from(end + "Q", head, 0x20)
+        (phoff,) = struct.unpack_from(end + "Q", head, 0x20)
         phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
         for i in range(phnum):
             f.seek(phoff + i * phentsize)
-            p_type, = struct.unpack(end + "I", f.read(4))
+            (p_type,) = struct.unpack(end + "I", f.read(4))
             if p_type == 3:  # PT_INTERP
                 return False
     return True
@@ -260,8 +283,10 @@ def find_static_busybox() -> str:
     for cand in (os.environ.get("COWFS_BUSYBOX"), "/bin/busybox", "/usr/bin/busybox"):
         if cand and os.path.exists(cand) and _is_static_elf(cand):
             return cand
-    raise EngineUnavailable("docker: no statically linked busybox for the test image "
-                            "(Debian package busybox-static provides /bin/busybox)")
+    raise EngineUnavailable(
+        "docker: no statically linked busybox for the test image "
+        "(Debian package busybox-static provides /bin/busybox)"
+    )
 
 
 def busybox_rootfs_tar(busybox: str | None = None) -> bytes:
@@ -269,8 +294,9 @@ def busybox_rootfs_tar(busybox: str | None = None) -> bytes:
     applet (/bin/sh among them), /usr/local/bin, /tmp, /root, a minimal
     /etc/passwd and /etc/group. All entries owned by root."""
     busybox = busybox or find_static_busybox()
-    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True,
-                             check=True).stdout.split()
+    applets = subprocess.run(
+        [busybox, "--list"], capture_output=True, text=True, check=True
+    ).stdout.split()
     buf = io.BytesIO()
     now = int(time.time())
 
@@ -284,15 +310,31 @@ def busybox_rootfs_tar(busybox: str | None = None) -> bytes:
         tar.addfile(ti, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
 
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for d in ("bin", "dev", "etc", "proc", "sys", "root", "usr", "usr/bin",
-                  "usr/local", "usr/local/bin", "var", "work"):
+        for d in (
+            "bin",
+            "dev",
+            "etc",
+            "proc",
+            "sys",
+            "root",
+            "usr",
+            "usr/bin",
+            "usr/local",
+            "usr/local/bin",
+            "var",
+            "work",
+        ):
             add(d, mode=0o700 if d == "root" else 0o755)
         add("tmp", mode=0o1777)
         add("bin/busybox", tarfile.REGTYPE, 0o755, Path(busybox).read_bytes())
         for a in sorted(set(applets) - {"busybox"}):
             add(f"bin/{a}", tarfile.SYMTYPE, 0o777, link="busybox")
-        add("etc/passwd", tarfile.REGTYPE, 0o644,
-            b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
+        add(
+            "etc/passwd",
+            tarfile.REGTYPE,
+            0o644,
+            b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+        )
         add("etc/group", tarfile.REGTYPE, 0o644, b"root:x:0:\nnogroup:x:65534:\n")
     return buf.getvalue()
 
@@ -302,6 +344,7 @@ def busybox_image(client, tag: str = BUSYBOX_TAG, label: str = LABEL) -> str:
     importing ``busybox_rootfs_tar()`` (the equivalent of ``docker import``);
     reused when present. Nothing is pulled."""
     import docker
+
     try:
         client.images.get(tag)
         return tag
@@ -317,10 +360,15 @@ def busybox_image(client, tag: str = BUSYBOX_TAG, label: str = LABEL) -> str:
         except docker.errors.ImageNotFound:
             pass
         client.api.import_image_from_data(
-            busybox_rootfs_tar(), repository=repo, tag=version,
-            changes=[f"LABEL {label}=1",
-                     "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                     'CMD ["/bin/sh"]'])
+            busybox_rootfs_tar(),
+            repository=repo,
+            tag=version,
+            changes=[
+                f"LABEL {label}=1",
+                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                'CMD ["/bin/sh"]',
+            ],
+        )
         client.images.get(tag)  # raises if the import did not produce it
     return tag
 
@@ -330,6 +378,7 @@ def cleanup_docker(client, prefix: str = PREFIX, keep_base: bool = False) -> lis
     images tagged ``cowfs-test/...``/``prefix...`` or labelled ``LABEL``
     (``keep_base`` keeps ``BUSYBOX_TAG``). Returns what it removed."""
     import docker
+
     removed = []
     for c in client.containers.list(all=True):
         if c.name.startswith(prefix) or LABEL in (c.labels or {}):
@@ -338,8 +387,9 @@ def cleanup_docker(client, prefix: str = PREFIX, keep_base: bool = False) -> lis
                 removed.append(f"container {c.name}")
 
     def ours(img) -> bool:
-        return (LABEL in (img.labels or {})
-                or any(t.startswith((IMAGE_REPO_PREFIX, prefix)) for t in img.tags))
+        return LABEL in (img.labels or {}) or any(
+            t.startswith((IMAGE_REPO_PREFIX, prefix)) for t in img.tags
+        )
 
     # Children before parents (a commit's parent is the image it came from):
     # retry until a pass removes nothing.
@@ -373,11 +423,12 @@ def cleanup_docker(client, prefix: str = PREFIX, keep_base: bool = False) -> lis
 LIBVIRT_URI = "qemu:///system"
 LIBVIRT_SOCK = "/run/libvirt/libvirt-sock"
 VIRTLOGD_SOCK = "/run/libvirt/virtlogd-sock"
-QEMU_USER = QEMU_GROUP = "libvirt-qemu"   # Debian's build-time default in qemu.conf
+QEMU_USER = QEMU_GROUP = "libvirt-qemu"  # Debian's build-time default in qemu.conf
 
 
 def _quiet_libvirt():
     import libvirt
+
     # libvirt prints every error to stderr by default; exceptions carry them.
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     return libvirt
@@ -396,6 +447,7 @@ def _ensure_qemu_account() -> None:
     (libvirt-daemon-system's postinst makes them; plain libvirt-daemon does
     not). Also give the kvm group read/write on /dev/kvm, as Debian's udev
     rule does, so domains of type kvm work when qemu runs as libvirt-qemu."""
+
     def has_group(g):
         try:
             grp.getgrnam(g)
@@ -409,10 +461,26 @@ def _ensure_qemu_account() -> None:
     try:
         pwd.getpwnam(QEMU_USER)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--gid", QEMU_GROUP, "--groups", "kvm",
-                        "--home-dir", "/var/lib/libvirt", "--no-create-home",
-                        "--shell", "/usr/sbin/nologin", "--comment", "Libvirt Qemu",
-                        QEMU_USER], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "useradd",
+                "--system",
+                "--gid",
+                QEMU_GROUP,
+                "--groups",
+                "kvm",
+                "--home-dir",
+                "/var/lib/libvirt",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                "--comment",
+                "Libvirt Qemu",
+                QEMU_USER,
+            ],
+            check=True,
+            capture_output=True,
+        )
     if os.path.exists("/dev/kvm"):
         st = os.stat("/dev/kvm")
         kvm_gid = grp.getgrnam("kvm").gr_gid
@@ -428,9 +496,11 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
     try:
         _quiet_libvirt()
     except ImportError:
-        raise EngineUnavailable("libvirt: the Python package 'libvirt-python' is not "
-                                "installed (pip install libvirt-python; it builds "
-                                "against Debian's libvirt-dev)") from None
+        raise EngineUnavailable(
+            "libvirt: the Python package 'libvirt-python' is not "
+            "installed (pip install libvirt-python; it builds "
+            "against Debian's libvirt-dev)"
+        ) from None
     if os.geteuid() == 0:
         # Also when libvirtd already runs: with /dev/kvm out of libvirt-qemu's
         # reach, libvirt re-probes qemu's capabilities (~4 s) on every define
@@ -438,16 +508,22 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
         try:
             _ensure_qemu_account()
         except (subprocess.CalledProcessError, OSError) as e:
-            raise EngineUnavailable(f"libvirt: cannot create the {QEMU_USER} account or fix "
-                                    f"/dev/kvm: {e}") from None
+            raise EngineUnavailable(
+                f"libvirt: cannot create the {QEMU_USER} account or fix /dev/kvm: {e}"
+            ) from None
     if _socket_accepts(LIBVIRT_SOCK) and (conn := _libvirt_open(uri)):
         return conn
-    missing = [b for b in ("libvirtd", "virtlogd", "qemu-system-x86_64", "qemu-img", "qemu-io")
-               if _find(b) is None]
+    missing = [
+        b
+        for b in ("libvirtd", "virtlogd", "qemu-system-x86_64", "qemu-img", "qemu-io")
+        if _find(b) is None
+    ]
     if missing:
-        raise EngineUnavailable(f"libvirt: not installed: {', '.join(missing)} (Debian packages "
-                                "libvirt-daemon libvirt-daemon-driver-qemu qemu-system-x86 "
-                                "qemu-utils)")
+        raise EngineUnavailable(
+            f"libvirt: not installed: {', '.join(missing)} (Debian packages "
+            "libvirt-daemon libvirt-daemon-driver-qemu qemu-system-x86 "
+            "qemu-utils)"
+        )
     _need_root("libvirt")
     with _lock("libvirt"):
         if _socket_accepts(LIBVIRT_SOCK) and (conn := _libvirt_open(uri)):
@@ -467,18 +543,18 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
                 return conn
             if proc.poll() is not None:
                 # Lost a race with a libvirtd started elsewhere? Then it answers.
-                if (conn := _libvirt_open(uri)):
+                if conn := _libvirt_open(uri):
                     return conn
-                raise EngineUnavailable(f"libvirt: libvirtd exited {proc.returncode}\n"
-                                        f"{_tail(log)}")
+                raise EngineUnavailable(f"libvirt: libvirtd exited {proc.returncode}\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise EngineUnavailable(f"libvirt: libvirtd gave no connection within "
-                                        f"{timeout:.0f}s\n{_tail(log)}")
+                raise EngineUnavailable(
+                    f"libvirt: libvirtd gave no connection within {timeout:.0f}s\n{_tail(log)}"
+                )
             time.sleep(0.2)
 
 
 def virt_type(conn) -> str:
-    """"kvm" when /dev/kvm exists and libvirt offers kvm for x86_64, else
+    """ "kvm" when /dev/kvm exists and libvirt offers kvm for x86_64, else
     "qemu" (TCG). ``COWFS_TEST_VIRT_TYPE`` forces one."""
     forced = os.environ.get("COWFS_TEST_VIRT_TYPE")
     if forced:
@@ -519,8 +595,17 @@ def tiny_domain_xml(name: str, disk: Path, vtype: str, memory_mib: int = 64) -> 
 </domain>"""
 
 
-def tiny_domain(conn, name: str, workdir, *, start: bool = False, memory_mib: int = 64,
-                disk_mib: int = 64, vtype: str | None = None, prefix: str = PREFIX):
+def tiny_domain(
+    conn,
+    name: str,
+    workdir,
+    *,
+    start: bool = False,
+    memory_mib: int = 64,
+    disk_mib: int = 64,
+    vtype: str | None = None,
+    prefix: str = PREFIX,
+):
     """Define (and with ``start=True`` start) a minimal x86_64 domain on a new
     ``disk_mib`` qcow2 disk ``workdir/NAME.qcow2``. It boots nothing (SeaBIOS
     finds no bootable disk and idles), which is all internal snapshots need:
@@ -534,10 +619,15 @@ def tiny_domain(conn, name: str, workdir, *, start: bool = False, memory_mib: in
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     disk = workdir / f"{name}.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), f"{disk_mib}M"],
-                   check=True, capture_output=True, text=True)
-    dom = conn.defineXML(tiny_domain_xml(name, disk.resolve(), vtype or virt_type(conn),
-                                         memory_mib))
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(disk), f"{disk_mib}M"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dom = conn.defineXML(
+        tiny_domain_xml(name, disk.resolve(), vtype or virt_type(conn), memory_mib)
+    )
     if start:
         dom.create()
     return dom
@@ -560,7 +650,7 @@ def snapshot(dom, name: str, description: str = ""):
     return dom.snapshotCreateXML(xml + "</domainsnapshot>", 0)
 
 
-MARKER_OFFSET = 1 << 20      # 1 MiB into the disk: clear of any boot sector
+MARKER_OFFSET = 1 << 20  # 1 MiB into the disk: clear of any boot sector
 MARKER_LEN = 4096
 MARKER_PATTERN = 0x5A
 
@@ -571,25 +661,28 @@ def _qemu_io(disk: Path, command: str, *, readonly: bool, share: bool = False):
         argv.append("-r")
     if share:
         argv.append("-U")  # force-share: read while a running qemu holds the image
-    return subprocess.run([*argv, "-c", command, str(disk)], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [*argv, "-c", command, str(disk)], capture_output=True, text=True, timeout=60
+    )
 
 
-def write_marker_file(disk, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET,
-                      length: int = MARKER_LEN) -> None:
+def write_marker_file(
+    disk, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET, length: int = MARKER_LEN
+) -> None:
     """Fill ``length`` bytes at ``offset`` of an offline qcow2 disk with ``pattern``."""
     r = _qemu_io(Path(disk), f"write -P {pattern:#x} {offset} {length}", readonly=False)
     if r.returncode != 0 or "wrote" not in r.stdout:
-        raise RuntimeError(f"qemu-io write to {disk} failed ({r.returncode}): "
-                           f"{(r.stdout + r.stderr).strip()}")
+        raise RuntimeError(
+            f"qemu-io write to {disk} failed ({r.returncode}): {(r.stdout + r.stderr).strip()}"
+        )
 
 
-def has_marker_file(disk, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET,
-                    length: int = MARKER_LEN) -> bool:
+def has_marker_file(
+    disk, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET, length: int = MARKER_LEN
+) -> bool:
     """Whether the marker is on the disk's current state (readable while a
     domain runs on it, after ``write_marker`` flushed)."""
-    r = _qemu_io(Path(disk), f"read -P {pattern:#x} {offset} {length}", readonly=True,
-                 share=True)
+    r = _qemu_io(Path(disk), f"read -P {pattern:#x} {offset} {length}", readonly=True, share=True)
     out = r.stdout + r.stderr
     if r.returncode == 0 and f"read {length}/{length} bytes" in out:
         return True
@@ -600,12 +693,15 @@ def has_marker_file(disk, pattern: int = MARKER_PATTERN, offset: int = MARKER_OF
 
 def _hmp(dom, command: str) -> str:
     import libvirt_qemu
-    return libvirt_qemu.qemuMonitorCommand(dom, command,
-                                           libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP)
+
+    return libvirt_qemu.qemuMonitorCommand(
+        dom, command, libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP
+    )
 
 
-def write_marker(dom, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET,
-                 length: int = MARKER_LEN) -> None:
+def write_marker(
+    dom, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET, length: int = MARKER_LEN
+) -> None:
     """Write the marker into the domain's disk: with qemu-io on the file when
     the domain is shut off; through the monitor's ``qemu-io`` command (then a
     flush) when it runs, since the guest boots no OS to write it. The monitor
@@ -625,15 +721,17 @@ def write_marker(dom, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET
             raise RuntimeError(f"domain {dom.name()}: monitor qemu-io {cmd!r}: {out}")
 
 
-def has_marker(dom, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET,
-               length: int = MARKER_LEN) -> bool:
+def has_marker(
+    dom, pattern: int = MARKER_PATTERN, offset: int = MARKER_OFFSET, length: int = MARKER_LEN
+) -> bool:
     return has_marker_file(domain_disk(dom), pattern, offset, length)
 
 
 def qcow2_snapshots(disk) -> list[str]:
     """Names of the internal snapshots stored in a qcow2 file."""
-    r = subprocess.run(["qemu-img", "snapshot", "-U", "-l", str(disk)], capture_output=True,
-                       text=True, check=True)
+    r = subprocess.run(
+        ["qemu-img", "snapshot", "-U", "-l", str(disk)], capture_output=True, text=True, check=True
+    )
     names = []
     for line in r.stdout.splitlines()[2:]:
         parts = line.split()
@@ -665,8 +763,11 @@ def remove_domain(conn, name: str, delete_disk: bool = False) -> bool:
                 s.delete(0)
             except libvirt.libvirtError:
                 s.delete(libvirt.VIR_DOMAIN_SNAPSHOT_DELETE_METADATA_ONLY)
-    flags = (libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
-             | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)
+    flags = (
+        libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+        | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+        | libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
+    )
     with contextlib.suppress(libvirt.libvirtError):
         dom.undefineFlags(flags)
     if delete_disk and disk is not None:
