@@ -740,7 +740,8 @@ def _both_steps(
     the keeps of the rest of the batch, last first).  Whether it was done."""
     if keeper is None:
         return undo.put_back_and_remove(ren, None)
-    if not keeps or not undo.put_back_and_remove(ren, keeps[-1], keeper.planned.get(seq)):
+    keep = keeps[-1] if keeps else None  # (the CREATE's: it moves the file into the grave)
+    if keep is None or not undo.put_back_and_remove(ren, keep, keeper.planned.get(seq)):
         return False
     keeper.emptied_by(seq, ren.src, ren.dst)
     return True
