@@ -898,3 +898,27 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
     ws.mount()
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_a_rollback_that_keeps_nothing_puts_files_renamed_into_place_back_too(mounted):
+    """With --no-redo, a file written under a temporary name and renamed
+    into place goes in one step too (unlinked): the tree is the one at the
+    checkpoint, also where the temporary name was a hard link's or is taken
+    again by a later file, and where the rename replaced an older file."""
+    ws = mounted
+    (ws / "d").mkdir()
+    for i in range(10):
+        (ws / "d" / f"f{i}").write_text(f"{i}\n")
+    ws.commit()
+    at_checkpoint = ws.snapshot()
+    ws.checkpoint()
+    for i in range(10):
+        subprocess.run(["sed", "-i", "s/$/ changed/", str(ws / "d" / f"f{i}")], check=True)
+        (ws / "d" / f"n{i}.tmp").write_text(f"new {i}\n")
+        os.rename(ws / "d" / f"n{i}.tmp", ws / "d" / f"n{i}")
+    os.link(ws / "d" / "n1", ws / "d" / "n1.tmp")
+    os.rename(ws / "d" / "n1.tmp", ws / "d" / "n1.again")  # (a second name of it)
+    (ws / "d" / "n2.tmp").write_text("later\n")  # the name taken again
+    ws.cowfs("rollback", "--no-redo")
+    treesnap.assert_same(at_checkpoint, ws.snapshot())
+    assert ws.json("check")["ok"]
