@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import BinaryIO, Literal, overload
+from typing import Any, BinaryIO, Literal, overload
 
 from . import backing as B
 from . import control
@@ -405,7 +405,7 @@ class Workspace:
         """Where the workspace is mounted."""
         return self.record.mountpoint
 
-    def _call(self, op: str, **args) -> dict:
+    def _call(self, op: str, **args: Any) -> dict:
         return control.call(self.record, op, **args)
 
     # -- the stack ----------------------------------------------------------------

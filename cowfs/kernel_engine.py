@@ -24,6 +24,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar, TypeVarTuple
 
 import trio
 
@@ -44,6 +45,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 _ENTRY_TIMEOUT = int(TIMEOUT)
 _NEGATIVE = F.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(F.ATTR.size)
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+# a request's handler: (unique, nodeid, uid, gid, pid, the body after the header)
+Handler = Callable[[int, int, int, int, int, memoryview], None]
 
 
 def available() -> str | None:
@@ -296,7 +302,7 @@ class Engine:
         finally:
             self.lock.release()
 
-    async def blocking(self, fn, *args):
+    async def blocking(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run *fn* in a worker thread, letting requests be served meanwhile."""
         depth = self.lock.suspend()
         try:
@@ -408,7 +414,7 @@ class Engine:
 
     # -- the requests --------------------------------------------------------------------
 
-    def _table(self) -> dict[int, Callable]:
+    def _table(self) -> dict[int, Handler]:
         return {
             F.INIT: self._init,
             F.DESTROY: self._destroy,
@@ -452,7 +458,9 @@ class Engine:
             F.TMPFILE: self._tmpfile,
         }
 
-    def _init(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _init(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         major, minor, max_readahead, flags, flags2 = F.INIT_IN.unpack_from(body)
         if major != F.KERNEL_VERSION:
             # an older or newer major: say ours, the kernel sends INIT again
@@ -504,14 +512,20 @@ class Engine:
         if self.on_init is not None:
             self.on_init()
 
-    def _destroy(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _destroy(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self._reply(unique)
         raise _Stop
 
-    def _interrupt(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _interrupt(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         pass  # each request runs to its end at once: nothing to interrupt
 
-    def _lookup(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _lookup(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         name = bytes(body[:-1])
         try:
             node, st = self.ops.lookup(nodeid, name, ctx=Ctx(pid, uid, gid, 0))
@@ -522,19 +536,27 @@ class Engine:
             return
         self._entry(unique, node, st)
 
-    def _forget(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _forget(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.forget([(nodeid, F.FORGET_IN.unpack_from(body)[0])])
 
-    def _batch_forget(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _batch_forget(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         count = F.BATCH_FORGET_IN.unpack_from(body)[0]
         one = F.FORGET_ONE
         self.ops.forget([one.unpack_from(body, 8 + i * 16) for i in range(count)])
 
-    def _getattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _getattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         node, st = self.ops.getattr(nodeid)
         self._attr_reply(unique, node, st)
 
-    def _setattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _setattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         (
             valid,
             _,
@@ -553,7 +575,7 @@ class Engine:
             agid,
             _,
         ) = F.SETATTR_IN.unpack_from(body)
-        kw: dict = {}
+        kw: dict[str, int] = {}
         if valid & F.FATTR_SIZE:
             kw["size"] = size
         if valid & F.FATTR_MODE:
@@ -583,59 +605,87 @@ class Engine:
         )
         self._attr_reply(unique, node, st)
 
-    def _readlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _readlink(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self._reply(unique, self.ops.readlink(nodeid, ctx=Ctx(pid, uid, gid, 0)))
 
-    def _symlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _symlink(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         raw = bytes(body)
         end = raw.index(0)
         name, target = raw[:end], raw[end + 1 : raw.index(0, end + 1)]
         node, st = self.ops.symlink(nodeid, name, target, ctx=Ctx(pid, uid, gid, 0))
         self._entry(unique, node, st)
 
-    def _mknod(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _mknod(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         mode, rdev, umask, _ = F.MKNOD_IN.unpack_from(body)
         name = bytes(body[16:-1])
         node, st = self.ops.mknod(nodeid, name, mode, rdev, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st)
 
-    def _mkdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _mkdir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         mode, umask = F.MKDIR_IN.unpack_from(body)
         name = bytes(body[8:-1])
         node, st = self.ops.mkdir(nodeid, name, mode, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st)
 
-    def _unlink(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _unlink(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.unlink(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
-    def _rmdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _rmdir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.rmdir(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
     def _do_rename(
-        self, unique, nodeid, uid, gid, pid, newdir: int, flags: int, names: bytes
+        self,
+        unique: int,
+        nodeid: int,
+        uid: int,
+        gid: int,
+        pid: int,
+        newdir: int,
+        flags: int,
+        names: bytes,
     ) -> None:
         end = names.index(0)
         old, new = names[:end], names[end + 1 : names.index(0, end + 1)]
         self.ops.rename(nodeid, old, newdir, new, flags, ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
-    def _rename(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _rename(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self._do_rename(
             unique, nodeid, uid, gid, pid, F.RENAME_IN.unpack_from(body)[0], 0, bytes(body[8:])
         )
 
-    def _rename2(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _rename2(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         newdir, flags, _ = F.RENAME2_IN.unpack_from(body)
         self._do_rename(unique, nodeid, uid, gid, pid, newdir, flags, bytes(body[16:]))
 
-    def _link(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _link(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         old = F.LINK_IN.unpack_from(body)[0]
         node, st = self.ops.link(old, nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._entry(unique, node, st)
 
-    def _open(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _open(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         flags, open_flags = F.OPEN_IN.unpack_from(body)
         fh, keep = self.ops.open(
             nodeid,
@@ -645,7 +695,9 @@ class Engine:
         )
         self._reply(unique, self._open_out(fh, keep))
 
-    def _create(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _create(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         flags, mode, umask, open_flags = F.CREATE_IN.unpack_from(body)
         fh, keep, node, st = self.ops.create(
             nodeid,
@@ -657,30 +709,42 @@ class Engine:
         )
         self._entry(unique, node, st, self._open_out(fh, keep))
 
-    def _tmpfile(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _tmpfile(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
         fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st, self._open_out(fh, keep))
 
-    def _fallocate(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _fallocate(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, length, mode, _ = F.FALLOCATE_IN.unpack_from(body)
         self.ops.fallocate(fh, off, length, mode)
         self._reply(unique)
 
-    def _lseek(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _lseek(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, whence, _ = F.LSEEK_IN.unpack_from(body)
         self._reply(unique, F.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
 
-    def _copy_file_range(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _copy_file_range(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh_in, off_in, _, fh_out, off_out, length, _ = F.COPY_FILE_RANGE_IN.unpack_from(body)
         n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, length)
         self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
-    def _read(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _read(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
         self._reply_data(unique, self.ops.read(fh, off, size))
 
-    def _write(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _write(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
         if write_flags & F.WRITE_KILL_SUIDGID:
             n = self.ops.write(
@@ -690,7 +754,9 @@ class Engine:
             n = self.ops.write(fh, off, body[40 : 40 + size])
         self._reply(unique, F.WRITE_OUT.pack(n, 0))
 
-    def _statfs(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _statfs(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         sv = self.ops.statfs()
         self._reply(
             unique,
@@ -707,7 +773,9 @@ class Engine:
             ),
         )
 
-    def _release(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _release(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
         node = h.node
         if h.passthrough and not node.pt and node.backing is not None:
@@ -739,21 +807,29 @@ class Engine:
         if _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) < 0:
             log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid, os.strerror(ctypes.get_errno()))
 
-    def _flush(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _flush(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         # Writes go straight to the backing file: nothing to flush at close.
         # ENOSYS once tells the kernel to send no more FLUSH.
         raise OSError(errno.ENOSYS, "no flush")
 
-    def _fsync(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _fsync(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, flags, _ = F.FSYNC_IN.unpack_from(body)
         self.ops.fsync(fh, bool(flags & F.FSYNC_FDATASYNC))
         self._reply(unique)
 
-    def _syncfs(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _syncfs(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.store.sync()
         self._reply(unique)
 
-    def _setxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _setxattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         size, flags = F.SETXATTR_IN.unpack_from(body)
         rest = bytes(body[8:])
         end = rest.index(0)
@@ -766,12 +842,16 @@ class Engine:
         )
         self._reply(unique)
 
-    def _getxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _getxattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         size, _ = F.GETXATTR_IN.unpack_from(body)
         value = self.ops.getxattr(nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._sized(unique, size, value)
 
-    def _listxattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _listxattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         size, _ = F.GETXATTR_IN.unpack_from(body)
         names = self.ops.listxattr(nodeid, ctx=Ctx(pid, uid, gid, 0))
         self._sized(unique, size, b"".join(n + b"\0" for n in names))
@@ -785,17 +865,23 @@ class Engine:
         else:
             self._reply(unique, value)
 
-    def _removexattr(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _removexattr(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.removexattr(nodeid, bytes(body[:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._reply(unique)
 
-    def _opendir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _opendir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh = self.ops.opendir(nodeid, ctx=Ctx(pid, uid, gid, 0))
         # the kernel may keep the entries it read until the directory changes
         # (through the mount, or an undo, which invalidates it)
         self._reply(unique, F.OPEN_OUT.pack(fh, F.FOPEN_CACHE_DIR | F.FOPEN_KEEP_CACHE, 0))
 
-    def _readdirplus(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _readdirplus(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
         out = bytearray()
         nlink = self.ops.nlink
@@ -818,7 +904,9 @@ class Engine:
         self.ops.readdir(fh, off, take)
         self._reply_data(unique, bytes(out))
 
-    def _readdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _readdir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
         out = bytearray()
         taken: list[Node] = []
@@ -840,16 +928,22 @@ class Engine:
         self.ops.forget([(node.ino, 1) for node in taken])
         self._reply_data(unique, bytes(out))
 
-    def _releasedir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _releasedir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self.ops.releasedir(F.RELEASE_IN.unpack_from(body)[0])
         self._reply(unique)
 
-    def _fsyncdir(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _fsyncdir(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         fh, flags, _ = F.FSYNC_IN.unpack_from(body)
         self.ops.fsyncdir(fh, bool(flags & F.FSYNC_FDATASYNC))
         self._reply(unique)
 
-    def _access(self, unique, nodeid, uid, gid, pid, body) -> None:
+    def _access(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
         self._reply(unique)  # (default_permissions: the kernel checks)
 
 

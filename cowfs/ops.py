@@ -18,16 +18,17 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import monotonic
-from typing import Any
+from types import TracebackType
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from . import backing as B
 from . import schema as S
 from .capture import Recorder
 from .gravesum import Hasher
 from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
-from .store import LimitReached, Store
+from .store import LimitReached, Store, Writer
 from .undo import Touched
 
 log = logging.getLogger("cowfs.ops")
@@ -44,6 +45,8 @@ CAPABILITY = b"security.capability"
 # a warm one 21-40 % less, a stat of them all 65 % less.
 PASSTHROUGH_READ_MIN = 256 << 10
 
+R = TypeVar("R")
+
 
 class Ctx:
     """Who makes a request (what both engines hand over)."""
@@ -54,7 +57,21 @@ class Ctx:
         self.pid, self.uid, self.gid, self.umask = pid, uid, gid, umask
 
 
-def in_group(ctx: Ctx, gid: int) -> bool:
+class Caller(Protocol):
+    """Who makes a request, as the operations read it: a ``Ctx`` (the kernel
+    engine's) or pyfuse3's RequestContext (the pyfuse3 engine hands it on)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def umask(self) -> int: ...
+
+
+def in_group(ctx: Caller, gid: int) -> bool:
     """Whether the requesting process is in group *gid* (its own, or one of
     its supplementary groups, read from /proc)."""
     if ctx.gid == gid:
@@ -89,13 +106,19 @@ class errno_only:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if kind is not None and issubclass(kind, Exception) and not issubclass(kind, OSError):
+            assert exc is not None  # (an exception was raised: *kind* is its type)
             self.logger.error("%s failed", self.name, exc_info=(kind, exc, tb))
             raise fail(errno.EIO) from None
 
 
-def op(fn: Callable) -> Callable:
+def op(fn: Callable[..., R]) -> Callable[..., R]:
     """Every operation: note who asks (captures made for the request are
     attributed to the process), and anything unexpected becomes EIO (logged,
     see errno_only): engines answer an OSError's errno."""
@@ -107,7 +130,7 @@ def op(fn: Callable) -> Callable:
     guard = errno_only(name)
 
     @functools.wraps(fn)
-    def wrapper(self: Ops, *args, ctx: Ctx | None = None, **kw):
+    def wrapper(self: Ops, *args: object, ctx: Caller | None = None, **kw: object) -> R:
         self.last_request = monotonic()  # (background work waits for a pause)
         rec = self.rec
         rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
@@ -354,7 +377,7 @@ class Ops:
 
     # -- capture helpers -------------------------------------------------------------
 
-    def _dir_changes(self, w, *dirs: Node) -> None:
+    def _dir_changes(self, w: Writer, *dirs: Node) -> None:
         """Capture directories' attributes (mtimes!) before their entries change."""
         for d in dirs:
             o = self.rec.obj(d.bino)
@@ -418,7 +441,9 @@ class Ops:
                 stat.S_ISDIR(node.mode),
             )
 
-    def _own(self, parent: Node, name: bytes, ctx, mode: int, fd: int | None = None) -> None:
+    def _own(
+        self, parent: Node, name: bytes, ctx: Caller, mode: int, fd: int | None = None
+    ) -> None:
         """Give a new object the caller's uid and gid (or the directory's gid
         under a setgid directory), as the kernel would."""
         if not self.is_root:
@@ -439,7 +464,7 @@ class Ops:
                     os.close(fd2)
 
     def _new_object(
-        self, parent: Node, name: bytes, make: Callable[[], None], ctx, mode: int
+        self, parent: Node, name: bytes, make: Callable[[], None], ctx: Caller, mode: int
     ) -> tuple[Node, os.stat_result]:
         """Record the creation, make the object, own it, look it up."""
         self._check_name(parent, name)
@@ -460,7 +485,7 @@ class Ops:
     # -- lookups and attributes ------------------------------------------------------
 
     @op
-    def lookup(self, parent_inode, name, ctx):
+    def lookup(self, parent_inode: int, name: bytes, ctx: Caller) -> tuple[Node, os.stat_result]:
         parent = self._node(parent_inode)
         if name == b"." or name == b"..":
             node = parent if name == b"." or parent.parent is None else parent.parent
@@ -473,7 +498,7 @@ class Ops:
         return self._lookup(parent, name)
 
     @op
-    def forget(self, inode_list):
+    def forget(self, inode_list: Iterable[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             node = self.nodes.get(ino)
             if node is None or node is self.root:
@@ -483,14 +508,14 @@ class Ops:
                 self._drop(node)
 
     @op
-    def getattr(self, inode):
+    def getattr(self, inode: int) -> tuple[Node, os.stat_result]:
         node = self._node(inode)
         return node, os.stat(node.fd)
 
     @op
     def setattr(
         self,
-        inode,
+        inode: int,
         fh: int | None,
         *,
         mode: int | None = None,
@@ -500,8 +525,8 @@ class Ops:
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
         kill_suidgid: bool = False,
-        ctx: Ctx | None = None,
-    ):
+        ctx: Caller | None = None,
+    ) -> tuple[Node, os.stat_result]:
         """Set what is not None (uid/gid -1: leave it); nothing at all: a
         change of the ctime alone.  *kill_suidgid*: a truncation by a caller
         without CAP_FSETID (see ``_kill_privs``)."""
@@ -554,7 +579,7 @@ class Ops:
         node.mode = st.st_mode
         return node, st
 
-    def _kill_privs(self, node: Node, suidgid: bool, ctx: Ctx | None = None) -> None:
+    def _kill_privs(self, node: Node, suidgid: bool, ctx: Caller | None = None) -> None:
         """Before a write, truncation or change of owner: the backing
         filesystem drops the object's capabilities (security.capability) as
         the daemon makes the change -- captured here first; with *suidgid*
@@ -593,11 +618,11 @@ class Ops:
             os.chown(B.proc(node.fd), uid, gid)
 
     @op
-    def readlink(self, inode, ctx):
+    def readlink(self, inode: int, ctx: Caller) -> bytes:
         return os.readlink(b"", dir_fd=self._node(inode).fd)
 
     @op
-    def access(self, inode, mode, ctx):
+    def access(self, inode: int, mode: int, ctx: Caller) -> bool:
         return True
 
     @op
@@ -630,7 +655,9 @@ class Ops:
     # -- creating names ----------------------------------------------------------------
 
     @op
-    def mknod(self, parent_inode, name, mode, rdev, ctx):
+    def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Caller
+    ) -> tuple[Node, os.stat_result]:
         parent = self._node(parent_inode)
         mode &= ~ctx.umask
         return self._new_object(
@@ -638,7 +665,9 @@ class Ops:
         )
 
     @op
-    def mkdir(self, parent_inode, name, mode, ctx):
+    def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: Caller
+    ) -> tuple[Node, os.stat_result]:
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFDIR
         return self._new_object(
@@ -646,7 +675,9 @@ class Ops:
         )
 
     @op
-    def symlink(self, parent_inode, name, target, ctx):
+    def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: Caller
+    ) -> tuple[Node, os.stat_result]:
         parent = self._node(parent_inode)
         return self._new_object(
             parent,
@@ -657,7 +688,9 @@ class Ops:
         )
 
     @op
-    def link(self, inode, new_parent_inode, new_name, ctx):
+    def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Caller
+    ) -> tuple[Node, os.stat_result]:
         node = self._node(inode)
         parent = self._node(new_parent_inode)
         self._check_name(parent, new_name)
@@ -669,6 +702,7 @@ class Ops:
             self.rec.link(w, self._child(parent, new_name))
             self.rec.attribute(w, node.bino)
         if node.islnk:
+            assert node.parent is not None  # (a symlink has a name)
             os.link(
                 node.name,
                 new_name,
@@ -681,7 +715,15 @@ class Ops:
         return self._lookup(parent, new_name)
 
     @op
-    def create(self, parent_inode, name, mode, flags, ctx, kill_suidgid: bool = False):
+    def create(
+        self,
+        parent_inode: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        ctx: Caller,
+        kill_suidgid: bool = False,
+    ) -> tuple[int, bool, Node, os.stat_result]:
         parent = self._node(parent_inode)
         self._check_name(parent, name)
         if B.lstat_at(parent.fd, name) is not None:
@@ -714,7 +756,7 @@ class Ops:
 
     # -- removing and moving names -------------------------------------------------------
 
-    def _bury(self, w, parent: Node, name: bytes, st: os.stat_result) -> int:
+    def _bury(self, w: Writer, parent: Node, name: bytes, st: os.stat_result) -> int:
         """Record that *name* goes to the grave; the caller moves it."""
         return self.rec.grave(w, self._child(parent, name), st)
 
@@ -781,15 +823,23 @@ class Ops:
             os.close(fd)
 
     @op
-    def unlink(self, parent_inode, name, ctx):
+    def unlink(self, parent_inode: int, name: bytes, ctx: Caller) -> None:
         self._remove(self._node(parent_inode), name, want_dir=False)
 
     @op
-    def rmdir(self, parent_inode, name, ctx):
+    def rmdir(self, parent_inode: int, name: bytes, ctx: Caller) -> None:
         self._remove(self._node(parent_inode), name, want_dir=True)
 
     @op
-    def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: Caller,
+    ) -> None:
         sp = self._node(parent_inode_old)
         dp = self._node(parent_inode_new)
         self._check_name(sp, name_old)
@@ -840,16 +890,19 @@ class Ops:
             if not quiet:  # (within ignored paths: nothing is recorded)
                 self._dir_changes(w, sp, dp)
                 if bury:
+                    assert dst is not None  # (only a name there can be buried)
                     gid = self._bury(w, dp, name_new, dst)
                 self.rec.rename(w, src_path, dst_path, sst.st_ino)
                 if whiteout:  # undone first: the whiteout leaves the name free
                     self.rec.create(w, src_path)
         if gid is not None:
+            assert dst is not None  # (buried: the name replaced)
             self._to_grave(dp, name_new, gid, dst.st_ino)
         try:
             B.renameat2(sp.fd, name_old, dp.fd, name_new, whiteout)
         except OSError:
             if gid is not None:
+                assert dst is not None
                 self._from_grave(gid, dp, name_new, dst.st_ino)
             raise
         if whiteout:
@@ -928,7 +981,9 @@ class Ops:
         )
 
     @op
-    def open(self, inode, flags, ctx, kill_suidgid: bool = False):
+    def open(
+        self, inode: int, flags: int, ctx: Caller, kill_suidgid: bool = False
+    ) -> tuple[int, bool]:
         """*kill_suidgid*: an O_TRUNC open by a caller without CAP_FSETID."""
         node = self._node(inode)
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
@@ -957,11 +1012,18 @@ class Ops:
         return h
 
     @op
-    def read(self, fh, off, size):
+    def read(self, fh: int, off: int, size: int) -> bytes:
         return os.pread(self._file(fh).fd, size, off)
 
     @op
-    def write(self, fh, off, buf, kill_suidgid: bool = False, ctx: Ctx | None = None):
+    def write(
+        self,
+        fh: int,
+        off: int,
+        buf: bytes | memoryview,
+        kill_suidgid: bool = False,
+        ctx: Caller | None = None,
+    ) -> int:
         """*kill_suidgid*: the writer (*ctx*) has no CAP_FSETID (see
         ``_kill_privs``)."""
         h = self._file(fh)
@@ -975,7 +1037,7 @@ class Ops:
         return os.pwrite(h.fd, buf, off)
 
     @op
-    def fallocate(self, fh, off: int, length: int, mode: int) -> None:
+    def fallocate(self, fh: int, off: int, length: int, mode: int) -> None:
         """fallocate(2) on the backing file: what a mode changes (the size;
         the bytes a hole or zero range replaces; all bytes from *off* on
         when a collapse or insert shifts them) is captured first."""
@@ -991,12 +1053,14 @@ class Ops:
         B.fallocate(h.fd, mode, off, length)
 
     @op
-    def lseek(self, fh, off: int, whence: int) -> int:
+    def lseek(self, fh: int, off: int, whence: int) -> int:
         """SEEK_DATA and SEEK_HOLE (the kernel does the others itself)."""
         return os.lseek(self._file(fh).fd, off, whence)
 
     @op
-    def copy_file_range(self, fh_in, off_in: int, fh_out, off_out: int, length: int) -> int:
+    def copy_file_range(
+        self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int
+    ) -> int:
         """copy_file_range(2) between backing files (reflinked where the
         filesystem can), the range it overwrites captured first."""
         src, dst = self._file(fh_in), self._file(fh_out)
@@ -1007,7 +1071,9 @@ class Ops:
         return os.copy_file_range(src.fd, dst.fd, length, off_in, off_out)
 
     @op
-    def tmpfile(self, parent_inode, mode, flags, ctx) -> tuple[int, bool, Node, os.stat_result]:
+    def tmpfile(
+        self, parent_inode: int, mode: int, flags: int, ctx: Caller
+    ) -> tuple[int, bool, Node, os.stat_result]:
         """O_TMPFILE: an unnamed file in the directory, made in this layer
         (nothing to capture; giving it a name later is a link)."""
         parent = self._node(parent_inode)
@@ -1051,14 +1117,14 @@ class Ops:
         return node is not None and node.nopen > 0
 
     @op
-    def flush(self, fh):
+    def flush(self, fh: int) -> NoReturn:
         # Writes go straight to the backing file, so close() has nothing to
         # flush; ENOSYS tells the kernel to stop sending FLUSH (one request
         # less per close).
         raise fail(errno.ENOSYS)
 
     @op
-    def release(self, fh) -> Handle:
+    def release(self, fh: int) -> Handle:
         h = self._file(fh)
         del self.handles[fh]
         os.close(h.fd)
@@ -1158,7 +1224,7 @@ class Ops:
                     )
 
     @op
-    def fsync(self, fh, datasync):
+    def fsync(self, fh: int, datasync: bool) -> None:
         self.store.sync()  # the pre-images first, then the change they protect
         h = self._file(fh)
         if datasync:
@@ -1169,7 +1235,7 @@ class Ops:
     # -- directories ------------------------------------------------------------------
 
     @op
-    def opendir(self, inode, ctx):
+    def opendir(self, inode: int, ctx: Caller) -> int:
         # The names are read by the first readdir (and again after a
         # rewind), not here: opening a directory does not read it, nor
         # update its atime.
@@ -1225,11 +1291,11 @@ class Ops:
             node.nlookup += 1
 
     @op
-    def releasedir(self, fh):
+    def releasedir(self, fh: int) -> None:
         del self.handles[fh]
 
     @op
-    def fsyncdir(self, fh, datasync):
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
         self.store.sync()
         node = self.handles[fh].node
         fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1241,7 +1307,7 @@ class Ops:
     # -- xattrs -----------------------------------------------------------------------
 
     @op
-    def getxattr(self, inode, name, ctx):
+    def getxattr(self, inode: int, name: bytes, ctx: Caller) -> bytes:
         node = self._node(inode)
         if name == CAPABILITY and node.nocap:
             raise fail(errno.ENODATA)
@@ -1254,12 +1320,12 @@ class Ops:
             raise
 
     @op
-    def listxattr(self, inode, ctx):
+    def listxattr(self, inode: int, ctx: Caller) -> list[bytes]:
         path, follow = self._xpath(self._node(inode))
         return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
 
     @op
-    def setxattr(self, inode, name, value, ctx, flags: int = 0):
+    def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Caller, flags: int = 0) -> None:
         node = self._node(inode)
         if flags & (os.XATTR_CREATE | os.XATTR_REPLACE):
             # a flag that makes it fail fails before anything is recorded
@@ -1275,7 +1341,7 @@ class Ops:
         if name == CAPABILITY:
             node.nocap = False
 
-    def _has_xattr(self, node: Node, name) -> bool:
+    def _has_xattr(self, node: Node, name: bytes) -> bool:
         """Whether the object has xattr *name* (a change that depends on it
         fails before anything is recorded); another error is raised."""
         path, follow = self._xpath(node)
@@ -1288,7 +1354,7 @@ class Ops:
         return True
 
     @op
-    def removexattr(self, inode, name, ctx):
+    def removexattr(self, inode: int, name: bytes, ctx: Caller) -> None:
         node = self._node(inode)
         if not self._has_xattr(node, name):
             raise fail(errno.ENODATA)  # (nothing to remove or record)

@@ -10,8 +10,8 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any, ParamSpec, TypeVar, TypeVarTuple
 
 import pyfuse3
 import trio
@@ -22,9 +22,11 @@ from .ops import TIMEOUT, Ops, errno_only
 
 NAME = "pyfuse3"
 T = TypeVar("T")
+P = ParamSpec("P")
+Ts = TypeVarTuple("Ts")
 
 
-def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def handler(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """A pyfuse3 handler written in the operations' terms (``cowfs.view``'s):
     it answers an OSError's errno, and anything unexpected is logged (to its
     module's logger) and answers EIO (``ops.errno_only``).  pyfuse3 lets a
@@ -32,7 +34,7 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     guard = errno_only(fn.__name__, logging.getLogger(fn.__module__))
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kw: Any) -> T:
+    async def wrapper(*args: P.args, **kw: P.kwargs) -> T:
         try:
             with guard:
                 return await fn(*args, **kw)
@@ -42,7 +44,7 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-def _call(fn, *args, **kw):
+def _call(fn: Callable[..., T], *args: object, **kw: object) -> T:
     try:
         return fn(*args, **kw)
     except OSError as e:
@@ -86,17 +88,26 @@ class CowFS(pyfuse3.Operations):
         e.st_ctime_ns = st.st_ctime_ns
         return e
 
-    async def lookup(self, parent_inode, name, ctx):
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.lookup, parent_inode, name, ctx=ctx))
 
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         _call(self.ops.forget, inode_list)
 
-    async def getattr(self, inode, ctx):
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.getattr, inode, ctx=ctx))
 
-    async def setattr(self, inode, attr, fields, fh, ctx):
-        kw = {}
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
+        kw: dict[str, int] = {}
         if fields.update_size:
             kw["size"] = attr.st_size
         if fields.update_mode:
@@ -111,13 +122,13 @@ class CowFS(pyfuse3.Operations):
             kw["mtime_ns"] = attr.st_mtime_ns
         return self._entry(*_call(self.ops.setattr, inode, fh, ctx=ctx, **kw))
 
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         return _call(self.ops.readlink, inode, ctx=ctx)
 
-    async def access(self, inode, mode, ctx):
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         return True
 
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = _call(self.ops.statfs, ctx=ctx)
         out = pyfuse3.StatvfsData()
         for attr in (
@@ -134,56 +145,74 @@ class CowFS(pyfuse3.Operations):
             setattr(out, attr, getattr(sv, attr))
         return out
 
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.mknod, parent_inode, name, mode, rdev, ctx=ctx))
 
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.mkdir, parent_inode, name, mode, ctx=ctx))
 
-    async def symlink(self, parent_inode, name, target, ctx):
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.symlink, parent_inode, name, target, ctx=ctx))
 
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         return self._entry(*_call(self.ops.link, inode, new_parent_inode, new_name, ctx=ctx))
 
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, keep, node, st = _call(self.ops.create, parent_inode, name, mode, flags, ctx=ctx)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep), self._entry(node, st)
 
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         _call(self.ops.unlink, parent_inode, name, ctx=ctx)
 
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         _call(self.ops.rmdir, parent_inode, name, ctx=ctx)
 
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         _call(
             self.ops.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx=ctx
         )
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh, keep = _call(self.ops.open, inode, flags, ctx=ctx)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         return _call(self.ops.read, fh, off, size)
 
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         return _call(self.ops.write, fh, off, buf)
 
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         _call(self.ops.flush, fh)
 
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         _call(self.ops.release, fh)
 
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         _call(self.ops.fsync, fh, datasync)
 
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         return _call(self.ops.opendir, inode, ctx=ctx)
 
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         _call(
             self.ops.readdir,
             fh,
@@ -193,22 +222,24 @@ class CowFS(pyfuse3.Operations):
             ),
         )
 
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         _call(self.ops.releasedir, fh)
 
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
         _call(self.ops.fsyncdir, fh, datasync)
 
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         return _call(self.ops.getxattr, inode, name, ctx=ctx)
 
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         return _call(self.ops.listxattr, inode, ctx=ctx)
 
-    async def setxattr(self, inode, name, value, ctx):
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
         _call(self.ops.setxattr, inode, name, value, ctx=ctx)
 
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         _call(self.ops.removexattr, inode, name, ctx=ctx)
 
 
@@ -256,6 +287,6 @@ class Engine:
             except OSError:
                 pass
 
-    async def blocking(self, fn, *args):
+    async def blocking(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run *fn* in a worker thread (requests go on meanwhile)."""
         return await trio.to_thread.run_sync(fn, *args)

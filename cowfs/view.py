@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import sys
+from collections.abc import Callable, Sequence
 
 import pyfuse3
 import trio
@@ -46,7 +47,14 @@ TIMEOUT = 1.0  # the past does not change, but the view must notice its end
 class View(pyfuse3.Operations):
     supports_dot_lookup = False
 
-    def __init__(self, store: Store, rootfd: int, layer: int, hidden: bytes | None, on_init=None):
+    def __init__(
+        self,
+        store: Store,
+        rootfd: int,
+        layer: int,
+        hidden: bytes | None,
+        on_init: Callable[[], None] | None = None,
+    ):
         super().__init__()
         self.store = store
         self.rootfd = rootfd
@@ -154,11 +162,15 @@ class View(pyfuse3.Operations):
     # -- operations --------------------------------------------------------------------
 
     @handler
-    async def getattr(self, inode, ctx=None):
+    async def getattr(
+        self, inode: int, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         return self._attr(self.past(self._path(inode)))
 
     @handler
-    async def lookup(self, parent_inode, name, ctx=None):
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
         parent = self._path(parent_inode)
         if name in (b".", b".."):
             raise fail(errno.ENOENT)
@@ -172,11 +184,11 @@ class View(pyfuse3.Operations):
         return self._attr(obj)
 
     @handler
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         pass
 
     @handler
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         obj = self.past(self._path(inode))
         if not stat.S_ISDIR(obj.mode):
             raise fail(errno.ENOTDIR)
@@ -186,7 +198,7 @@ class View(pyfuse3.Operations):
         return fh
 
     @handler
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         path = self.dirs[fh][0]
         h = self.history()
         here = h.need(path)
@@ -207,11 +219,11 @@ class View(pyfuse3.Operations):
                 return
 
     @handler
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
 
     @handler
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise fail(errno.EROFS)
         obj = self.past(self._path(inode))
@@ -223,7 +235,7 @@ class View(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @handler
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         path = self.files[fh]
         while True:
             h = self.history()
@@ -238,34 +250,39 @@ class View(pyfuse3.Operations):
                 return data
 
     @handler
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         self.files.pop(fh, None)
 
     @handler
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         h = self.history()
         return h.readlink(h.need(self._path(inode)))
 
     @handler
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         h = self.history()
         return [n for n, _ in h.xattrs_of(h.need(self._path(inode)))]
 
     @handler
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         h = self.history()
         for n, v in h.xattrs_of(h.need(self._path(inode))):
             if n == name:
                 return v
         raise fail(errno.ENODATA)
 
+    # (pyfuse3 expects a bool: a falsy answer is EACCES.  This one answers
+    # None; under default_permissions the kernel checks access itself and
+    # sends no ACCESS request.)
     @handler
-    async def access(self, inode, mode, ctx):
+    async def access(  # type: ignore[override]
+        self, inode: int, mode: int, ctx: pyfuse3.RequestContext
+    ) -> None:
         if mode & os.W_OK:
             raise fail(errno.EROFS)
 
     @handler
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         sv = os.fstatvfs(self.rootfd)
         out = pyfuse3.StatvfsData()
         for attr in (
@@ -284,7 +301,12 @@ class View(pyfuse3.Operations):
 
 
 def serve(
-    rootfd: int, store_dirfd: int, layer: int, mountpoint: str, hidden: bytes | None, report
+    rootfd: int,
+    store_dirfd: int,
+    layer: int,
+    mountpoint: str,
+    hidden: bytes | None,
+    report: Callable[[dict], None],
 ) -> int:
     ws_path = os.readlink(f"/proc/self/fd/{rootfd}")
     try:
