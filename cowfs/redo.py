@@ -49,9 +49,9 @@ from typing import Any
 from . import backing as B
 from . import gravesum
 from . import schema as S
-from .errors import NothingToDo, Refused
+from .errors import NothingToDo, Refused, StoreError
 from .journal import Names, Slot
-from .store import Store, Writer, need, scan
+from .store import Store, Writer
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 SEGMENT = 1 << 63  # + the rollback's first seq: the segment's index id (no layer has it)
@@ -62,15 +62,21 @@ RedoState = dict[str, Any]
 
 
 def state(store: Store) -> RedoState | None:
-    if store.db_redo is None:
-        return None
-    with store.env.begin(db=store.db_redo) as txn:
-        raw = txn.get(S.K_REDO_STATE)
+    raw = store.redo_get(S.K_REDO_STATE)
     return S.from_json(raw) if raw is not None else None
 
 
+def _state_in(w: Writer) -> RedoState:
+    """The note, read in a transaction that changes it (a sound store,
+    amid a rollback's keeping or a redo, has it)."""
+    raw = w.redo_get(S.K_REDO_STATE)
+    if raw is None:
+        raise StoreError("the store is damaged: it has no note of the last rollback")
+    return S.from_json(raw)
+
+
 def _put_state(w: Writer, st: RedoState) -> None:
-    w.txn.put(S.K_REDO_STATE, S.to_json(st), db=w.store.db_redo)
+    w.redo_put(S.K_REDO_STATE, S.to_json(st))
 
 
 def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
@@ -99,20 +105,18 @@ def _dissolve(w: Writer, st: RedoState, into: int) -> None:
     opened) becomes part of layer *into*: its index entries and
     attributions (its records lie after *into*'s already); a fresh base's
     row goes, its notes (runs, drift) move to *into*."""
-    txn, store = w.txn, w.store
     if st.get("segment") is not None:
         w.merge_index(st["segment"], into)
         st["segment"] = None
     fresh = st.get("fresh")
     if fresh is not None:
-        raw = txn.get(S.u64(fresh), db=store.db_layers)
-        if raw is not None:
+        row = w.layer_row(fresh)
+        if row is not None:
             w.merge_index(fresh, into)
-            row = S.from_json(raw)
             for key in ("runs", "postmortems", "drift"):
                 if row.get(key):
-                    store.append_to_layer(into, key, list(row[key]), w)
-            txn.delete(S.u64(fresh), db=store.db_layers)
+                    w.store.append_to_layer(into, key, list(row[key]), w)
+            w.delete_layer_row(fresh)
 
 
 def begin(w: Writer, to: int, dropping: list[int], kept: list[int], why: str | None = None) -> None:
@@ -154,8 +158,7 @@ def complete(store: Store) -> bool:
     st = state(store)
     if st is None or st["state"] != BUILDING:
         return False
-    with store.env.begin(db=store.db_redo) as txn:
-        return all(txn.get(S.redo_layer_key(i)) is not None for i in st["dropped"])
+    return all(store.redo_get(S.redo_layer_key(i)) is not None for i in st["dropped"])
 
 
 def building(store: Store, to: int) -> bool:
@@ -171,17 +174,15 @@ def discard(store: Store, reason: str) -> list[int]:
     if st is None:
         return []
     if st["state"] in (UNAVAILABLE, GONE):
-        with store.env.begin() as txn:
-            if txn.stat(store.db_redo)["entries"] <= 1 and st.get("segment") is None:
-                return []  # nothing but the note
+        if store.redo_count() <= 1 and st.get("segment") is None:
+            return []  # nothing but the note
         reason = st["why"]
     graves: list[int] = []
     freed: list[int] = []
     top = store.top()
     with store.write() as w:
-        txn = w.txn
         keys = []
-        for key, val in scan(txn, store.db_redo, b""):
+        for key, val in w.redo_entries():
             keys.append(key)
             kind, _ = S.split_redo_key(key)
             if kind not in (S.REDO_RECORD, S.REDO_INVERSE):
@@ -190,12 +191,12 @@ def discard(store: Store, reason: str) -> list[int]:
             if isinstance(rec, S.Chunk) and rec.digest:
                 w.deref(rec.digest)
             held = held_grave(kind, rec)
-            if held is not None and txn.get(S.u64(held[0]), db=store.db_graves) is not None:
+            if held is not None and w.holds_grave(held[0]):
                 w.drop_grave(held[0])
                 graves.append(held[0])
                 freed.append(held[1])
         for key in keys:
-            txn.delete(key, db=store.db_redo)
+            w.redo_delete(key)
         if st.get("segment") is not None:
             # what changed since the rollback belongs to the open layer for good
             # (a segment is opened only while a layer is open: see Keeper.seal)
@@ -244,8 +245,8 @@ class Keeper:
         self.r = resolver
         self.C = store.chunk_size
         self.held: list[tuple[int, S.Record, bool]] = []
-        with store.env.begin(db=store.db_redo) as txn:  # (a resumed rollback)
-            self.kept = {S.redo_inverse_seq(k) for k, _ in scan(txn, store.db_redo, S.REDO_INVERSE)}
+        # (a resumed rollback)
+        self.kept = {S.redo_inverse_seq(k) for k, _ in store.redo_entries(S.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
         self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
@@ -263,8 +264,7 @@ class Keeper:
         removes (CREATE, LINK), and which object that is, if any."""
         if seq not in self.kept:
             return self._keep([(seq, rec, None)])[0]
-        with self.store.env.begin(db=self.store.db_redo) as txn:
-            first = txn.get(S.redo_inverse_key(seq, 0))
+        first = self.store.redo_get(S.redo_inverse_key(seq, 0))
         return _keep_of(rec, [S.decode_record(first)] if first is not None else [])
 
     def batch(
@@ -302,9 +302,7 @@ class Keeper:
             groups = [(seq, self._inverse(w, rec, st)) for seq, rec, st in chosen]
             for seq, group in groups:
                 for k, inv in enumerate(group):
-                    w.txn.put(
-                        S.redo_inverse_key(seq, k), S.encode_record(inv), db=self.store.db_redo
-                    )
+                    w.redo_put(S.redo_inverse_key(seq, k), S.encode_record(inv))
         self.held = []
         for (seq, group), (_, rec, _) in zip(groups, chosen, strict=True):
             self.kept.add(seq)
@@ -338,19 +336,15 @@ class Keeper:
     def _keep_held(self, w: Writer) -> None:
         """Move the held records out of the journal into the redo database."""
         st = self.store
-        w.rewrites()
         for seq, rec, moved in self.held:
-            raw = w.txn.get(S.u64(seq), db=st.db_journal)
-            if raw is None:
+            if not w.park_record(seq):
                 continue
-            w.txn.put(S.redo_record_key(seq), raw, db=st.db_redo)
-            w.txn.delete(S.u64(seq), db=st.db_journal)
             if moved:
                 if isinstance(rec, S.Grave):
                     w.drop_grave(rec.grave)  # put back
             elif isinstance(rec, S.Create | S.Link):
                 first = S.redo_inverse_key(seq, 0)
-                raw_inv = w.txn.get(first, db=st.db_redo)
+                raw_inv = w.redo_get(first)
                 if raw_inv is None:
                     continue
                 inv = S.decode_record(raw_inv)
@@ -360,7 +354,7 @@ class Keeper:
                 if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
                     # the step failed: nothing was moved, nothing to put back
                     # (the directories' times stay: they may be the first kept)
-                    w.txn.delete(first, db=st.db_redo)
+                    w.redo_delete(first)
                     w.drop_grave(gid)
                     if self.groups is not None and seq in self.groups:
                         self.groups[seq] = self.groups[seq][1:]
@@ -371,19 +365,6 @@ class Keeper:
                 and B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None
             ):
                 w.drop_grave(rec.grave)  # put back
-
-    def keep_layer(self, w: Writer, layer_id: int) -> None:
-        """Move a dropped layer's row, index entries and attributions."""
-        st = self.store
-        prefix = S.index_prefix(layer_id)
-        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
-            for key, val in list(scan(w.txn, db, prefix)):
-                w.txn.put(S.redo_kept_key(kind, key), val, db=st.db_redo)
-                w.txn.delete(key, db=db)
-        row = w.txn.get(S.u64(layer_id), db=st.db_layers)
-        if row is not None:
-            w.txn.put(S.redo_layer_key(layer_id), row, db=st.db_redo)
-            w.txn.delete(S.u64(layer_id), db=st.db_layers)
 
     def seal(self, top: int) -> None:
         """The rollback is done (*top*: the layer open now): take the
@@ -413,9 +394,9 @@ class Keeper:
             prints += fingerprints(self.r, locs)
         with self.store.write() as w:
             for loc, value in prints:
-                w.txn.put(S.redo_kept_key(S.REDO_PRINT, loc), value, db=self.store.db_redo)
+                w.redo_put(S.redo_kept_key(S.REDO_PRINT, loc), value)
             for loc in moved:
-                w.txn.put(S.redo_kept_key(S.REDO_MOVED, loc), b"", db=self.store.db_redo)
+                w.redo_put(S.redo_kept_key(S.REDO_MOVED, loc), b"")
             st["state"] = READY
             st["fresh"] = None if top in st["kept"] else top
             st["moves"] = True  # (a rollback by an older cowfs did not note them)
@@ -667,12 +648,11 @@ class _Batch:
 def _inverse_groups(store: Store, reverse: bool = False):
     """(seq, [(key, record)...]) of the kept inverses, in seq order."""
     groups: list[tuple[int, list]] = []
-    with store.env.begin(db=store.db_redo) as txn:
-        for key, val in scan(txn, store.db_redo, S.REDO_INVERSE):
-            seq = S.redo_inverse_seq(key)
-            if not groups or groups[-1][0] != seq:
-                groups.append((seq, []))
-            groups[-1][1].append((key, S.decode_or_damaged(val)))
+    for key, val in store.redo_entries(S.REDO_INVERSE):
+        seq = S.redo_inverse_seq(key)
+        if not groups or groups[-1][0] != seq:
+            groups.append((seq, []))
+        groups[-1][1].append((key, S.decode_or_damaged(val)))
     return reversed(groups) if reverse else groups
 
 
@@ -857,11 +837,8 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     if store.next_seq != st["seq"] and not st.get("moves"):
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
-    with store.env.begin(db=store.db_redo) as txn:
-        prints = {
-            bytes(S.split_redo_key(k)[1]): v for k, v in scan(txn, store.db_redo, S.REDO_PRINT)
-        }
-        moved = {bytes(S.split_redo_key(k)[1]) for k, _ in scan(txn, store.db_redo, S.REDO_MOVED)}
+    prints = {S.split_redo_key(k)[1]: v for k, v in store.redo_entries(S.REDO_PRINT)}
+    moved = {S.split_redo_key(k)[1] for k, _ in store.redo_entries(S.REDO_MOVED)}
     changed = []
     with resolver.reading():
         for loc, val in prints.items():
@@ -913,7 +890,7 @@ def start(store: Store) -> None:
     """In one transaction: mark the redo under way and write its pending
     record (resumed by the next mount after a crash)."""
     with store.write() as w:
-        st = S.from_json(need(w.txn, S.K_REDO_STATE, store.db_redo))
+        st = _state_in(w)
         st["state"] = REDOING
         _put_state(w, st)
         w.set_pending({"op": "redo", "files": False, "steps": []})
@@ -967,7 +944,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                 elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
                     if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
                         w.drop_grave(gid)  # out of the grave
-                w.txn.delete(key, db=store.db_redo)
+                w.redo_delete(key)
         done.clear()
 
     for _, group in groups:
@@ -993,31 +970,18 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
 def restore(w: Writer) -> list[int]:
     """In the transaction that ends a redo: the dropped layers come back
     (and the base a rollback of every layer opened goes); returns their ids."""
-    store = w.store
-    txn = w.txn
-    w.rewrites()
-    st = S.from_json(need(txn, S.K_REDO_STATE, store.db_redo))
-    targets = {
-        S.REDO_LAYER: store.db_layers,
-        S.REDO_RECORD: store.db_journal,
-        S.REDO_INDEX: store.db_index,
-        S.REDO_WHO: store.db_who,
-    }
+    st = _state_in(w)
     restored = []
-    for key, val in list(scan(txn, store.db_redo, b"")):
-        kind, original = S.split_redo_key(key)
-        if kind in targets:
-            txn.put(original, val, db=targets[kind])
-            if kind == S.REDO_LAYER:
-                restored.append(S.from_u64(original))
-            elif kind == S.REDO_RECORD:
-                rec = S.decode_or_damaged(val)
-                if (
-                    isinstance(rec, S.Grave)
-                    and B.lstat_at(store.grave_fd, str(rec.grave).encode()) is not None
-                ):
-                    w.regrave(rec.grave, rec.ino)
-        txn.delete(key, db=store.db_redo)
+    for kind, original, val in w.unpark():
+        if kind == S.REDO_LAYER:
+            restored.append(S.from_u64(original))
+        elif kind == S.REDO_RECORD:
+            rec = S.decode_or_damaged(val)
+            if (
+                isinstance(rec, S.Grave)
+                and B.lstat_at(w.store.grave_fd, str(rec.grave).encode()) is not None
+            ):
+                w.regrave(rec.grave, rec.ino)
     # what changed since the rollback came after all of it: the top layer's now
     _dissolve(w, st, max(restored))
     return sorted(restored)
@@ -1030,9 +994,7 @@ def references(store: Store, txn):
     """(kind, record) of every record the redo database holds: "r" a dropped
     layer's record, "v" an inverse (their chunks are referenced, and the
     grave entries they hold are in use)."""
-    if store.db_redo is None:
-        return
-    for key, val in scan(txn, store.db_redo, b""):
+    for key, val in store.redo_entries(txn=txn):
         kind, _ = S.split_redo_key(key)
         if kind in (S.REDO_RECORD, S.REDO_INVERSE):
             yield kind, S.decode_or_damaged(val)

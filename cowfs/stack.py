@@ -540,7 +540,7 @@ class Stack:
         with st.write() as w:
             for layer in layers:
                 if keeper is not None:
-                    keeper.keep_layer(w, layer.id)
+                    w.park_layer(layer.id)
                 else:
                     w.drop_layer(layer.id)
             w.update_pending(files=True)

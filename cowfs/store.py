@@ -224,6 +224,82 @@ class Writer:
                 self.txn.delete(key, db=db)
         self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
 
+    # -- the redo database (what the last rollback kept: see redo.py) ----------
+
+    def _redo_db(self):
+        assert self.store.db_redo is not None  # (opened writable: it is created)
+        return self.store.db_redo
+
+    def redo_get(self, key: bytes) -> bytes | None:
+        return self.txn.get(key, db=self._redo_db())
+
+    def redo_put(self, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self._redo_db())
+
+    def redo_delete(self, key: bytes) -> None:
+        self.txn.delete(key, db=self._redo_db())
+
+    def redo_entries(self, prefix: bytes = b"") -> list[tuple[bytes, bytes]]:
+        """(key, value) of the redo database's entries under *prefix*."""
+        return list(scan(self.txn, self._redo_db(), prefix))
+
+    def park_record(self, seq: int) -> bool:
+        """Move journal record *seq* into the redo database (kept for a
+        redo); False when it is not in the journal (moved already)."""
+        raw = self.txn.get(S.u64(seq), db=self.store.db_journal)
+        if raw is None:
+            return False
+        self.rewrites()
+        self.redo_put(S.redo_record_key(seq), raw)
+        self.txn.delete(S.u64(seq), db=self.store.db_journal)
+        return True
+
+    def park_layer(self, layer_id: int) -> None:
+        """Move a dropped layer's row, index entries and attributions into
+        the redo database."""
+        st = self.store
+        prefix = S.index_prefix(layer_id)
+        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
+            for key, val in list(scan(self.txn, db, prefix)):
+                self.redo_put(S.redo_kept_key(kind, key), val)
+                self.txn.delete(key, db=db)
+        row = self.txn.get(S.u64(layer_id), db=st.db_layers)
+        if row is not None:
+            self.redo_put(S.redo_layer_key(layer_id), row)
+            self.txn.delete(S.u64(layer_id), db=st.db_layers)
+
+    def unpark(self) -> list[tuple[bytes, bytes, bytes]]:
+        """Empty the redo database: what ``park_record`` and ``park_layer``
+        moved there goes back where it came from.  Returns (kind, original
+        key, value) of what went back."""
+        st = self.store
+        self.rewrites()
+        targets = {
+            S.REDO_LAYER: st.db_layers,
+            S.REDO_RECORD: st.db_journal,
+            S.REDO_INDEX: st.db_index,
+            S.REDO_WHO: st.db_who,
+        }
+        back = []
+        for key, val in self.redo_entries():
+            kind, original = S.split_redo_key(key)
+            if kind in targets:
+                self.txn.put(original, val, db=targets[kind])
+                back.append((kind, original, val))
+            self.redo_delete(key)
+        return back
+
+    def holds_grave(self, gid: int) -> bool:
+        """Whether grave entry *gid* is in use."""
+        return self.txn.get(S.u64(gid), db=self.store.db_graves) is not None
+
+    def layer_row(self, layer_id: int) -> dict | None:
+        raw = self.txn.get(S.u64(layer_id), db=self.store.db_layers)
+        return S.from_json(raw) if raw is not None else None
+
+    def delete_layer_row(self, layer_id: int) -> None:
+        self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
+
     def merge_index(self, upper: int, lower: int) -> None:
         """What layer *upper* captured (index entries, attributions) becomes
         layer *lower*'s, whose records lie before *upper*'s: an entry the
@@ -814,6 +890,32 @@ class Store:
         return counts
 
     # -- the audit log ------------------------------------------------------------
+
+    def redo_get(self, key: bytes) -> bytes | None:
+        """An entry of the redo database (None: none, or no such database)."""
+        if self.db_redo is None:
+            return None
+        with self.env.begin(db=self.db_redo) as txn:
+            return txn.get(key)
+
+    def redo_entries(
+        self, prefix: bytes = b"", txn: lmdb.Transaction[bytes] | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        """(key, value) of the redo database's entries under *prefix* (read
+        in *txn*, if given)."""
+        if self.db_redo is None:
+            return []
+        if txn is not None:
+            return list(scan(txn, self.db_redo, prefix))
+        with self.env.begin(db=self.db_redo) as own:
+            return list(scan(own, self.db_redo, prefix))
+
+    def redo_count(self) -> int:
+        """How many entries the redo database holds."""
+        if self.db_redo is None:
+            return 0
+        with self.env.begin() as txn:
+            return txn.stat(self.db_redo)["entries"]
 
     def audit(self, event: str, **fields) -> None:
         """Append an event (best effort: a full store loses the event, not
