@@ -270,7 +270,7 @@ class Stack:
             turns += top.turns
             if turns:  # the agent events of a merged layer stay with the one below
                 st.append_to_layer(below.id, "turns", turns, w)
-            w.txn.delete(S.u64(top.id), db=st.db_layers)
+            w.delete_layer_row(top.id)
             _plan_discards(w, top)
         st.forget_layer_cache()
 
