@@ -13,7 +13,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from . import schema as S
@@ -373,3 +373,60 @@ def remove_tree_at(dirfd: int, name: bytes) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dirfd)
+
+
+# -- has it changed since? -------------------------------------------------------------
+
+UNREACHABLE = "unreachable"  # (a directory of the path is gone, or is no directory)
+
+
+def _print(st: os.stat_result) -> list:
+    return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def fingerprint(resolver: Resolver, loc: bytes) -> list | None:
+    """What is at *loc*, as it must still be for nothing there to have
+    changed: [inode, mode, uid, gid, size, mtime, ctime] (ns); None: nothing
+    is there; [UNREACHABLE].  The ctime changes with anything done to the
+    object: its content, attributes, xattrs, and for a directory its
+    entries.  What the unmount's drift record and a rollback's seal (for
+    its redo) keep of every location they watch."""
+    try:
+        st = resolver.lstat_strict(loc)
+    except OSError:
+        return [UNREACHABLE]
+    return None if st is None else _print(st)
+
+
+def fingerprints(resolver: Resolver, locs: Iterable[bytes]) -> list[tuple[bytes, list | None]]:
+    """(location, ``fingerprint(resolver, location)``) for each of *locs*
+    (within ``resolver.reading()``), with less work: a directory is looked
+    up once for the names in it that come one after another (sorted
+    *locs*).  This runs for every location a layer or a rollback touched."""
+    out: list[tuple[bytes, list | None]] = []
+    parent, fd = None, None
+    for loc in locs:
+        if not loc:
+            out.append((loc, fingerprint(resolver, loc)))
+            continue
+        if loc.startswith(S.GRAVE_PREFIX):
+            parent, fd, name = None, resolver.grave_fd, loc[len(S.GRAVE_PREFIX) :]
+        else:
+            head, _, name = loc.rpartition(b"/")
+            if head != parent:
+                parent = head
+                try:
+                    fd = resolver.dir_fd(head)
+                except OSError:
+                    fd = None
+        try:
+            if fd is None:
+                raise NotADirectoryError
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            out.append((loc, None))
+        except OSError:
+            out.append((loc, [UNREACHABLE]))
+        else:
+            out.append((loc, _print(st)))
+    return out

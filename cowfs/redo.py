@@ -727,69 +727,13 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     )
 
 
-def fingerprint(resolver: B.Resolver, loc: bytes) -> list | None:
-    """What is at *loc* (None: nothing).  The ctime changes with anything
-    done to the object: its content, attributes, xattrs, and for a
-    directory its entries — so something made inside a directory the redo
-    moves (into the grave, say) is noticed, at any depth: every directory
-    in there was put back by the rollback and is fingerprinted too."""
-    try:
-        st = resolver.lstat_strict(loc)
-    except OSError:
-        return ["unreachable"]
-    if st is None:
-        return None
-    return [st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-_PRINT = b"[%d, %d, %d, %d, %d, %d, %d]"
+fingerprint = B.fingerprint  # (what the rollback's seal and a redo's check compare)
 
 
 def fingerprints(resolver: B.Resolver, locs: list[bytes]) -> list[tuple[bytes, bytes]]:
-    """(location, ``print_json(fingerprint(resolver, location))``) for each
-    of *locs* (within ``resolver.reading()``), the same bytes made with
-    less work: this runs for every location a rollback touched."""
-    out: list[tuple[bytes, bytes]] = []
-    parent, fd = None, None
-    for loc in locs:
-        if not loc:
-            out.append((loc, print_json(fingerprint(resolver, loc))))
-            continue
-        if loc.startswith(S.GRAVE_PREFIX):
-            parent, fd, name = None, resolver.grave_fd, loc[len(S.GRAVE_PREFIX) :]
-        else:
-            head, _, name = loc.rpartition(b"/")
-            if head != parent:
-                parent = head
-                try:
-                    fd = resolver.dir_fd(head)
-                except OSError:
-                    fd = None
-        try:
-            if fd is None:
-                raise NotADirectoryError
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            out.append((loc, b"null"))
-        except OSError:
-            out.append((loc, b'["unreachable"]'))
-        else:
-            out.append(
-                (
-                    loc,
-                    _PRINT
-                    % (
-                        st.st_ino,
-                        st.st_mode,
-                        st.st_uid,
-                        st.st_gid,
-                        st.st_size,
-                        st.st_mtime_ns,
-                        st.st_ctime_ns,
-                    ),
-                )
-            )
-    return out
+    """(location, its fingerprint as ``print_json`` writes it) for each of
+    *locs* (within ``resolver.reading()``; see ``backing.fingerprints``)."""
+    return [(loc, print_json(fp)) for loc, fp in B.fingerprints(resolver, locs)]
 
 
 def print_json(fp: list | None) -> bytes:

@@ -44,9 +44,13 @@ Databases
              ``ignore``      JSON  the mount's --ignore patterns (a list)
              ``drift``       JSON  written at a clean unmount: {"seq", "layers":
                                    the store's state then, "paths": workspace
-                                   path -> [size, mtime_ns, ctime_ns, ino] (null:
-                                   absent; ["unreachable"]: a directory above is
-                                   not one) of every path the layers changed};
+                                   path -> its fingerprint (JSON [ino, mode,
+                                   uid, gid, size, mtime_ns, ctime_ns], as the
+                                   redo's ``f`` entries; null: absent;
+                                   ["unreachable"]: a directory above is not
+                                   one; an older cowfs wrote [size, mtime_ns,
+                                   ctime_ns, ino]) of every path the layers
+                                   changed};
                                    compared by the next mount while the store
                                    is still in that state
 ``layers``   u64 layer id -> JSON {"start": first seq, "created": unix time,

@@ -180,22 +180,15 @@ class Stack:
     def fingerprint(self) -> dict:
         """What every path the layers changed looks like now (taken at
         unmount): {"seq", "layers": the store's state it belongs to,
-        "paths": path -> [size, mtime_ns, ctime_ns, ino] or None (absent)}."""
+        "paths": path -> its ``backing.fingerprint``}."""
         layers = self.store.layers()
         out: dict[str, list | None] = {}
         if layers:
             j = self.kept.get(layers[0].start)
             with self.resolver.reading():
-                for path in j.touched():
-                    out[os.fsdecode(path)] = self._stat(path)
+                for path, fp in B.fingerprints(self.resolver, sorted(j.touched())):
+                    out[os.fsdecode(path)] = fp
         return {"seq": self.store.next_seq, "layers": [x.id for x in layers], "paths": out}
-
-    def _stat(self, path: bytes) -> list | None:
-        try:
-            st = self.resolver.lstat_strict(path)
-        except OSError:
-            return ["unreachable"]  # a component is gone or no directory
-        return None if st is None else [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
     def drift(self, recorded: dict) -> list[str]:
         """The recorded paths that are not as they were at unmount.  A
@@ -205,12 +198,14 @@ class Stack:
             x.id for x in self.store.layers()
         ]:
             return []
+        was = recorded.get("paths", {})
         with self.resolver.reading():
-            return sorted(
-                path
-                for path, was in recorded.get("paths", {}).items()
-                if self._stat(os.fsencode(path)) != was
-            )
+            now = B.fingerprints(self.resolver, sorted(os.fsencode(p) for p in was))
+        return sorted(
+            os.fsdecode(path)
+            for path, fp in now
+            if _as_recorded(fp, was[os.fsdecode(path)]) != was[os.fsdecode(path)]
+        )
 
     def redo_note(self) -> dict | None:
         """What `status` and `log` say about the last rollback (see
@@ -708,6 +703,14 @@ class Stack:
 # -- the pending record's steps ------------------------------------------------------
 
 FINISHED = ("done", "failed")
+
+
+def _as_recorded(fp: list | None, was: list | None) -> list | None:
+    """*fp* in the form of *was*: a drift record of an older cowfs kept
+    [size, mtime_ns, ctime_ns, ino] of each path."""
+    if fp is not None and was is not None and len(was) == 4 and len(fp) == 7:
+        return [fp[4], fp[5], fp[6], fp[0]]
+    return fp
 
 
 def _removes_next(records: list[tuple[int, S.Record]], i: int, skipped) -> bool:

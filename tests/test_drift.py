@@ -62,3 +62,33 @@ def test_no_drift_mounts_and_offline_commands_keep_the_record(mounted):
     ws.rollback()  # offline rollback, then a change
     (ws / "a.txt").write_text("after the offline rollback\n")
     ws.mount()  # a.txt is no longer a layer's path
+
+
+def test_a_drift_record_of_an_older_cowfs_is_read_as_it_was_written(mounted):
+    """An older cowfs kept [size, mtime, ctime, inode] of each path: a
+    mount compares the paths with that record as such, so nothing changed
+    mounts, and a change is still drift."""
+    from cowfs import schema as S
+    from cowfs.store import Store
+
+    ws = mounted
+    prepared(ws)
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
+    try:
+        record = store.get_meta_json(S.K_DRIFT)
+        assert all(len(fp) == 7 for fp in record["paths"].values() if fp is not None)
+        record["paths"] = {
+            p: fp if fp is None else [fp[4], fp[5], fp[6], fp[0]]
+            for p, fp in record["paths"].items()
+        }
+        store.set_meta_json(S.K_DRIFT, record)
+    finally:
+        store.close()
+    ws.mount()  # as the older cowfs left it: no drift
+    assert ws.log()[-1].get("drift") == []
+    ws.unmount()
+    os.chmod(ws / "a.txt", 0o600)  # (a new record, then a change of mode alone)
+    os.chmod(ws / "dir", 0o700)
+    os.rename(ws / "dir", ws / "moved")
+    r = ws.cowfs("mount", ws.path, check=False)
+    assert r.returncode == DRIFT and "a.txt" in r.stderr and "dir/b.txt" in r.stderr, r.stderr
