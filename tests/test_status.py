@@ -108,3 +108,65 @@ def test_changes_since_an_older_layer_compare_with_that_layers_start(mounted):
     assert {c["path"] for c in ws.json("rollback", "--dry-run", "--to", str(first))["changes"]} == {
         "dir/b.txt"
     }
+
+
+def _kept_and_fresh(ws) -> list[dict]:
+    """`status` from the daemon's kept readings, which must be what a daemon
+    that reads the journal afresh (after a remount) says."""
+    kept = ws.status()
+    ws.unmount()
+    ws.mount()
+    fresh = ws.status()
+    assert kept == fresh
+    return kept
+
+
+def test_status_from_kept_readings_is_status_read_afresh_after_every_operation(mounted):
+    """The daemon keeps what it read of the journal and feeds it every
+    record written since; a rollback, a redo and a commit delete or move
+    records, after which it reads again.  Across them all, with changes
+    in between, its `status` is the one a fresh daemon gives."""
+    ws = mounted
+    (ws / "src" / "pkg").mkdir(parents=True)
+    for i in range(20):
+        (ws / "src" / "pkg" / f"m{i}.py").write_text(f"x = {i}\n")
+    (ws / "elsewhere").mkdir()
+    (ws / "elsewhere" / "notes.txt").write_text("notes\n")
+    ws.commit()
+
+    def work(tag: str) -> None:
+        for i in range(0, 20, 2):
+            f = ws / "src" / "pkg" / f"m{i}.py"
+            if f.exists():
+                subprocess.run(["sed", "-i", f"s/$/ # {tag}/", str(f)], check=True)
+        (ws / "src" / f"new-{tag}").mkdir()
+        (ws / "src" / f"new-{tag}" / "a.txt").write_text(tag)
+        os.rename(ws / "src" / f"new-{tag}", ws / f"moved-{tag}")
+        if (ws / "src" / "pkg" / "m3.py").exists():
+            os.unlink(ws / "src" / "pkg" / "m3.py")
+        os.chmod(ws / "src" / "pkg" / "m5.py", 0o600)
+
+    ws.status()  # (a reading kept from here on)
+    ws.checkpoint("one")
+    work("one")
+    assert _kept_and_fresh(ws)
+    ws.status()
+    ws.rollback()
+    assert _kept_and_fresh(ws) == []
+    # changes since the rollback, where the redo does not act
+    (ws / "elsewhere" / "t.tmp").write_text("later\n")
+    os.rename(ws / "elsewhere" / "t.tmp", ws / "elsewhere" / "t")
+    subprocess.run(["sed", "-i", "s/$/ and more/", str(ws / "elsewhere" / "notes.txt")], check=True)
+    assert _kept_and_fresh(ws)
+    ws.status()
+    ws.json("redo")
+    redone = _kept_and_fresh(ws)
+    assert {"moved-one", "elsewhere/t", "elsewhere/notes.txt"} <= {c["path"] for c in redone}
+    ws.status()
+    ws.commit()  # (into the base layer, which still shows them)
+    assert _kept_and_fresh(ws) == redone
+    ws.checkpoint("three")
+    work("three")
+    ws.status()
+    ws.commit()  # (into the base layer)
+    assert _kept_and_fresh(ws)
