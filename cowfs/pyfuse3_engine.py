@@ -26,6 +26,24 @@ P = ParamSpec("P")
 Ts = TypeVarTuple("Ts")
 
 
+def statvfs_data(sv: os.statvfs_result) -> pyfuse3.StatvfsData:
+    """pyfuse3's answer to statfs, from an os.statvfs result."""
+    out = pyfuse3.StatvfsData()
+    for attr in (
+        "f_bsize",
+        "f_frsize",
+        "f_blocks",
+        "f_bfree",
+        "f_bavail",
+        "f_files",
+        "f_ffree",
+        "f_favail",
+        "f_namemax",
+    ):
+        setattr(out, attr, getattr(sv, attr))
+    return out
+
+
 def handler(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """A pyfuse3 handler written in the operations' terms (``cowfs.view``'s):
     it answers an OSError's errno, and anything unexpected is logged (to its
@@ -129,21 +147,7 @@ class CowFS(pyfuse3.Operations):
         return True
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        sv = _call(self.ops.statfs, ctx=ctx)
-        out = pyfuse3.StatvfsData()
-        for attr in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-            "f_namemax",
-        ):
-            setattr(out, attr, getattr(sv, attr))
-        return out
+        return statvfs_data(_call(self.ops.statfs, ctx=ctx))
 
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext

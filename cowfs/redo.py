@@ -727,9 +727,6 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     )
 
 
-fingerprint = B.fingerprint  # (what the rollback's seal and a redo's check compare)
-
-
 def fingerprints(resolver: B.Resolver, locs: list[bytes]) -> list[tuple[bytes, bytes]]:
     """(location, its fingerprint as ``print_json`` writes it) for each of
     *locs* (within ``resolver.reading()``; see ``backing.fingerprints``)."""
@@ -786,7 +783,7 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     changed = []
     with resolver.reading():
         for loc, val in prints.items():
-            if fingerprint(resolver, loc) != S.from_json(val):
+            if B.fingerprint(resolver, loc) != S.from_json(val):
                 changed.append(S.show_loc(loc))
     if changed:
         return f"{_shown(changed)} changed since the rollback"

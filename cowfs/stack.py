@@ -199,13 +199,12 @@ class Stack:
         ]:
             return []
         was = recorded.get("paths", {})
+        paths = sorted(was)
         with self.resolver.reading():
-            now = B.fingerprints(self.resolver, sorted(os.fsencode(p) for p in was))
-        return sorted(
-            os.fsdecode(path)
-            for path, fp in now
-            if _as_recorded(fp, was[os.fsdecode(path)]) != was[os.fsdecode(path)]
-        )
+            now = B.fingerprints(self.resolver, [os.fsencode(p) for p in paths])
+        return [
+            p for p, (_, fp) in zip(paths, now, strict=True) if _as_recorded(fp, was[p]) != was[p]
+        ]
 
     def redo_note(self) -> dict | None:
         """What `status` and `log` say about the last rollback (see

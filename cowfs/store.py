@@ -219,10 +219,22 @@ class Writer:
 
     def drop_layer(self, layer_id: int) -> None:
         """Delete a layer's row, what it captured (index) and who did it."""
-        for db in (self.store.db_index, self.store.db_who):
-            for key, _ in list(scan(self.txn, db, S.index_prefix(layer_id))):
+        self._take_layer(layer_id, park=False)
+
+    def _take_layer(self, layer_id: int, park: bool) -> None:
+        """Delete a layer's row, index entries and attributions; with
+        *park*, into the redo database."""
+        st = self.store
+        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
+            for key, val in list(scan(self.txn, db, S.index_prefix(layer_id))):
+                if park:
+                    self.redo_put(S.redo_kept_key(kind, key), val)
                 self.txn.delete(key, db=db)
-        self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
+        row = self.txn.get(S.u64(layer_id), db=st.db_layers)
+        if row is not None:
+            if park:
+                self.redo_put(S.redo_layer_key(layer_id), row)
+            self.txn.delete(S.u64(layer_id), db=st.db_layers)
 
     # -- the redo database (what the last rollback kept: see redo.py) ----------
 
@@ -257,16 +269,7 @@ class Writer:
     def park_layer(self, layer_id: int) -> None:
         """Move a dropped layer's row, index entries and attributions into
         the redo database."""
-        st = self.store
-        prefix = S.index_prefix(layer_id)
-        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
-            for key, val in list(scan(self.txn, db, prefix)):
-                self.redo_put(S.redo_kept_key(kind, key), val)
-                self.txn.delete(key, db=db)
-        row = self.txn.get(S.u64(layer_id), db=st.db_layers)
-        if row is not None:
-            self.redo_put(S.redo_layer_key(layer_id), row)
-            self.txn.delete(S.u64(layer_id), db=st.db_layers)
+        self._take_layer(layer_id, park=True)
 
     def unpark(self) -> list[tuple[bytes, bytes, bytes]]:
         """Empty the redo database: what ``park_record`` and ``park_layer``

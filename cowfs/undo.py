@@ -89,13 +89,22 @@ class Undoer:
         self.touched.entry(src)
         self.touched.entry(dst)
         if keep is not None:
-            self.touched.moves.append((ino, S.grave_loc(keep[0])))
-            self.touched.objects.add(ino)  # (names in the grave are not counted)
-        elif st.st_nlink == 1:
-            self.touched.removed.append(ino)
+            self._buried(ino, keep[0])
         else:
-            self.touched.objects.add(ino)  # its other names: one link fewer
+            self._unlinked(st)
         return True
+
+    def _unlinked(self, st: os.stat_result) -> None:
+        """Object *st* lost a name: gone, or one link fewer."""
+        if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
+            self.touched.removed.append(st.st_ino)
+        else:
+            self.touched.objects.add(st.st_ino)  # its other names: one link fewer
+
+    def _buried(self, ino: int, gid: int) -> None:
+        """Object *ino* was moved into grave entry *gid*."""
+        self.touched.moves.append((ino, S.grave_loc(gid)))
+        self.touched.objects.add(ino)  # (names in the grave are not counted)
 
     # -- names -------------------------------------------------------------------
 
@@ -117,10 +126,7 @@ class Undoer:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
-        if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
-            self.touched.removed.append(st.st_ino)
-        else:
-            self.touched.objects.add(st.st_ino)  # its other names: one link fewer
+        self._unlinked(st)
         self.touched.entry(path)
 
     def _keep(self, path: bytes, gid: int, ino: int) -> bool:
@@ -139,8 +145,7 @@ class Undoer:
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
         self.touched.entry(path)
-        self.touched.moves.append((st.st_ino, S.grave_loc(gid)))
-        self.touched.objects.add(st.st_ino)  # (names in the grave are not counted)
+        self._buried(st.st_ino, gid)
         return True
 
     def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:

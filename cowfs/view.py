@@ -36,7 +36,7 @@ from .errors import CowfsError
 from .mounts import VIEW_FSTYPE
 from .ops import fail
 from .past import History, Past
-from .pyfuse3_engine import handler
+from .pyfuse3_engine import handler, statvfs_data
 from .store import Store, need
 
 log = logging.getLogger("cowfs.view")
@@ -283,21 +283,7 @@ class View(pyfuse3.Operations):
 
     @handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        sv = os.fstatvfs(self.rootfd)
-        out = pyfuse3.StatvfsData()
-        for attr in (
-            "f_bsize",
-            "f_frsize",
-            "f_blocks",
-            "f_bfree",
-            "f_bavail",
-            "f_files",
-            "f_ffree",
-            "f_favail",
-            "f_namemax",
-        ):
-            setattr(out, attr, getattr(sv, attr))
-        return out
+        return statvfs_data(os.fstatvfs(self.rootfd))
 
 
 def serve(

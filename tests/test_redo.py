@@ -826,7 +826,7 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
         r = B.Resolver(rootfd, gravefd)
         with r.reading():
             fast = redo.fingerprints(r, locs)
-        slow = [(loc, redo.print_json(redo.fingerprint(r, loc))) for loc in locs]
+        slow = [(loc, redo.print_json(B.fingerprint(r, loc))) for loc in locs]
     finally:
         os.close(rootfd)
         os.close(gravefd)
@@ -889,7 +889,7 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
                 for k, v in scan(txn, store.db_redo, S.REDO_PRINT)
             }
         r = B.Resolver(rootfd, store.grave_fd)
-        now = {loc: redo.print_json(redo.fingerprint(r, loc)) for loc in kept}
+        now = {loc: redo.print_json(B.fingerprint(r, loc)) for loc in kept}
     finally:
         store.close()
         os.close(rootfd)
