@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from . import backing as B
 from . import gravesum, redo
 from . import schema as S
-from .store import Store, digest
+from .store import Store, digest, files_left
 from .text import count
 
 
@@ -198,7 +198,13 @@ def layer_of(starts: list[tuple[int, int]], seq: int) -> int | None:
 
 def check(store: Store, hashes: bool = True) -> Report:
     """Read the whole store and report every inconsistency (writes nothing).
-    Without *hashes*, chunk contents are not verified (a quick check)."""
+    Without *hashes*, chunk contents are not verified (a quick check).
+
+    A rollback or redo a crash interrupted (resumed by the next session)
+    leaves objects on their way into or out of the grave: what its steps
+    move may or may not have moved yet.  Those are not problems; the
+    resumed steps check each object they move and report one that is
+    truly missing."""
     rep = Report()
     layers = store.layers()
     starts = [(layer.start, layer.id) for layer in layers]
@@ -212,7 +218,14 @@ def check(store: Store, hashes: bool = True) -> Report:
     names: dict[int, str] = {}  # inode -> a path it had
     graved: dict[int, tuple[int | None, str]] = {}
     seqs: set[int] = set()
+    # grave entries the interrupted rollback or redo moves (see above)
+    moving: set[int] = set()
     with store.read() as txn:
+        raw = txn.get(S.K_PENDING, db=store.db_meta)
+        pending = S.from_json(raw) if raw is not None else None
+        op = pending["op"] if pending is not None and files_left(pending) else None
+        under_way, redoing = op is not None, op == "redo"
+        dropping = pending["to"] if pending is not None and op == "rollback" else None
         cur = txn.cursor(db=store.db_journal)
         ok = cur.first()
         while ok:
@@ -246,6 +259,8 @@ def check(store: Store, hashes: bool = True) -> Report:
                 uses.setdefault(rec.digest, []).append((owner, f"{show(loc)} (chunk {rec.chunk})"))
             elif isinstance(rec, S.Grave):
                 graved[rec.grave] = (owner, show(loc))
+                if dropping is not None and owner is not None and owner >= dropping:
+                    moving.add(rec.grave)  # (put back by the rollback, maybe)
             ok = cur.next()
 
         # what the last rollback kept for a redo uses chunks and grave entries too
@@ -263,10 +278,18 @@ def check(store: Store, hashes: bool = True) -> Report:
             if isinstance(rec, S.Chunk) and rec.digest:
                 uses.setdefault(rec.digest, []).append((None, what))
             held = redo.held_grave(kind, rec)
-            if held is not None and (
-                kind == S.REDO_INVERSE or txn.get(S.u64(held[0]), db=store.db_graves) is not None
-            ):
+            if held is None:
+                continue
+            if kind == S.REDO_INVERSE:
                 graved[held[0]] = (None, what)
+                if under_way:  # (moved in by the rollback, or out by the redo, maybe)
+                    moving.add(held[0])
+            elif txn.get(S.u64(held[0]), db=store.db_graves) is not None:
+                graved[held[0]] = (None, what)
+            elif redoing:
+                # moved back into the grave by the redo, maybe: its end
+                # enters it again (redo.restore)
+                moving.add(held[0])
         if redo_damaged:
             rep.problems.append(
                 Problem(
@@ -361,13 +384,14 @@ def check(store: Store, hashes: bool = True) -> Report:
                 )
                 rep.drop_graves.append(gid)
             elif st is None:
-                rep.problems.append(
-                    Problem(
-                        f"the removed object {path} (grave {gid}) is missing from the store",
-                        [owner] if owner else [],
-                        [path],
+                if gid not in moving:
+                    rep.problems.append(
+                        Problem(
+                            f"the removed object {path} (grave {gid}) is missing from the store",
+                            [owner] if owner else [],
+                            [path],
+                        )
                     )
-                )
             elif st.st_ino != ino:
                 rep.problems.append(
                     Problem(
@@ -409,6 +433,7 @@ def check(store: Store, hashes: bool = True) -> Report:
                     )
                 )
                 grave_files.discard(str(gid))
+        grave_files -= {str(gid) for gid in moving}
         for name in sorted(grave_files):
             rep.problems.append(Problem(f"grave file {name} is held by no record", repairable=True))
             rep.drop_grave_files.append(name)
@@ -426,15 +451,17 @@ def check(store: Store, hashes: bool = True) -> Report:
             key = bytes(cur.key())
             lid, _, kind, _ = S.split_index_key(key)
             seq = S.from_u64(cur.value())
-            if lid not in ids or (
-                kind not in S.INDEX_FLAGS
-                and (
-                    seq not in seqs
-                    or layer_of(starts, seq) != ids[lid]
-                    or lid == seg
-                    and seq < since
-                )
-            ):
+            if lid not in ids:
+                stale_entry = True
+            elif kind in S.INDEX_FLAGS:
+                stale_entry = False
+            elif seq not in seqs:
+                # (the interrupted rollback deleted or kept the record: the
+                # layer's entries go when it ends)
+                stale_entry = dropping is None or lid < dropping
+            else:
+                stale_entry = layer_of(starts, seq) != ids[lid] or lid == seg and seq < since
+            if stale_entry:
                 rep.drop_index.append(key)
                 stale += 1
             ok = cur.next()

@@ -26,8 +26,11 @@ is marked *changed* and verified by identity only.  A removed file can
 still change legitimately: a program writes to it through a descriptor it
 kept open, or through another name (a hard link).  Such changes reach the
 daemon, which marks the entry *changed* (``Hasher.changing``) before the
-bytes change, so a recorded hash always describes the bytes the GRAVE undo
-step will put back; check and rollback then verify it (``verify``).
+bytes change; a rollback or redo changes them by cowfs's own hand, while
+file requests are held off, so a hash read before it is recorded only if
+the file's stat is still the one read.  A recorded hash thus always
+describes the bytes the undo step will put back; check, rollback and redo
+then verify it (``verify``).
 Directories, symlinks and special files are verified by identity only (a
 directory is removed only when empty; a symlink's target cannot change in
 place).
@@ -299,6 +302,7 @@ class Hasher:
         with self.store.write() as w:
             for gid, raw, new in results:
                 if new is not None and w.txn.get(S.u64(gid), db=db) == raw:
+                    new = self._still(gid, raw, new)
                     w.txn.put(S.u64(gid), new, db=db)
                     written.append((gid, _sound(new)))
         for gid, raw, _ in results:
@@ -307,6 +311,25 @@ class Hasher:
         for gid, s in written:
             if s.state == S.SUM_CHANGED:
                 self.live.get(s.ino, set()).discard(gid)
+
+    def _still(self, gid: int, raw: bytes, new: bytes) -> bytes:
+        """The entry to record for grave file *gid* (pending entry *raw*),
+        read as *new*: a hash only if the file is still as it was read.  A
+        rollback or redo that ran after the reading (on the daemon's
+        thread: file requests, and so ``changing``, were held off) may have
+        changed it through another name."""
+        s = _sound(new)
+        if s.state != S.SUM_HASHED:
+            return new
+        st = B.lstat_at(self.store.grave_fd, str(gid).encode())
+        if st is not None and (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (
+            s.ino,
+            s.size,
+            s.mtime_ns,
+            s.time_ns,  # (the ctime, in a hashed entry)
+        ):
+            return new
+        return S.encode_sum(_sound(raw)._replace(state=S.SUM_CHANGED))
 
     async def _step(self, everything: bool = False) -> bool:
         """Hash and record one batch; False when there was nothing to do."""

@@ -865,19 +865,56 @@ def _corrupt(store: Store, groups) -> dict[int, str]:
     return out
 
 
+class _Claims:
+    """What a batch of inverse groups acts on (see `apply`): the objects
+    and locations they name, and the directories above those."""
+
+    def __init__(self) -> None:
+        self.objects: set[int] = set()
+        self.locs: set[bytes] = set()
+        self.above: set[bytes] = set()
+
+    def meets(self, group: Sequence[S.Record]) -> bool:
+        """Whether *group* acts on an object or location the batch acts
+        on, or moves what holds one of its locations."""
+        for rec in group:
+            if any(ino in self.objects for ino in _objects(rec)):
+                return True
+            moves = isinstance(rec, S.Rename | S.Exchange)
+            for loc in _locs(rec):
+                if loc in self.locs or moves and loc in self.above:
+                    return True
+        return False
+
+    def add(self, group: Sequence[S.Record]) -> None:
+        for rec in group:
+            self.objects.update(_objects(rec))
+            for loc in _locs(rec):
+                self.locs.add(loc)
+                if S.grave_id(loc) is None:
+                    while loc:
+                        loc = loc.rpartition(b"/")[0]
+                        self.above.add(loc)
+
+
 def apply(store: Store, undo, failures: list[str], describe) -> int:
     """Apply the kept inverses, last kept first; returns how many records
     were applied.  Resumable: applied groups are deleted a batch at a time,
-    and a resumed redo applies those of the last batch again, in order --
-    each inverse checks the object it acts on, so that changes nothing.
-    An object whose file kept in the grave is corrupt is skipped as a
-    whole."""
+    and a resumed redo applies those of the last batch again, in order.
+    A batch holds groups that act on different objects at different
+    locations, none moving what holds another's location (`_Claims`), so
+    that each group, applied again after those that follow it, finds what
+    it acted on as it left it, or gone from where it was -- and changes
+    nothing, failing nowhere.  An object whose file kept in the grave is
+    corrupt is skipped as a whole."""
     applied = 0
     groups = _inverse_groups(store)
     corrupt = _corrupt(store, groups)
     done: list[tuple[bytes, S.Record]] = []
+    claims = _Claims()
 
     def forget() -> None:
+        nonlocal claims
         with store.write() as w:
             for key, rec in done:
                 if isinstance(rec, S.Chunk) and rec.digest:
@@ -887,9 +924,14 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
                         w.drop_grave(gid)  # out of the grave
                 w.redo_delete(key)
         done.clear()
+        claims = _Claims()
 
     for _, group in groups:
-        for _, rec in group:
+        records = [rec for _, rec in group]
+        if done and claims.meets(records):
+            forget()
+        claims.add(records)
+        for rec in records:
             bad = [ino for ino in _objects(rec) if ino in corrupt]
             if bad:
                 for ino in bad:

@@ -41,8 +41,8 @@ from .mounts import (
 )
 from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
-from .stack import FINISHED, RollbackReport, Stack, files_left
-from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
+from .stack import FINISHED, RollbackReport, Stack
+from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store, files_left
 from .text import count
 
 AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log

@@ -17,7 +17,7 @@ from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
 from .journal import Kept, MetaAt, Reading
 from .past import filter_paths
-from .store import Layer, PendingRecord, Store, digest
+from .store import Layer, PendingRecord, Store, digest, files_left
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -763,11 +763,6 @@ def _steps(do: str, layers: list[Layer]) -> list[dict]:
         for layer in layers
         for snap in reversed(layer.snapshots)
     ]
-
-
-def files_left(pending: PendingRecord) -> bool:
-    """Whether the pending record's file part is still to be done."""
-    return pending.get("op") in ("rollback", "redo") and not pending.get("files")
 
 
 def steps_left(pending: PendingRecord) -> list[dict]:

@@ -38,6 +38,11 @@ DEFAULT_CHUNK_SIZE = 64 << 10
 PendingRecord = dict[str, Any]
 
 
+def files_left(pending: PendingRecord) -> bool:
+    """Whether the pending record's file part is still to be done."""
+    return pending.get("op") in ("rollback", "redo") and not pending.get("files")
+
+
 @dataclass(frozen=True)
 class Layer:
     id: int

@@ -5,6 +5,7 @@ rollback (interrupted or not) must also be redone exactly: the tree as it
 was before it, and the checkpoint's layer rolling back exactly again.
 
     python -m tests.crashsoak --trials 100 [--seed S] [--writers 4] [--keep-failed]
+                              [--moments redo,rollback]
 
 prints one line per trial and then ``K/N exact``; the exit status is 0 only
 when every trial was exact.  tests/test_crash.py runs a few trials in CI;
@@ -216,7 +217,13 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
         if bg is not None:
             bg.wait(timeout=60)
         mounted = json.loads(cowfs("--json", "mount", ws).stdout)
-        finished = "; ".join(w for w in mounted.get("warnings", []) if "interrupted" in w)
+        warnings = mounted.get("warnings", [])
+        finished = "; ".join(w for w in warnings if "interrupted" in w)
+        # what else the mount said (the steps that failed first, then the store check)
+        failures = sorted(
+            (w for w in warnings if "interrupted" not in w and "cleared the dead mount" not in w),
+            key=lambda w: w.startswith("store check:"),
+        )
         layers = [entry["id"] for entry in json.loads(cowfs("--json", "-C", ws, "log").stdout)]
         if moment == "redo" and layer not in layers:
             cowfs("-C", ws, "redo")  # (killed before the redo began)
@@ -234,7 +241,7 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
         else:
             return Trial(n, moment, False, finished, f"layer {layer} vanished: {layers}")
         diff += treesnap.compare(expected, treesnap.snapshot(ws))
-        return Trial(n, moment, not diff, finished, "; ".join(diff[:5]))
+        return Trial(n, moment, not diff, finished, "; ".join([*diff[:5], *failures[:5]]))
     finally:
         stop(procs)
         if bg is not None and bg.poll() is None:
@@ -259,7 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep the workspaces of trials that were not exact",
     )
+    p.add_argument(
+        "--moments",
+        default=",".join(MOMENTS),
+        help=f"the moments to kill at, taken in turn (default: {','.join(MOMENTS)})",
+    )
     args = p.parse_args(argv)
+    moments = args.moments.split(",")
+    if not moments or any(m not in MOMENTS for m in moments):
+        p.error(f"--moments: a comma-separated list of {', '.join(MOMENTS)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     base = Path(tempfile.mkdtemp(prefix="cowfs-crash-", dir=args.dir or "/var/tmp"))
     print(f"crashsoak: {args.trials} trials, {args.writers} writers, seed {seed}, in {base}")
@@ -267,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         for n in range(args.trials):
-            moment = MOMENTS[n % len(MOMENTS)]
+            moment = moments[n % len(moments)]
             try:
                 t = run_trial(n, base, seed + n, args.writers, moment)
             except Exception as e:  # a trial that could not even finish is not exact

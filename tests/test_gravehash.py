@@ -20,7 +20,7 @@ import time
 import lmdb
 import pytest
 
-from cowfs import redo, treesnap
+from cowfs import gravesum, redo, treesnap
 from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
@@ -393,3 +393,40 @@ def test_removed_files_are_hashed_while_requests_never_pause(workspace):
             f.close()
     res = wait_hashed(ws)
     assert res["ok"] and hashed_all(res)
+
+
+def test_a_hash_read_before_a_rollback_changed_the_file_is_not_recorded(tmp_path):
+    """The pass reads a grave file in a worker thread and records its hash
+    afterwards, on the daemon's thread.  A rollback may run in between (on
+    that thread, file requests held off, so nothing marks the entry): it
+    changes a hard-linked file through its other name and sets its mtime
+    back.  What is recorded then is no hash -- a redo would find the bytes
+    changed and leave the file out -- but a change; a file left alone is
+    hashed."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    store = Store.open(str(root / ".cowfs"), str(root))
+    try:
+        gids = {}
+        for name in ("linked", "alone"):
+            (root / name).write_bytes(os.urandom(3 * CHUNK))
+            st = os.stat(root / name)
+            with store.write() as w:
+                gids[name] = w.new_grave(st.st_ino, st)
+            os.link(root / name, str(gids[name]), dst_dir_fd=store.grave_fd)
+        hasher = gravesum.Hasher(store)
+        results = hasher._hash(hasher._batch(everything=True), everything=True)
+        assert [S.decode_sum(new).state for _, _, new in results] == [S.SUM_HASHED] * 2
+        st = os.stat(root / "linked")
+        with open(root / "linked", "r+b") as f:  # (the rollback's undo step)
+            f.write(b"the bytes before the layer")
+        os.utime(root / "linked", ns=(st.st_atime_ns, st.st_mtime_ns))
+        hasher._record(results)
+        linked = gravesum.read_sum(store, gids["linked"])
+        assert linked is not None and linked.state == S.SUM_CHANGED
+        assert gravesum.verify(store, gids["linked"]) is None  # (by identity only)
+        alone = gravesum.read_sum(store, gids["alone"])
+        assert alone is not None and alone.state == S.SUM_HASHED
+        assert gravesum.verify(store, gids["alone"]) is None
+    finally:
+        store.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ from cowfs import schema as S
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
-from .helpers import plain
+from .helpers import plain, run
 
 
 def layer_ids(ws) -> list[int]:
@@ -665,14 +666,16 @@ def dying(step):
     return counted
 undo.Undoer.apply = dying(undo.Undoer.apply)
 undo.Undoer.put_back_and_remove = dying(undo.Undoer.put_back_and_remove)
-session.offline(sys.argv[1], None, sys.argv[2], **({"yes": True} if sys.argv[2] == "rollback"
-                                                   else {}))
+op = sys.argv[2]
+args = {"yes": True, "keep_redo": op == "rollback"} if op.startswith("rollback") else {}
+session.offline(sys.argv[1], None, op.split("-")[0], **args)
 """
 
 
 def kill_within(ws, op: str, steps: int) -> None:
-    """Run *op* on the unmounted workspace and kill it (as kill -9 would)
-    after *steps* of its undo steps."""
+    """Run *op* (rollback, rollback-no-redo or redo) on the unmounted
+    workspace and kill it (as kill -9 would) after *steps* of its undo
+    steps."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     r = subprocess.run(
         [sys.executable, "-c", KILL_AT, str(ws.path), op, str(steps)],
@@ -684,13 +687,30 @@ def kill_within(ws, op: str, steps: int) -> None:
     assert r.returncode == 9, f"the {op} took fewer than {steps} steps: {r.stderr}"
 
 
+def assert_sound_midway(ws) -> None:
+    """The store of an operation killed midway is sound: objects on their
+    way into or out of the grave are no problems (nor anything a repair
+    would free: the resumed steps move them)."""
+    report = json.loads(ws.cowfs("--json", "check", check=False).stdout)
+    assert report["ok"], report["problems"]
+
+
+def assert_resumed(ws, op: str) -> None:
+    """Mount: the interrupted *op* is finished, every step of it without
+    a failure, and nothing else is said."""
+    warnings = json.loads(run("--json", "mount", ws.path).stdout)["warnings"]
+    ws.mounted = True
+    assert len(warnings) == 1, warnings
+    assert re.fullmatch(rf"finished an interrupted {op} \([\d,]+ steps?\)", warnings[0]), warnings
+
+
 def a_layer_of_many_kinds(ws) -> tuple[treesnap.Snapshot, treesnap.Snapshot]:
     """Two directories of files, committed; then a layer that holds what
     `sed -i` does (a temporary file renamed over each name, and one into a
     new name), new files and directories, writes, mode changes and
     removals, a name used twice, a file renamed over another, one made and
-    removed again, one removed and made anew.  Returns the tree at its
-    checkpoint and at its end."""
+    removed again, one removed and made anew, hard links.  Returns the
+    tree at its checkpoint and at its end."""
     for d in ("p", "q"):
         (ws / d).mkdir()
         for i in range(40):
@@ -722,27 +742,42 @@ def a_layer_of_many_kinds(ws) -> tuple[treesnap.Snapshot, treesnap.Snapshot]:
         os.rename(ws / d / "f1", ws / d / "f2")
         os.unlink(ws / d / "f5")
         (ws / d / "f5").write_text("anew\n")
+        # hard links: one made to a file written before and after it (the
+        # rollback moves that name into the grave and changes the object
+        # through the other), one to a file made in the layer, renamed
+        os.link(ws / d / "f6", ws / d / "f6-link")
+        with open(ws / d / "f6-link", "a") as fh:
+            fh.write("through the link\n")
+        os.link(ws / d / "new9", ws / d / "new9-link")
+        os.rename(ws / d / "new9-link", ws / d / "moved-link")
     return at_checkpoint, ws.snapshot()
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 130, 135])
-def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, steps):
+@pytest.mark.parametrize(
+    "op, steps",
+    [("rollback", n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 30, 57, 90, 120, 130, 135)]
+    + [("rollback-no-redo", n) for n in (1, 7, 60, 130)],
+)
+def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted, op, steps):
     """The rollback keeps what a redo needs a batch of steps at a time, and
     applies the steps of a batch again when it resumes: killed after any
-    step, it ends with the tree at the checkpoint, and its redo with the
-    tree before it."""
+    step, the store is sound, the next mount ends it with the tree at the
+    checkpoint, and its redo with the tree before it.  (--no-redo: each
+    record goes as its step is taken.)"""
     ws = mounted
     at_checkpoint, before = a_layer_of_many_kinds(ws)
     ws.unmount()
-    kill_within(ws, "rollback", steps)
-    ws.mount()  # (finishes the rollback)
+    kill_within(ws, op, steps)
+    assert_sound_midway(ws)
+    assert_resumed(ws, "rollback")
     treesnap.assert_same(at_checkpoint, ws.snapshot())
-    assert ws.json("status")["redo"]["available"] is True
-    ws.json("redo")
-    treesnap.assert_same(before, ws.snapshot())
+    if op == "rollback":
+        assert ws.json("status")["redo"]["available"] is True
+        ws.json("redo")
+        treesnap.assert_same(before, ws.snapshot())
 
 
-@pytest.mark.parametrize("steps", [1, 2, 5, 40, 100])
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 10, 25, 40, 70, 100, 150])
 def test_a_redo_killed_within_a_batch_resumes_exactly(mounted, steps):
     """A redo forgets the inverses it applied a batch at a time: killed
     after any step, the next mount finishes it, exactly."""
@@ -752,7 +787,8 @@ def test_a_redo_killed_within_a_batch_resumes_exactly(mounted, steps):
     treesnap.assert_same(at_checkpoint, ws.snapshot())
     ws.unmount()
     kill_within(ws, "redo", steps)
-    ws.mount()  # (finishes the redo)
+    assert_sound_midway(ws)
+    assert_resumed(ws, "redo")
     treesnap.assert_same(before, ws.snapshot())
 
 
