@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 from . import backing as B
 from . import gravesum, redo
+from . import pending as P
 from . import schema as S
-from .store import Store, digest, files_left
+from .store import Store, digest
 from .text import count
 
 
@@ -223,7 +224,7 @@ def check(store: Store, hashes: bool = True) -> Report:
     with store.read() as txn:
         raw = txn.get(S.K_PENDING, db=store.db_meta)
         pending = S.from_json(raw) if raw is not None else None
-        op = pending["op"] if pending is not None and files_left(pending) else None
+        op = pending["op"] if pending is not None and P.files_left(pending) else None
         under_way, redoing = op is not None, op == "redo"
         dropping = pending["to"] if pending is not None and op == "rollback" else None
         cur = txn.cursor(db=store.db_journal)

@@ -827,14 +827,11 @@ def _moved_above(loc: bytes, moved: set[bytes]) -> bytes | None:
     return None
 
 
-def start(store: Store) -> None:
-    """In one transaction: mark the redo under way and write its pending
-    record (resumed by the next mount after a crash)."""
-    with store.write() as w:
-        st = _state_in(w)
-        st["state"] = REDOING
-        _put_state(w, st)
-        w.set_pending({"op": "redo", "files": False, "steps": []})
+def start(w: Writer) -> None:
+    """In the transaction that plans the redo: mark it under way."""
+    st = _state_in(w)
+    st["state"] = REDOING
+    _put_state(w, st)
 
 
 def _objects(rec: S.Record) -> tuple[int, ...]:

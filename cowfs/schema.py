@@ -18,7 +18,7 @@ Databases
              ``next_writer`` u64   next writer id (absent: 1)
              ``pending``     JSON  the group operation under way, resumed
                                    by the next mount if a crash interrupts it
-                                   (see ``Writer.set_pending``):
+                                   (see ``cowfs/pending.py``):
                                    ``{"op": "rollback", "to": ID}``,
                                    ``{"op": "commit", "layer": ID}`` or
                                    ``{"op": "redo"}``, each with

@@ -26,6 +26,7 @@ import trio
 
 from . import backing as B
 from . import errors, fsck, redo
+from . import pending as P
 from . import schema as S
 from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NotMounted
@@ -41,8 +42,8 @@ from .mounts import (
 )
 from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
-from .stack import FINISHED, RollbackReport, Stack
-from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store, files_left
+from .stack import RollbackReport, Stack
+from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
 from .text import count
 
 AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
@@ -374,7 +375,8 @@ class Session:
         taken: list[dict] = []
         t0 = time.perf_counter()
         if chosen:  # a crash while capturing: the next open removes what was taken
-            self.store.set_pending({"op": "checkpoint", "layer": layer.id, "providers": providers})
+            with self.store.write() as w:
+                P.plan(w, P.checkpoint(layer.id, providers))
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
@@ -388,7 +390,9 @@ class Session:
                 )
                 t0 = time.perf_counter()
             if taken:
-                self.store.set_snapshots(layer.id, taken, close_pending=True)
+                with self.store.write() as w:
+                    self.store.set_snapshots(layer.id, taken, w)
+                    P.close(w, layer.id)
         except Exception as e:
             # All or nothing: discard what was taken and drop the new layer.
             failed = chosen[min(len(taken), len(chosen) - 1)].name
@@ -425,7 +429,7 @@ class Session:
         top = self.store.top()
         if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
             self.stack.commit()
-        self.store.set_pending(None)
+        self.stack.finish()
         self._switched(fresh=False)
 
     def _resume_checkpoint(self, pending: dict) -> list[str]:
@@ -476,7 +480,7 @@ class Session:
         marked in the store before it runs and after it; return what ran."""
         ran = []
         for i, step in enumerate(self.stack.planned().get("steps", [])):
-            if step["do"] != do or step["state"] in FINISHED:
+            if step["do"] != do or step["state"] in P.FINISHED:
                 continue
             what = f"{do} {step['provider']} of layer {step['layer']}"
             ran.append(
@@ -497,11 +501,7 @@ class Session:
         return ran
 
     def _mark_step(self, index: int, **fields: Any) -> None:
-        """Update step *index* of the pending record, durably (even against
-        a power loss) before the step runs or anything follows it."""
-        with self.store.write() as w:
-            w.update_pending(index, **fields)
-        self.store.sync()
+        P.mark_step(self.store, index, **fields)
 
     async def _carry_out(self) -> tuple[PendingRecord | None, RollbackReport | None, list[str]]:
         """Carry out the pending group operation from where it stands:
@@ -513,7 +513,7 @@ class Session:
         ran = await self._provider_steps("restore")
         report = None
         pending = self.stack.planned()
-        if files_left(pending):
+        if P.files_left(pending):
             before = self.store.top()
             try:
                 report = self.stack.apply_files()

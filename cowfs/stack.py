@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from . import backing as B
 from . import fsck, progress, redo
+from . import pending as P
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
 from .journal import Kept, MetaAt, Reading
 from .past import filter_paths
-from .store import Layer, PendingRecord, Store, digest, files_left
+from .store import Layer, PendingRecord, Store, digest
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,9 @@ class Stack:
         pending = self.pending()
         report = None
         if pending is not None:
-            if files_left(pending):
+            if P.files_left(pending):
                 report = self.apply_files()
-            if not steps_left(pending):
+            if not P.steps_left(pending):
                 self.finish()
         if self.pending() is None and redo.complete(self.store):
             # a crash between the end of a rollback's files and its fingerprint
@@ -113,14 +114,9 @@ class Stack:
         chunk hashes."""
         return [str(p) for p in fsck.check(self.store, hashes=False).problems]
 
-    # -- group operations: the pending record ----------------------------------------
-    # A rollback or commit is a group: provider restores (last taken first),
-    # then the files, then provider discards.  The pending record in the store
-    # (Writer.set_pending) lists every step; each is marked before it runs and
-    # after it, so that the next session finishes exactly what is left after a
-    # crash.  The stack plans the record, in the transaction that starts the
-    # operation, and carries out its file part; the session (cowfs/session.py)
-    # carries out the rest and resumes it.
+    # -- group operations: the pending record (see cowfs/pending.py) ----------------
+    # The stack plans it for a rollback, a redo and a merge's discards, and
+    # carries out the file part; the session (cowfs/session.py) the rest.
 
     def pending(self) -> PendingRecord | None:
         return self.store.pending()
@@ -137,18 +133,11 @@ class Stack:
         """Close the pending group operation: keep the restores' post-mortems
         with the layer the workspace is now at, and clear the record.
         Returns the record as it was."""
-        pending = self.pending()
-        if pending is None:
+        if self.pending() is None:
             return None
         top = self.ensure_base()
-        postmortems = [
-            step["postmortem"] for step in pending.get("steps", ()) if step.get("postmortem")
-        ]
         with self.store.write() as w:
-            if postmortems:
-                self.store.append_to_layer(top.id, "postmortems", postmortems, w)
-            w.set_pending(None)
-        return pending
+            return P.close(w, top.id)
 
     # -- commit -------------------------------------------------------------------
 
@@ -265,7 +254,8 @@ class Stack:
             if turns:  # the agent events of a merged layer stay with the one below
                 st.append_to_layer(below.id, "turns", turns, w)
             w.delete_layer_row(top.id)
-            _plan_discards(w, top)
+            if (discards := P.discards(top)) is not None:
+                P.plan(w, discards)
         st.forget_layer_cache()
 
     def _commit_base(self, base: Layer) -> list[int]:
@@ -279,7 +269,8 @@ class Stack:
                     freed.append(rec.ino)
                 w.delete_record(seq)
             w.drop_layer(base.id)
-            _plan_discards(w, base)
+            if (discards := P.discards(base)) is not None:
+                P.plan(w, discards)
         st.forget_layer_cache()
         for gid in graves:
             B.remove_tree_at(st.grave_fd, str(gid).encode())
@@ -350,12 +341,7 @@ class Stack:
                 f"no layer {to} (layers: {', '.join(str(layer.id) for layer in layers)})"
             )
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
-        pending: PendingRecord = {
-            "op": "rollback",
-            "to": to,
-            "files": False,
-            "steps": _steps("restore", dropping) + _steps("discard", dropping),
-        }
+        pending = P.rollback(to, dropping)
         self.discard_redo("another rollback was made")
         why = None
         if not keep_redo:
@@ -367,7 +353,7 @@ class Stack:
             )
         try:
             with self.store.write() as w:
-                w.set_pending(pending)
+                P.plan(w, pending)
                 redo.begin(
                     w,
                     to,
@@ -377,7 +363,8 @@ class Stack:
                 )
         except OSError:
             # a full disk: the rollback itself must still be possible
-            self.store.set_pending(pending)
+            with self.store.write() as w:
+                P.plan(w, pending)
         return pending
 
     def _give_up_redo(self, keeper: redo.Keeper | None, e: Exception) -> None:
@@ -410,7 +397,9 @@ class Stack:
         if self.redo_blocked is not None:
             raise Refused(f"cannot redo the last rollback: {self.redo_blocked}")
         st = redo.check(self.store, self.resolver)
-        redo.start(self.store)
+        with self.store.write() as w:
+            redo.start(w)
+            P.plan(w, P.redo())
         return st
 
     def _redo(self) -> RollbackReport:
@@ -420,7 +409,7 @@ class Stack:
         report.applied = redo.apply(st, undo, report.failures, describe)
         with st.write() as w:
             report.restored = redo.restore(w)
-            w.update_pending(files=True)
+            P.files_done(w)
         st.forget_layer_cache()
         report.top = self.ensure_base().id
         return report
@@ -431,7 +420,7 @@ class Stack:
         the daemon, which carries out groups with snapshots.)"""
         self.plan_rollback(to)
         report = self.apply_files()
-        if not steps_left(self.planned()):
+        if not P.steps_left(self.planned()):
             self.finish()
         return report
 
@@ -537,7 +526,7 @@ class Stack:
                     w.park_layer(layer.id)
                 else:
                     w.drop_layer(layer.id)
-            w.update_pending(files=True)
+            P.files_done(w)
 
     # -- views ------------------------------------------------------------------------
 
@@ -699,11 +688,6 @@ class Stack:
         return result
 
 
-# -- the pending record's steps ------------------------------------------------------
-
-FINISHED = ("done", "failed")
-
-
 def _as_recorded(fp: list | None, was: list | None) -> list | None:
     """*fp* in the form of *was*: a drift record of an older cowfs kept
     [size, mtime_ns, ctime_ns, ino] of each path."""
@@ -747,35 +731,6 @@ def _both_steps(
         return False
     keeper.emptied_by(seq, ren.src, ren.dst)
     return True
-
-
-def _steps(do: str, layers: list[Layer]) -> list[dict]:
-    """Provider steps for *layers* (in the order given), each layer's
-    snapshots last taken first."""
-    return [
-        {
-            "do": do,
-            "provider": snap["provider"],
-            "layer": layer.id,
-            "data": snap["data"],
-            "state": "todo",
-        }
-        for layer in layers
-        for snap in reversed(layer.snapshots)
-    ]
-
-
-def steps_left(pending: PendingRecord) -> list[dict]:
-    return [step for step in pending.get("steps", ()) if step["state"] not in FINISHED]
-
-
-def _plan_discards(w, layer: Layer) -> None:
-    """In the transaction that merges or commits *layer*: its snapshots are
-    no longer needed; record their discards as pending."""
-    if layer.snapshots:
-        w.set_pending(
-            {"op": "commit", "layer": layer.id, "files": True, "steps": _steps("discard", [layer])}
-        )
 
 
 class Sameness:

@@ -32,15 +32,10 @@ AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 FULL_MARGIN = 4 << 20  # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
-# The pending record (JSON; see Writer.set_pending): {"op": "rollback", "redo",
+# The pending record (JSON; see cowfs/pending.py): {"op": "rollback", "redo",
 # "commit" or "checkpoint", "files": whether the file part is done, "steps":
 # [{"do", "provider", "layer", "data", "state", ...}], and the op's own fields}.
 PendingRecord = dict[str, Any]
-
-
-def files_left(pending: PendingRecord) -> bool:
-    """Whether the pending record's file part is still to be done."""
-    return pending.get("op") in ("rollback", "redo") and not pending.get("files")
 
 
 @dataclass(frozen=True)
@@ -357,9 +352,8 @@ class Writer:
         else:
             self.txn.put(key, value, db=self.store.db_meta)
 
-    # -- the pending record: the group operation under way (cowfs/session.py
-    # carries it out; the stack and redo plan it, each in the transaction
-    # that starts it) --
+    # -- the pending record: the group operation under way (written only
+    # through cowfs/pending.py, which says who changes it when) --
 
     def pending(self) -> PendingRecord | None:
         v = self.txn.get(S.K_PENDING, db=self.store.db_meta)
@@ -698,18 +692,13 @@ class Store:
         self._layers = None
         return layer
 
-    def set_snapshots(
-        self, layer_id: int, snapshots: list[dict], close_pending: bool = False
-    ) -> None:
-        """Record a layer's snapshots (and, in the same transaction, close
-        the pending record of the checkpoint that took them)."""
-        with self.write() as w:
-            key = S.u64(layer_id)
-            d = S.from_json(need(w.txn, key, self.db_layers))
-            d["snapshots"] = snapshots
-            w.txn.put(key, S.to_json(d), db=self.db_layers)
-            if close_pending:
-                w.set_pending(None)
+    def set_snapshots(self, layer_id: int, snapshots: list[dict], w: Writer) -> None:
+        """Record a layer's snapshots (in the checkpoint's transaction that
+        closes its pending record)."""
+        key = S.u64(layer_id)
+        d = S.from_json(need(w.txn, key, self.db_layers))
+        d["snapshots"] = snapshots
+        w.txn.put(key, S.to_json(d), db=self.db_layers)
         self._layers = None
 
     def append_to_layer(
@@ -881,12 +870,8 @@ class Store:
             w.set_meta(key, S.to_json(value) if value is not None else None)
 
     def pending(self) -> PendingRecord | None:
-        """The pending record (see Writer.set_pending), or None."""
+        """The pending record (see cowfs/pending.py), or None."""
         return self.get_meta_json(S.K_PENDING)
-
-    def set_pending(self, record: PendingRecord | None) -> None:
-        with self.write() as w:
-            w.set_pending(record)
 
     def grave_counts(self) -> dict[int, int]:
         """Backing inode -> number of its names held in the grave."""

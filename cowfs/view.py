@@ -271,15 +271,13 @@ class View(pyfuse3.Operations):
                 return v
         raise fail(errno.ENODATA)
 
-    # (pyfuse3 expects a bool: a falsy answer is EACCES.  This one answers
-    # None; under default_permissions the kernel checks access itself and
-    # sends no ACCESS request.)
+    # (under default_permissions the kernel checks the rest itself, and
+    # sends no ACCESS request at all)
     @handler
-    async def access(  # type: ignore[override]
-        self, inode: int, mode: int, ctx: pyfuse3.RequestContext
-    ) -> None:
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK:
             raise fail(errno.EROFS)
+        return True
 
     @handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -1,0 +1,111 @@
+"""The pending record: the group operation under way, kept in the store
+(``schema``, key ``pending``) so that the next session finishes it after
+a crash.  Every change of it is made here, in this order:
+
+* planned (`plan`), in the transaction that starts the operation: a
+  rollback (`rollback`: the provider restores of the dropped layers'
+  snapshots, last taken first, then the files, then the snapshots'
+  discards) or a redo (`redo`: the files) by the stack; the discards of a
+  merged or committed layer's snapshots (`discards`) by the stack, in the
+  merge's transaction; a checkpoint's captures (`checkpoint`) by the
+  session;
+* each provider step marked before it runs and after it (`mark_step`,
+  durably), by the session, which runs them;
+* the file part marked done (`files_done`) in the transaction that ends
+  it, by the stack's rollback or redo;
+* closed (`close`): the restores' post-mortems move to the layer open
+  then.
+
+A session opened on a store with a pending record finishes it first
+(``Session.open``): a checkpoint's captures are discarded and its layer
+merged away; anything else is carried out from where it stands.
+"""
+
+from __future__ import annotations
+
+from .store import Layer, PendingRecord, Store, Writer
+
+FINISHED = ("done", "failed")
+
+
+def _steps(do: str, layers: list[Layer]) -> list[dict]:
+    """Provider steps for *layers* (in the order given), each layer's
+    snapshots last taken first."""
+    return [
+        {
+            "do": do,
+            "provider": snap["provider"],
+            "layer": layer.id,
+            "data": snap["data"],
+            "state": "todo",
+        }
+        for layer in layers
+        for snap in reversed(layer.snapshots)
+    ]
+
+
+def rollback(to: int, dropping: list[Layer]) -> PendingRecord:
+    """A rollback down to layer *to*, of *dropping* (top layer first)."""
+    return {
+        "op": "rollback",
+        "to": to,
+        "files": False,
+        "steps": _steps("restore", dropping) + _steps("discard", dropping),
+    }
+
+
+def redo() -> PendingRecord:
+    return {"op": "redo", "files": False, "steps": []}
+
+
+def discards(layer: Layer) -> PendingRecord | None:
+    """The discards of the snapshots of *layer*, merged or committed (None:
+    it has none)."""
+    if not layer.snapshots:
+        return None
+    return {"op": "commit", "layer": layer.id, "files": True, "steps": _steps("discard", [layer])}
+
+
+def checkpoint(layer_id: int, providers: list[str]) -> PendingRecord:
+    """The captures of a checkpoint (a crash meanwhile: what they took is
+    discarded and the layer merged into the one below)."""
+    return {"op": "checkpoint", "layer": layer_id, "providers": providers}
+
+
+def plan(w: Writer, record: PendingRecord) -> None:
+    w.set_pending(record)
+
+
+def files_left(record: PendingRecord) -> bool:
+    """Whether the record's file part is still to be done."""
+    return record.get("op") in ("rollback", "redo") and not record.get("files")
+
+
+def steps_left(record: PendingRecord) -> list[dict]:
+    return [step for step in record.get("steps", ()) if step["state"] not in FINISHED]
+
+
+def files_done(w: Writer) -> None:
+    w.update_pending(files=True)
+
+
+def mark_step(store: Store, index: int, **fields) -> None:
+    """Update step *index*, durably (even against a power loss) before the
+    step runs or anything follows it."""
+    with store.write() as w:
+        w.update_pending(index, **fields)
+    store.sync()
+
+
+def close(w: Writer, top: int) -> PendingRecord | None:
+    """Close the record (the operation is over), keeping the restores'
+    post-mortems with layer *top*, the one open now.  Returns the record
+    as it was."""
+    record = w.pending()
+    if record is None:
+        return None
+    postmortems = [step["postmortem"] for step in record.get("steps", ()) if step.get("postmortem")]
+    if postmortems:
+        w.store.append_to_layer(top, "postmortems", postmortems, w)
+    w.set_pending(None)
+    return record
