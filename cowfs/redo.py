@@ -263,9 +263,19 @@ class Keeper:
         Returns (grave id, inode): where the step must move the object it
         removes (CREATE, LINK), and which object that is, if any."""
         if seq not in self.kept:
+            if isinstance(rec, S.Rename) and not self._holds(rec.dst, rec.ino):
+                # its step moves nothing: nothing to keep (a resumed rollback
+                # that took it already finds the directories' times changed,
+                # and none of the fused move's kept: see `_inverses`)
+                self.kept.add(seq)
+                return None
             return self._keep([(seq, rec, None)])[0]
         first = self.store.redo_get(S.redo_inverse_key(seq, 0))
         return _keep_of(rec, [S.decode_record(first)] if first is not None else [])
+
+    def _holds(self, loc: bytes, ino: int) -> bool:
+        st = self.r.lstat(loc)
+        return st is not None and st.st_ino == ino
 
     def batch(
         self, records: Sequence[tuple[int, S.Record]], i: int, skip
@@ -299,7 +309,7 @@ class Keeper:
         self.planned = {seq: st for seq, _, st in chosen if st is not None}
         with self.store.write() as w:
             self._keep_held(w)
-            groups = [(seq, self._inverse(w, rec, st)) for seq, rec, st in chosen]
+            groups = self._inverses(w, chosen)
             for seq, group in groups:
                 for k, inv in enumerate(group):
                     w.redo_put(S.redo_inverse_key(seq, k), S.encode_record(inv))
@@ -309,6 +319,30 @@ class Keeper:
             if self.groups is not None and group:
                 self.groups[seq] = group
             out.append(_keep_of(rec, group))
+        return out
+
+    def _inverses(
+        self, w: Writer, chosen: list[tuple[int, S.Record, os.stat_result | None]]
+    ) -> list[tuple[int, list[S.Change]]]:
+        """(seq, the inverses of its step) for each of *chosen*.  A RENAME
+        followed by the CREATE of its source (a file written under a
+        temporary name and renamed into place, which the batch plan saw at
+        its new name with nothing at the old one) is one move into the
+        grave, whether its steps are taken as one (``Undoer.put_back_and_remove``)
+        or one by one: its inverse, kept with the CREATE, moves the file
+        from the grave straight back to its new name, and the RENAME keeps
+        the times of the directories alone."""
+        out: list[tuple[int, list[S.Change]]] = []
+        for j, (seq, rec, st) in enumerate(chosen):
+            prev = chosen[j - 1][1] if j else None
+            nxt = chosen[j + 1] if j + 1 < len(chosen) else None
+            if isinstance(rec, S.Rename) and nxt is not None and _made_before(rec, *nxt[1:]):
+                out.append((seq, self._parents(rec.src, rec.dst)))
+            elif isinstance(prev, S.Rename) and st is not None and _made_before(prev, rec, st):
+                gid = w.new_grave(st.st_ino, st)
+                out.append((seq, [S.Rename(prev.dst, S.grave_loc(gid), st.st_ino)]))
+            else:
+                out.append((seq, self._inverse(w, rec, st)))
         return out
 
     def emptied_by(self, seq: int, *locs: bytes) -> None:
@@ -509,6 +543,18 @@ class Keeper:
                 return out
         except FileNotFoundError:
             return []  # (a path component is gone: likewise)
+
+
+def _made_before(ren: S.Rename, rec: S.Record, st: os.stat_result | None) -> bool:
+    """Whether *rec*, the record before RENAME *ren*, is the CREATE of its
+    source, and the batch plan has the file at its new name (*st*: what
+    the CREATE's step will find)."""
+    return (
+        isinstance(rec, S.Create)
+        and rec.path == ren.src
+        and st is not None
+        and st.st_ino == ren.ino
+    )
 
 
 def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
@@ -863,20 +909,17 @@ def _corrupt(store: Store, groups) -> dict[int, str]:
 
 
 class _Claims:
-    """What a batch of inverse groups acts on (see `apply`): the objects
-    and locations they name, and the directories above those."""
+    """The locations a batch of inverse groups names (see `apply`), and the
+    directories above them."""
 
     def __init__(self) -> None:
-        self.objects: set[int] = set()
         self.locs: set[bytes] = set()
         self.above: set[bytes] = set()
 
     def meets(self, group: Sequence[S.Record]) -> bool:
-        """Whether *group* acts on an object or location the batch acts
-        on, or moves what holds one of its locations."""
+        """Whether *group* acts at a location the batch names, or moves what
+        holds one of them."""
         for rec in group:
-            if any(ino in self.objects for ino in _objects(rec)):
-                return True
             moves = isinstance(rec, S.Rename | S.Exchange)
             for loc in _locs(rec):
                 if loc in self.locs or moves and loc in self.above:
@@ -885,7 +928,6 @@ class _Claims:
 
     def add(self, group: Sequence[S.Record]) -> None:
         for rec in group:
-            self.objects.update(_objects(rec))
             for loc in _locs(rec):
                 self.locs.add(loc)
                 if S.grave_id(loc) is None:
@@ -898,12 +940,13 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
     """Apply the kept inverses, last kept first; returns how many records
     were applied.  Resumable: applied groups are deleted a batch at a time,
     and a resumed redo applies those of the last batch again, in order.
-    A batch holds groups that act on different objects at different
-    locations, none moving what holds another's location (`_Claims`), so
-    that each group, applied again after those that follow it, finds what
-    it acted on as it left it, or gone from where it was -- and changes
-    nothing, failing nowhere.  An object whose file kept in the grave is
-    corrupt is skipped as a whole."""
+    A batch holds groups that act at different locations, none moving what
+    holds another's location (`_Claims`): applied again after those that
+    follow it, each finds the object it set the bytes or attributes of
+    where it left it (and sets them once more, as the groups after it do
+    theirs again, in order), and the object it moved gone from where it
+    was (and does nothing) -- no step fails or acts twice.  An object
+    whose file kept in the grave is corrupt is skipped as a whole."""
     applied = 0
     groups = _inverse_groups(store)
     corrupt = _corrupt(store, groups)

@@ -183,8 +183,7 @@ class Writer:
         grave after this transaction; *st*: its stat before the move (a
         regular file's bytes are then hashed later, see ``gravesum``)."""
         gid = self.store._next_grave
-        self.store._next_grave += 1
-        self.txn.put(S.K_NEXT_GRAVE, S.u64(self.store._next_grave), db=self.store.db_meta)
+        self.store._next_grave += 1  # (written when the transaction ends)
         self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
         if st is not None:
             self._pending_sum(gid, st)
@@ -604,9 +603,12 @@ class Store:
         try:
             with self.env.begin(write=True) as txn:
                 w = Writer(self, txn)
+                graves = self._next_grave
                 yield w
                 if w.seq != self._next_seq:
                     txn.put(S.K_NEXT_SEQ, S.u64(w.seq), db=self.db_meta)
+                if self._next_grave != graves:
+                    txn.put(S.K_NEXT_GRAVE, S.u64(self._next_grave), db=self.db_meta)
             first, self._next_seq = self._next_seq, w.seq
             if w.written is None:
                 self.epoch += 1

@@ -879,7 +879,7 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
 def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mounted, monkeypatch):
     """The seal takes some fingerprints from the steps themselves (a file
     written under a temporary name and renamed into place leaves nothing at
-    either name): every one it keeps is what looking at the location gives
+    its name): every one it keeps is what looking at the location gives
     once the rollback is done -- with names used again by later changes, a
     file renamed over another, and `sed -i`."""
     from cowfs import backing as B
@@ -930,7 +930,10 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
         store.close()
         os.close(rootfd)
     assert kept == now
-    assert b"p/n7.tmp" in kept and b"p/n7.tmp" not in looked and len(looked) < len(kept) - 100
+    # (the redo moves such a file from the grave straight to its name: the
+    # temporary name is none of its business)
+    assert b"p/n7" in kept and b"p/n7" not in looked and b"p/n7.tmp" not in kept
+    assert len(looked) < len(kept) - 50, (len(looked), len(kept))
     ws.mount()
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
