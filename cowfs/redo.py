@@ -356,8 +356,10 @@ class Keeper:
     def hold(self, seq: int, rec: S.Record, moved: bool = False) -> None:
         """After *rec*'s undo step (applied, failed or skipped); *moved*:
         the step moved its object into the grave or out of it (so that
-        need not be looked at again)."""
+        need not be looked at again; out of it, it left nothing there)."""
         self.held.append((seq, rec, moved))
+        if moved and isinstance(rec, S.Grave):
+            self.emptied[S.grave_loc(rec.grave)] = seq
         if len(self.held) > self.BATCH:
             self.flush()
 
@@ -412,6 +414,8 @@ class Keeper:
             # no directory moved: each location names the same place throughout
             locs, moved, last = _locations(self.groups.items())
             # where a step left nothing and no step after it acted, nothing is
+            # (what a step moved into the grave is looked at: a program that
+            # held it open may still write to it)
             known = {loc for loc, seq in self.emptied.items() if last.get(loc, -1) >= seq}
             prints = [(loc, b"null") for loc in sorted(known)]
             locs = [loc for loc in locs if loc not in known]

@@ -879,9 +879,10 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
 def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mounted, monkeypatch):
     """The seal takes some fingerprints from the steps themselves (a file
     written under a temporary name and renamed into place leaves nothing at
-    its name): every one it keeps is what looking at the location gives
-    once the rollback is done -- with names used again by later changes, a
-    file renamed over another, and `sed -i`."""
+    its name, a removed file put back nothing in the grave): every one it
+    keeps is what looking at the location gives once the rollback is done
+    -- with names used again by later changes, a file renamed over another,
+    and `sed -i`."""
     from cowfs import backing as B
     from cowfs import session
     from cowfs.store import Store, scan
@@ -933,6 +934,9 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
     # (the redo moves such a file from the grave straight to its name: the
     # temporary name is none of its business)
     assert b"p/n7" in kept and b"p/n7" not in looked and b"p/n7.tmp" not in kept
+    # (nor the grave entries that a file removed in the layer was put back from)
+    emptied = {loc for loc, v in kept.items() if S.grave_id(loc) is not None and v == b"null"}
+    assert emptied and not emptied & set(looked)
     assert len(looked) < len(kept) - 50, (len(looked), len(kept))
     ws.mount()
     ws.json("redo")
