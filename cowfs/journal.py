@@ -343,9 +343,10 @@ class Kept:
         self._lock = threading.Lock()
         store.on_append = self._appended
 
-    def get(self, start: int) -> Reading:
+    def get(self, start: int, collect: list | None = None) -> Reading:
         """What the records from sequence number *start* on say (the reading
-        is the caller's to query, not to keep past the request)."""
+        is the caller's to query, not to keep past the request).  When it
+        reads them all from the store, they are also added to *collect*."""
         st = self.store
         with self._lock:
             e = self._kept.pop(start, None)
@@ -354,7 +355,11 @@ class Kept:
                 e = _Entry(st.epoch, start)
             e.catch_up()
             if e.upto < end:
-                e.count += e.reading.feed(st.records(e.upto, end))
+                records: Iterable[tuple[int, S.Record]] = st.records(e.upto, end)
+                if collect is not None and e.upto == start:
+                    records = list(records)
+                    collect.extend(records)
+                e.count += e.reading.feed(records)
                 e.upto = end
             self._kept[start] = e
             self._trim()

@@ -602,7 +602,7 @@ class Session:
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
         self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
-        undone = self._audit_changes(self.stack.planned()["to"], hashes=False)
+        undone = self._audit_changes(self.stack.planned()["to"], hashes=False, planned=True)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
         record, report, _ = await self._carry_out()
@@ -801,16 +801,18 @@ class Session:
     def _audit_level(self) -> str:
         return self.store.limits().get("audit") or "hashes"
 
-    def _audit_changes(self, since: int, hashes: bool) -> list[dict]:
+    def _audit_changes(self, since: int, hashes: bool, planned: bool = False) -> list[dict]:
         """Change events for what changed since layer *since* opened: path,
         kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
         up to AUDIT_HASH_LIMIT; larger ones get sizes only).  None at audit
-        level "events"."""
+        level "events".  *planned*: for the rollback planned now (to
+        *since*: see ``Stack.undone``)."""
         if self._audit_level() == "events":
             return []
         try:
             if not hashes:
-                return [{"event": "change", **c} for c in self.stack.changes_since(since)]
+                changes = self.stack.undone() if planned else self.stack.changes_since(since)
+                return [{"event": "change", **c} for c in changes]
             h = History(
                 self.store,
                 self.stack.resolver,

@@ -54,6 +54,8 @@ class Stack:
         self.redo_blocked: str | None = None  # why, when even noting it failed
         self.same = Sameness(store, resolver)
         self.kept = Kept(store)  # readings of the journal up to now
+        # the records the audit of the rollback planned now read (see `undone`)
+        self._ahead: tuple[int, int, int, list[tuple[int, S.Record]]] | None = None
         self.board = progress.LOCAL  # where a rollback notes how far it has got
 
     # -- basics -----------------------------------------------------------------
@@ -389,6 +391,7 @@ class Stack:
                     return self._redo()
                 return self._rollback_to(pending["to"])
         finally:
+            self._ahead = None
             self.board.end()
 
     def plan_redo(self) -> redo.RedoState:
@@ -431,7 +434,7 @@ class Stack:
         undo = Undoer(st, self.resolver, report.touched, self.ignored)
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         if layers:
-            records = list(st.records(layers[0].start, st.next_seq, reverse=True))
+            records = self._records_from(layers[0].start)
             self.board.start(len(records))
             # An object with a corrupt or missing pre-image is skipped as a
             # whole (left as it is now), never restored in part.
@@ -557,23 +560,47 @@ class Stack:
         changes = self._changes(layer_id, since=True)
         return self.attribute(filter_paths(changes, list(paths)), layer_id)
 
-    def reading(self, layer_id: int, since: bool = False) -> Reading:
+    def undone(self) -> list[dict]:
+        """What the rollback planned now undoes (``changes_since`` its
+        layer), for its audit.  The records read for it, when they were
+        read afresh, serve the rollback's steps too (one reading of a large
+        layer after a mount instead of two)."""
+        to = self.planned()["to"]
+        collect: list[tuple[int, S.Record]] = []
+        changes = self.attribute(self._changes(to, since=True, collect=collect), to)
+        st = self.store
+        self._ahead = (st.epoch, st.get_layer(to).start, st.next_seq, collect) if collect else None
+        return changes
+
+    def _records_from(self, start: int) -> list[tuple[int, S.Record]]:
+        """The records from *start* on, last first: those `undone` read, if
+        the journal is still as it was then."""
+        st = self.store
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[:3] == (st.epoch, start, st.next_seq):
+            return ahead[3][::-1]
+        return list(st.records(start, st.next_seq, reverse=True))
+
+    def reading(self, layer_id: int, since: bool = False, collect: list | None = None) -> Reading:
         """What the records of layer *layer_id* (with *since*: those
-        since it was opened) say; kept while they are read up to now."""
+        since it was opened) say; kept while they are read up to now.
+        *collect*: see ``Kept.get``."""
         layer = self.store.get_layer(layer_id)
         end = self.store.next_seq if since else self.store.layer_end(layer_id)
         if end == self.store.next_seq:
-            return self.kept.get(layer.start)
+            return self.kept.get(layer.start, collect)
         return Reading(self.store.records(layer.start, end))
 
-    def _changes(self, layer_id: int, since: bool = False) -> list[dict]:
+    def _changes(
+        self, layer_id: int, since: bool = False, collect: list | None = None
+    ) -> list[dict]:
         """Net changes of a layer (with *since*: since it was opened),
         like ``git status --short``: A added, D deleted, M modified, T type
         changed, R renamed, m attributes only.
 
         Records name paths as they were when written; ``journal.Reading``
         maps them to the layer's start and to now, in one pass."""
-        j = self.reading(layer_id, since)
+        j = self.reading(layer_id, since, collect)
         with self.resolver.reading():
             return self._net(j)
 

@@ -195,3 +195,30 @@ def test_records_round_trip():
     assert S.grave_id(S.grave_loc(42)) == 42 and S.grave_id(b"x/y") is None
     key = S.index_key(3, 99, S.IDX_CHUNK, 5)
     assert S.split_index_key(key) == (3, 99, S.IDX_CHUNK, 5)
+
+
+@pytest.mark.parametrize("changed_since", [False, True])
+def test_the_records_the_audit_of_a_rollback_read_serve_its_steps(h, changed_since):
+    """The audit of a planned rollback (`Stack.undone`) reads the layer's
+    records afresh when nothing is kept (as after a mount) and hands them
+    to the rollback's steps -- unless the journal changed since, when the
+    steps read it again.  Either way the tree is back exactly."""
+    (h.root / "f").write_bytes(os.urandom(2 * C))
+    (h.root / "g").write_bytes(b"g")
+    before = h.snapshot()
+    layer = h.checkpoint()
+    h.pwrite("f", b"1", 0)
+    h.unlink("g")
+    h.rec.flush()
+    h.stack.kept.clear()
+    h.stack.plan_rollback(layer)
+    assert sorted(c["path"] for c in h.stack.undone()) == ["f", "g"]
+    start = h.store.get_layer(layer).start
+    assert h.stack._ahead is not None
+    assert h.stack._ahead[3] == list(h.store.records(start, h.store.next_seq))
+    if changed_since:
+        h.pwrite("f", b"2", C)  # (another chunk: one more record)
+    h.stack.apply_files()
+    h.stack.finish()
+    treesnap.assert_same(before, h.snapshot())
+    assert h.stack._ahead is None
