@@ -265,8 +265,9 @@ class Keeper:
         if seq not in self.kept:
             if isinstance(rec, S.Rename) and not self._holds(rec.dst, rec.ino):
                 # its step moves nothing: nothing to keep (a resumed rollback
-                # that took it already finds the directories' times changed,
-                # and none of the fused move's kept: see `_inverses`)
+                # meets such a step where it took it already, with nothing
+                # kept of it when it went with the CREATE after it: see
+                # `_inverses`)
                 self.kept.add(seq)
                 return None
             return self._keep([(seq, rec, None)])[0]
