@@ -922,13 +922,13 @@ class _Claims:
         self.above: set[bytes] = set()
 
     def meets(self, group: Sequence[S.Record]) -> bool:
-        """Whether *group* acts at a location the batch names, or moves what
-        holds one of them."""
+        """Whether *group* moves an object at a location the batch names, or
+        what holds one of them."""
         for rec in group:
-            moves = isinstance(rec, S.Rename | S.Exchange)
-            for loc in _locs(rec):
-                if loc in self.locs or moves and loc in self.above:
-                    return True
+            if isinstance(rec, S.Rename | S.Exchange):
+                for loc in _locs(rec):
+                    if loc in self.locs or loc in self.above:
+                        return True
         return False
 
     def add(self, group: Sequence[S.Record]) -> None:
@@ -945,13 +945,13 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
     """Apply the kept inverses, last kept first; returns how many records
     were applied.  Resumable: applied groups are deleted a batch at a time,
     and a resumed redo applies those of the last batch again, in order.
-    A batch holds groups that act at different locations, none moving what
-    holds another's location (`_Claims`): applied again after those that
-    follow it, each finds the object it set the bytes or attributes of
-    where it left it (and sets them once more, as the groups after it do
-    theirs again, in order), and the object it moved gone from where it
-    was (and does nothing) -- no step fails or acts twice.  An object
-    whose file kept in the grave is corrupt is skipped as a whole."""
+    A batch holds no group that moves an object at a location an earlier
+    group of it names, or what holds one (`_Claims`): applied again after
+    those that follow it, each finds the object it set the bytes or
+    attributes of where it left it (and sets them once more, as the groups
+    after it do theirs again, in order), and the object it moved gone from
+    where it was (and does nothing) -- no step fails or acts twice.  An
+    object whose file kept in the grave is corrupt is skipped as a whole."""
     applied = 0
     groups = _inverse_groups(store)
     corrupt = _corrupt(store, groups)
