@@ -543,23 +543,19 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
         rep = check(store, hashes=False)  # (reference counts without it)
     with store.write() as w:
         for h, n in rep.fix_refs.items():
-            if n is None:
-                w.txn.delete(h, db=store.db_refs)
-            else:
-                w.txn.put(h, S.u64(n), db=store.db_refs)
+            w.set_refcount(h, n)
         for h in rep.drop_chunks:
-            w.txn.delete(h, db=store.db_chunks)
-            w.txn.delete(h, db=store.db_refs)
+            w.drop_chunk(h)
         for seq in rep.drop_records:
             w.delete_record(seq)
         for key in rep.drop_index:
-            w.txn.delete(key, db=store.db_index)
+            w.drop_index_entry(key)
         for key in rep.drop_who:
-            w.txn.delete(key, db=store.db_who)
+            w.drop_attribution(key)
         for gid in rep.drop_graves:
             w.drop_grave(gid)
         for gid in rep.drop_sums:
-            w.txn.delete(S.u64(gid), db=store.db_sums)
+            w.drop_sum(gid)
     if rep.fix_refs:
         done.append(f"set {len(rep.fix_refs)} reference counts to the records that use them")
     if rep.drop_chunks:

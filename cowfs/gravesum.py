@@ -235,15 +235,12 @@ class Hasher:
         gids = self.live.get(ino)
         if not gids:
             return
-        db = self.store.db_sums
         with self.store.write() as w:
             for gid in gids:
-                raw = w.txn.get(S.u64(gid), db=db)
+                raw = w.grave_sum(gid)
                 s = S.decode_sum(raw) if raw is not None else None
                 if s is not None and s.ino == ino and s.state != S.SUM_CHANGED:
-                    w.txn.put(
-                        S.u64(gid), S.encode_sum(s._replace(state=S.SUM_CHANGED, digest=b"")), db=db
-                    )
+                    w.put_grave_sum(gid, S.encode_sum(s._replace(state=S.SUM_CHANGED, digest=b"")))
         for gid in gids:
             self.todo.pop(gid, None)
         del self.live[ino]
@@ -297,13 +294,12 @@ class Hasher:
         return out
 
     def _record(self, results: list[tuple[int, bytes, bytes | None]]) -> None:
-        db = self.store.db_sums
         written = []
         with self.store.write() as w:
             for gid, raw, new in results:
-                if new is not None and w.txn.get(S.u64(gid), db=db) == raw:
+                if new is not None and w.grave_sum(gid) == raw:
                     new = self._still(gid, raw, new)
-                    w.txn.put(S.u64(gid), new, db=db)
+                    w.put_grave_sum(gid, new)
                     written.append((gid, _sound(new)))
         for gid, raw, _ in results:
             if self.todo.get(gid) == raw:  # (not taken in again since)

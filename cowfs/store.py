@@ -173,6 +173,25 @@ class Writer:
         else:
             self.txn.put(h, S.u64(n), db=self.store.db_refs)
 
+    def set_refcount(self, h: bytes, n: int | None) -> None:
+        """(repair) Chunk *h*'s reference count is *n* (None: it has none)."""
+        if n is None:
+            self.txn.delete(h, db=self.store.db_refs)
+        else:
+            self.txn.put(h, S.u64(n), db=self.store.db_refs)
+
+    def drop_chunk(self, h: bytes) -> None:
+        """(repair) Chunk *h* goes, whatever its reference count says."""
+        self.txn.delete(h, db=self.store.db_chunks)
+        self.txn.delete(h, db=self.store.db_refs)
+
+    def drop_index_entry(self, key: bytes) -> None:
+        self.txn.delete(key, db=self.store.db_index)
+
+    def drop_attribution(self, key: bytes) -> None:
+        if self.store.db_who is not None:
+            self.txn.delete(key, db=self.store.db_who)
+
     def index_put(
         self, layer: int, ino: int, kind: bytes, seq: int, chunk: int | None = None
     ) -> None:
@@ -213,6 +232,21 @@ class Writer:
     def drop_grave(self, gid: int) -> None:
         """Grave entry *gid* no longer holds anything (and its hash goes)."""
         self.txn.delete(S.u64(gid), db=self.store.db_graves)
+        self.drop_sum(gid)
+
+    # (the hash entries of grave files: see gravesum)
+
+    def grave_sum(self, gid: int) -> bytes | None:
+        """The hash entry of grave file *gid*, as stored (see ``S.decode_sum``)."""
+        if self.store.db_sums is None:
+            return None
+        return self.txn.get(S.u64(gid), db=self.store.db_sums)
+
+    def put_grave_sum(self, gid: int, raw: bytes) -> None:
+        if self.store.db_sums is not None:
+            self.txn.put(S.u64(gid), raw, db=self.store.db_sums)
+
+    def drop_sum(self, gid: int) -> None:
         if self.store.db_sums is not None:
             self.txn.delete(S.u64(gid), db=self.store.db_sums)
 
