@@ -6,7 +6,7 @@ a crash.  Every change of it is made here, in this order:
   rollback (`rollback`: the provider restores of the dropped layers'
   snapshots, last taken first, then the files, then the snapshots'
   discards) or a redo (`redo`: the files) by the stack; the discards of a
-  merged or committed layer's snapshots (`discards`) by the stack, in the
+  merged or committed layer's snapshots (`plan_discards`) by the stack, in the
   merge's transaction; a checkpoint's captures (`checkpoint`) by the
   session;
 * each provider step marked before it runs and after it (`mark_step`,
@@ -58,12 +58,12 @@ def redo() -> PendingRecord:
     return {"op": "redo", "files": False, "steps": []}
 
 
-def discards(layer: Layer) -> PendingRecord | None:
-    """The discards of the snapshots of *layer*, merged or committed (None:
-    it has none)."""
-    if not layer.snapshots:
-        return None
-    return {"op": "commit", "layer": layer.id, "files": True, "steps": _steps("discard", [layer])}
+def plan_discards(w: Writer, layer: Layer) -> None:
+    """In the transaction that merges or commits *layer*: plan the discards
+    of its snapshots, if it has any."""
+    if layer.snapshots:
+        steps = _steps("discard", [layer])
+        plan(w, {"op": "commit", "layer": layer.id, "files": True, "steps": steps})
 
 
 def checkpoint(layer_id: int, providers: list[str]) -> PendingRecord:

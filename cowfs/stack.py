@@ -256,8 +256,7 @@ class Stack:
             if turns:  # the agent events of a merged layer stay with the one below
                 st.append_to_layer(below.id, "turns", turns, w)
             w.delete_layer_row(top.id)
-            if (discards := P.discards(top)) is not None:
-                P.plan(w, discards)
+            P.plan_discards(w, top)
         st.forget_layer_cache()
 
     def _commit_base(self, base: Layer) -> list[int]:
@@ -271,8 +270,7 @@ class Stack:
                     freed.append(rec.ino)
                 w.delete_record(seq)
             w.drop_layer(base.id)
-            if (discards := P.discards(base)) is not None:
-                P.plan(w, discards)
+            P.plan_discards(w, base)
         st.forget_layer_cache()
         for gid in graves:
             B.remove_tree_at(st.grave_fd, str(gid).encode())

@@ -157,9 +157,7 @@ class Writer:
         if refs is None:
             self.reserve(len(data) + RECORD_OVERHEAD)
             self.txn.put(h, data, db=self.store.db_chunks)
-            self.txn.put(h, S.u64(1), db=self.store.db_refs)
-        else:
-            self.txn.put(h, S.u64(S.from_u64(refs) + 1), db=self.store.db_refs)
+        self.set_refcount(h, 1 if refs is None else S.from_u64(refs) + 1)
         return h
 
     def deref(self, h: bytes) -> None:
@@ -168,20 +166,19 @@ class Writer:
             return
         n = S.from_u64(refs) - 1
         if n <= 0:
-            self.txn.delete(h, db=self.store.db_refs)
-            self.txn.delete(h, db=self.store.db_chunks)
+            self.drop_chunk(h)
         else:
-            self.txn.put(h, S.u64(n), db=self.store.db_refs)
+            self.set_refcount(h, n)
 
     def set_refcount(self, h: bytes, n: int | None) -> None:
-        """(repair) Chunk *h*'s reference count is *n* (None: it has none)."""
+        """Chunk *h*'s reference count is *n* (None: it has none)."""
         if n is None:
             self.txn.delete(h, db=self.store.db_refs)
         else:
             self.txn.put(h, S.u64(n), db=self.store.db_refs)
 
     def drop_chunk(self, h: bytes) -> None:
-        """(repair) Chunk *h* goes, whatever its reference count says."""
+        """Chunk *h* goes, whatever its reference count says."""
         self.txn.delete(h, db=self.store.db_chunks)
         self.txn.delete(h, db=self.store.db_refs)
 
@@ -213,20 +210,18 @@ class Writer:
         there).  A hash taken before is kept (it was never removed if the
         object never left); otherwise the object is hashed again."""
         self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
-        db = self.store.db_sums
-        if db is not None and self.txn.get(S.u64(gid), db=db) is None:
+        if self.store.db_sums is not None and self.grave_sum(gid) is None:
             st = os.stat(str(gid), dir_fd=self.store.grave_fd, follow_symlinks=False)
             if st.st_ino == ino:
                 self._pending_sum(gid, st)
 
     def _pending_sum(self, gid: int, st: os.stat_result) -> None:
-        if self.store.db_sums is not None and stat.S_ISREG(st.st_mode):
-            self.txn.put(
-                S.u64(gid),
+        if stat.S_ISREG(st.st_mode):
+            self.put_grave_sum(
+                gid,
                 S.encode_sum(
                     S.GraveSum(S.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns())
                 ),
-                db=self.store.db_sums,
             )
 
     def drop_grave(self, gid: int) -> None:
