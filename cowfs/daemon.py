@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import backing as B
-from . import control, errors, gravesum, progress
+from . import control, errors, gravesum, progress, steps
 from . import schema as S
 from .errors import AlreadyMounted, CowfsError, NoFuse
 from .launch import clear_view, detach, start_and_wait
@@ -203,12 +203,18 @@ class Daemon:
 
     def mount(self, on_ready: Callable[[], None]) -> None:
         s = self.session
+        # (forked now: one thread, and little memory to share)
+        s.stack.helper = steps.Helper(s.store, s.stack.resolver)
         fs = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
         self.engine = engine = make_engine(self.engine_choice, fs)
         s.attach(Mounted(fs, engine, self.mountpoint))
         fs.on_full = s.give_back_room
         self.hasher = fs.sums = gravesum.Hasher(
-            s.store, busy=fs.is_open, quiet=fs.quiet, exclusive=self.exclusive
+            s.store,
+            busy=fs.is_open,
+            quiet=fs.quiet,
+            exclusive=self.exclusive,
+            operating=self.lock.locked,
         )
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         self.record = MountRecord(
@@ -260,6 +266,8 @@ class Daemon:
             finally:
                 self.record.remove()
                 self.session.stack.board.close()
+                if self.session.stack.helper is not None:
+                    self.session.stack.helper.close()
             log.info("unmounted %s", self.mountpoint)
 
     async def _main(self) -> None:

@@ -187,8 +187,12 @@ class Hasher:
         busy: Callable[[int], bool] | None = None,
         quiet: Callable[[], float] | None = None,
         exclusive: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        operating: Callable[[], bool] | None = None,
     ):
         self.store = store
+        # whether a control operation (a rollback, a redo...) is under way:
+        # hashing waits for its end, as it would take turns with it
+        self.operating = operating or (lambda: False)
         self.exclusive = exclusive  # (no file request meanwhile)
         self.busy = busy or (lambda ino: False)  # open in the mount: wait until closed
         self.quiet = quiet or (lambda: QUIET)  # seconds since the mount's last request
@@ -254,12 +258,17 @@ class Hasher:
 
     def _due(self, s: S.GraveSum) -> bool:
         """Whether to hash *s* now rather than wait for a pause."""
+        if self.operating():
+            return False
         return self.quiet() >= QUIET or time.time_ns() - s.time_ns >= PATIENCE_NS
 
     def _batch(self, everything: bool = False) -> list[tuple[int, bytes]]:
         if self.store.next_grave != self.scanned:
             self._scan()
-        batch, size = [], 0
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        if not everything and self.operating():
+            return batch
         quiet = everything or self.quiet() >= QUIET
         now = time.time_ns()
         for gid, raw in self.todo.items():

@@ -224,6 +224,14 @@ def discard(store: Store, reason: str) -> list[int]:
 # -- keeping, during a rollback ---------------------------------------------------------
 
 
+def batch_size(default: int = 512) -> int:
+    """How many undo steps a rollback takes as one batch at most (see
+    `Keeper`): *default*, or $COWFS_UNDO_BATCH (2 or more; for tests that
+    want many batches of a small layer)."""
+    raw = os.environ.get("COWFS_UNDO_BATCH", "")
+    return int(raw) if raw.isdigit() and int(raw) >= 2 else default
+
+
 class Keeper:
     """Keeps what a redo of the rollback under way needs, a batch of steps
     at a time.
@@ -238,7 +246,7 @@ class Keeper:
     places (none below another), each checking the object it acts on, so
     applying the batch again from any point changes nothing it did."""
 
-    BATCH = 512
+    BATCH = batch_size()
 
     def __init__(self, store: Store, resolver: B.Resolver):
         self.store = store
@@ -256,6 +264,7 @@ class Keeper:
         self.planned: dict[int, os.stat_result] = {}
         # location -> the seq of the step that left nothing there (see `emptied_by`)
         self.emptied: dict[bytes, int] = {}
+        self.last: _Batch | None = None  # the plan of the batch kept last
         self.generation = self.began = resolver.generation
 
     def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
@@ -285,19 +294,46 @@ class Keeper:
         longest run (n >= 1) that makes a batch (see the class); *skip*:
         (seq, record) -> whether the rollback leaves that record unapplied.
         Returns what `before` returns, for each."""
-        plan = _Batch(self.r)
+        chosen = self._plan(records, i, skip, None)
+        if len(chosen) <= 1:
+            seq, rec = records[i]
+            self.last = None
+            return [self.before(seq, rec)]
+        return self._keep(chosen)
+
+    def batch_ahead(
+        self, records: Sequence[tuple[int, S.Record]], i: int, skip
+    ) -> list[tuple[int, int] | None] | None:
+        """`batch`, taken while the steps of the batch kept last are being
+        applied: only steps that act nowhere near that batch's places and
+        objects join it, so that what it keeps is what its steps will find
+        whenever the other batch's steps run, and none of the directories
+        whose times it keeps are touched by them.  None, having looked at
+        nothing but those places, when fewer than two steps make it (the
+        caller takes it once the other batch is done).  Its transaction
+        moves the records held so far out of the journal: those of steps
+        already taken."""
+        if self.last is None:
+            return None
+        chosen = self._plan(records, i, skip, self.last)
+        if len(chosen) <= 1:
+            return None
+        return self._keep(chosen)
+
+    def _plan(self, records, i: int, skip, outer: _Batch | None):
+        plan = _Batch(self.r, outer)
         chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
-        for seq, rec in records[i : i + self.BATCH]:
+        for seq, rec in records[i : i + self.BATCH + 1]:
             if seq in self.kept or skip(seq, rec):
                 break
+            if len(chosen) == self.BATCH and not removes_source(chosen[-1][1], rec):
+                break  # (a RENAME goes with the CREATE of its source: see `_inverses`)
             took = plan.admit(rec)
             if took is None:
                 break
             chosen.append((seq, rec, took[1]))
-        if len(chosen) <= 1:
-            seq, rec = records[i]
-            return [self.before(seq, rec)]
-        return self._keep(chosen)
+        self.last = plan
+        return chosen
 
     def _keep(
         self, chosen: list[tuple[int, S.Record, os.stat_result | None]]
@@ -554,12 +590,13 @@ def _made_before(ren: S.Rename, rec: S.Record, st: os.stat_result | None) -> boo
     """Whether *rec*, the record before RENAME *ren*, is the CREATE of its
     source, and the batch plan has the file at its new name (*st*: what
     the CREATE's step will find)."""
-    return (
-        isinstance(rec, S.Create)
-        and rec.path == ren.src
-        and st is not None
-        and st.st_ino == ren.ino
-    )
+    return removes_source(ren, rec) and st is not None and st.st_ino == ren.ino
+
+
+def removes_source(ren: S.Record, rec: S.Record) -> bool:
+    """Whether *rec*, the record before *ren*, is the CREATE of the
+    source of *ren*, a RENAME."""
+    return isinstance(ren, S.Rename) and isinstance(rec, S.Create) and rec.path == ren.src
 
 
 def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
@@ -581,9 +618,15 @@ class _Batch:
     and then removed) -- as the plan follows what RENAME steps move, so
     that the inverse of each step is what it would be just before it, and
     each step, applied again after those that follow it, finds that what
-    it acted on is gone and does nothing."""
+    it acted on is gone and does nothing; and a META step may set the
+    attributes of a directory that steps before it act in (in the batch,
+    or in the one before it), with nothing after it acting there or below:
+    those steps leave the directory's mode and owner as the inverse has
+    them, and its times are set over by the step, applied again or not, and
+    by a redo, which sets last the times the rollback found there before
+    its first step in it (see `Keeper._parents`)."""
 
-    def __init__(self, resolver: B.Resolver):
+    def __init__(self, resolver: B.Resolver, outer: _Batch | None = None):
         self.r = resolver
         self.places: set[bytes] = set()  # where the batch acts
         self.above: set[bytes] = set()  # directories holding those
@@ -591,18 +634,20 @@ class _Batch:
         self.changed: set[int] = set()  # ... changing more than its name
         self.holds: dict[bytes, int | None] = {}  # place -> what will be there
         self.stats: dict[int, os.stat_result] = {}
+        # the batch whose steps run meanwhile (see `Keeper.batch_ahead`):
+        # its places, the directories above them and its objects are out of bounds
+        self.outer = outer
 
-    def _free(self, loc: bytes) -> bool:
-        if loc in self.above:
-            return False
-        if S.grave_id(loc) is not None:
-            return loc not in self.places
-        while True:
-            if loc in self.places:
-                return False
-            if not loc:
-                return True
-            loc = loc.rpartition(b"/")[0]
+    def _free(self, loc: bytes, above: bool = False) -> bool:
+        """Whether the batch (and the one running meanwhile) acts neither
+        at *loc*, nor above it, nor (unless *above*) below it."""
+        return _free_of(self, loc, above) and (
+            self.outer is None or _free_of(self.outer, loc, above)
+        )
+
+    def _taken(self, ino: int) -> bool:
+        """Whether object *ino* is one the batch running meanwhile acts on."""
+        return self.outer is not None and ino in self.outer.objects
 
     def _claim(self, loc: bytes) -> None:
         self.places.add(loc)
@@ -636,6 +681,7 @@ class _Batch:
                 or stat.S_ISDIR(st.st_mode)
                 or st.st_ino in self.changed
                 or (rec.path not in self.holds and st.st_ino in self.objects)
+                or self._taken(st.st_ino)
             ):
                 return None
             self._claim(rec.path)
@@ -656,6 +702,7 @@ class _Batch:
                 or stat.S_ISDIR(st.st_mode)
                 or rec.ino in self.changed
                 or (rec.dst not in self.holds and rec.ino in self.objects)
+                or self._taken(rec.ino)
             ):
                 return None
             self._claim(rec.dst)
@@ -677,6 +724,7 @@ class _Batch:
                 or st_at is not None
                 or stat.S_ISDIR(st.st_mode)
                 or rec.ino in self.objects
+                or self._taken(rec.ino)
             ):
                 return None
             self._claim(gloc)
@@ -684,13 +732,35 @@ class _Batch:
             self.objects.add(rec.ino)  # step would miss the object in the grave)
             return rec, None
         if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
-            if rec.loc in self.holds or not self._free(rec.loc) or rec.ino in self.objects:
+            # the attributes of a directory the batch acts in: the times its
+            # steps leave there are set over (and a redo sets the times the
+            # rollback found there last: see `Keeper._parents`)
+            above = isinstance(rec, S.Meta) and stat.S_ISDIR(rec.mode)
+            if (
+                rec.loc in self.holds
+                or not self._free(rec.loc, above)
+                or rec.ino in self.objects
+                or self._taken(rec.ino)
+            ):
                 return None
             self._claim(rec.loc)
             self.objects.add(rec.ino)
             self.changed.add(rec.ino)
             return rec, None
         return None  # (an EXCHANGE: a step of its own)
+
+
+def _free_of(plan: _Batch, loc: bytes, above: bool = False) -> bool:
+    if not above and loc in plan.above:
+        return False
+    if S.grave_id(loc) is not None:
+        return loc not in plan.places
+    while True:
+        if loc in plan.places:
+            return False
+        if not loc:
+            return True
+        loc = loc.rpartition(b"/")[0]
 
 
 # -- where a redo acts, and whether anything changed there --------------------------------

@@ -10,9 +10,10 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from . import backing as B
-from . import fsck, progress, redo
+from . import fsck, progress, redo, steps
 from . import pending as P
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
@@ -57,6 +58,7 @@ class Stack:
         # the records the audit of the rollback planned now read (see `undone`)
         self._ahead: tuple[int, int, int, list[tuple[int, S.Record]]] | None = None
         self.board = progress.LOCAL  # where a rollback notes how far it has got
+        self.helper: steps.Helper | None = None  # (the mount daemon's: see `steps`)
 
     # -- basics -----------------------------------------------------------------
 
@@ -442,10 +444,58 @@ class Stack:
             def skipped(seq: int, rec: S.Record) -> bool:
                 return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
 
-            keeps: list[tuple[int, int] | None] = []  # for the rest of the batch, last first
-            taken = -1  # the seq of a step taken with the one before it
-            for i, (seq, rec) in enumerate(records):
+            def done(seq: int, rec: S.Record, moved: bool = False) -> None:
+                """After the step of *rec* (taken, failed or skipped)."""
+                nonlocal keeper
                 self.board.step()
+                if keeper is not None:
+                    try:
+                        keeper.hold(seq, rec, moved)
+                    except OSError as e:  # (a full disk: deleting still works)
+                        self._give_up_redo(keeper, e)
+                        keeper = None
+                if keeper is None:
+                    with st.write() as w:
+                        w.delete_record(seq)
+
+            i = 0
+            ahead = None  # what the batch at i keeps, kept while the one before it ran
+            taken = -1  # the seq of a step taken with the one before it
+            batches = steps.Batches(undo, self.helper)
+            while i < len(records):
+                seq, rec = records[i]
+                keeps: list[tuple[int, int] | None] = [None]
+                if keeper is not None and not skipped(seq, rec):
+                    try:
+                        keeps = ahead or keeper.batch(records, i, skipped)
+                    except Exception as e:
+                        # no room to keep it (or no way): the rollback goes on
+                        self._give_up_redo(keeper, e)
+                        keeper = None
+                        keeps = [None]
+                    ahead = None
+                if keeper is not None and len(keeps) > 1:
+                    batch = records[i : i + len(keeps)]
+                    i += len(keeps)
+                    undone, ahead, error = batches.run(
+                        batch,
+                        keeps,
+                        keeper.planned,
+                        partial(keeper.batch_ahead, records, i, skipped),
+                    )
+                    for (seq, rec), (moved, failure, emptied) in zip(batch, undone, strict=True):
+                        if failure is None:
+                            report.applied += 1
+                        else:
+                            report.failures.append(failure)
+                        if emptied and keeper is not None:
+                            keeper.emptied_by(seq, *emptied)
+                        done(seq, rec, moved)
+                    if error is not None and keeper is not None:
+                        self._give_up_redo(keeper, error)
+                        keeper = None
+                        ahead = None
+                    continue
                 ino = fsck.restores(rec)
                 moved = False
                 try:
@@ -460,40 +510,22 @@ class Stack:
                             reported.add(ino)
                             report.failures.append(unrestorable[ino])
                     else:
-                        keep = None
-                        if keeper is not None:
-                            try:
-                                if not keeps:
-                                    keeps = keeper.batch(records, i, skipped)[::-1]
-                                keep = keeps.pop()
-                            except Exception as e:
-                                # no room to keep it (or no way): the rollback goes on
-                                self._give_up_redo(keeper, e)
-                                keeper = None
-                                keeps = []
                         if seq == taken:
                             moved = True
                         elif (
-                            isinstance(rec, S.Rename)
-                            and _removes_next(records, i, skipped)
-                            and _both_steps(undo, keeper, keeps, rec, records[i + 1][0])
+                            keeper is None
+                            and isinstance(rec, S.Rename)
+                            and steps.removes_next(records, i, skipped)
+                            and undo.put_back_and_remove(rec, None)
                         ):
                             taken = records[i + 1][0]
                         else:
-                            moved = undo.apply(rec, keep)
+                            moved = undo.apply(rec, keeps[0])
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
                     report.failures.append(f"{describe(rec)}: {e}")
-                if keeper is not None:
-                    try:
-                        keeper.hold(seq, rec, moved)
-                    except OSError as e:  # (a full disk: deleting still works)
-                        self._give_up_redo(keeper, e)
-                        keeper = None
-                        keeps = []
-                if keeper is None:
-                    with st.write() as w:
-                        w.delete_record(seq)
+                done(seq, rec, moved)
+                i += 1
         try:
             if keeper is not None:
                 keeper.flush()
@@ -719,43 +751,6 @@ def _as_recorded(fp: list | None, was: list | None) -> list | None:
     if fp is not None and was is not None and len(was) == 4 and len(fp) == 7:
         return [fp[4], fp[5], fp[6], fp[0]]
     return fp
-
-
-def _removes_next(records: list[tuple[int, S.Record]], i: int, skipped) -> bool:
-    """Whether records[i], a RENAME, is one whose undo step puts a file back
-    where the next record, the CREATE that made it there, has it removed
-    (applied): a file written under a temporary name and renamed into
-    place (see ``Undoer.put_back_and_remove``)."""
-    rec = records[i][1]
-    if i + 1 == len(records):
-        return False
-    seq, nxt = records[i + 1]
-    return (
-        isinstance(nxt, S.Create)
-        and isinstance(rec, S.Rename)
-        and nxt.path == rec.src
-        and not skipped(seq, nxt)
-    )
-
-
-def _both_steps(
-    undo: Undoer,
-    keeper: redo.Keeper | None,
-    keeps: list[tuple[int, int] | None],
-    ren: S.Rename,
-    seq: int,
-) -> bool:
-    """Take the undo steps of *ren* and of the CREATE of record *seq* after
-    it as one (see ``Undoer.put_back_and_remove``), with nothing kept for a
-    redo or with the CREATE's inverse kept in the batch under way (*keeps*:
-    the keeps of the rest of the batch, last first).  Whether it was done."""
-    if keeper is None:
-        return undo.put_back_and_remove(ren, None)
-    keep = keeps[-1] if keeps else None  # (the CREATE's: it moves the file into the grave)
-    if keep is None or not undo.put_back_and_remove(ren, keep, keeper.planned.get(seq)):
-        return False
-    keeper.emptied_by(seq, ren.src, ren.dst)
-    return True
 
 
 class Sameness:

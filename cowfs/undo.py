@@ -36,6 +36,12 @@ class Touched:
         if S.grave_id(loc) is None and loc:
             self.entries.add(B.split(loc))
 
+    def merge(self, other: Touched) -> None:
+        self.entries |= other.entries
+        self.objects |= other.objects
+        self.moves += other.moves
+        self.removed += other.removed
+
 
 class Undoer:
     def __init__(

@@ -718,15 +718,32 @@ CowfsModel.TestCase.settings = settings(CowfsModel.TestCase.settings, **_overrid
 TestCowfsModel = CowfsModel.TestCase
 
 
-class TestCowfsModelPyfuse3(TestCowfsModel):
-    """The same model on the pyfuse3 engine."""
+class _Environment:
+    """Runs the model with ENV set (for the daemons it starts)."""
+
+    ENV: dict[str, str] = {}
 
     def setUp(self):
-        self._engine = os.environ.get("COWFS_ENGINE")
-        os.environ["COWFS_ENGINE"] = "pyfuse3"
+        self._saved = {k: os.environ.get(k) for k in self.ENV}
+        os.environ.update(self.ENV)
 
     def tearDown(self):
-        if self._engine is None:
-            os.environ.pop("COWFS_ENGINE", None)
-        else:
-            os.environ["COWFS_ENGINE"] = self._engine
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class TestCowfsModelPyfuse3(_Environment, TestCowfsModel):
+    """The same model on the pyfuse3 engine."""
+
+    ENV = {"COWFS_ENGINE": "pyfuse3"}
+
+
+class TestCowfsModelSmallBatches(_Environment, TestCowfsModel):
+    """The same model with rollbacks in batches of 3 undo steps at most:
+    its layers then take many batches each, most of them planned and kept
+    while the one before is taken by the daemon's helper process."""
+
+    ENV = {"COWFS_UNDO_BATCH": "3"}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import given
@@ -23,7 +25,7 @@ from cowfs import schema as S
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
-from .helpers import plain, run
+from .helpers import COWFS, plain, run
 
 
 def layer_ids(ws) -> list[int]:
@@ -775,6 +777,144 @@ def test_a_rollback_killed_within_a_batch_resumes_and_is_redone_exactly(mounted,
         assert ws.json("status")["redo"]["available"] is True
         ws.json("redo")
         treesnap.assert_same(before, ws.snapshot())
+
+
+@pytest.mark.parametrize("steps", [1, 3, 4, 5, 9, 14, 30, 57, 90, 131])
+def test_a_rollback_in_small_batches_killed_after_any_step_resumes_exactly(
+    mounted, monkeypatch, steps
+):
+    """Batches of 4 steps: each batch after the first is planned and kept
+    while the steps of the one before it are taken (without a helper
+    process, as here, just before them).  Killed after any step -- with
+    the next batch's inverses kept or not -- the store is sound, the next
+    mount ends the rollback exactly, and its redo.  The mount's own
+    rollbacks take their batches in its helper process."""
+    monkeypatch.setenv("COWFS_UNDO_BATCH", "4")
+    ws = mounted
+    ws.unmount()
+    ws.mount()  # (a daemon with the small batches)
+    at_checkpoint, before = a_layer_of_many_kinds(ws)
+    ws.unmount()
+    kill_within(ws, "rollback", steps)
+    assert_sound_midway(ws)
+    assert_resumed(ws, "rollback")
+    treesnap.assert_same(at_checkpoint, ws.snapshot())
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
+    ws.rollback()
+    treesnap.assert_same(at_checkpoint, ws.snapshot())
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
+    assert ws.json("check")["ok"]
+
+
+def helper_of(ws) -> int:
+    """The pid of the daemon's helper process (its only child)."""
+    pid = ws.daemon_pid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    assert len(children) == 1, children
+    return children[0]
+
+
+@pytest.mark.parametrize("batch", [None, "8"])
+def test_a_large_layer_rolls_back_and_redoes_exactly_through_the_helper(
+    mounted, monkeypatch, batch
+):
+    """Thousands of records of every kind in nested directories: the
+    rollback takes them in many batches, most planned and kept while the
+    daemon's helper process takes the steps of the one before, and puts
+    back the tree exactly (and what the mount shows); the redo too."""
+    if batch is not None:
+        monkeypatch.setenv("COWFS_UNDO_BATCH", batch)
+        mounted.unmount()
+        mounted.mount()
+    ws = mounted
+    prepare(ws)
+    for d in range(12):
+        sub = ws / "tree" / f"d{d}" / "inner"
+        sub.mkdir(parents=True)
+        for i in range(60):
+            (sub / f"f{i}").write_text(f"{d} {i}\n")
+    ws.commit()
+    start = ws.snapshot()
+    ws.checkpoint()
+    for d in range(12):
+        sub = ws / "tree" / f"d{d}" / "inner"
+        for i in range(60):
+            f = sub / f"f{i}"
+            if i % 3 == 0:  # written under a temporary name, renamed into place (twice)
+                for n in range(2):
+                    (sub / f"f{i}.tmp").write_text(f"rewritten {n}\n")
+                    os.rename(sub / f"f{i}.tmp", f)
+            elif i % 3 == 1:
+                (sub / f"new{i}.tmp").write_text("new\n")
+                os.rename(sub / f"new{i}.tmp", sub / f"new{i}")
+            elif i % 6 == 2:
+                os.unlink(f)
+            else:
+                os.chmod(f, 0o600)
+                os.utime(f, ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+        os.chmod(sub, 0o700)
+        os.rename(sub / "f4", ws / "tree" / f"d{d}" / "f4-moved")
+        os.link(sub / "f7", sub / "f7-link")
+    change_everything(ws)
+    before = ws.snapshot()
+    assert ws.log()[-1]["records"] > 1500
+    helper = helper_of(ws)
+
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+    assert ws.json("check")["ok"]
+    ws.json("redo")
+    treesnap.assert_same(before, ws.snapshot())
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+    assert helper_of(ws) == helper  # (one helper for the mount's life)
+
+
+def test_a_rollback_goes_on_exactly_when_its_helper_process_is_lost(mounted, monkeypatch):
+    """The helper killed while a rollback runs: its batch is taken again by
+    the rollback (its steps change nothing they did), the rollback ends
+    exactly, the mount shows the tree, and the rollbacks after it take
+    their steps themselves."""
+    monkeypatch.setenv("COWFS_UNDO_BATCH", "8")
+    ws = mounted
+    ws.unmount()
+    ws.mount()
+    for d in range(40):
+        (ws / f"d{d}").mkdir()
+    ws.commit()
+    start = ws.snapshot()
+    ws.checkpoint()
+    for d in range(40):
+        for i in range(250):
+            (ws / f"d{d}" / f"f{i}.tmp").write_text(f"{i}\n")
+            os.rename(ws / f"d{d}" / f"f{i}.tmp", ws / f"d{d}" / f"f{i}")
+    before = ws.snapshot()
+    helper = helper_of(ws)
+    rollback = subprocess.Popen(
+        [*COWFS, "-C", str(ws.path), "--json", "rollback"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(0.5)
+        assert rollback.poll() is None, "the rollback ended before its helper was killed"
+        os.kill(helper, signal.SIGKILL)
+        out, _ = rollback.communicate(timeout=300)
+    finally:
+        if rollback.poll() is None:
+            rollback.kill()
+    assert rollback.returncode == 0 and json.loads(out)["failures"] == []
+    treesnap.assert_same(start, ws.snapshot())
+    assert ws.json("check")["ok"]
+    ws.json("redo")  # (each of these takes its steps itself)
+    treesnap.assert_same(before, ws.snapshot())
+    ws.rollback()
+    treesnap.assert_same(start, ws.snapshot())
+    ws.unmount()
+    treesnap.assert_same(start, ws.snapshot())
+    log = (ws / ".cowfs" / "daemon.log").read_text()
+    assert "the rollback helper process is lost" in log
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 5, 10, 25, 40, 70, 100, 150])

@@ -1,0 +1,234 @@
+"""Taking the undo steps of a rollback a batch at a time (see
+``redo.Keeper``), here or in a helper process.
+
+While the helper takes the steps of one batch, the rollback plans the next
+and keeps what a redo of it needs (``Keeper.batch_ahead``).  Both mostly
+wait on the disk.  Two threads of one interpreter would take turns at
+every system call, with a wake-up across CPUs each time; two processes do
+not.  The mount daemon forks the helper when it mounts (one thread then,
+and little memory to share); a rollback without one takes its steps
+itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, Pipe
+from typing import Any
+
+from . import backing as B
+from . import fsck, redo
+from . import schema as S
+from .store import Store
+from .undo import Touched, Undoer, describe
+
+log = logging.getLogger(__name__)
+
+# for each step: whether it moved its object into the grave or out of it,
+# its failure, and where it left nothing (see ``Keeper.emptied_by``)
+Outcome = tuple[bool, str | None, tuple[bytes, ...]]
+Keeps = list[tuple[int, int] | None]
+
+
+def removes_next(records: Sequence[tuple[int, S.Record]], i: int, skipped) -> bool:
+    """Whether records[i], a RENAME, is one whose undo step puts a file back
+    where the next record, the CREATE that made it there, has it removed
+    (applied): a file written under a temporary name and renamed into
+    place (see ``Undoer.put_back_and_remove``)."""
+    if i + 1 == len(records):
+        return False
+    seq, nxt = records[i + 1]
+    return redo.removes_source(records[i][1], nxt) and not skipped(seq, nxt)
+
+
+def batch_steps(
+    undo: Undoer,
+    batch: Sequence[tuple[int, S.Record]],
+    keeps: Keeps,
+    planned: dict[int, os.stat_result],
+) -> list[Outcome]:
+    """Take the undo steps of a batch, in order (*keeps*: what `Keeper.batch`
+    returned for it; *planned*: `Keeper.planned` then).  A RENAME and the
+    CREATE after it that made the file at its source go as one (see
+    ``Undoer.put_back_and_remove``), with the CREATE's inverse."""
+    out: list[Outcome] = []
+    taken: S.Rename | None = None  # a RENAME step taken with the CREATE after it
+    for k, (_, rec) in enumerate(batch):
+        moved, failure = False, None
+        emptied: tuple[bytes, ...] = ()
+        try:
+            if taken is not None:
+                moved, emptied, taken = True, (taken.src, taken.dst), None
+            elif (
+                isinstance(rec, S.Rename)
+                and removes_next(batch, k, lambda *_: False)
+                and keeps[k + 1] is not None
+                and undo.put_back_and_remove(rec, keeps[k + 1], planned.get(batch[k + 1][0]))
+            ):
+                taken = rec
+            else:
+                moved = undo.apply(rec, keeps[k])
+        except (OSError, Exception) as e:  # report by name, keep going
+            failure = f"{describe(rec)}: {e}"
+        out.append((moved, failure, emptied))
+    return out
+
+
+class Helper:
+    """The helper process of a mount daemon (see the module).  It reads
+    nothing from the store: a batch with a CHUNK step (whose pre-image is
+    there) is taken by the rollback itself.  It looks up directories
+    through a resolver of its own, emptied at the start of each rollback
+    and whenever a step taken outside it moved a directory, and sends back
+    what its steps changed, for the mount.  Should it be lost, its batch is
+    taken again by the rollback, each step looking afresh (applied again,
+    its steps change nothing they did), and the rollbacks after it take
+    their steps themselves."""
+
+    def __init__(self, store: Store, resolver: B.Resolver):
+        mine, theirs = Pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the helper; what it does is checked by the daemon)
+            try:
+                mine.close()
+                _serve(theirs, store, resolver)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.conn: Connection | None = mine
+        self.pid = pid
+
+    @property
+    def alive(self) -> bool:
+        return self.conn is not None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()  # (it ends when it reads the end)
+            self.conn = None
+            os.waitpid(self.pid, 0)
+
+    def send(self, message: Any) -> bool:
+        try:
+            assert self.conn is not None
+            self.conn.send(message)
+            return True
+        except OSError as e:
+            self._lost(e)
+            return False
+
+    def receive(self) -> Any:
+        try:
+            assert self.conn is not None
+            return self.conn.recv()
+        except (OSError, EOFError) as e:
+            self._lost(e)
+            return None
+
+    def _lost(self, e: Exception) -> None:
+        log.warning("the rollback helper process is lost (%s); rollbacks go on without it", e)
+        self.close()
+
+
+class Batches:
+    """The batches of one rollback, taken by the helper if there is one."""
+
+    def __init__(self, undo: Undoer, helper: Helper | None):
+        self.undo = undo
+        self.helper = helper if helper is not None and helper.alive else None
+        self.generation: int | None = None  # the resolver's, at the last batch sent
+
+    def run(
+        self,
+        batch: Sequence[tuple[int, S.Record]],
+        keeps: Keeps,
+        planned: dict[int, os.stat_result],
+        meanwhile: Callable[[], Any],
+    ) -> tuple[list[Outcome], Any, Exception | None]:
+        """`batch_steps` of *batch*, in the helper if there is one, and
+        *meanwhile*() here.  Returns the steps' outcomes, what *meanwhile*
+        returned and the exception it raised."""
+        h = self.helper
+        sent = h is not None and h.alive and not any(isinstance(r, S.Chunk) for _, r in batch)
+        if sent:
+            assert h is not None
+            r = self.undo.r
+            fresh = self.generation != r.generation  # (the first batch, or a directory moved)
+            self.generation = r.generation
+            # (plain tuples: pickled several times faster)
+            sent = h.send(
+                (
+                    fresh,
+                    [(seq, rec.kind, tuple(rec)) for seq, rec in batch],
+                    keeps,
+                    {seq: tuple(st) for seq, st in planned.items()},
+                )
+            )
+        result, error = None, None
+        try:  # (taken first without the helper, too: it may, and the crash tests see it)
+            result = meanwhile()
+        except Exception as e:
+            error = e
+        if not sent:
+            outcomes = batch_steps(self.undo, batch, keeps, planned)
+        else:
+            assert h is not None
+            reply = h.receive()
+            if reply is None:
+                # (each step looks again: what the plan saw may have moved)
+                outcomes = batch_steps(self.undo, batch, keeps, {})
+                _touched_by(batch, keeps, self.undo)
+            else:
+                outcomes, touched = reply
+                self.undo.touched.merge(touched)
+        return outcomes, result, error
+
+
+def _serve(conn: Connection, store: Store, resolver: B.Resolver) -> None:  # pragma: no cover
+    """The helper process: take the batches *conn* brings until it ends."""
+    r = B.Resolver(resolver.rootfd, resolver.grave_fd)
+    lo = 3  # (the mount's fds, the store's, the nodes': not for it)
+    for fd in sorted({conn.fileno(), r.rootfd, r.grave_fd}):
+        os.closerange(lo, fd)
+        lo = fd + 1
+    os.closerange(lo, os.sysconf("SC_OPEN_MAX"))
+    undo = Undoer(store, r)
+    with r.acting():
+        while True:
+            try:
+                fresh, packed, keeps, stats = conn.recv()
+            except EOFError:
+                return
+            if fresh:
+                r.moved()
+            undo.touched = Touched()
+            batch = [(seq, S.RECORD_TYPES[kind](*fields)) for seq, kind, fields in packed]
+            planned = {seq: os.stat_result(st) for seq, st in stats.items()}
+            conn.send((batch_steps(undo, batch, keeps, planned), undo.touched))
+
+
+def _touched_by(batch: Sequence[tuple[int, S.Record]], keeps: Keeps, undo: Undoer) -> None:
+    """What the steps of *batch* may have changed, for the mount, when what
+    they did is not known (the helper that took them was lost): every name
+    they act on and every object, and each object's move, if it is where
+    its step moves it."""
+    t = undo.touched
+    for (_, rec), keep in zip(batch, keeps, strict=True):
+        for loc in redo.record_locs(rec):  # type: ignore[arg-type]
+            t.entry(loc)
+        ino, to = fsck.restores(rec), None
+        if isinstance(rec, S.Rename):
+            to = rec.src
+        elif isinstance(rec, S.Grave):
+            to = rec.path
+        elif isinstance(rec, S.Create | S.Link) and keep is not None:
+            # (with the RENAME before it, if they went as one)
+            ino, to = keep[1], S.grave_loc(keep[0])
+        if ino is None:
+            continue
+        t.objects.add(ino)
+        st = undo.r.lstat(to) if to is not None else None
+        if to is not None and st is not None and st.st_ino == ino:
+            t.moves.append((ino, to))
