@@ -34,8 +34,8 @@ class Board:
         self.done, self.total, self._due = 0, total, 0.0
         self._write()
 
-    def step(self) -> None:
-        self.done += 1
+    def step(self, n: int = 1) -> None:
+        self.done += n
         if self.fd is not None:
             now = time.monotonic()
             if now >= self._due:

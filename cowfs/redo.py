@@ -390,14 +390,16 @@ class Keeper:
         for loc in locs:
             self.emptied[loc] = seq
 
-    def hold(self, seq: int, rec: S.Record, moved: bool = False) -> None:
-        """After *rec*'s undo step (applied, failed or skipped); *moved*:
-        the step moved its object into the grave or out of it (so that
-        need not be looked at again; out of it, it left nothing there)."""
-        self.held.append((seq, rec, moved))
-        if moved and isinstance(rec, S.Grave):
-            self.emptied[S.grave_loc(rec.grave)] = seq
-        if len(self.held) > self.BATCH:
+    def hold(self, steps: list[tuple[int, S.Record, bool]]) -> None:
+        """After these undo steps ((seq, record, moved): applied, failed
+        or skipped); *moved*: the step moved its object into the grave or
+        out of it (so that need not be looked at again; out of it, it left
+        nothing there)."""
+        self.held += steps
+        for seq, rec, moved in steps:
+            if moved and isinstance(rec, S.Grave):
+                self.emptied[S.grave_loc(rec.grave)] = seq
+        if len(self.held) > 2 * self.BATCH:  # (a batch's leave with the next one kept)
             self.flush()
 
     def flush(self) -> None:
@@ -439,13 +441,11 @@ class Keeper:
             ):
                 w.drop_grave(rec.grave)  # put back
 
-    def seal(self, top: int) -> None:
-        """The rollback is done (*top*: the layer open now): take the
-        fingerprint of every location a redo would touch, note those it
-        moves, and open the segment that captures what changes from now on
-        (unless *top* is a fresh base layer: that serves)."""
-        st = state(self.store)
-        assert st is not None  # (written when the rollback was planned: redo.begin)
+    def sealed(self) -> tuple[list[tuple[bytes, bytes]], list[bytes], list[bytes]]:
+        """The steps are all taken: where a redo would act.  Returns the
+        fingerprints known without looking, the other locations (whose
+        fingerprints `seal` takes: see ``fingerprints``) and those where
+        the redo moves what is there."""
         prints: list[tuple[bytes, bytes]] = []
         if self.groups is not None and self.r.generation == self.began:
             # no directory moved: each location names the same place throughout
@@ -465,8 +465,25 @@ class Keeper:
                     for _, group in _inverse_groups(self.store, reverse=True)
                 ]
             )
-        with self.r.reading():
-            prints += fingerprints(self.r, locs)
+        return prints, locs, moved
+
+    def seal(
+        self, top: int, looked: tuple[list[tuple[bytes, bytes]], list[bytes]] | None = None
+    ) -> None:
+        """The rollback is done (*top*: the layer open now): note the
+        fingerprint of every location a redo would touch, and those where
+        it moves what is there, and open the segment that captures what
+        changes from now on (unless *top* is a fresh base layer: that
+        serves).  *looked*: those fingerprints (the ones `sealed` knew and
+        those of the locations it named, taken after the last step) and
+        locations; else they are taken here."""
+        if looked is None:
+            known, locs, moved = self.sealed()
+            with self.r.reading():
+                looked = known + fingerprints(self.r, locs), moved
+        prints, moved = looked
+        st = state(self.store)
+        assert st is not None  # (written when the rollback was planned: redo.begin)
         with self.store.write() as w:
             for loc, value in prints:
                 w.redo_put(S.redo_kept_key(S.REDO_PRINT, loc), value)

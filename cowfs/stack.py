@@ -433,6 +433,7 @@ class Stack:
         layers = [layer for layer in st.layers() if layer.id >= to]
         undo = Undoer(st, self.resolver, report.touched, self.ignored)
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
+        batches = steps.Batches(undo, self.helper)
         if layers:
             records = self._records_from(layers[0].start)
             self.board.start(len(records))
@@ -444,24 +445,26 @@ class Stack:
             def skipped(seq: int, rec: S.Record) -> bool:
                 return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
 
-            def done(seq: int, rec: S.Record, moved: bool = False) -> None:
-                """After the step of *rec* (taken, failed or skipped)."""
+            def done(taken: list[tuple[int, S.Record, bool]]) -> None:
+                """After the steps of these records ((seq, record, whether
+                it moved its object into the grave or out of it)): taken,
+                failed or skipped."""
                 nonlocal keeper
-                self.board.step()
+                self.board.step(len(taken))
                 if keeper is not None:
                     try:
-                        keeper.hold(seq, rec, moved)
+                        keeper.hold(taken)
                     except OSError as e:  # (a full disk: deleting still works)
                         self._give_up_redo(keeper, e)
                         keeper = None
                 if keeper is None:
                     with st.write() as w:
-                        w.delete_record(seq)
+                        for seq, _, _ in taken:
+                            w.delete_record(seq)
 
             i = 0
             ahead = None  # what the batch at i keeps, kept while the one before it ran
             taken = -1  # the seq of a step taken with the one before it
-            batches = steps.Batches(undo, self.helper)
             while i < len(records):
                 seq, rec = records[i]
                 keeps: list[tuple[int, int] | None] = [None]
@@ -483,14 +486,15 @@ class Stack:
                         keeper.planned,
                         partial(keeper.batch_ahead, records, i, skipped),
                     )
-                    for (seq, rec), (moved, failure, emptied) in zip(batch, undone, strict=True):
-                        if failure is None:
-                            report.applied += 1
-                        else:
-                            report.failures.append(failure)
-                        if emptied and keeper is not None:
+                    failures = [failure for _, failure, _ in undone if failure is not None]
+                    report.failures += failures
+                    report.applied += len(batch) - len(failures)
+                    for (seq, _), (_, _, emptied) in zip(batch, undone, strict=True):
+                        if emptied:
                             keeper.emptied_by(seq, *emptied)
-                        done(seq, rec, moved)
+                    done(
+                        [(seq, rec, out[0]) for (seq, rec), out in zip(batch, undone, strict=True)]
+                    )
                     if error is not None and keeper is not None:
                         self._give_up_redo(keeper, error)
                         keeper = None
@@ -524,12 +528,20 @@ class Stack:
                         report.applied += 1
                 except (OSError, Exception) as e:  # report by name, keep going
                     report.failures.append(f"{describe(rec)}: {e}")
-                done(seq, rec, moved)
+                done([(seq, rec, moved)])
                 i += 1
+        sealing, to_seal, prints = None, None, []
         try:
             if keeper is not None:
                 keeper.flush()
-            self._drop_layers(layers, keeper)
+                # where a redo would act, looked at (by the helper, if there
+                # is one) while the layers are dropped
+                to_seal = keeper.sealed()
+                sealing = batches.prints(to_seal[1])
+            try:
+                self._drop_layers(layers, keeper)
+            finally:
+                prints = sealing() if sealing is not None else []
         except OSError as e:
             if keeper is None:
                 raise
@@ -539,13 +551,13 @@ class Stack:
         st.forget_layer_cache()
         report.dropped = [layer.id for layer in layers]
         report.top = self.ensure_base().id
-        if keeper is not None:
-            self._seal_redo(keeper, report.top)
+        if keeper is not None and to_seal is not None:
+            self._seal_redo(keeper, report.top, (to_seal[0] + prints, to_seal[2]))
         return report
 
-    def _seal_redo(self, keeper: redo.Keeper, top: int) -> None:
+    def _seal_redo(self, keeper: redo.Keeper, top: int, looked=None) -> None:
         try:
-            keeper.seal(top)
+            keeper.seal(top, looked)
         except OSError as e:
             self._give_up_redo(None, e)
 

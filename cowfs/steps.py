@@ -160,6 +160,7 @@ class Batches:
             # (plain tuples: pickled several times faster)
             sent = h.send(
                 (
+                    "batch",
                     fresh,
                     [(seq, rec.kind, tuple(rec)) for seq, rec in batch],
                     keeps,
@@ -185,6 +186,18 @@ class Batches:
                 self.undo.touched.merge(touched)
         return outcomes, result, error
 
+    def prints(self, locs: list[bytes]) -> Callable[[], list[tuple[bytes, bytes]]]:
+        """Start taking the fingerprints of *locs* (``redo.fingerprints``),
+        in the helper if there is one; returns what gives them."""
+        h = self.helper
+        if h is not None and h.alive and h.send(("prints", locs)):
+            return lambda: h.receive() or self._prints(locs)
+        return lambda: self._prints(locs)
+
+    def _prints(self, locs: list[bytes]) -> list[tuple[bytes, bytes]]:
+        with self.undo.r.reading():
+            return redo.fingerprints(self.undo.r, locs)
+
 
 def _serve(conn: Connection, store: Store, resolver: B.Resolver) -> None:  # pragma: no cover
     """The helper process: take the batches *conn* brings until it ends."""
@@ -198,9 +211,14 @@ def _serve(conn: Connection, store: Store, resolver: B.Resolver) -> None:  # pra
     with r.acting():
         while True:
             try:
-                fresh, packed, keeps, stats = conn.recv()
+                what, *message = conn.recv()
             except EOFError:
                 return
+            if what == "prints":
+                r.moved()  # (looked up afresh)
+                conn.send(redo.fingerprints(r, *message))
+                continue
+            fresh, packed, keeps, stats = message
             if fresh:
                 r.moved()
             undo.touched = Touched()
