@@ -167,23 +167,24 @@ class Batches:
                     {seq: tuple(st) for seq, st in planned.items()},
                 )
             )
-        result, error = None, None
+        result, error, reply = None, None, None
         try:  # (taken first without the helper, too: it may, and the crash tests see it)
             result = meanwhile()
         except Exception as e:
             error = e
+        finally:
+            if sent:  # (its answer is taken whatever happens here)
+                assert h is not None
+                reply = h.receive()
         if not sent:
             outcomes = batch_steps(self.undo, batch, keeps, planned)
+        elif reply is None:
+            # (lost: each step looks again, as what the plan saw may have moved)
+            outcomes = batch_steps(self.undo, batch, keeps, {})
+            _touched_by(batch, keeps, self.undo)
         else:
-            assert h is not None
-            reply = h.receive()
-            if reply is None:
-                # (each step looks again: what the plan saw may have moved)
-                outcomes = batch_steps(self.undo, batch, keeps, {})
-                _touched_by(batch, keeps, self.undo)
-            else:
-                outcomes, touched = reply
-                self.undo.touched.merge(touched)
+            outcomes, touched = reply
+            self.undo.touched.merge(touched)
         return outcomes, result, error
 
     def prints(self, locs: list[bytes]) -> Callable[[], list[tuple[bytes, bytes]]]:

@@ -430,3 +430,32 @@ def test_a_hash_read_before_a_rollback_changed_the_file_is_not_recorded(tmp_path
         assert gravesum.verify(store, gids["alone"]) is None
     finally:
         store.close()
+
+
+def test_hashing_waits_while_a_control_operation_runs(tmp_path):
+    """A rollback or redo runs on the daemon's thread: a hash pass in a
+    worker thread meanwhile would take turns with it at every system call.
+    While one runs, the pass takes nothing and stops before the next file,
+    however long the files have waited; the unmount's drain does not wait."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    store = Store.open(str(root / ".cowfs"), str(root))
+    try:
+        for name in ("a", "b"):
+            (root / name).write_bytes(os.urandom(CHUNK))
+            st = os.stat(root / name)
+            with store.write() as w:
+                gid = w.new_grave(st.st_ino, st)
+            os.link(root / name, str(gid), dst_dir_fd=store.grave_fd)
+        operating = [True]
+        hasher = gravesum.Hasher(store, quiet=lambda: 60.0, operating=lambda: operating[0])
+        assert hasher._batch() == []
+        batch = hasher._batch(everything=True)
+        assert len(batch) == 2 and hasher._hash(batch) == []
+        operating[0] = False
+        assert hasher._batch() == batch
+        assert [S.decode_sum(new).state for _, _, new in hasher._hash(batch)] == [S.SUM_HASHED] * 2
+        operating[0] = True
+        assert len(hasher._hash(batch, everything=True)) == 2  # (the drain)
+    finally:
+        store.close()
