@@ -203,7 +203,8 @@ class Daemon:
 
     def mount(self, on_ready: Callable[[], None]) -> None:
         s = self.session
-        # (forked now: one thread, and little memory to share)
+        # (forked now, before the FUSE engine's and the control server's
+        # threads start and before the inode table grows: little to share)
         s.stack.helper = steps.Helper(s.store, s.stack.resolver)
         fs = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
         self.engine = engine = make_engine(self.engine_choice, fs)

@@ -320,7 +320,11 @@ class Keeper:
             return None
         return self._keep(chosen)
 
-    def _plan(self, records, i: int, skip, outer: _Batch | None):
+    def _plan(
+        self, records: Sequence[tuple[int, S.Record]], i: int, skip, outer: _Batch | None
+    ) -> list[tuple[int, S.Record, os.stat_result | None]]:
+        """The longest run from records[i] that makes a batch (see
+        `_Batch`; *outer*: the batch whose steps run meanwhile)."""
         plan = _Batch(self.r, outer)
         chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
         for seq, rec in records[i : i + self.BATCH + 1]:
@@ -399,7 +403,8 @@ class Keeper:
         for seq, rec, moved in steps:
             if moved and isinstance(rec, S.Grave):
                 self.emptied[S.grave_loc(rec.grave)] = seq
-        if len(self.held) > 2 * self.BATCH:  # (a batch's leave with the next one kept)
+        # (a batch's records leave the journal when the batch after the next is kept)
+        if len(self.held) > 2 * self.BATCH:
             self.flush()
 
     def flush(self) -> None:

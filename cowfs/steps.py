@@ -5,9 +5,9 @@ While the helper takes the steps of one batch, the rollback plans the next
 and keeps what a redo of it needs (``Keeper.batch_ahead``).  Both mostly
 wait on the disk.  Two threads of one interpreter would take turns at
 every system call, with a wake-up across CPUs each time; two processes do
-not.  The mount daemon forks the helper when it mounts (one thread then,
-and little memory to share); a rollback without one takes its steps
-itself.
+not.  The mount daemon forks the helper when it mounts (before its FUSE
+engine and control server start their threads, with little memory to
+share); a rollback without one takes its steps itself.
 """
 
 from __future__ import annotations
