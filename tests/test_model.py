@@ -545,10 +545,10 @@ class CowfsModel(RuleBasedStateMachine):
     def commit(self):
         live = self.ws.snapshot()
         top = self.stack[-1]
-        self.forget_redo()
         if len(self.stack) == 1:
             r = self.ws.cowfs("--json", "commit", check=False)
             if top.dirty == 0 or (top.dirty == 1 and r.returncode == NOTHING_TO_DO):
+                # (refused: the last rollback can still be redone)
                 STATS["commit (nothing)"] += 1
                 assert r.returncode == NOTHING_TO_DO and "nothing to commit" in r.stderr, (
                     r.returncode,
@@ -557,6 +557,7 @@ class CowfsModel(RuleBasedStateMachine):
                 top.dirty = 0
             else:
                 STATS["commit base"] += 1
+                self.forget_redo()
                 assert r.returncode == 0, r.stderr
                 res = json.loads(r.stdout)
                 assert res["into"] is None and res["committed"] == top.id, res
@@ -565,6 +566,7 @@ class CowfsModel(RuleBasedStateMachine):
                 self.stack = [Layer(res["top"], live, self.save_shadow())]
         else:
             STATS["commit"] += 1
+            self.forget_redo()
             below = self.stack[-2]
             res = self.ws.commit()
             assert res["committed"] == top.id and res["into"] == below.id, res
