@@ -131,6 +131,53 @@ def proc_at(dirfd: int, name: bytes) -> bytes:
     return b"/proc/self/fd/%d/%s" % (dirfd, name)
 
 
+# Attribute changes through an O_PATH fd (AT_EMPTY_PATH): one system call,
+# where a /proc/self/fd path costs a walk through /proc (3-5x slower)
+AT_EMPTY_PATH = 0x1000
+UTIME_OMIT = (1 << 30) - 2
+SYS_FCHMODAT2 = 452  # (Linux 6.6; x86_64 and aarch64 alike)
+_libc.fchownat.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+    ctypes.c_uint,
+    ctypes.c_int,
+]
+_libc.utimensat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]
+_fchmodat2 = [True]  # until the kernel says it has no fchmodat2
+_Times = ctypes.c_long * 4
+
+
+def chown_fd(fd: int, uid: int, gid: int) -> None:
+    """chown the object behind *fd* (O_PATH is enough; a symlink itself);
+    -1 leaves an id as it is."""
+    if _libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def utime_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
+    """Set the times of the object behind *fd* (O_PATH is enough; a symlink
+    itself); None leaves a time as it is."""
+    a = (0, UTIME_OMIT) if atime_ns is None else divmod(atime_ns, 1_000_000_000)
+    m = (0, UTIME_OMIT) if mtime_ns is None else divmod(mtime_ns, 1_000_000_000)
+    if _libc.utimensat(fd, b"", _Times(a[0], a[1], m[0], m[1]), AT_EMPTY_PATH) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def chmod_fd(fd: int, mode: int) -> None:
+    """chmod the object behind *fd* (O_PATH is enough; not a symlink)."""
+    if _fchmodat2[0]:
+        if _libc.syscall(SYS_FCHMODAT2, fd, b"", mode, AT_EMPTY_PATH) == 0:
+            return
+        e = ctypes.get_errno()
+        if e not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(e, os.strerror(e))
+        _fchmodat2[0] = False  # an older kernel: through /proc
+    os.chmod(proc(fd), mode)
+
+
 def split(path: bytes) -> tuple[bytes, bytes]:
     """'a/b/c' -> ('a/b', 'c')."""
     head, _, tail = path.rpartition(b"/")

@@ -182,7 +182,9 @@ class Recorder:
         """*ino* was created in this layer: nothing of it needs capturing.
         (The index entry is written with the next transaction; if it is lost
         in a crash, later changes are merely captured needlessly.)"""
-        o = self.obj(ino)
+        o = self.objs.get(ino)
+        if o is None:  # (new: whatever the store says of an earlier ino is moot)
+            o = self.objs[ino] = Obj()
         if not o.created:
             o.created = True
             o.attributed = True

@@ -32,6 +32,7 @@ class Node:
         "extra",
         "mode",
         "nocap",
+        "noxattr",
         "pt",
         "pt_writers",
         "cached",
@@ -51,7 +52,8 @@ class Node:
         self.parent: Node | None = None
         self.name = b""
         self.extra: set[tuple[Node, bytes]] | None = None
-        self.nocap = False
+        self.nocap = False  # known to have no security.capability
+        self.noxattr = False  # known to have no xattrs at all
         # open files: served by the kernel from the backing file (passthrough;
         # of which writable), or through the daemon; the backing file all
         # passthrough opens share, and the engine's id for it

@@ -173,6 +173,7 @@ class Ops:
         # called when a request fails with ENOSPC: True when it gave room back
         self.on_full: Callable[[], bool] | None = None
         self.is_root = os.geteuid() == 0
+        self.euid, self.egid = os.geteuid(), os.getegid()
         self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
         self.fds = FdCache(fd_cache_size(), self._reopen)
         Node.cache = self.fds
@@ -216,12 +217,16 @@ class Ops:
             return 0
         return st.st_nlink - (node is self.root and self.hidden_dir)
 
-    def _lookup(self, parent: Node, name: bytes, count: bool = True) -> tuple[Node, os.stat_result]:
-        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+    def _lookup(
+        self, parent: Node, name: bytes, count: bool = True, made: os.stat_result | None = None
+    ) -> tuple[Node, os.stat_result]:
+        """*made*: the stat of an object the daemon has just made there."""
+        st = made or os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         node = self.by_bino.get(st.st_ino)
         if node is None:
             fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
-            st = os.fstat(fd)
+            if made is None:
+                st = os.fstat(fd)
             node = Node(self.next_ino, st.st_ino, fd, st.st_mode)
             self.next_ino += 1
             node.parent, node.name = parent, name
@@ -449,7 +454,12 @@ class Ops:
         if not self.is_root:
             return
         pst = os.stat(parent.fd)
-        gid = pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid
+        inherit = pst.st_mode & stat.S_ISGID
+        gid = pst.st_gid if inherit else ctx.gid
+        if ctx.uid == self.euid and (inherit or gid == self.egid):
+            # the backing filesystem gave it these ids already: nothing to
+            # change (and no setuid or setgid bit for a chown to clear)
+            return
         if fd is not None:
             os.fchown(fd, ctx.uid, gid)
             if mode & (stat.S_ISUID | stat.S_ISGID):
@@ -553,18 +563,9 @@ class Ops:
             if uid is not None or gid is not None:
                 self._chown(node, -1 if uid is None else uid, -1 if gid is None else gid)
             if mode is not None and not node.islnk:
-                os.chmod(B.proc(node.fd), stat.S_IMODE(mode))
+                B.chmod_fd(node.fd, stat.S_IMODE(mode))
             if atime_ns is not None or mtime_ns is not None:
-                cur = os.stat(node.fd)
-                ns = (
-                    cur.st_atime_ns if atime_ns is None else atime_ns,
-                    cur.st_mtime_ns if mtime_ns is None else mtime_ns,
-                )
-                if node.islnk:
-                    assert node.parent is not None  # (a symlink has a name)
-                    os.utime(node.name, ns=ns, dir_fd=node.parent.fd, follow_symlinks=False)
-                else:
-                    os.utime(B.proc(node.fd), ns=ns)
+                B.utime_fd(node.fd, atime_ns, mtime_ns)  # (a symlink itself)
         elif size is None:
             # A change of nothing but the ctime (chown(f, -1, -1)), or what
             # the kernel asks of us to drop setuid/setgid before an
@@ -607,15 +608,11 @@ class Ops:
                 kept &= ~stat.S_ISGID
             if kept != mode:
                 self._capture_meta(node)
-                os.chmod(B.proc(node.fd), stat.S_IMODE(kept))
+                B.chmod_fd(node.fd, stat.S_IMODE(kept))
                 node.mode = kept
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
-        if node.islnk:
-            assert node.parent is not None  # (a symlink has a name)
-            os.chown(node.name, uid, gid, dir_fd=node.parent.fd, follow_symlinks=False)
-        else:
-            os.chown(B.proc(node.fd), uid, gid)
+        B.chown_fd(node.fd, uid, gid)  # (a symlink itself)
 
     @op
     def readlink(self, inode: int, ctx: Caller) -> bytes:
@@ -746,7 +743,7 @@ class Ops:
         )
         try:
             self._own(parent, name, ctx, mode, fd)
-            node, st = self._lookup(parent, name)
+            node, st = self._lookup(parent, name, made=os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise
@@ -1088,7 +1085,10 @@ class Ops:
                 pst = os.stat(parent.fd)
                 os.fchown(fd, ctx.uid, pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid)
             st = os.fstat(fd)
-            node = Node(self.next_ino, st.st_ino, os.open(B.proc(fd), B.PATH_FLAGS), st.st_mode)
+            # (an O_PATH fd on the file itself: through our own fd's magic
+            # link, which O_NOFOLLOW would open instead)
+            path_fd = os.open(B.proc(fd), os.O_PATH | os.O_CLOEXEC)
+            node = Node(self.next_ino, st.st_ino, path_fd, st.st_mode)
         except BaseException:
             os.close(fd)
             raise
@@ -1174,10 +1174,7 @@ class Ops:
             )
         )
         if ok and node.bfd < 0:
-            try:
-                node.bfd = os.open(B.proc(node.fd), os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                ok = False
+            node.bfd = os.dup(node.fd)
         if not ok:
             node.cached += 1
             h.counted = True
@@ -1309,7 +1306,7 @@ class Ops:
     @op
     def getxattr(self, inode: int, name: bytes, ctx: Caller) -> bytes:
         node = self._node(inode)
-        if name == CAPABILITY and node.nocap:
+        if node.noxattr or (name == CAPABILITY and node.nocap):
             raise fail(errno.ENODATA)
         try:
             path, follow = self._xpath(node)
@@ -1321,8 +1318,15 @@ class Ops:
 
     @op
     def listxattr(self, inode: int, ctx: Caller) -> list[bytes]:
-        path, follow = self._xpath(self._node(inode))
-        return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
+        node = self._node(inode)
+        if node.noxattr:
+            return []
+        path, follow = self._xpath(node)
+        names = [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=follow)]
+        # (none: remembered until an xattr is set through the mount or an
+        # undo puts some back -- copying tools ask two or three times a file)
+        node.noxattr = not names
+        return names
 
     @op
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Caller, flags: int = 0) -> None:
@@ -1337,6 +1341,7 @@ class Ops:
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
+        node.noxattr = False
         os.setxattr(path, name, value, flags, follow_symlinks=follow)
         if name == CAPABILITY:
             node.nocap = False
@@ -1356,7 +1361,7 @@ class Ops:
     @op
     def removexattr(self, inode: int, name: bytes, ctx: Caller) -> None:
         node = self._node(inode)
-        if not self._has_xattr(node, name):
+        if node.noxattr or not self._has_xattr(node, name):
             raise fail(errno.ENODATA)  # (nothing to remove or record)
         self._capture_xattrs(node)
         self._capture_meta(node)
@@ -1393,6 +1398,8 @@ class Ops:
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
+        for known in self.nodes.values():  # (it may have put xattrs back)
+            known.nocap = known.noxattr = False
         self.grave_links = self.store.grave_counts()
         if self.sums is not None:
             self.sums.reload()

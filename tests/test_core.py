@@ -406,6 +406,50 @@ def test_special_files_and_xattrs(mounted):
     treesnap.assert_same(before, ws.snapshot())
 
 
+def test_xattrs_the_daemon_knows_absent_come_back(mounted):
+    """The daemon remembers which objects have no xattrs (and no
+    capability) once the disk said so: an xattr set through the mount, and
+    xattrs and a capability a rollback or a redo puts back, are seen at
+    once by getxattr and listxattr, of files and directories alike."""
+    ws = mounted
+    a, d = ws / "a.txt", ws / "dir"
+    os.setxattr(a, "user.k", b"v")
+    os.setxattr(a, "security.capability", CAP_NET_RAW)
+    os.setxattr(d, "user.d", b"w")
+    before = ws.snapshot()
+    ws.checkpoint()
+    os.removexattr(a, "user.k")
+    os.removexattr(a, "security.capability")
+    os.removexattr(d, "user.d")
+    for path in (a, d):
+        for _ in range(2):  # (the second answer from what the daemon knows)
+            assert os.listxattr(path) == []
+            with pytest.raises(OSError) as e:
+                os.getxattr(path, "user.k")
+            assert e.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as e:
+        os.getxattr(a, "security.capability")
+    assert e.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as e:
+        os.removexattr(a, "user.k")
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(d, "user.new", b"n")
+    assert os.listxattr(d) == ["user.new"] and os.getxattr(d, "user.new") == b"n"
+    after = ws.snapshot()
+    ws.rollback()
+    assert sorted(os.listxattr(a)) == ["security.capability", "user.k"]
+    assert os.getxattr(a, "security.capability") == CAP_NET_RAW
+    assert os.getxattr(a, "user.k") == b"v" and os.getxattr(d, "user.d") == b"w"
+    treesnap.assert_same(before, ws.snapshot())
+    ws.cowfs("redo")
+    assert os.listxattr(a) == [] and os.listxattr(d) == ["user.new"]
+    treesnap.assert_same(after, ws.snapshot())
+
+
+# version 2 capability data: cap_net_raw permitted and effective
+CAP_NET_RAW = bytes.fromhex("0100000200200000000000000000000000000000")
+
+
 def test_a_setxattr_its_flag_fails_records_nothing(mounted):
     """XATTR_REPLACE of a missing xattr and XATTR_CREATE of one that is
     there fail (ENODATA, EEXIST) as on the disk, before anything is
