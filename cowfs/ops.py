@@ -1308,12 +1308,19 @@ class Ops:
         node = self._node(inode)
         if node.noxattr or (name == CAPABILITY and node.nocap):
             raise fail(errno.ENODATA)
+        path, follow = self._xpath(node)
         try:
-            path, follow = self._xpath(node)
             return os.getxattr(path, name, follow_symlinks=follow)
         except OSError as e:
-            if name == CAPABILITY and e.errno == errno.ENODATA:
-                node.nocap = True
+            if e.errno == errno.ENODATA:
+                if name == CAPABILITY:
+                    node.nocap = True
+                # (asked once: has it any? programs that copy or check
+                # files ask for the same absent names of every file)
+                try:
+                    node.noxattr = not os.listxattr(path, follow_symlinks=follow)
+                except OSError:
+                    pass
             raise
 
     @op

@@ -435,6 +435,14 @@ def test_xattrs_the_daemon_knows_absent_come_back(mounted):
     assert e.value.errno == errno.ENODATA
     os.setxattr(d, "user.new", b"n")
     assert os.listxattr(d) == ["user.new"] and os.getxattr(d, "user.new") == b"n"
+    fresh = ws / "fresh.txt"  # (learnt from a getxattr, never listed)
+    fresh.write_bytes(b"")
+    for _ in range(2):
+        with pytest.raises(OSError) as e:
+            os.getxattr(fresh, "system.posix_acl_access")
+        assert e.value.errno == errno.ENODATA
+    os.setxattr(fresh, "user.f", b"f")
+    assert os.getxattr(fresh, "user.f") == b"f" and os.listxattr(fresh) == ["user.f"]
     after = ws.snapshot()
     ws.rollback()
     assert sorted(os.listxattr(a)) == ["security.capability", "user.k"]
@@ -443,6 +451,7 @@ def test_xattrs_the_daemon_knows_absent_come_back(mounted):
     treesnap.assert_same(before, ws.snapshot())
     ws.cowfs("redo")
     assert os.listxattr(a) == [] and os.listxattr(d) == ["user.new"]
+    assert os.getxattr(fresh, "user.f") == b"f"
     treesnap.assert_same(after, ws.snapshot())
 
 

@@ -28,6 +28,7 @@ def test_the_kernel_engine_is_the_default_for_root_and_says_why(workspace):
     info = engine(workspace)
     assert info["name"] == "kernel" and info["why"]
     assert {"killpriv_v2", "passthrough", "readdirplus"} <= set(info["features"])
+    assert info["spin_us"] == 50  # (the default)
     doctor = json.loads(workspace.cowfs("--json", "doctor", workspace.path, check=False).stdout)
     detail = {c["name"]: c["detail"] for c in doctor}
     assert detail["engine"].startswith("kernel")
