@@ -355,7 +355,7 @@ class Engine:
                 try:
                     n = os.readv(fd, bufs)
                 except BlockingIOError:
-                    self._wait(fd, bufs, idle)
+                    self._wait(idle)
                     continue
                 except OSError as e:
                     if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
@@ -386,7 +386,7 @@ class Engine:
         finally:
             self.running = False
 
-    def _wait(self, fd: int, bufs: list, idle: select.poll) -> None:
+    def _wait(self, idle: select.poll) -> None:
         """No request is waiting.  With another CPU to run on, look again
         for a while first: the next request of a program running elsewhere
         is then taken without a wake-up of this thread (on this machine
@@ -396,8 +396,7 @@ class Engine:
             until = time.perf_counter_ns() + SPIN_NS
             while time.perf_counter_ns() < until:
                 os.sched_yield()
-                r = idle.poll(0)
-                if r:
+                if idle.poll(0):
                     return
         idle.poll()
 

@@ -453,9 +453,9 @@ class Ops:
         under a setgid directory), as the kernel would."""
         if not self.is_root:
             return
-        pst = os.stat(parent.fd)
-        inherit = pst.st_mode & stat.S_ISGID
-        gid = pst.st_gid if inherit else ctx.gid
+        # (the directory's mode is kept current: by setattr and after an undo)
+        inherit = parent.mode & stat.S_ISGID
+        gid = os.stat(parent.fd).st_gid if inherit else ctx.gid
         if ctx.uid == self.euid and (inherit or gid == self.egid):
             # the backing filesystem gave it these ids already: nothing to
             # change (and no setuid or setgid bit for a chown to clear)
@@ -1174,7 +1174,10 @@ class Ops:
             )
         )
         if ok and node.bfd < 0:
-            node.bfd = os.dup(node.fd)
+            try:  # (the kernel opens the file on its path: O_PATH is enough)
+                node.bfd = os.dup(node.fd)
+            except OSError:
+                ok = False
         if not ok:
             node.cached += 1
             h.counted = True

@@ -24,6 +24,7 @@ from cowfs.errors import (
 )
 
 from .helpers import run
+from .users import run_as
 
 
 def write(path, data: bytes, offset: int | None = None) -> None:
@@ -457,6 +458,56 @@ def test_xattrs_the_daemon_knows_absent_come_back(mounted):
 
 # version 2 capability data: cap_net_raw permitted and effective
 CAP_NET_RAW = bytes.fromhex("0100000200200000000000000000000000000000")
+
+
+USER, GROUP = 1234, 4321  # an unprivileged uid and gid, another group
+
+
+def _make(d: str, names: tuple[str, str], user: bool = False) -> None:
+    """A file and a directory in *d*, by root or by USER (from inside *d*:
+    the test's temporary directories are root's alone)."""
+
+    def make(names: tuple[str, str]) -> None:
+        with open(names[0], "wb"):
+            pass
+        os.mkdir(names[1])
+
+    here = os.getcwd()
+    os.chdir(d)
+    try:
+        if user:
+            run_as(USER, USER, make, names)
+        else:
+            make(names)
+    finally:
+        os.chdir(here)
+
+
+def test_new_objects_take_the_group_of_a_setgid_directory_as_it_is_now(mounted):
+    """A directory made setgid through the mount gives new files and
+    directories its group (and new directories the bit), as ext4 does; once
+    a rollback took the bit away again, they get the creator's group -- of
+    root and of another user alike."""
+    ws = mounted
+    d = ws / "dir"
+    os.chown(d, 0, GROUP)
+    os.chmod(d, 0o777)
+    ws.checkpoint()
+    os.chmod(d, 0o2777)
+    _make(str(d), ("one", "sub"))
+    _make(str(d), ("uone", "usub"), user=True)
+    for f, sub in (("one", "sub"), ("uone", "usub")):
+        assert os.stat(d / f).st_gid == GROUP
+        st = os.stat(d / sub)
+        assert (st.st_gid, bool(st.st_mode & stat.S_ISGID)) == (GROUP, True)
+    ws.rollback()
+    assert not os.stat(d).st_mode & stat.S_ISGID
+    _make(str(d), ("two", "sub2"))
+    _make(str(d), ("utwo", "usub2"), user=True)
+    for f, sub, gid in (("two", "sub2", os.getegid()), ("utwo", "usub2", USER)):
+        assert os.stat(d / f).st_gid == gid
+        st = os.stat(d / sub)
+        assert (st.st_gid, bool(st.st_mode & stat.S_ISGID)) == (gid, False)
 
 
 def test_a_setxattr_its_flag_fails_records_nothing(mounted):
