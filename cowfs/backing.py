@@ -65,16 +65,20 @@ def user_umask() -> int:
 DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _failed(*names: bytes | None) -> OSError:
+    """The OSError a libc call just failed with."""
+    e = ctypes.get_errno()
+    return OSError(e, os.strerror(e), *names)
+
+
 def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int = 0) -> None:
     if _libc.renameat2(olddirfd, old, newdirfd, new, flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e), old, None, new)
+        raise _failed(old, None, new)
 
 
 def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, mode, offset, length) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+        raise _failed()
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -152,8 +156,7 @@ def chown_fd(fd: int, uid: int, gid: int) -> None:
     """chown the object behind *fd* (O_PATH is enough; a symlink itself);
     -1 leaves an id as it is."""
     if _libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+        raise _failed()
 
 
 def utime_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
@@ -162,8 +165,7 @@ def utime_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
     a = (0, UTIME_OMIT) if atime_ns is None else divmod(atime_ns, 1_000_000_000)
     m = (0, UTIME_OMIT) if mtime_ns is None else divmod(mtime_ns, 1_000_000_000)
     if _libc.utimensat(fd, b"", _Times(a[0], a[1], m[0], m[1]), AT_EMPTY_PATH) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
+        raise _failed()
 
 
 def chmod_fd(fd: int, mode: int) -> None:

@@ -53,7 +53,8 @@ class Node:
         self.name = b""
         self.extra: set[tuple[Node, bytes]] | None = None
         self.nocap = False  # known to have no security.capability
-        self.noxattr = False  # known to have no xattrs at all
+        # known to have no xattrs at all (True), to have some (False), or not
+        self.noxattr: bool | None = None
         # open files: served by the kernel from the backing file (passthrough;
         # of which writable), or through the daemon; the backing file all
         # passthrough opens share, and the engine's id for it

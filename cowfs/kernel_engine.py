@@ -358,7 +358,7 @@ class Engine:
                     self._wait(idle)
                     continue
                 except OSError as e:
-                    if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    if e.errno in (errno.EINTR, errno.ENOENT):
                         continue  # (ENOENT: a request interrupted meanwhile)
                     if e.errno == errno.ENODEV:
                         self.ended = True  # unmounted

@@ -221,7 +221,7 @@ class Ops:
         self, parent: Node, name: bytes, count: bool = True, made: os.stat_result | None = None
     ) -> tuple[Node, os.stat_result]:
         """*made*: the stat of an object the daemon has just made there."""
-        st = made or os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        st = made if made is not None else os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         node = self.by_bino.get(st.st_ino)
         if node is None:
             fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
@@ -1081,9 +1081,7 @@ class Ops:
             stat.S_IMODE(mode),
         )
         try:
-            if self.is_root:
-                pst = os.stat(parent.fd)
-                os.fchown(fd, ctx.uid, pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid)
+            self._own(parent, b"", ctx, mode, fd)
             st = os.fstat(fd)
             # (an O_PATH fd on the file itself: through our own fd's magic
             # link, which O_NOFOLLOW would open instead)
@@ -1318,12 +1316,13 @@ class Ops:
             if e.errno == errno.ENODATA:
                 if name == CAPABILITY:
                     node.nocap = True
-                # (asked once: has it any? programs that copy or check
-                # files ask for the same absent names of every file)
-                try:
-                    node.noxattr = not os.listxattr(path, follow_symlinks=follow)
-                except OSError:
-                    pass
+                if node.noxattr is None:
+                    # (asked once: has it any? programs that copy or check
+                    # files ask for the same absent names of every file)
+                    try:
+                        node.noxattr = not os.listxattr(path, follow_symlinks=follow)
+                    except OSError:
+                        pass
             raise
 
     @op
@@ -1376,6 +1375,7 @@ class Ops:
         self._capture_xattrs(node)
         self._capture_meta(node)
         path, follow = self._xpath(node)
+        node.noxattr = None  # (it may have none left)
         os.removexattr(path, name, follow_symlinks=follow)
 
     # -- after a rollback ---------------------------------------------------------------
@@ -1409,7 +1409,7 @@ class Ops:
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
         for known in self.nodes.values():  # (it may have put xattrs back)
-            known.nocap = known.noxattr = False
+            known.nocap, known.noxattr = False, None
         self.grave_links = self.store.grave_counts()
         if self.sums is not None:
             self.sums.reload()
