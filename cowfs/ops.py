@@ -469,7 +469,7 @@ class Ops:
             if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
                 fd2 = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
                 try:
-                    os.chmod(B.proc(fd2), stat.S_IMODE(mode))
+                    B.chmod_fd(fd2, stat.S_IMODE(mode))
                 finally:
                     os.close(fd2)
 

@@ -485,29 +485,68 @@ def _make(d: str, names: tuple[str, str], user: bool = False) -> None:
 
 def test_new_objects_take_the_group_of_a_setgid_directory_as_it_is_now(mounted):
     """A directory made setgid through the mount gives new files and
-    directories its group (and new directories the bit), as ext4 does; once
-    a rollback took the bit away again, they get the creator's group -- of
-    root and of another user alike."""
+    directories its group (and new directories the bit), as ext4 does; after
+    a rollback took the bit away and a redo put it back, the directory's
+    group again; once a rollback took it away for good, the creator's
+    group -- of root and of another user alike."""
     ws = mounted
     d = ws / "dir"
+
+    def made_with(gid: int, setgid: bool, *pairs: tuple[str, str]) -> None:
+        for f, sub in pairs:
+            assert os.stat(d / f).st_gid == gid
+            st = os.stat(d / sub)
+            assert (st.st_gid, bool(st.st_mode & stat.S_ISGID)) == (gid, setgid)
+
     os.chown(d, 0, GROUP)
     os.chmod(d, 0o777)
     ws.checkpoint()
     os.chmod(d, 0o2777)
     _make(str(d), ("one", "sub"))
     _make(str(d), ("uone", "usub"), user=True)
-    for f, sub in (("one", "sub"), ("uone", "usub")):
-        assert os.stat(d / f).st_gid == GROUP
-        st = os.stat(d / sub)
-        assert (st.st_gid, bool(st.st_mode & stat.S_ISGID)) == (GROUP, True)
+    made_with(GROUP, True, ("one", "sub"), ("uone", "usub"))
+    ws.rollback()
+    assert not os.stat(d).st_mode & stat.S_ISGID
+    ws.json("redo")
+    assert os.stat(d).st_mode & stat.S_ISGID
+    _make(str(d), ("again", "subagain"))
+    _make(str(d), ("uagain", "usubagain"), user=True)
+    made_with(GROUP, True, ("again", "subagain"), ("uagain", "usubagain"))
     ws.rollback()
     assert not os.stat(d).st_mode & stat.S_ISGID
     _make(str(d), ("two", "sub2"))
     _make(str(d), ("utwo", "usub2"), user=True)
-    for f, sub, gid in (("two", "sub2", os.getegid()), ("utwo", "usub2", USER)):
-        assert os.stat(d / f).st_gid == gid
-        st = os.stat(d / sub)
-        assert (st.st_gid, bool(st.st_mode & stat.S_ISGID)) == (gid, False)
+    made_with(os.getegid(), False, ("two", "sub2"))
+    made_with(USER, False, ("utwo", "usub2"))
+
+
+def _mknod_setid(d: str) -> int:
+    """As USER, in *d*: a regular file by mknod with the setuid and setgid
+    bits; its mode."""
+
+    def make(name: str) -> int:
+        os.mknod(name, stat.S_IFREG | 0o6755)
+        return os.stat(name).st_mode
+
+    here = os.getcwd()
+    os.chdir(d)
+    try:
+        return run_as(USER, USER, make, "f")
+    finally:
+        os.chdir(here)
+
+
+def test_a_users_setid_file_keeps_its_bits_as_on_the_disk(mounted, tmp_path):
+    """The daemon gives another user's new file that user's ids with a
+    chown, which clears setuid; the mode is put back after it, so the file
+    has the bits a native mknod gives it."""
+    native = tmp_path / "native"
+    native.mkdir()
+    for d in (native, mounted / "dir"):
+        os.chmod(d, 0o777)
+    assert _mknod_setid(str(mounted / "dir")) == _mknod_setid(str(native))
+    assert stat.S_IMODE(os.stat(mounted / "dir" / "f").st_mode) == 0o6755
+    assert os.stat(mounted / "dir" / "f").st_uid == USER
 
 
 def test_a_setxattr_its_flag_fails_records_nothing(mounted):
