@@ -31,13 +31,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
+import stat
 import sys
 import time
 from dataclasses import dataclass
 
 from . import control, errors, jsonedit
 from .errors import CowfsError
+from .text import printable, quote
 
 HOOK_TIMEOUT = 60  # seconds an agent waits for our hook (we give up first)
 CONTROL_TIMEOUT = 45  # seconds the hook waits for the daemon
@@ -231,52 +234,153 @@ def add_group(a: Agent, text: str, path: str, event: str, group: dict) -> str:
 EMPTY = "{}\n"  # what is left of a settings file that only we wrote
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-    except UnicodeDecodeError:
-        raise CowfsError(f"{path} is not UTF-8 text; nothing was changed", errors.USAGE) from None
+SETTINGS_LIMIT = 16 << 20  # bytes of an agent's settings file read (they are a few KiB)
 
 
-def _write(path: str, text: str | None) -> None:
-    """Replace *path* with *text* (its mode and owner kept), or remove it
-    (None); a new file gets its directory."""
-    if text is None:
-        os.unlink(path)
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.cowfs-{os.getpid()}"
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        if st is not None:
-            os.fchmod(f.fileno(), st.st_mode & 0o7777)
-            if os.geteuid() == 0:
-                os.fchown(f.fileno(), st.st_uid, st.st_gid)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class _Settings:
+    """An agent's settings file in a workspace, found once and used through
+    descriptors (see DESIGN.md, "Threat model": the agent may swap any name
+    in its workspace for a symlink at any moment, and root may be the one
+    installing): the workspace and the settings directory are opened by
+    launch.open_dir (no symlink followed but one the invoking user or root
+    put where only they could; `install` creates a missing directory), the
+    file itself by launch.open_entry (a symlink another user may have put
+    there is refused, exit 2: nothing is read through it or written to
+    it), read through that descriptor, and replaced by a new file made
+    with O_CREAT | O_EXCL | O_NOFOLLOW under an unpredictable name in the
+    same directory (relative to its descriptor), renamed over the name.
+    A symlink that is followed (the user's own, in a directory only the
+    user or root may change) stays: the file it leads to is the one
+    replaced."""
+
+    def __init__(self, a: Agent, workspace: str, create: bool):
+        from .launch import PlantedLink, open_dir, open_entry
+
+        self.path = settings_path(a, workspace)
+        self.dirfd: int | None = None
+        self.fd: int | None = None
+        self.linked = False  # reached through a symlink of the user's (or root's)
+        head, name = os.path.split(a.settings)
+        self.name = name
+        try:
+            root = open_dir(workspace)
+            try:
+                d = open_dir(head, root, mkdir=0o777 if create else None)
+            finally:
+                os.close(root)
+            try:
+                self.dirfd, self.name, self.fd, self.linked = open_entry(d, name)
+            finally:
+                os.close(d)
+        except FileNotFoundError:
+            if create:
+                raise
+            # (no settings directory: nothing to read or remove)
+        except PlantedLink as e:  # (it names the link)
+            raise CowfsError(f"{e}; nothing was changed", errors.USAGE) from None
+
+    def refused(self, why: str) -> CowfsError:
+        return CowfsError(f"{quote(self.path)}: {why}; nothing was changed", errors.USAGE)
+
+    def __enter__(self) -> _Settings:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in (self.fd, self.dirfd):
+            if fd is not None:
+                os.close(fd)
+
+    def read(self) -> str | None:
+        """The file's text, None where there is none; a file that is not a
+        regular file, too large or not UTF-8 is refused."""
+        if self.fd is None:
+            return None
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            raise self.refused("not a regular file")
+        # (the O_PATH descriptor opened again for reading: the same file)
+        fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = bytearray()
+            while len(data) <= SETTINGS_LIMIT:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(fd)
+        if len(data) > SETTINGS_LIMIT:
+            raise self.refused(f"larger than {SETTINGS_LIMIT >> 20} MiB")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CowfsError(
+                f"{quote(self.path)} is not UTF-8 text; nothing was changed", errors.USAGE
+            ) from None
+
+    def write(self, text: str | None) -> None:
+        """Replace the file with *text* (its mode and owner kept), or
+        remove it (None); then sync the directory."""
+        assert self.dirfd is not None
+        if text is None:
+            os.unlink(self.name, dir_fd=self.dirfd)
+        else:
+            st = os.fstat(self.fd) if self.fd is not None else None
+            tmp, fd = self._create(0o600 if st is not None else 0o666)
+            try:
+                try:
+                    if st is not None:
+                        if os.geteuid() == 0:
+                            os.fchown(fd, st.st_uid, st.st_gid)
+                        os.fchmod(fd, st.st_mode & 0o777)  # (never setuid/setgid)
+                    data = text.encode("utf-8")
+                    while data:
+                        data = data[os.write(fd, data) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self.name, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=self.dirfd)
+                except OSError:
+                    pass
+                raise
+        d = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.dirfd)
+        try:
+            os.fsync(d)
+        finally:
+            os.close(d)
+
+    def _create(self, mode: int) -> tuple[str, int]:
+        """A new, empty file beside the settings, under a name nobody could
+        guess (and plant something at) beforehand."""
+        assert self.dirfd is not None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(100):
+            tmp = f"{self.name}.cowfs-{secrets.token_hex(12)}"
+            try:
+                return tmp, os.open(tmp, flags, mode, dir_fd=self.dirfd)
+            except FileExistsError:
+                continue
+        raise CowfsError(
+            f"cannot make a temporary file beside {quote(self.path)}; nothing was changed"
+        )
 
 
 def install(a: Agent, workspace: str, per_tool: bool = False) -> dict:
     """Write our hooks into *a*'s settings in *workspace* (replacing ours
     from before, keeping everything else byte for byte)."""
     path = settings_path(a, workspace)
-    before = _read(path)
-    text = strip_ours(a, EMPTY if before is None else before, path)
     events = [(a.prompt_event, None)] + ([(a.tool_event, a.tool_matcher)] if per_tool else [])
-    for event, matcher in events:
-        group: dict[str, object] = {"matcher": matcher} if matcher else {}
-        group["hooks"] = [a.handler(hook_command(a, workspace, event), event)]
-        text = add_group(a, text, path, event, group)
-    if text != before:
-        _write(path, text)
+    with _Settings(a, workspace, create=True) as settings:
+        before = settings.read()
+        text = strip_ours(a, EMPTY if before is None else before, path)
+        for event, matcher in events:
+            group: dict[str, object] = {"matcher": matcher} if matcher else {}
+            group["hooks"] = [a.handler(hook_command(a, workspace, event), event)]
+            text = add_group(a, text, path, event, group)
+        if text != before:
+            settings.write(text)
     return {
         "agent": a.name,
         "settings": path,
@@ -289,14 +393,17 @@ def install(a: Agent, workspace: str, per_tool: bool = False) -> dict:
 def uninstall(a: Agent, workspace: str) -> dict:
     """Remove our hooks from *a*'s settings; a file only we wrote goes."""
     path = settings_path(a, workspace)
-    before = _read(path)
-    if before is None:
-        return {"agent": a.name, "settings": path, "changed": False, "removed": False}
-    text = strip_ours(a, before, path)
-    if text == before:
-        return {"agent": a.name, "settings": path, "changed": False, "removed": False}
-    _write(path, None if text == EMPTY else text)
-    return {"agent": a.name, "settings": path, "changed": True, "removed": text == EMPTY}
+    with _Settings(a, workspace, create=False) as settings:
+        before = settings.read()
+        if before is None:
+            return {"agent": a.name, "settings": path, "changed": False, "removed": False}
+        text = strip_ours(a, before, path)
+        if text == before:
+            return {"agent": a.name, "settings": path, "changed": False, "removed": False}
+        # (a file reached through the user's own symlink is emptied, not removed)
+        removed = text == EMPTY and not settings.linked
+        settings.write(None if removed else text)
+    return {"agent": a.name, "settings": path, "changed": True, "removed": removed}
 
 
 # -- the hook itself ------------------------------------------------------------------
@@ -428,7 +535,9 @@ def turns_to_rewind(layers: list[dict], n: int) -> tuple[int, list[dict]]:
 
 
 def describe(layer: dict) -> list[str]:
-    """Lines for a layer an agent event opened (and those merged into it)."""
+    """Lines for a layer an agent event opened (and those merged into it);
+    what the agent said (its tool, the message with the paths it names)
+    with control characters escaped (text.printable)."""
     rows = []
     for rec, message in [(layer.get("agent"), layer.get("message"))] + [
         (t, t.get("message")) for t in layer.get("turns") or []
@@ -439,7 +548,9 @@ def describe(layer: dict) -> list[str]:
         merged = f"layer {rec['layer']}, merged: " if "layer" in rec else ""
         session = f", session {str(rec['session'])[:8]}" if rec.get("session") else ""
         rows.append(
-            f"{merged}{rec.get('agent')} {what} ({rec.get('event')}{session})"
-            + (f": {message}" if merged else "")
+            printable(
+                f"{merged}{rec.get('agent')} {what} ({rec.get('event')}{session})"
+                + (f": {message}" if merged else "")
+            )
         )
     return rows

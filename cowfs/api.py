@@ -16,9 +16,7 @@ from __future__ import annotations
 import base64
 import os
 import shlex
-import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
@@ -27,12 +25,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Literal, overload
 
-from . import backing as B
 from . import control
-from .errors import USAGE, CowfsError, NothingToDo
+from .errors import USAGE, CowfsError
 from .mounts import MountRecord, find_mount, finish_unmount
-from .past import KINDS, wpath
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
+from .text import printable, quote
 
 Command = Sequence[str] | str
 
@@ -64,7 +61,10 @@ class Change:
         }
 
     def __str__(self) -> str:
-        return f"R {self.source} -> {self.path}" if self.kind == "R" else f"{self.kind} {self.path}"
+        """'M a.txt', 'R old -> new', names quoted for people (text.quote)."""
+        if self.kind == "R":
+            return f"R {quote(self.source or '')} -> {quote(self.path)}"
+        return f"{self.kind} {quote(self.path)}"
 
 
 @dataclass
@@ -333,37 +333,6 @@ def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
         res = more(offset)
 
 
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-
-
-def _remove(path: str) -> None:
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _set_attrs(path: str, info: dict) -> None:
-    """Owner, mode, xattrs and times of *path* as *info* (op show) gives
-    them; times last, so nothing after them moves them."""
-    link = info["kind"] == "symlink"
-    if os.geteuid() == 0:
-        os.chown(path, info["uid"], info["gid"], follow_symlinks=False)
-    if not link:
-        os.chmod(path, stat.S_IMODE(info["mode"]))
-        B.set_all_xattrs(
-            os.fsencode(path),
-            False,
-            [(base64.b64decode(n), base64.b64decode(v)) for n, v in info["xattrs"]],
-        )
-    os.utime(path, ns=(info["atime_ns"], info["mtime_ns"]), follow_symlinks=False)
-
-
 class Workspace:
     """A mounted cowfs workspace."""
 
@@ -380,9 +349,11 @@ class Workspace:
         mountpoint: str | os.PathLike | None = None,
         max_store: int | None = None,
         max_layers: int | None = None,
+        allow: Sequence[str] | None = None,
     ) -> Workspace:
         """Mount *path* (over itself unless *mountpoint*) and return it;
-        *max_store* (bytes) and *max_layers* as `cowfs mount` takes them."""
+        *max_store* (bytes), *max_layers* and *allow* (grants: USER[:OPS],
+        @GROUP[:OPS]) as `cowfs mount` takes them."""
         from .daemon import check_fuse, spawn
 
         check_fuse()
@@ -392,6 +363,7 @@ class Workspace:
             os.fspath(store) if store is not None else None,
             max_store=max_store,
             max_layers=max_layers,
+            allow=list(allow) if allow is not None else None,
         )
         return cls.attach(msg["mountpoint"])
 
@@ -525,7 +497,7 @@ class Workspace:
     def _pages(self, layer: int | None, path: str, first: dict | None = None) -> Iterator[bytes]:
         res = first or self._call("show", layer=layer, path=path)
         if res["kind"] != "file":
-            raise CowfsError(f"{path} was a {res['kind']}, not a file, then", USAGE)
+            raise CowfsError(f"{quote(path)} was a {res['kind']}, not a file, then", USAGE)
         return show_pages(
             res, lambda offset: self._call("show", layer=layer, path=path, offset=offset)
         )
@@ -533,115 +505,12 @@ class Workspace:
     def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
         """Put *paths* (files or whole subtrees, workspace-relative) back as
         they were when *layer* (default: the open layer) was opened.  The
-        restore is made through the mount, so it is a change of the open
-        layer like any other (and can itself be rolled back).  Returns the
-        paths it changed.  Names that were one object then (hard links)
-        within what is restored are linked again; a name is never written
-        through to others it shares its object with now."""
-        done: list[str] = []
-        linked: dict[int, str] = {}  # object then -> the first path restored for it
-        rels = [os.fsdecode(wpath(path)) for path in paths]
-        if not all(rels):
-            raise CowfsError(
-                "restore takes paths inside the workspace; to put back everything, use rollback",
-                USAGE,
-            )
-        for rel in rels:  # every path names something, then or now
-            if _lstat(self._abs(rel)) is None:
-                info = self._call("show", layer=layer, path=rel, missing_ok=True)
-                if info["kind"] is None:
-                    raise NothingToDo(
-                        f"{rel}: no such path, now or when layer "
-                        f"{info['layer']} was opened; nothing restored"
-                    )
-        for rel in rels:
-            self._restore_parents(rel, layer, done)
-            self._restore(rel, layer, done, linked)
-        self._call(
-            "audit_note",
-            event="restore",
-            fields={"paths": list(paths), "from": layer, "restored": done[:1000]},
-        )
-        return done
-
-    def _abs(self, rel: str) -> str:
-        return os.path.join(self.root, rel)
-
-    def _restore_parents(self, rel: str, layer: int | None, done: list[str]) -> None:
-        """Directories above *rel* that are missing now come back (empty,
-        with their attributes then) so *rel* has somewhere to go."""
-        parts = rel.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            d = "/".join(parts[:i])
-            st = _lstat(self._abs(d))
-            if st is not None and stat.S_ISDIR(st.st_mode):
-                continue
-            info = self._call("show", layer=layer, path=d, missing_ok=True)
-            if info["kind"] != "dir":
-                raise CowfsError(
-                    f"{d} was not a directory when layer {info['layer']} was opened", USAGE
-                )
-            if st is not None:
-                _remove(self._abs(d))
-            os.mkdir(self._abs(d), 0o700)
-            _set_attrs(self._abs(d), info)
-            done.append(d)
-
-    def _restore(
-        self, rel: str, layer: int | None, done: list[str], linked: dict[int, str]
-    ) -> None:
-        target = self._abs(rel)
-        info = self._call("show", layer=layer, path=rel, missing_ok=True)
-        st = _lstat(target)
-        kind = info["kind"]
-        if kind is None:  # made after: it goes
-            if st is not None:
-                _remove(target)
-                done.append(rel)
-            return
-        if kind != "dir":
-            first = linked.setdefault(info["object"], rel)
-            if first != rel and _lstat(self._abs(first)) is not None:
-                if st is not None:  # a hard link then: one again
-                    _remove(target)
-                os.link(self._abs(first), target)
-                done.append(rel)
-                return
-        if st is not None and (
-            KINDS.get(stat.S_IFMT(st.st_mode)) != kind or (kind == "file" and st.st_nlink > 1)
-        ):
-            _remove(target)  # (never written through other names)
-            st = None
-        if kind == "file":
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                for data in self._pages(layer, rel, info):
-                    os.write(fd, data)
-            finally:
-                os.close(fd)
-        elif kind == "dir":
-            if st is None:
-                os.mkdir(target, 0o700)
-            wanted = set(info["entries"])
-            for name in os.listdir(target):
-                if name not in wanted:
-                    _remove(os.path.join(target, name))
-            for name in info["entries"]:
-                self._restore(f"{rel}/{name}", layer, done, linked)
-        elif kind == "symlink":
-            if st is not None:
-                os.unlink(target)
-            os.symlink(info["target"], target)
-        elif kind == "fifo":
-            if st is None:
-                os.mkfifo(target, 0o600)
-        elif kind in ("chardev", "blockdev"):
-            if st is None:
-                os.mknod(target, info["mode"], info["rdev"])
-        else:
-            raise CowfsError(f"{rel}: a {kind} cannot be restored", USAGE)
-        _set_attrs(target, info)
-        done.append(rel)
+        daemon does it, with the rights of the user who asks, as a change of
+        the open layer like any other (it can itself be rolled back).
+        Returns the paths it changed.  Names that were one object then (hard
+        links) within what is restored are linked again; a name is never
+        written through to others it shares its object with now."""
+        return self._call("restore", paths=list(paths), layer=layer)["restored"]
 
     def top(self) -> int:
         return self._call("status")["id"]
@@ -835,7 +704,9 @@ class Workspace:
             checked.stderr,
         )
         for name, lines in result.uncaptured.items():
-            shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+            shown = ", ".join(map(printable, lines[:5])) + (
+                f" and {len(lines) - 5} more" if len(lines) > 5 else ""
+            )
             result.warnings.append(
                 f"container {name} changed outside the workspace and this "
                 f"was not captured (run with --scope container to "

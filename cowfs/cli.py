@@ -28,7 +28,7 @@ from .mounts import (
     mount_table,
     processes,
 )
-from .text import ago, count, duration
+from .text import ago, count, duration, printable, quote
 
 # = policy.RUN_SCOPES (the policy is loaded by the commands that use it: every
 # command starts by importing this module, and it must stay cheap)
@@ -179,7 +179,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         dest="offline_store",
         metavar="DIR",
         help="status, log, rollback, commit on a workspace that is not mounted: "
-        "its store (default: the nearest WORKSPACE/.cowfs above PATH)",
+        "its store (default: the outermost trusted WORKSPACE/.cowfs above PATH)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
@@ -230,6 +230,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         help="do not capture changes under paths matching PATTERN (gitignore "
         "syntax, like .cowfsignore; repeatable; kept for later mounts; "
         "--ignore '' clears)",
+    )
+    s.add_argument(
+        "--allow",
+        action="append",
+        metavar="USER|@GROUP[:OPS]",
+        type=allow_spec,
+        help="let another user (or a group) ask this workspace's daemon for "
+        "OPS: read (status, diff, show, log, view) or step (read, and "
+        "checkpoint, rollback, redo, commit, restore, run); default step; "
+        "each acts with that user's rights; repeatable; kept for later "
+        "mounts; --allow '' clears",
     )
     s.add_argument(
         "--engine",
@@ -575,7 +586,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     s.add_argument(
         "--mount",
         action="store_true",
-        help="mount the workspace first if it is not mounted (it stays mounted)",
+        help="mount the workspace first if it is not mounted (it stays mounted; "
+        "with --as USER, granting USER step)",
+    )
+    s.add_argument(
+        "--as",
+        dest="as_user",
+        metavar="USER",
+        help="serve as USER (the agent's account): every tool, run included, "
+        "acts with USER's rights, and the workspace must grant USER what it asks "
+        "(cowfs mount --allow USER); required when started as root",
     )
 
     agent_names: tuple[str, ...] = ()
@@ -680,6 +700,19 @@ def do_mount(args) -> int:
     return 0
 
 
+def allow_spec(spec: str) -> str:
+    """--allow: checked here (an unknown user is a usage error before any
+    mount), resolved again by the daemon."""
+    from .access import BadGrant, parse_grant
+
+    if spec:
+        try:
+            parse_grant(spec)
+        except BadGrant as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def mount_options(args) -> dict:
     return {
         "chunk_size": args.chunk_size,
@@ -687,6 +720,7 @@ def mount_options(args) -> dict:
         "max_layers": args.max_layers,
         "accept_drift": args.accept_drift,
         "ignore": args.ignore,
+        "allow": args.allow,
         "audit": args.audit,
         "engine": engine_choice(args.engine),
     }
@@ -735,7 +769,9 @@ def format_event(e: dict) -> str:
         who = f"  [{format_who(e)}]" if e.get("who") else ""
         return f"{when}  {'':>10}  {what}{who}"
     detail = {k: v for k, v in e.items() if k not in ("n", "time", "event")}
-    return f"{when}  {kind:>10}  " + " ".join(f"{k}={v}" for k, v in detail.items())
+    return f"{when}  {kind:>10}  " + " ".join(
+        f"{k}={printable(v) if isinstance(v, str) else v}" for k, v in detail.items()
+    )
 
 
 def do_view(args) -> int:
@@ -841,7 +877,13 @@ def call(args, op: str, **kw) -> dict:
 
 
 # operations that change the tree or the store and must not stop half-way
-LONG_OPS = {"rollback": "rollback", "redo": "redo", "commit": "commit", "gc": "gc"}
+LONG_OPS = {
+    "rollback": "rollback",
+    "redo": "redo",
+    "commit": "commit",
+    "gc": "gc",
+    "restore": "restore",
+}
 
 # what the progress of a long operation says it is doing
 DOING = {
@@ -956,6 +998,7 @@ OFFLINE_OPS = {
     "view",
     "audit",
     "audit_prune",
+    "restore",
 }
 
 
@@ -1037,17 +1080,22 @@ def do_commit(args) -> int:
 
 
 def format_change(c: dict) -> str:
+    """'M a.txt', 'R old -> new': names quoted (text.quote), each side of
+    a rename on its own."""
     if c["kind"] == "R":
-        return f"R {c['from']} -> {c['path']}"
-    return f"{c['kind']} {c['path']}"
+        return f"R {quote(c['from'])} -> {quote(c['path'])}"
+    return f"{c['kind']} {quote(c['path'])}"
 
 
 def format_who(c: dict) -> str:
-    """The process that first made a change, for --who."""
+    """The process that first made a change, for --who (an argument with a
+    control character in it quoted as a name is, the others as a shell
+    would take them)."""
     w = c.get("who")
     if not w:
         return "(unknown)"
-    return f"pid {w.get('pid')} uid {w.get('uid')}: {shlex.join(w.get('cmd') or ['?'])}"
+    cmd = " ".join(quote(a) if printable(a) != a else shlex.quote(a) for a in w.get("cmd") or ["?"])
+    return f"pid {w.get('pid')} uid {w.get('uid')}: {cmd}"
 
 
 def do_status(args) -> int:
@@ -1080,7 +1128,7 @@ def do_status(args) -> int:
         lines.append(
             f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
             f"the mount, the last {ago(refused['time'], time.time())}"
-            + (f": {refused['path']}" if refused.get("path") else "")
+            + (f": {quote(refused['path'])}" if refused.get("path") else "")
         )
     lines += redo_line(res.get("redo"))
     out(args, "\n".join(lines), res)
@@ -1168,7 +1216,9 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if who else ""))
         elif stat:
             counts = (
-                "content unchanged"
+                "not readable by you"
+                if c.get("unreadable")
+                else "content unchanged"
                 if same_content(c)
                 else f"+{c['added']} -{c['removed']}"
                 if "diff" in c
@@ -1183,14 +1233,29 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
                 if side in c and c[side]["kind"] != "file":
                     rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
             same = same_content(c)
-            if c.get("diff"):
-                rows.append(c["diff"].rstrip("\n"))
+            if c.get("unreadable"):
+                rows.append("(not readable by you: contents not shown)")
+            elif c.get("diff"):
+                rows.append(quoted_headers(c).rstrip("\n"))
             elif c["binary"] and not same:
                 rows.append(f"Binary: {side_sizes(c)}")
             elif same:
                 rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 {c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
     return rows
+
+
+def quoted_headers(c: dict) -> str:
+    """The unified diff of change *c* with the names in its ---/+++ lines
+    quoted as git quotes them ('--- "a/x\\ny"'): they are the one place
+    where the diff names a path (op diff's JSON keeps them exact)."""
+    old = "a/" + (c.get("from") or (c["path"] if c["path"] != "." else "")) if "old" in c else None
+    new = f"b/{c['path']}" if "new" in c else None
+    sides = [side or "/dev/null" for side in (old, new)]
+    head = f"--- {sides[0]}\n+++ {sides[1]}\n"
+    if not c["diff"].startswith(head):  # (past.diff_entry writes it so; else no name raw)
+        return "\n".join(map(printable, c["diff"].split("\n")))
+    return f"--- {quote(sides[0])}\n+++ {quote(sides[1])}\n" + c["diff"][len(head) :]
 
 
 def same_content(c: dict) -> bool:
@@ -1249,25 +1314,27 @@ def do_show(args) -> int:
             sink.write(data)
         sink.flush()
     elif res["kind"] == "dir":
-        out(args, "\n".join(res["entries"]) or None, res)
+        out(args, "\n".join(map(quote, res["entries"])) or None, res)
     elif res["kind"] == "symlink":
-        out(args, res["target"], res)
+        out(args, quote(res["target"]), res)
     else:
         out(args, f"{res['kind']} mode {res['mode']:o}", res)
     return 0
 
 
 def do_restore(args) -> int:
-    from .api import Workspace
-
-    ws = Workspace.attach(args.path)
-    with progress_shown(args, "restore"):
-        done = ws.restore(workspace_paths(args, args.paths), args.layer)
+    paths = workspace_paths(args, args.paths)
+    res = call(args, "restore", paths=paths, layer=args.layer)
+    done = res["restored"]
     out(
         args,
         f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
-        + (": " + ", ".join(done[:10]) + (" ..." if len(done) > 10 else "") if done else ""),
-        {"restored": done},
+        + (
+            ": " + ", ".join(map(quote, done[:10])) + (" ..." if len(done) > 10 else "")
+            if done
+            else ""
+        ),
+        res,
     )
     return 0
 
@@ -1294,19 +1361,19 @@ def do_log(args) -> int:
         rows.append(
             f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
             f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
-            f"{human_size(layer['bytes']):>10}  {layer['message']}"
+            f"{human_size(layer['bytes']):>10}  {printable(layer['message'])}"
         )
         rows += [below + line for line in agent_lines(layer)]
         for d in layer.get("drift", []):
             rows.append(
                 f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
-                f"while not mounted): {', '.join(d['paths'][:5])}"
+                f"while not mounted): {', '.join(map(quote, d['paths'][:5]))}"
             )
         for pm in layer.get("postmortems", []):
             first = (pm.get("output") or "").strip().splitlines()[:1]
             rows.append(
                 f"{below}post-mortem of {pm.get('domain')} before reverting layer "
-                f"{pm.get('layer')}: {first[0] if first else '(no output)'}"
+                f"{pm.get('layer')}: {printable(first[0]) if first else '(no output)'}"
             )
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
@@ -1316,7 +1383,9 @@ def do_log(args) -> int:
                 status += f", {duration(run['duration'])}"
             if run.get("started"):
                 status += f", {ago(run['started'], now)}"
-            rows.append(f"{below}run {run.get('outcome')} ({status}): {run.get('command')}")
+            rows.append(
+                f"{below}run {run.get('outcome')} ({status}): {printable(str(run.get('command')))}"
+            )
     rows += redo_line(res.get("redo"))
     out(args, "\n".join(rows), res["layers"])
     return 0
@@ -1634,7 +1703,7 @@ def do_check(args) -> int:
 def do_mcp(args) -> int:
     from .mcpserver import serve
 
-    return serve(args.path, mount=args.mount)
+    return serve(args.path, mount=args.mount, as_user=args.as_user)
 
 
 def agent_lines(layer: dict) -> list[str]:
@@ -1721,7 +1790,7 @@ def do_rewind(args) -> int:
     ids = f"{target}" if len(undone) == 1 else f"{target} to {undone[-1]['id']}"
     lines = [f"rewinding {what} rolls back layer{'s' if len(undone) > 1 else ''} {ids}:"]
     for layer in undone:
-        lines.append(f"  {layer['id']:>4}  {layer['message']}")
+        lines.append(f"  {layer['id']:>4}  {printable(layer['message'])}")
         lines += [f"        {line}" for line in agent_lines(layer)]
     lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
     lines += [f"  {format_change(c)}" for c in changes[:50]]
@@ -1831,7 +1900,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:
-        name = os.fsdecode(e.filename) + ": " if e.filename else ""
+        name = quote(os.fsdecode(e.filename)) + ": " if e.filename else ""
         print(f"cowfs: {name}{e.strerror or e}", file=sys.stderr)
         return errors.DAEMON_ERROR
     except Exception as e:  # a bug: still one line, never a traceback

@@ -10,11 +10,11 @@ import json
 import os
 import select
 import socket
-import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from . import errors
+from .access import Requester
 from .mounts import MountRecord, not_owner
 
 MAX_REQUEST = 1 << 20
@@ -54,7 +54,10 @@ def call(
             errors.DAEMON_ERROR,
         ) from None
     with s:
-        s.sendall(encode({"op": op, **args}))
+        try:
+            s.sendall(encode({"op": op, **args}))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (refused before it read the request: its answer is there to read)
         buf = bytearray()
         while not buf.endswith(b"\n"):
             try:
@@ -122,8 +125,17 @@ class Host(Protocol):
         """The operation called *name* (KeyError: no such operation)."""
         ...
 
-    def run_request(self, name: str, op: Callable, args: dict) -> Awaitable[dict]:
-        """Carry out a checked request; its result (errors are raised)."""
+    def permits_any(self, who: Requester) -> bool:
+        """Whether *who* (not the owner, not root) may ask for anything."""
+        ...
+
+    def permits(self, who: Requester, name: str) -> None:
+        """*who* may ask for *name* (NotOwner, with why, otherwise)."""
+        ...
+
+    def run_request(self, name: str, op: Callable, args: dict, who: Requester) -> Awaitable[dict]:
+        """Carry out a checked request for *who*; its result (errors are
+        raised)."""
         ...
 
     def unanswered(self, name: str, result: dict) -> Awaitable[None]:
@@ -131,9 +143,11 @@ class Host(Protocol):
         ...
 
 
-async def serve(path: str, host: Host, task_status: Any = None) -> None:
-    """Serve control requests on a Unix socket at *path* (mode 0600) until
-    cancelled; *task_status* is told once it listens."""
+async def serve(path: str, host: Host, mode: int = 0o600, task_status: Any = None) -> None:
+    """Serve control requests on a Unix socket at *path* until cancelled;
+    *task_status* is told once it listens.  *mode* 0600: only the owner
+    (and root) can connect; 0666 for a workspace that grants other users
+    operations (each request is checked against the peer's credentials)."""
     import logging
 
     import trio
@@ -145,7 +159,7 @@ async def serve(path: str, host: Host, task_status: Any = None) -> None:
         pass
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     await sock.bind(path)
-    os.chmod(path, 0o600)
+    os.chmod(path, mode)
     sock.listen(socket.SOMAXCONN)
     listener = trio.SocketListener(sock)
     if task_status is not None:
@@ -166,11 +180,8 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
     import trio
 
     async with stream:
-        creds = stream.socket.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-        )
-        _, uid, _ = struct.unpack("3i", creds)
-        if uid not in (0, host.owner):
+        who = Requester.of_peer(stream.socket)
+        if who.uid not in (0, host.owner) and not host.permits_any(who):
             e = not_owner(f"the cowfs workspace mounted at {host.mountpoint}", host.owner)
             await stream.send_all(encode({"ok": False, **e.to_dict()}))
             return
@@ -188,6 +199,10 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
             name = req.pop("op")
             op = host.operation(name)
             check_args(op, req)
+            host.permits(who, name)
+        except errors.CowfsError as e:
+            await stream.send_all(encode({"ok": False, **e.to_dict()}))
+            return
         except BadRequest as e:
             await stream.send_all(
                 encode({"ok": False, "code": errors.USAGE, "error": f"bad request: {e}"})
@@ -202,7 +217,7 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
         try:
             resp: dict[str, Any]
             try:
-                resp = {"ok": True, "result": await host.run_request(name, op, req)}
+                resp = {"ok": True, "result": await host.run_request(name, op, req, who)}
             except errors.CowfsError as e:
                 resp = {"ok": False, **e.to_dict()}
             except Exception as e:

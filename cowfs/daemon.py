@@ -27,7 +27,8 @@ import trio
 from . import backing as B
 from . import control, errors, gravesum, progress, steps
 from . import schema as S
-from .errors import AlreadyMounted, CowfsError, NoFuse
+from .access import Requester, granted
+from .errors import AlreadyMounted, CowfsError, NoFuse, NotOwner
 from .launch import clear_view, detach, start_and_wait
 from .mounts import (
     FSTYPE,
@@ -35,12 +36,14 @@ from .mounts import (
     check_other_mounts,
     mount_users,
     mounts,
+    not_owner,
     processes,
     recover_stale_mount,
     socket_path,
     unmount,
 )
 from .ops import Ops
+from .restore import Invalid
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
 
 if TYPE_CHECKING:  # (imported when the engine is made: pyfuse3 may be missing)
@@ -127,6 +130,12 @@ class Mounted(MountHooks):
     def after_commit(self, freed: list) -> None:
         self.fs.after_commit(freed)
 
+    def operations(self) -> Ops:
+        return self.fs
+
+    async def invalidate(self, invalid: Invalid) -> None:
+        await self.blocking(self.engine.invalidate, sorted(invalid.entries), sorted(invalid.inodes))
+
     def refused(self) -> dict | None:
         return self.fs.refused if self.fs.refused["count"] else None
 
@@ -153,6 +162,7 @@ class Daemon:
         ignore: list[str] | None = None,
         audit: str | None = None,
         engine: str | None = None,
+        allow: list[str] | None = None,
     ):
         self.session = Session(
             workspace,
@@ -164,6 +174,7 @@ class Daemon:
             accept_drift=accept_drift,
             ignore=ignore,
             audit=audit,
+            allow=allow,
         )
         self.workspace = self.session.workspace
         self.mountpoint = self.session.mountpoint
@@ -223,7 +234,7 @@ class Daemon:
             self.workspace,
             self.store_dir,
             os.getpid(),
-            socket_path(self.mountpoint),
+            socket_path(self.mountpoint, shared=bool(s.grants)),
         )
         s.stack.board = progress.Board(progress.path_for(self.record.socket))
         try:  # informational (a full disk must not keep the workspace from mounting)
@@ -273,7 +284,9 @@ class Daemon:
 
     async def _main(self) -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(control.serve, self.record.socket, self)
+            await nursery.start(
+                control.serve, self.record.socket, self, 0o666 if self.record.shared else 0o600
+            )
             self.record.save()
             nursery.start_soon(self._signals)
             nursery.start_soon(self._periodic_sync)
@@ -313,6 +326,24 @@ class Daemon:
 
     # -- control requests (control.Host) ----------------------------------------------
 
+    def permits_any(self, who: Requester) -> bool:
+        return bool(granted(self.session.grants, who))
+
+    def permits(self, who: Requester, name: str) -> None:
+        """*who* may ask for operation *name*: the owner and root anything,
+        another user what the workspace grants it (NotOwner otherwise)."""
+        if who.uid in (0, self.owner):
+            return
+        ops = granted(self.session.grants, who)
+        what = f"the cowfs workspace mounted at {self.mountpoint}"
+        if not ops:
+            raise not_owner(what, self.owner)
+        if name not in ops:
+            raise NotOwner(
+                f"{what} belongs to another user (uid {self.owner}), who lets uid "
+                f"{who.uid} ask for {', '.join(sorted(ops))}, not {name}"
+            )
+
     def operation(self, name: str) -> Callable:
         if name in ("ping", "unmount"):
             return getattr(self, "op_" + name)
@@ -320,11 +351,12 @@ class Daemon:
             return getattr(self.session, name)
         raise KeyError(name)
 
-    async def run_request(self, name: str, op: Callable, args: dict) -> dict:
+    async def run_request(self, name: str, op: Callable, args: dict, who: Requester) -> dict:
         async with self.lock:
             t0 = time.perf_counter()
             with self.exclusive():  # (let go while it waits)
                 self.session.request_starts()
+                self.session.requester = who
                 result = await invoke(op, **args)
             result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
         return result
@@ -465,7 +497,7 @@ def serve(
     daemon = Daemon(workspace, mountpoint, store, **options)
     try:
         daemon.prepare()
-        setup_logging(daemon.store_dir, foreground)
+        setup_logging(daemon.session.store.path, foreground)  # (the path checked and opened)
 
         def ready() -> None:
             report(
@@ -529,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--accept-drift", action="store_true")
     p.add_argument("--ignore", action="append")
+    p.add_argument("--allow", action="append")
     p.add_argument("--audit", choices=AUDIT_LEVELS)
     p.add_argument("--engine", choices=ENGINES)
     p.add_argument("workspace")
@@ -542,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         foreground=False,
         accept_drift=a.accept_drift,
         ignore=a.ignore,
+        allow=a.allow,
         audit=a.audit,
         engine=a.engine,
         **{name: getattr(a, name) for name in MOUNT_OPTIONS},

@@ -8,6 +8,7 @@ NOTHING_TO_DO = 1
 USAGE = 2
 NOT_MOUNTED = 3
 UNKNOWN_LAYER = 4
+NO_STORE = 4  # an offline command on a path with no store (none is ever made for it)
 ALREADY_MOUNTED = 5
 STORE_ERROR = 6
 BAD_WORKSPACE = 7
@@ -45,6 +46,13 @@ class NotMounted(CowfsError):
 
 class UnknownLayer(CowfsError):
     code = UNKNOWN_LAYER
+
+
+class NoStore(NotMounted):
+    """An offline command on a path that is in no workspace with a store
+    (or a --store DIR that is none): nothing is created for it."""
+
+    code = NO_STORE
 
 
 class AlreadyMounted(CowfsError):

@@ -9,7 +9,7 @@ Changes are dicts as the daemon gives them: "path", "kind", and "from",
 
 from __future__ import annotations
 
-from .text import count
+from .text import count, quote
 
 KINDS = {
     "A": "added",
@@ -97,12 +97,12 @@ def held(c: dict) -> str:
 
 def line(c: dict) -> str:
     """One change as `status` shows it: 'M a.txt', 'R old -> new',
-    'A node_modules/  (7,229 files)'."""
+    'A node_modules/  (7,229 files)'; names quoted (text.quote)."""
     if c["kind"] == "R":
-        return f"R {c['from']} -> {c['path']}"
+        return f"R {quote(c['from'])} -> {quote(c['path'])}"
     if "collapsed" in c:
-        return f"{c['kind']} {c['path']}/{held(c)}"
-    return f"{c['kind']} {c['path']}"
+        return f"{c['kind']} {quote(c['path'] + '/')}{held(c)}"
+    return f"{c['kind']} {quote(c['path'])}"
 
 
 def cut(changes: list, limit: int | None) -> tuple[list, str | None]:

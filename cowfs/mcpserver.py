@@ -374,9 +374,46 @@ def build(root: str):
     return server
 
 
-def serve(path: str, mount: bool = False) -> int:
+def become(user: str) -> None:
+    """Switch this process to *user* for good (its groups too): what the
+    server does from here on, the agent's commands included, it does with
+    that user's rights."""
+    import pwd
+
+    try:
+        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        raise CowfsError(f"--as {user}: no such user", errors.USAGE) from None
+    if os.geteuid() != 0:
+        if pw.pw_uid != os.geteuid():
+            raise CowfsError(f"--as {user}: only root may serve as another user", errors.NOT_OWNER)
+        return
+    # What the tools load later is loaded now: the interpreter's own files
+    # may be where USER cannot read them (a root's pyenv).
+    import importlib.readers  # noqa: F401
+
+    from .policy import Policy
+
+    Policy.load()
+    os.initgroups(pw.pw_name, pw.pw_gid)
+    os.setgid(pw.pw_gid)
+    os.setuid(pw.pw_uid)
+    os.environ.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
+    os.environ.pop("XDG_RUNTIME_DIR", None)
+
+
+def serve(path: str, mount: bool = False, as_user: str | None = None) -> int:
     """`cowfs mcp`: serve the workspace containing *path* until the client
-    closes stdin."""
+    closes stdin; *as_user*: as that user (required when run as root: the
+    agent would otherwise act as root, through run above all)."""
+    if os.geteuid() == 0 and as_user is None:
+        raise CowfsError(
+            "cowfs mcp was started as root: its tools (run, show, diff) would act as "
+            "root for the agent; start it with --as USER, the agent's account (the "
+            "workspace grants it what it may ask: cowfs mount --allow USER), or "
+            "--as root to mean it",
+            errors.USAGE,
+        )
     try:
         import anyio
         import mcp.server.mcpserver  # noqa: F401
@@ -394,9 +431,12 @@ def serve(path: str, mount: bool = False) -> int:
                 raise errors.BadWorkspace(
                     f"workspace {path} does not exist or is not a directory"
                 ) from None
-            root = Workspace.mount(path).root
+            grant = [as_user] if as_user not in (None, "root", "0") else None
+            root = Workspace.mount(path, allow=grant).root
     else:
         root = find_mount(path).mountpoint
+    if as_user is not None:
+        become(as_user)
     server = build(root)
     try:
         anyio.run(server.run_stdio_async)

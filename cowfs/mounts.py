@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from typing import NamedTuple
 
 import xxhash
 
-from .errors import AlreadyMounted, BadWorkspace, NotMounted, NotOwner
+from .errors import AlreadyMounted, BadWorkspace, NoStore, NotMounted, NotOwner, StoreError
 
 FSTYPE = "fuse.cowfs"
 VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/view.py)
@@ -38,6 +39,47 @@ def runtime_dir() -> str:
     return base
 
 
+def _own_dir(base: str, mode: int) -> str:
+    """*base*, a directory of this user's with *mode* (made if missing),
+    never one another user made or could change, nor a symlink."""
+    os.makedirs(base, mode=mode, exist_ok=True)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{base} is not a directory owned by this user")
+    if stat.S_IMODE(st.st_mode) != mode:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    return base
+
+
+def shared_runtime_dir() -> str:
+    """Where a daemon whose workspace grants other users operations
+    (``cowfs mount --allow``) keeps its control socket (mode 0666: the
+    daemon checks each peer's credentials) and a copy of its record, in a
+    directory others may search but not change."""
+    if os.geteuid() == 0:
+        return _own_dir("/run/cowfs-shared", 0o755)
+    return _own_dir(f"/tmp/cowfs-shared-{os.geteuid()}", 0o755)
+
+
+def shared_dirs_of(uid: int) -> list[str]:
+    """Where the shared records of *uid*'s daemons are (for other users):
+    only a directory of that user's that nobody else may change (another
+    user could have made one in /tmp, with records leading to a socket of
+    its own)."""
+    base = "/run/cowfs-shared" if uid == 0 else f"/tmp/cowfs-shared-{uid}"
+    try:
+        st = os.lstat(base)
+    except OSError:
+        return []
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return []
+    return [base]
+
+
 def runtime_dirs_of(uid: int) -> list[str]:
     """Where a daemon run by *uid* may have its runtime directory (for root,
     which may control every user's workspace)."""
@@ -50,8 +92,10 @@ def _key(mountpoint: str) -> str:
     return xxhash.xxh3_64_hexdigest(os.fsencode(mountpoint))
 
 
-def socket_path(mountpoint: str) -> str:
-    return os.path.join(runtime_dir(), _key(mountpoint) + ".sock")
+def socket_path(mountpoint: str, shared: bool = False) -> str:
+    """The control socket's path; *shared*: one other users may reach."""
+    base = shared_runtime_dir() if shared else runtime_dir()
+    return os.path.join(base, _key(mountpoint) + ".sock")
 
 
 def record_path(mountpoint: str) -> str:
@@ -236,14 +280,32 @@ class MountRecord:
         )
         return [rec for rec in found if rec is not None]
 
+    @property
+    def shared(self) -> bool:
+        """Whether other users may reach the daemon (its workspace grants
+        them operations): its socket and a copy of this record are in the
+        shared runtime directory."""
+        return os.path.dirname(self.socket) in shared_dirs_of(os.geteuid())
+
+    def _paths(self) -> list[tuple[str, int]]:
+        paths = [(record_path(self.mountpoint), 0o600)]
+        if self.shared:
+            shared = os.path.dirname(self.socket)
+            paths.append((os.path.join(shared, _key(self.mountpoint) + ".json"), 0o644))
+        return paths
+
     def save(self) -> None:
-        path = record_path(self.mountpoint)
-        tmp = path + ".tmp"
-        with open(
-            os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w"
-        ) as f:
-            json.dump(self.as_dict(), f)
-        os.replace(tmp, path)
+        for path, mode in self._paths():
+            tmp = path + ".tmp"
+            with open(
+                os.open(
+                    tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+                ),
+                "w",
+            ) as f:
+                os.fchmod(f.fileno(), mode)
+                json.dump(self.as_dict(), f)
+            os.replace(tmp, path)
 
     def remove(self) -> None:
         """Remove the record and the socket, unless they are another
@@ -251,7 +313,7 @@ class MountRecord:
         current = MountRecord.load(self.mountpoint)
         if current is not None and current.pid != self.pid:
             return
-        for p in (record_path(self.mountpoint), self.socket):
+        for p in [path for path, _ in self._paths()] + [self.socket]:
             try:
                 os.unlink(p)
             except FileNotFoundError:
@@ -268,6 +330,7 @@ class Location(NamedTuple):
     root: str  # the mount point (live, dead); the workspace (unmounted)
     record: MountRecord | None  # the daemon's record (live; dead: if it left one)
     store: str | None  # unmounted: the store found there; None: no workspace found
+    refused: str | None = None  # unmounted: why the store found is not one to trust
 
     def mounted(self, path: str) -> MountRecord:
         """The record of a live mount; NotMounted, saying what to do, otherwise."""
@@ -290,8 +353,10 @@ class Location(NamedTuple):
         store None when it is the default), or the nearest store above *path*."""
         if self.state != UNMOUNTED:
             return (self.record.workspace, self.record.store) if self.record else (self.root, None)
+        if self.refused is not None:
+            raise StoreError(self.refused)
         if self.store is None:
-            raise NotMounted(
+            raise NoStore(
                 f"{path} is not inside a cowfs workspace (mounted, or with a "
                 f"{STORE_DIR} store); give the store with --store DIR"
             )
@@ -305,7 +370,16 @@ def locate(path: str) -> Location:
     live (its daemon answers) or dead (its daemon is gone), else the nearest
     directory above it with a store (STORE_DIR), unmounted; else UNMOUNTED
     with *path* itself as the root and no store.  Another user's mount is
-    NotOwner (root reads that user's record)."""
+    NotOwner (root reads that user's record).
+
+    Of the stores above *path* only those cowfs may trust count (see
+    cowfs/trust.py: anyone else could have made or changed the others, say
+    an agent in a directory of the workspace it may write), and of those the
+    outermost: a store below another workspace's root lies in that
+    workspace's tree, where whoever may write it could have put it (or it
+    was made through its mount), so it is never adopted.  Where stores were
+    found and none may be trusted, the nearest one's refusal (StoreError
+    from Location.unmounted)."""
     p = os.path.realpath(path)  # non-strict: a dead mount's ENOTCONN does not stop it
     table = mount_table()
     q = p
@@ -315,22 +389,38 @@ def locate(path: str) -> Location:
             owner = mount_owner(q) if rec is None else None
             if owner is not None and owner != os.geteuid():
                 if os.geteuid() != 0:
-                    raise not_owner(f"the cowfs workspace mounted at {q}", owner)
-                rec = MountRecord.load(q, runtime_dirs_of(owner))
+                    # (its daemon serves other users only where the
+                    # workspace grants them something: cowfs mount --allow)
+                    rec = MountRecord.load(q, shared_dirs_of(owner))
+                    if rec is None:
+                        raise not_owner(f"the cowfs workspace mounted at {q}", owner)
+                else:
+                    rec = MountRecord.load(q, runtime_dirs_of(owner))
             alive = rec is not None and pid_alive(rec.pid)
             return Location(LIVE if alive else DEAD, q, rec, None)
         if q == "/":
             break
         q = os.path.dirname(q)
+    from .trust import why_untrusted
+
     q = p
+    found: Location | None = None
+    refused: Location | None = None
     while True:
         store = default_store(q)
         if os.path.isdir(os.path.join(store, "db")) or (
             os.path.isdir(store) and not os.access(store, os.X_OK)
         ):
-            return Location(UNMOUNTED, q, None, store)
+            # (the directories down to the store: opening it checks the rest)
+            why = why_untrusted(store, whole=False)
+            if why is None:
+                found = Location(UNMOUNTED, q, None, store)  # (an outer one wins)
+            elif refused is None:
+                refused = Location(
+                    UNMOUNTED, q, None, store, f"refusing to use the cowfs store {store}: {why}"
+                )
         if q == "/":
-            return Location(UNMOUNTED, p, None, None)
+            return found or refused or Location(UNMOUNTED, p, None, None)
         q = os.path.dirname(q)
 
 

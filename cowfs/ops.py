@@ -1253,6 +1253,11 @@ class Ops:
         return [b".", b".."] + names
 
     @op
+    def names(self, inode: int) -> list[bytes]:
+        """The names in directory *inode* (no dot entries, nor the store)."""
+        return self._list(self._node(inode))[2:]
+
+    @op
     def readdir(
         self, fh: int, start: int, take: Callable[[bytes, Node, os.stat_result, int], bool]
     ) -> None:

@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from . import access
 from . import backing as B
 from . import schema as S
+from .access import Requester
 from .errors import NOTHING_TO_DO, USAGE, CowfsError
 from .journal import Reading
 from .store import Store
+from .text import quote
 
 
 class NotThere(CowfsError):
@@ -155,6 +158,76 @@ class History:
             )
         return None
 
+    # -- who may see it -------------------------------------------------------------
+
+    def _acl(self, obj: Past) -> list | None:
+        if stat.S_ISLNK(obj.mode):
+            return None
+        return access.parse_acl(dict(self.xattrs_of(obj)).get(access.ACL_ACCESS))
+
+    def readable(self, path: bytes, who: Requester) -> bool:
+        """Whether *who* could have read what *path* held at T, as the
+        kernel would have decided then: search permission on every
+        directory above it, read permission on a file, read and search on
+        a directory (a symlink, a device: the directories above)."""
+        if who.root:
+            return True
+        comps = path.split(b"/") if path else []
+        for i in range(len(comps)):
+            d = self.object_at(b"/".join(comps[:i]))
+            if d is None or not access.permitted(who, d.mode, d.uid, d.gid, access.X, self._acl(d)):
+                return False
+        obj = self.object_at(path)
+        if obj is None:
+            return True  # (nothing to reveal)
+        want = (
+            access.R | access.X
+            if stat.S_ISDIR(obj.mode)
+            else access.R
+            if stat.S_ISREG(obj.mode)
+            else 0
+        )
+        return not want or access.permitted(who, obj.mode, obj.uid, obj.gid, want, self._acl(obj))
+
+    def readable_now(self, path: bytes, who: Requester) -> bool:
+        """Whether *who* may read what *path* holds now (as ``readable``,
+        on the tree as it is)."""
+        if who.root:
+            return True
+
+        def acl(loc: bytes, st: os.stat_result) -> list | None:
+            if stat.S_ISLNK(st.st_mode):
+                return None
+            try:
+                with self.r.at(loc) as (d, n):
+                    target, follow = B.xattr_target(d, n)
+                    return access.parse_acl(
+                        os.getxattr(target, access.ACL_ACCESS, follow_symlinks=follow)
+                    )
+            except OSError:
+                return None
+
+        comps = path.split(b"/") if path else []
+        for i in range(len(comps) + 1):
+            loc = b"/".join(comps[:i])
+            st = self.r.lstat(loc)
+            if st is None:
+                return i == len(comps)  # (nothing there to reveal)
+            want = (
+                access.X
+                if i < len(comps)
+                else access.R | access.X
+                if stat.S_ISDIR(st.st_mode)
+                else access.R
+                if stat.S_ISREG(st.st_mode)
+                else 0
+            )
+            if want and not access.permitted(
+                who, st.st_mode, st.st_uid, st.st_gid, want, acl(loc, st)
+            ):
+                return False
+        return True
+
     def need(self, path: bytes) -> Past:
         """The object at *path* at T; NotThere if there was none."""
         obj = self.object_at(path)
@@ -265,7 +338,9 @@ def wpath(path: str) -> bytes:
     p = os.fsencode(path).strip(b"/")
     parts = [c for c in p.split(b"/") if c not in (b"", b".")]
     if b".." in parts:
-        raise CowfsError(f"{path}: paths are relative to the workspace root, without '..'", USAGE)
+        raise CowfsError(
+            f"{quote(path)}: paths are relative to the workspace root, without '..'", USAGE
+        )
     return b"/".join(parts)
 
 

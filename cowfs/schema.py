@@ -42,6 +42,8 @@ Databases
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
              ``ignore``      JSON  the mount's --ignore patterns (a list)
+             ``grants``      JSON  the mount's --allow grants: a list of
+                                   {"user"|"group": id, "name", "ops": [...]}
              ``drift``       JSON  written at a clean unmount: {"seq", "layers":
                                    the store's state then, "paths": workspace
                                    path -> its fingerprint (JSON [ino, mode,
@@ -145,6 +147,8 @@ import os
 import struct
 from typing import Any, NamedTuple, get_type_hints
 
+from .text import quote
+
 FORMAT = 1
 
 DB_META = b"meta"
@@ -186,6 +190,7 @@ K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_IGNORE = b"ignore"
+K_GRANTS = b"grants"
 
 _U64 = struct.Struct(">Q")
 
@@ -357,9 +362,10 @@ def grave_id(loc: bytes) -> int | None:
 
 
 def show_loc(loc: bytes) -> str:
-    """A location for messages: the workspace path, or the removed object."""
+    """A location for messages: the workspace path (quoted as text.quote
+    does), or the removed object."""
     gid = grave_id(loc)
-    return f"(removed object {gid})" if gid is not None else (os.fsdecode(loc) or ".")
+    return f"(removed object {gid})" if gid is not None else (quote(loc) or ".")
 
 
 # -- undo records ---------------------------------------------------------------

@@ -28,8 +28,9 @@ from . import backing as B
 from . import errors, fsck, redo
 from . import pending as P
 from . import schema as S
+from .access import BadGrant, Requester, parse_grant
 from .capture import Recorder
-from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NotMounted
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore
 from .ignore import IgnoreRules
 from .launch import start_view
 from .mounts import (
@@ -40,11 +41,13 @@ from .mounts import (
     store_in_use,
     wait_gone,
 )
+from .ops import Ops
 from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
 from .providers import Registry
+from .restore import Denied, Invalid, restore
 from .stack import RollbackReport, Stack
 from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
-from .text import count
+from .text import count, quote
 
 AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
@@ -75,6 +78,7 @@ OPS = frozenset(
         "check",
         "repair",
         "log",
+        "restore",
     }
 )
 TREE_OPS = ("rollback", "commit", "redo")  # refused on drift; the drift record follows them
@@ -129,6 +133,14 @@ class MountHooks:
         """Which FUSE engine serves the mount, why, and what it negotiated."""
         return None
 
+    def operations(self) -> Ops | None:
+        """The operations serving the mount (None: not mounted)."""
+        return None
+
+    async def invalidate(self, invalid: Invalid) -> None:
+        """Changes made through the operations, not through the kernel: it
+        forgets what it cached of these names and inodes."""
+
 
 NO_MOUNT = MountHooks()
 
@@ -145,6 +157,7 @@ class Session:
         accept_drift: bool = False,
         ignore: list[str] | None = None,
         audit: str | None = None,
+        allow: list[str] | None = None,
     ):
         self.workspace = os.path.abspath(workspace)
         self.mountpoint = os.path.abspath(mountpoint or workspace)
@@ -157,8 +170,14 @@ class Session:
         }
         self.accept_drift = accept_drift
         self.ignore_patterns = ignore  # None: the store's, as the last mount set them
+        self.allow = allow  # --allow specs (None: the store's grants, as the last mount set them)
+        self.grants: list[dict] = []
         self.warnings: list[str] = []
         self.hooks = NO_MOUNT
+        # who asks for the operation under way (the daemon sets it for each
+        # control request; offline, the command's own user)
+        self.requester = Requester.this_process()
+        self._offline_ops: Ops | None = None
         self._history_cache: tuple | None = None  # (store state, History) for show/diff
 
     # -- opening and closing ------------------------------------------------------
@@ -225,6 +244,13 @@ class Session:
         if create and self.ignore_patterns is not None:
             self.store.set_meta_json(S.K_IGNORE, self.ignore_patterns)
             self._load_ignore_rules()
+        if create and self.allow is not None:
+            try:
+                grants = [parse_grant(spec) for spec in self.allow if spec]
+            except BadGrant as e:
+                raise CowfsError(str(e), errors.USAGE) from None
+            self.store.set_meta_json(S.K_GRANTS, grants)
+        self.grants = self.store.get_meta_json(S.K_GRANTS) or []
         self.stack.resume()
         self.recorder = Recorder(self.store)
         self.recorder.ignore = self.rules
@@ -272,7 +298,7 @@ class Session:
             return
         drift = self.stack.drift(recorded)
         if drift and not self.accept_drift:
-            shown = ", ".join(drift[:10]) + (
+            shown = ", ".join(map(quote, drift[:10])) + (
                 f" and {len(drift) - 10} more" if len(drift) > 10 else ""
             )
             raise Drift(
@@ -288,7 +314,7 @@ class Session:
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
             self.warnings.append(
                 f"accepted drift of {count(len(drift), 'path')} "
-                "(recorded in the log): " + ", ".join(drift[:10])
+                "(recorded in the log): " + ", ".join(map(quote, drift[:10]))
             )
         # (no write: the first change captured makes the record stale)
 
@@ -365,7 +391,22 @@ class Session:
                     raise CowfsError(
                         "bad request: container and VM names are strings", errors.USAGE
                     )
-                providers.append(self.registry.ensure(kind, key, target))
+                known = next(
+                    (
+                        name
+                        for name, config in self.registry.configs().items()
+                        if config.get("type") == kind and config.get(key) == target
+                    ),
+                    None,
+                )
+                if known is None and self.requester.uid not in (0, os.geteuid()):
+                    # (snapshotting and recreating a container or VM acts as
+                    # the daemon: only the owner names new ones)
+                    raise errors.NotOwner(
+                        f"the {kind} {key} {target!r} is not one of this workspace's "
+                        "providers; only the workspace's owner may add one"
+                    )
+                providers.append(known or self.registry.ensure(kind, key, target))
         if not all(isinstance(p, str) for p in providers) or len(set(providers)) != len(providers):
             raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
@@ -772,6 +813,11 @@ class Session:
         its bytes (base64), its symlink target or its directory entries."""
         await self.flush()
         h = self._history(layer)
+        if not h.readable(wpath(path), self.requester):
+            raise Denied(
+                f"{path}: not yours to read as it was when layer {h.layer} was opened "
+                f"(uid {self.requester.uid})"
+            )
         obj = h.need(wpath(path)) if not missing_ok else h.object_at(wpath(path))
         if obj is None:
             return {"path": path, "kind": None, "layer": h.layer}
@@ -785,7 +831,47 @@ class Session:
         await self.flush()
         h = self._history(since)
         changes = self.stack.changes_since(h.layer, path_list(paths))
-        return {"since": h.layer, "changes": [diff_entry(h, c, text_limit) for c in changes]}
+        who = self.requester
+
+        def entry(c: dict) -> dict:
+            new = wpath(c["path"]) if c["path"] != "." else b""
+            old = wpath(c["from"]) if c.get("from") else new
+            if (c["kind"] == "A" or h.readable(old, who)) and (
+                c["kind"] == "D" or h.readable_now(new, who)
+            ):
+                return diff_entry(h, c, text_limit)
+            return c | {"binary": False, "unreadable": True}  # (names only)
+
+        return {"since": h.layer, "changes": [entry(c) for c in changes]}
+
+    async def restore(self, paths: list, layer: int | None = None) -> dict:
+        """Put *paths* back as they were when *layer* (default: the open
+        layer) was opened, as a change of the open layer (see
+        cowfs/restore.py), with the requester's rights."""
+        await self.flush()
+        rels = [wpath(p) for p in path_list(paths)]
+        layer = self.store.open_layer().id if layer is None else layer
+        self.store.get_layer(layer)
+        fs = self.hooks.operations()
+        if fs is None:
+            if self._offline_ops is None:
+                self._offline_ops = Ops(self.rootfd, self.store, self.recorder, hidden=self.hidden)
+            fs = self._offline_ops
+        h = History(self.store, self.stack.resolver, layer, self.hidden)
+        try:
+            done, invalid = restore(fs, h, self.requester, rels)
+        finally:
+            self.recorder.flush()
+        await self.hooks.invalidate(invalid)
+        self.store.audit(
+            "restore",
+            layer=self.store.open_layer().id,
+            paths=list(paths),
+            uid=self.requester.uid,
+            restored=done[:1000],
+            **{"from": layer},
+        )
+        return {"restored": done, "from": layer}
 
     async def view(self, layer: int, mountpoint: str) -> dict:
         """`cowfs view`: mount the tree as it was when *layer* was opened,
@@ -793,7 +879,13 @@ class Session:
         self.store.get_layer(layer)
         await self.flush()
         return await self.hooks.wait(
-            start_view, self.rootfd, self.store.dirfd, layer, mountpoint, self.hidden
+            start_view,
+            self.rootfd,
+            self.store.dirfd,
+            layer,
+            mountpoint,
+            self.hidden,
+            self.requester.uid,
         )
 
     # -- the audit log --------------------------------------------------------------------
@@ -943,7 +1035,7 @@ def open_offline(workspace: str, store: str | None) -> Session:
     recovery never depends on FUSE."""
     session = Session(workspace, store=store)
     if not os.path.isdir(session.store_dir) and not is_cowfs_mount(session.workspace):
-        raise NotMounted(
+        raise NoStore(
             f"{session.workspace} is not mounted and has no cowfs store ({session.store_dir})"
         )
     cleared = recover_stale_mount(session.mountpoint)

@@ -23,7 +23,8 @@ import lmdb
 import xxhash
 
 from . import schema as S
-from .errors import AlreadyMounted, StoreError
+from . import trust
+from .errors import AlreadyMounted, NoStore, StoreError
 from .mounts import not_owner
 
 MAP_SIZE = 64 << 30
@@ -475,36 +476,62 @@ class Store:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         readonly: bool = False,
         locked: bool = True,
+        checked: bool = False,
     ) -> Store:
         """Open (and with *create*, initialise) the store at *path* for the
         workspace root *workspace*; lock it exclusively.  *readonly*: an
         existing store, opened so that nothing in it can be written; and
-        without *locked*, beside the process that holds it (a view)."""
+        without *locked*, beside the process that holds it (a view).
+
+        The store must be one cowfs may trust (cowfs/trust.py): StoreError
+        otherwise.  *checked*: *path* names a descriptor handed down by the
+        process that opened (and checked) the store.  Without *create* a
+        missing store is NoStore, and nothing is made."""
         create = create and not readonly
         ws_st = os.stat(workspace)
+        shown, path = path, path if checked else os.path.realpath(path)
         if not os.path.isdir(path):
             if not create:
-                raise StoreError(f"no cowfs store at {path}")
-            parent = os.path.dirname(os.path.abspath(path))
+                raise NoStore(f"no cowfs store at {shown}")
+            trust.check_store(path, parent_only=True)
+            parent = os.path.dirname(path)
             pst = os.stat(parent)
-            os.mkdir(path, 0o700)
-            # Creating the store must not show up as a change of the
-            # workspace: keep the directory's times as they were.
-            os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
+            try:
+                os.mkdir(path, 0o700)  # (owned by this user; the mode is fixed below)
+            except FileExistsError:  # made meanwhile, by someone: checked as it is
+                pass
+            else:
+                # Creating the store must not show up as a change of the
+                # workspace: keep the directory's times as they were.
+                os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
         st = os.stat(path)
         if st.st_uid != os.geteuid() and os.geteuid() != 0:
-            raise not_owner(f"the cowfs store {path}", st.st_uid)
+            raise not_owner(f"the cowfs store {shown}", st.st_uid)
+        if not checked:
+            trust.check_store(path)
         if st.st_mode & 0o777 != 0o700 and not readonly:
             os.chmod(path, 0o700)
         if st.st_dev != ws_st.st_dev:
             raise StoreError(
-                f"store {path} is not on the workspace's filesystem; whole-file "
+                f"store {shown} is not on the workspace's filesystem; whole-file "
                 "pre-images must move into it, so it has to be"
             )
-        dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+        # (a descriptor handed down is a /proc/self/fd link: followed)
+        dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY | (0 if checked else os.O_NOFOLLOW))
         lock_fd = -1
         try:
-            lock_fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=dirfd)
+            dst = os.fstat(dirfd)
+            if (dst.st_dev, dst.st_ino) != (st.st_dev, st.st_ino):
+                raise StoreError(f"store {shown} was replaced while it was opened")
+            if not create and not os.path.isfile(os.path.join(path, "db", "data.mdb")):
+                # (an empty directory, or one with an empty db/: nothing is made in it)
+                raise StoreError(f"store {shown} is not initialised")
+            lock_fd = os.open(
+                "lock",
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+                dir_fd=dirfd,
+            )
             try:
                 if locked or not readonly:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -534,7 +561,7 @@ class Store:
             )
             if not readonly:
                 env.reader_check()
-                cls._init_meta(env, path, workspace, ws_st, chunk_size)
+                cls._init_meta(env, shown, workspace, ws_st, chunk_size, create)
             store = cls(path, dirfd, lock_fd, env, readonly=readonly)
             if readonly:
                 try:
@@ -552,8 +579,20 @@ class Store:
 
     @staticmethod
     def _init_meta(
-        env: lmdb.Environment, path: str, workspace: str, ws_st: os.stat_result, chunk_size: int
+        env: lmdb.Environment,
+        path: str,
+        workspace: str,
+        ws_st: os.stat_result,
+        chunk_size: int,
+        create: bool = True,
     ) -> None:
+        if not create:  # an existing store: ours and this workspace's, before anything is made
+            try:
+                meta = env.open_db(S.DB_META, create=False)
+            except lmdb.Error:
+                raise StoreError(f"store {path} is not initialised") from None
+            with env.begin(db=meta) as txn:
+                Store._validate(txn, path, ws_st)
         meta = env.open_db(S.DB_META)
         for name in S.ALL_DBS:
             env.open_db(name)

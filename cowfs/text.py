@@ -1,7 +1,10 @@
-"""Words for people: counts with their nouns, ages, durations."""
+"""Words for people: counts with their nouns, ages, durations, and names
+quoted so that no file name can reach a terminal raw."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 
@@ -28,3 +31,66 @@ def duration(seconds: float) -> str:
         return f"{seconds:.0f} s"
     m, s = divmod(int(seconds), 60)
     return f"{m} min {s} s" if m < 60 else f"{m // 60} h {m % 60} min"
+
+
+# What a name is quoted for when it is printed for people, as git's
+# core.quotePath does: the C0 controls, DEL and the C1 controls (ESC, CSI:
+# they would reach the terminal as escape sequences; newline and CR: they
+# would forge lines), the line and paragraph separators and the
+# bidirectional formatting characters (they move or reorder what is shown),
+# '"' and '\' (so a quoted name reads back unambiguously), and lone
+# surrogates: the bytes of a name that are not UTF-8, which os.fsdecode
+# carries as U+DC80..U+DCFF.  Valid UTF-8 otherwise prints as it is (git
+# with core.quotePath=false): "café" stays café.
+UNSAFE = re.compile(
+    r'[\x00-\x1f"\\\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]'
+)
+# The same without '"' and '\': what free text (a message, a command line)
+# may not carry to a terminal.
+CONTROL = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+C_ESCAPES = {
+    "\a": "\\a",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\v": "\\v",
+    "\f": "\\f",
+    "\r": "\\r",
+    '"': '\\"',
+    "\\": "\\\\",
+}
+
+
+def _escape(m: re.Match) -> str:
+    ch = m.group()
+    short = C_ESCAPES.get(ch)
+    if short is not None:
+        return short
+    if "\udc80" <= ch <= "\udcff":  # a byte that is not UTF-8: the byte itself
+        raw = bytes([ord(ch) - 0xDC00])
+    else:  # the character's UTF-8 bytes (a surrogate's own, as no byte stands for it)
+        raw = ch.encode("utf-8", "surrogatepass")
+    return "".join(f"\\{b:03o}" for b in raw)
+
+
+def quote(name: str | bytes) -> str:
+    r"""*name* (a path: str as os.fsdecode gives it, or bytes) as lines for
+    people print it: unchanged when nothing in it needs escaping, else in
+    double quotes with C escapes (\n \t \" \\ \a \b \f \r \v) and three-digit
+    octal for the rest of what UNSAFE matches: a byte that is not UTF-8 as
+    itself (b"\xff": "\377"), a character as its UTF-8 bytes (ESC: "\033").
+    JSON carries names exactly; only lines for people use this."""
+    if isinstance(name, bytes):
+        name = os.fsdecode(name)
+    if not UNSAFE.search(name):
+        return name
+    return '"' + UNSAFE.sub(_escape, name) + '"'
+
+
+def printable(text: str) -> str:
+    """Free text for people (a message, a command line), not quoted: what
+    CONTROL matches escaped as ``quote`` escapes it; quotes and backslashes
+    left as they are."""
+    return CONTROL.sub(_escape, text)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from . import backing as B
 from . import schema as S
 from .store import Store, digest
+from .text import quote
 
 
 class UndoError(Exception):
@@ -336,7 +337,7 @@ def _show(loc: bytes) -> str:
     gid = S.grave_id(loc)
     if gid is not None:
         return f"<removed object {gid}>"
-    return os.fsdecode(loc) if loc else "."
+    return quote(loc) if loc else "."
 
 
 def describe(rec: S.Record) -> str:

@@ -14,6 +14,14 @@ while it read, so it keeps showing the past.  It lasts while its layer
 does: once that layer is rolled back or merged, its start cannot be
 computed any more and every access fails with ESTALE.  `cowfs unmount DIR`
 ends it.
+
+The directory it mounts on is opened by the one that starts it
+(launch.open_view_dir: no planted symlink followed) and passed as an open
+O_PATH fd too; as root the view mounts on that descriptor
+(/proc/self/fd/N), so the mount lands on exactly the directory that was
+checked, whatever was renamed or swapped since.  (A user's view mounts
+through fusermount3, a process of its own, which needs the path and checks
+it as that user.)
 """
 
 from __future__ import annotations
@@ -291,11 +299,17 @@ def serve(
     mountpoint: str,
     hidden: bytes | None,
     report: Callable[[dict], None],
+    dirfd: int | None = None,
 ) -> int:
+    target = f"/proc/self/fd/{dirfd}" if dirfd is not None and os.geteuid() == 0 else mountpoint
     ws_path = os.readlink(f"/proc/self/fd/{rootfd}")
     try:
-        store = Store.open(
-            f"/proc/self/fd/{store_dirfd}", f"/proc/self/fd/{rootfd}", readonly=True, locked=False
+        store = Store.open(  # (checked: the session that holds it opened it)
+            f"/proc/self/fd/{store_dirfd}",
+            f"/proc/self/fd/{rootfd}",
+            readonly=True,
+            locked=False,
+            checked=True,
         )
         store.get_layer(layer)
     except CowfsError as e:
@@ -319,7 +333,7 @@ def serve(
     if os.geteuid() == 0:
         options.add("allow_other")
     try:
-        pyfuse3.init(fs, mountpoint, options)
+        pyfuse3.init(fs, target, options)
     except (OSError, RuntimeError) as e:
         report(
             {
@@ -344,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--hidden", default="")
     p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--dir-fd", type=int, default=None)
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
     from .launch import detach
@@ -355,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         a.mountpoint,
         os.fsencode(a.hidden) or None,
         detach(a.ready_fd),
+        a.dir_fd,
     )
 
 

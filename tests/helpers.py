@@ -34,6 +34,7 @@ class Workspace:
     def __init__(self, path: Path):
         self.path = path
         self.mounted = False
+        self.store: Path | None = None  # given with mount --store (where daemon.log is)
 
     def __truediv__(self, other) -> Path:
         return self.path / other
@@ -118,7 +119,7 @@ class Workspace:
     def daemon_errors(self) -> list[str]:
         """Errors the daemon logged (a handler that failed unexpectedly
         answers EIO and logs it): a test fails on any it did not expect."""
-        log = self.path / ".cowfs" / "daemon.log"
+        log = (self.store or self.path / ".cowfs") / "daemon.log"
         if self.mounted or not log.exists():
             return []
         return [

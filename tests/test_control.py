@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from cowfs import control, treesnap
-from cowfs.errors import NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
+from cowfs.errors import NO_STORE, NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
 from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
 from . import users
@@ -867,8 +867,8 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
         "deep/er/still/new-in-two",
         "top.txt",
     ]
-    r = cowfs_in(tmp_path, "status")
-    assert r.returncode == NOT_MOUNTED, r.stderr
+    r = cowfs_in(tmp_path, "status")  # (in no workspace: no store, none made)
+    assert r.returncode == NO_STORE, r.stderr
 
     # concurrent checkpoints in both: each stack counts on its own
     got: dict[str, list[int]] = {"one": [], "two": []}

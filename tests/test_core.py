@@ -17,7 +17,7 @@ from cowfs.errors import (
     ALREADY_MOUNTED,
     BAD_WORKSPACE,
     NO_FUSE,
-    NOT_MOUNTED,
+    NO_STORE,
     NOTHING_TO_DO,
     STORE_ERROR,
     UNKNOWN_LAYER,
@@ -660,7 +660,7 @@ def test_bad_input_gets_one_line_and_its_exit_code(mounted, tmp_path):
     ws = mounted
     cases = [
         (["-C", ws.path, "rollback", "--to", "99"], UNKNOWN_LAYER, "no layer 99"),
-        (["-C", tmp_path, "status"], NOT_MOUNTED, "not inside a cowfs workspace"),
+        (["-C", tmp_path, "status"], NO_STORE, "not inside a cowfs workspace"),
         (["mount", ws.path], ALREADY_MOUNTED, "already mounted"),
         (["mount", tmp_path / "missing"], BAD_WORKSPACE, "does not exist"),
         (["-C", ws.path, "frobnicate"], 2, "invalid choice"),

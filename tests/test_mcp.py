@@ -38,7 +38,12 @@ def serve(path, steps, *extra: str, errlog=None):
     env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "cowfs", "mcp", "-C", str(path), *extra],
+        # (the tests run as root, which must say so: --as root)
+        args=[
+            *("-m", "cowfs", "mcp", "-C", str(path)),
+            *(() if "--as" in extra else ("--as", "root")),
+            *extra,
+        ],
         env=env,
         cwd="/",
     )
@@ -240,7 +245,7 @@ def test_the_server_outlives_an_unmount(mounted):
 def test_an_unmounted_workspace_is_refused_or_mounted_with_mount(workspace):
     (workspace / "f").write_text("x\n")
     r = subprocess.run(
-        [*COWFS, "mcp", "-C", str(workspace.path)],
+        [*COWFS, "mcp", "-C", str(workspace.path), "--as", "root"],
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,

@@ -197,6 +197,9 @@ class CowfsModel(RuleBasedStateMachine):
         STATS["examples"] += 1
         self.tmp = tempfile.mkdtemp(prefix="cowfs-model-", dir=scratch_base())
         self.ws = Workspace(Path(self.tmp) / "ws")
+        # (beside the workspace, not in it: the rules give its root any mode
+        # and owner, and a root others may write cannot keep a store inside)
+        self.ws.store = Path(self.tmp) / "store"
         self.shadow = os.path.join(self.tmp, "shadow")
         self.copies = 0
         self.stack: list[Layer] = []
@@ -208,7 +211,7 @@ class CowfsModel(RuleBasedStateMachine):
         ws = str(self.ws.path)
         self.populate(ws)
         copy_tree(ws, self.shadow)
-        self.ws.mount()
+        self.ws.mount("--store", self.ws.store)
         layers = self.ws.log()
         assert len(layers) == 1, layers
         self.stack = [Layer(layers[0]["id"], self.ws.snapshot(), self.save_shadow())]
@@ -665,7 +668,7 @@ class CowfsModel(RuleBasedStateMachine):
         live = self.ws.snapshot()
         self.ws.unmount()
         treesnap.assert_same(live, unmounted_view(treesnap.snapshot(self.ws.path)))
-        self.ws.mount()
+        self.ws.mount("--store", self.ws.store)
         treesnap.assert_same(live, self.ws.snapshot())
         self.check_log()
 

@@ -9,7 +9,7 @@ import os
 import subprocess
 
 from cowfs import treesnap
-from cowfs.errors import NOT_MOUNTED, NOTHING_TO_DO, UNKNOWN_LAYER
+from cowfs.errors import NO_STORE, NOT_MOUNTED, NOTHING_TO_DO, UNKNOWN_LAYER
 from cowfs.mounts import is_cowfs_mount
 
 from .helpers import managed_workspace, run
@@ -71,8 +71,8 @@ def test_rollback_after_kill_9_without_mounting_again(mounted):
 def test_offline_errors(workspace, tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
-    r = run("-C", plain, "status", check=False)
-    assert r.returncode == NOT_MOUNTED and r.stdout == ""
+    r = run("-C", plain, "status", check=False)  # (no store: exit 4, and none is made)
+    assert r.returncode == NO_STORE and r.stdout == "" and os.listdir(plain) == []
     assert "not inside a cowfs workspace" in r.stderr and len(r.stderr.splitlines()) == 1
     r = run("-C", plain, "checkpoint", check=False)  # needs the daemon
     assert r.returncode == NOT_MOUNTED

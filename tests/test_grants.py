@@ -1,0 +1,272 @@
+"""Who may ask for what: root mounts a workspace and grants the agent's
+account operations (`cowfs mount --allow`); the agent, a real
+unprivileged user, asks through the CLI, the API and the MCP server.
+Granted `step`, it checkpoints, rolls back and restores; it never reads
+through `show`, `diff` or `restore` what it could not read itself, never
+runs anything as root, and a user with no grant is refused (exit 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from cowfs.errors import NOT_OWNER, USAGE
+from cowfs.mounts import VIEW_FSTYPE, mount_table, socket_path
+
+from . import users
+from .helpers import COWFS, managed_workspace
+
+AGENT = pwd.getpwnam("nobody")
+STRANGER = 1234  # a user the workspace grants nothing
+SECRET = "root's secret\n"
+
+
+@pytest.fixture
+def granted():
+    """A workspace mounted by root in a directory other users can reach,
+    granting the agent `step` and group 1235 `read`; a root-only secret and
+    a directory of the agent's own in its base layer."""
+    base = Path(tempfile.mkdtemp(prefix="cowfs-grants-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / "secret").write_text(SECRET)
+            os.chmod(ws / "secret", 0o600)
+            (ws / "private").mkdir(mode=0o700)
+            (ws / "private" / "notes").write_text("root's notes\n")
+            os.chmod(ws / "private" / "notes", 0o644)  # (readable, below a closed dir)
+            (ws / "mine").mkdir()
+            (ws / "mine" / "f").write_text("agent's file\n")
+            for p in (ws / "mine", ws / "mine" / "f"):
+                os.chown(p, AGENT.pw_uid, AGENT.pw_gid)
+            ws.mount("--allow", AGENT.pw_name, "--allow", "@1235:read")
+            yield ws
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def agent(ws, *args: str, uid: int = AGENT.pw_uid, gid: int = AGENT.pw_gid):
+    """`cowfs ARGS` run by *uid* inside the workspace (in a child switched
+    to that user: this interpreter is where other users cannot run it):
+    (exit, stdout, stderr)."""
+    import importlib.readers  # noqa: F401  (what the child needs, loaded here)
+
+    from cowfs import api, daemon, policy  # noqa: F401
+
+    policy.Policy.load()
+    return users.cowfs_as(uid, gid, ws.path, list(args))
+
+
+def test_a_grant_makes_the_socket_reachable_and_only_that(granted):
+    ws = granted
+    shared = socket_path(str(ws.path), shared=True)
+    assert os.stat(shared).st_mode & 0o777 == 0o666
+    assert os.stat(os.path.dirname(shared)).st_mode & 0o777 == 0o755
+    code, out, err = agent(ws, "--json", "status")
+    assert code == 0, err
+    assert "changes" in json.loads(out) and "mounted" not in json.loads(out)  # (the daemon)
+
+
+def test_the_agent_granted_step_checkpoints_rolls_back_and_restores(granted):
+    ws = granted
+    code, out, err = agent(ws, "--json", "checkpoint", "-m", "agent's step")
+    assert code == 0, err
+    layer = json.loads(out)["id"]
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / "mine" / "f").write_text, "changed\n")
+    code, _, err = agent(ws, "restore", "--from", str(layer), "mine/f")
+    assert code == 0, err
+    assert (ws / "mine" / "f").read_text() == "agent's file\n"
+    assert os.stat(ws / "mine" / "f").st_uid == AGENT.pw_uid
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / "mine" / "g").write_text, "new\n")
+    code, _, err = agent(ws, "rollback", "--to", str(layer))
+    assert code == 0, err
+    assert not (ws / "mine" / "g").exists()
+
+
+def test_the_agent_never_reads_what_it_could_not_read_itself(granted):
+    ws = granted
+    layer = ws.checkpoint("before")
+    (ws / "secret").write_text("root's new secret\n")
+    (ws / "private" / "notes").write_text("root's new notes\n")
+    code, out, err = agent(ws, "show", f"{layer}:secret")
+    assert code == NOT_OWNER and "secret" not in out and out == "", (code, out, err)
+    code, out, err = agent(ws, "show", f"{layer}:private/notes")
+    assert code == NOT_OWNER and out == "", (code, out, err)
+    code, out, err = agent(ws, "--json", "diff", str(layer))
+    assert code == 0, err
+    entries = {c["path"]: c for c in json.loads(out)["changes"]}
+    for path in ("secret", "private/notes"):
+        assert entries[path]["unreadable"] is True
+        assert not {"diff", "old", "new"} & set(entries[path]), entries[path]
+    assert "secret\n" not in out and "notes\n" not in out
+    code, out, err = agent(ws, "diff", str(layer))
+    assert code == 0 and "root's" not in out and "not readable by you" in out, out
+    # nor through a restore, which would put the bytes where it can read them
+    code, _, err = agent(ws, "restore", "--from", str(layer), "secret")
+    assert code == NOT_OWNER, err
+    assert (ws / "secret").read_text() == "root's new secret\n"
+    # root reads everything
+    assert ws.cowfs("show", f"{layer}:secret").stdout == SECRET
+
+
+def test_the_agent_cannot_restore_what_it_may_not_change(granted):
+    ws = granted
+    layer = ws.checkpoint()
+    os.chmod(ws / "secret", 0o644)  # readable now, but root's
+    (ws / "secret").write_text("edited by root\n")
+    tree = ws.snapshot()
+    code, _, err = agent(ws, "restore", "--from", str(layer), "secret")
+    assert code == NOT_OWNER and "nothing restored" in err, err
+    assert ws.snapshot() == tree
+
+
+def test_run_runs_the_command_as_the_agent(granted):
+    ws = granted
+    code, _, err = agent(ws, "run", "--", "sh", "-c", "id -u > mine/who")
+    assert code == 0, err
+    assert (ws / "mine" / "who").read_text().strip() == str(AGENT.pw_uid)
+    assert os.stat(ws / "mine" / "who").st_uid == AGENT.pw_uid
+
+
+def test_a_user_without_a_grant_is_refused_and_a_reader_only_reads(granted):
+    ws = granted
+    tree = ws.snapshot()
+    for args in (["status"], ["checkpoint"], ["rollback", "--yes"], ["show", "1:secret"]):
+        code, _, err = agent(ws, *args, uid=STRANGER, gid=STRANGER)
+        assert code == NOT_OWNER and "belongs to another user (uid 0)" in err, (args, err)
+    code, _, err = agent(ws, "status", uid=STRANGER, gid=1235)  # (the group reads)
+    assert code == 0, err
+    code, _, err = agent(ws, "checkpoint", uid=STRANGER, gid=1235)
+    assert code == NOT_OWNER and "not checkpoint" in err, err
+    # the agent may step, but not manage the workspace
+    for args in (["unmount", str(ws.path)], ["gc"], ["check"]):
+        code, _, err = agent(ws, *args)
+        assert code == NOT_OWNER, (args, err)
+    assert ws.snapshot() == tree
+
+
+def test_an_unknown_user_in_allow_is_a_usage_error(tmp_path):
+    with managed_workspace(tmp_path / "ws") as ws:
+        r = ws.cowfs("mount", "--allow", "no-such-user-here", ws.path, check=False)
+        assert r.returncode == USAGE and "no user" in r.stderr, r.stderr
+        assert not ws.mounted
+
+
+def _mcp(ws, steps, *args: str):
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "cowfs", "mcp", "-C", str(ws.path), *args],
+        env=env,
+        cwd="/",
+    )
+
+    async def main():
+        async with stdio_client(params, errlog=sys.stderr) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                return await steps(session)
+
+    return anyio.run(main)
+
+
+def test_mcp_as_root_must_say_as_whom(granted):
+    r = subprocess.run(
+        [*COWFS, "mcp", "-C", str(granted.path)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
+    assert r.returncode == USAGE and "--as USER" in r.stderr, r.stderr
+
+
+def test_mcp_as_the_agent_runs_as_the_agent_and_shows_only_its_own(granted):
+    ws = granted
+    layer = ws.checkpoint()
+
+    async def steps(s):
+        ran = await s.call_tool("run", {"command": "id -u; cat secret", "max_bytes": 1000})
+        shown = await s.call_tool("show", {"path": "secret", "layer": layer})
+        mine = await s.call_tool("show", {"path": "mine/f", "layer": layer})
+        return ran, shown, mine
+
+    ran, shown, mine = _mcp(ws, steps, "--as", AGENT.pw_name)
+    text = ran.content[0].text
+    assert str(AGENT.pw_uid) in text and SECRET not in text, text
+    assert shown.is_error and shown.structured_content["code"] == NOT_OWNER, shown
+    assert SECRET not in shown.content[0].text
+    assert not mine.is_error and "agent's file" in mine.content[0].text
+
+
+def test_a_view_for_the_agent_goes_only_on_its_own_directory_and_shows_only_its_own(granted):
+    ws = granted
+    layer = ws.checkpoint()
+    (ws / "secret").write_text("root's new secret\n")
+    home = ws.path.parent / "agent-home"
+    home.mkdir()
+    where = home / "view"
+    where.mkdir()
+    for p in (home, where):
+        os.chown(p, AGENT.pw_uid, AGENT.pw_gid)
+    etc = home / "etc-link"
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, os.symlink, "/etc", str(etc))
+    root_dir = ws.path.parent / "roots"
+    root_dir.mkdir()
+    try:
+        for target in (etc, root_dir):  # (root's directories, one through its own link)
+            code, _, err = agent(ws, "view", str(layer), str(target))
+            assert code == NOT_OWNER and "belongs to uid 0" in err, (target, err)
+        assert "/etc" not in mount_table() and str(root_dir) not in mount_table()
+        code, _, err = agent(ws, "view", str(layer), str(where))
+        assert code == 0, err
+        assert mount_table().get(str(where)) == VIEW_FSTYPE
+        assert (where / "mine" / "f").read_text() == "agent's file\n"  # (root reads all)
+
+        def read(p: str) -> str:
+            try:
+                return open(p).read()
+            except PermissionError:
+                return "EACCES"
+
+        assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, read, str(where / "secret")) == "EACCES"
+        assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, read, str(where / "mine" / "f")) == (
+            "agent's file\n"
+        )
+    finally:
+        subprocess.run([*COWFS, "unmount", str(where)], capture_output=True)
+        if str(where) in mount_table():
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    assert str(where) not in mount_table()
+
+
+def test_the_agent_cannot_name_a_container_or_vm_to_snapshot(granted):
+    """Snapshotting and recreating a container acts as the daemon: only
+    the owner adds one (`provider add`, or naming it himself)."""
+    ws = granted
+
+    def checkpoint(kw: dict) -> int:
+        from cowfs.api import Workspace
+        from cowfs.errors import CowfsError
+
+        try:
+            Workspace.attach(str(ws.path)).checkpoint("x", **kw)
+        except CowfsError as e:
+            return e.code
+        return 0
+
+    for kw in ({"containers": ["someone-elses"]}, {"vms": ["a-domain"]}):
+        assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, checkpoint, kw) == NOT_OWNER
+    assert ws.json("provider", "list") == []

@@ -1,0 +1,248 @@
+"""`cowfs view ID DIR` run by root where an agent (an unprivileged user,
+here "nobody") can plant symlinks: the view is mounted on the directory
+DIR names, opened once without following a link the agent may have put
+on the way, or not at all -- never over a directory elsewhere that the
+agent pointed at (a victim: root's 0700 directory outside the workspace),
+not inside a workspace, and not on a name looked up again after the check
+(an agent swapping a directory and a symlink all the while)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cowfs import backing as B
+from cowfs import treesnap
+from cowfs.errors import BAD_WORKSPACE, USAGE
+from cowfs.mounts import VIEW_FSTYPE, mounts, within
+
+from . import users
+from .helpers import managed_workspace, run, view_processes
+
+AGENT = pwd.getpwnam("nobody")
+
+
+def as_agent(fn, *args):
+    return users.run_as(AGENT.pw_uid, AGENT.pw_gid, fn, *args)
+
+
+def plant(where: Path, name: str, target: str) -> None:
+    """The agent makes the symlink *where*/*name* -> *target* (through a
+    descriptor: the test's directories above *where* are root's alone)."""
+    fd = os.open(where, os.O_PATH | os.O_DIRECTORY)
+    try:
+        as_agent(lambda: os.symlink(target, name, dir_fd=fd))
+    finally:
+        os.close(fd)
+    assert os.lstat(where / name).st_uid == AGENT.pw_uid
+
+
+def agents_dir(path: Path) -> Path:
+    path.mkdir()
+    os.chown(path, AGENT.pw_uid, AGENT.pw_gid)
+    return path
+
+
+def mounted_under(path: Path) -> list[str]:
+    return [f"{m.fstype} at {m.mountpoint}" for m in mounts() if within(m.mountpoint, str(path))]
+
+
+def clear_views(path: Path) -> None:
+    """Unmount whatever is mounted at or under *path* (a refusal that
+    failed), top first, and kill the view processes started for it."""
+    for _ in range(16):
+        found = [m.mountpoint for m in mounts() if within(m.mountpoint, str(path))]
+        if not found:
+            break
+        subprocess.run(["umount", "-l", found[-1]], capture_output=True)
+    for pid in view_processes(path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def refused(r: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+    return r.stderr
+
+
+@pytest.fixture
+def victim(tmp_path) -> Iterator[Path]:
+    """Root's 0700 directory outside every workspace, with a file and a
+    subdirectory: afterwards nothing is mounted on or in it, and it is as
+    it was (names, bytes, modes, owners, mtimes)."""
+    v = tmp_path / "victim"
+    (v / "inner").mkdir(parents=True)
+    (v / "secret").write_text("root only\n")
+    os.chmod(v, 0o700)
+    os.chmod(v / "inner", 0o700)
+    before = treesnap.snapshot(v)
+    try:
+        yield v
+    finally:
+        where = mounted_under(v)
+        clear_views(v)
+        assert where == [], f"mounted over the victim: {where}"
+        treesnap.assert_same(before, treesnap.snapshot(v))
+        st = os.stat(v)
+        assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o700)
+
+
+@pytest.fixture
+def home(tmp_path) -> Iterator[Path]:
+    """A directory of the agent's outside the workspace (its /tmp/x)."""
+    h = agents_dir(tmp_path / "agent")
+    try:
+        yield h
+    finally:
+        clear_views(h)
+
+
+def test_a_symlink_planted_in_the_workspace_is_not_followed(mounted, victim):
+    ws = mounted
+    layer = ws.checkpoint()
+    mine = agents_dir(ws / "mine")
+    plant(mine, "view", str(victim))
+    r = ws.cowfs("view", layer, mine / "view", check=False)
+    refused(r, BAD_WORKSPACE, "inside the mounted cowfs workspace")
+    assert mounted_under(victim) == [] and mounted_under(mine) == []
+
+
+def test_a_symlink_planted_outside_any_workspace_is_not_followed(mounted, victim, home):
+    ws = mounted
+    layer = ws.checkpoint()
+    plant(home, "view", str(victim))
+    r = ws.cowfs("view", layer, home / "view", check=False)
+    refused(r, USAGE, f"{home}/view is a symlink owned by another user (uid {AGENT.pw_uid})")
+    assert mounted_under(victim) == [] and mounted_under(home) == []
+    assert os.readlink(home / "view") == str(victim)  # (left as it is)
+
+
+def test_a_symlink_planted_in_a_parent_component_is_not_followed(mounted, victim, home):
+    ws = mounted
+    layer = ws.checkpoint()
+    plant(home, "up", str(victim))
+    r = ws.cowfs("view", layer, home / "up" / "inner", check=False)
+    refused(r, USAGE, f"{home}/up is a symlink owned by another user")
+    # a relative link one level further down is no different
+    plant(home, "rel", "up/inner")
+    r = ws.cowfs("view", layer, home / "rel", check=False)
+    refused(r, USAGE, f"{home}/rel is a symlink owned by another user")
+    assert mounted_under(victim) == []
+
+
+def test_a_directory_inside_a_workspace_is_refused(mounted, tmp_path):
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "dir" / "empty").mkdir()
+    r = ws.cowfs("view", layer, ws / "dir" / "empty", check=False)
+    refused(r, BAD_WORKSPACE, "inside the mounted cowfs workspace", str(ws.path))
+    r = ws.cowfs("view", layer, ws / ".cowfs", check=False)  # (hidden in the mount)
+    refused(r, BAD_WORKSPACE, "inside the mounted cowfs workspace")
+    assert mounted_under(ws.path) == [f"fuse.cowfs at {ws.path}"]
+
+
+def test_the_backing_directory_of_a_workspace_mounted_elsewhere_is_refused(mounted, tmp_path):
+    """A workspace mounted at another mount point leaves its backing
+    directory (and store) visible: a view there is refused too, from
+    another workspace's command as from its own."""
+    backing = tmp_path / "backing"
+    (backing / "sub").mkdir(parents=True)
+    with managed_workspace(tmp_path / "mnt") as split:
+        run("mount", backing, split.path)
+        split.mounted = True
+        for who in (split, mounted):
+            layer = who.checkpoint()
+            for where, what in (
+                (backing / "sub", "the backing directory of the cowfs workspace"),
+                (backing / ".cowfs", "the store of the cowfs workspace"),
+                (backing / ".cowfs" / "db", "the store of the cowfs workspace"),
+            ):
+                r = who.cowfs("view", layer, where, check=False)
+                refused(r, BAD_WORKSPACE, what, str(backing))
+        assert mounted_under(backing) == []
+        split.teardown()
+
+
+def test_a_normal_view_and_a_link_of_roots_own_still_work(mounted, view_dir, tmp_path):
+    """The view is mounted at DIR as before; a symlink that only root (the
+    invoking user) could have made, in a directory only root may write, is
+    followed (as /tmp -> private/tmp is)."""
+    ws = mounted
+    layer = ws.checkpoint()
+    (ws / "a.txt").write_text("changed\n")
+    ws.cowfs("view", layer, view_dir)
+    assert (view_dir / "a.txt").read_text() == "alpha\n"
+    assert [m.fstype for m in mounts() if m.mountpoint == str(view_dir)] == [VIEW_FSTYPE]
+    ws.cowfs("unmount", view_dir)
+    assert mounted_under(view_dir) == []
+
+    os.symlink(view_dir, tmp_path / "roots-link")
+    r = ws.cowfs("view", layer, tmp_path / "roots-link")
+    assert f"is at {view_dir} " in r.stdout, r.stdout
+    assert (view_dir / "a.txt").read_text() == "alpha\n"
+    assert mounted_under(view_dir) == [f"{VIEW_FSTYPE} at {view_dir}"]
+    ws.cowfs("unmount", view_dir)
+    assert mounted_under(view_dir) == []
+
+
+@contextlib.contextmanager
+def swapping(where: Path, a: str, b: str) -> Iterator[None]:
+    """The agent exchanges the names *a* and *b* in *where* as fast as it
+    can (renameat2 RENAME_EXCHANGE) until the block ends."""
+    fd = os.open(where, os.O_PATH | os.O_DIRECTORY)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the agent
+        try:
+            users.become(AGENT.pw_uid, AGENT.pw_gid)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):  # (EBUSY once a view is on it)
+                    B.renameat2(fd, a.encode(), fd, b.encode(), B.RENAME_EXCHANGE)
+        finally:
+            os._exit(0)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def test_a_directory_swapped_for_a_symlink_meanwhile_is_never_left_for_the_link(
+    mounted, victim, home
+):
+    """The agent swaps a directory of its own and a symlink to the victim
+    while root asks for views at the directory's name: each view is refused
+    (the name was the link when it was looked at) or mounted on the agent's
+    directory (wherever it is named by then), never on the victim."""
+    ws = mounted
+    layer = ws.checkpoint()
+    (home / "d").mkdir()
+    os.chown(home / "d", AGENT.pw_uid, AGENT.pw_gid)
+    plant(home, "s", str(victim))
+    outcomes = []
+    with swapping(home, "d", "s"):
+        for _ in range(12):
+            r = ws.cowfs("view", layer, home / "d", check=False)
+            outcomes.append(r.returncode)
+            assert mounted_under(victim) == [], r.stdout
+            if r.returncode == 0:
+                [(mp, fstype)] = [
+                    (m.mountpoint, m.fstype) for m in mounts() if within(m.mountpoint, str(home))
+                ]
+                assert fstype == VIEW_FSTYPE and mp in (f"{home}/d", f"{home}/s"), mp
+                subprocess.run(["umount", "-l", mp], check=True)
+            else:
+                refused(r, USAGE, "is a symlink owned by another user")
+    assert set(outcomes) <= {0, USAGE}, outcomes
