@@ -66,6 +66,21 @@ class Requester:
         return cls(uid, pw.pw_gid, frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid)), pid)
 
     @classmethod
+    def of_process(cls, pid: int, uid: int, gid: int) -> Requester:
+        """The process *pid* making a FUSE request as *uid*/*gid*, with the
+        supplementary groups /proc says it has (none, if it is gone)."""
+        groups: frozenset[int] = frozenset()
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("Groups:"):
+                        groups = frozenset(int(g) for g in line.split()[1:])
+                        break
+        except (OSError, ValueError):
+            pass
+        return cls(uid, gid, groups, pid)
+
+    @classmethod
     def of_peer(cls, sock: socket.socket) -> Requester:
         """The process at the other end of a Unix socket, as the kernel
         knows it (its credentials when it connected)."""

@@ -1378,13 +1378,14 @@ def do_log(args) -> int:
         for run in layer.get("runs", []):
             status = f"exit {run.get('exit_status')}"
             if run.get("verify_status") is not None:
-                status += f", verify exit {run['verify_status']}"
+                status += f", verify exit {printable(str(run['verify_status']))}"
             if isinstance(run.get("duration"), (int, float)):
                 status += f", {duration(run['duration'])}"
-            if run.get("started"):
+            if isinstance(run.get("started"), (int, float)):
                 status += f", {ago(run['started'], now)}"
             rows.append(
-                f"{below}run {run.get('outcome')} ({status}): {printable(str(run.get('command')))}"
+                f"{below}run {printable(str(run.get('outcome')))} ({printable(status)}): "
+                f"{printable(str(run.get('command')))}"
             )
     rows += redo_line(res.get("redo"))
     out(args, "\n".join(rows), res["layers"])

@@ -85,6 +85,12 @@ class Refused(CowfsError):
     code = REFUSED
 
 
+class PlantedLink(CowfsError):
+    """A symlink on a path a user named that another user may have put there."""
+
+    code = USAGE
+
+
 class NotOwner(CowfsError):
     """The workspace was mounted (or its store made) by another user."""
 

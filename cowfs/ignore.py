@@ -6,7 +6,11 @@ diff do not show them, and a rollback leaves them as they are.  What is
 matched is the path an object has when it is first changed in a layer; an
 object that a layer saw at a path that does not match stays captured
 wherever it moves (the filter never hides a change of a path it does not
-match).  `.cowfsignore` itself is always captured.
+match).  `.cowfsignore` itself is always captured, and is honoured only
+while it belongs to the user who mounted (or root) and nobody else may
+write it: another user's would switch off the capture of everyone's
+changes at the paths it names (and, read back through a view or `show`,
+let uncaptured bytes pass for old ones).
 """
 
 from __future__ import annotations
@@ -52,7 +56,13 @@ class IgnoreRules:
             return
         self._seen = seen
         lines = list(self.extra)
-        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SIZE:
+        if (
+            st is not None
+            and stat.S_ISREG(st.st_mode)
+            and st.st_size <= MAX_SIZE
+            and st.st_uid in (0, os.geteuid())
+            and not st.st_mode & 0o022
+        ):
             try:
                 fd = os.open(
                     NAME,
@@ -60,7 +70,9 @@ class IgnoreRules:
                     dir_fd=self.rootfd,
                 )
                 try:
-                    lines += os.read(fd, MAX_SIZE).decode("utf-8", "replace").splitlines()
+                    mine = os.fstat(fd)  # (the file read is the file checked)
+                    if (mine.st_ino, mine.st_uid) == (st.st_ino, st.st_uid):
+                        lines += os.read(fd, MAX_SIZE).decode("utf-8", "replace").splitlines()
                 finally:
                     os.close(fd)
             except OSError:

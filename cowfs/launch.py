@@ -22,7 +22,7 @@ from collections.abc import Callable
 from . import backing as B
 from . import errors
 from .control import wait_readable
-from .errors import AlreadyMounted, BadWorkspace, CowfsError
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, PlantedLink
 from .mounts import (
     FSTYPE,
     VIEW_FSTYPE,
@@ -98,7 +98,8 @@ def open_view_dir(
     invoker = os.geteuid() if invoker is None else invoker
     if not os.path.isabs(mountpoint):
         raise CowfsError(f"view mount point {shown} is not an absolute path", errors.USAGE)
-    workspaces = {m.id: m for m in mounts() if m.fstype == FSTYPE}
+    # (a view is no place for another either)
+    workspaces = {m.id: m for m in mounts() if m.fstype in (FSTYPE, VIEW_FSTYPE)}
 
     def inside(where: str, what: str) -> BadWorkspace:
         return BadWorkspace(
@@ -218,12 +219,6 @@ def clear_view(mountpoint: str, dirfd: int | None = None) -> None:
 
 PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 MAX_LINKS = 40  # (the kernel's limit before ELOOP)
-
-
-class PlantedLink(CowfsError):
-    """A symlink on a path a user named that another user may have put there."""
-
-    code = errors.USAGE
 
 
 def fd_path(fd: int) -> str:

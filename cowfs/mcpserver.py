@@ -374,6 +374,9 @@ def build(root: str):
     return server
 
 
+KEPT_ENV = frozenset({"LANG", "LANGUAGE", "TZ", "TERM"})  # (and LC_*, COWFS_*)
+
+
 def become(user: str) -> None:
     """Switch this process to *user* for good (its groups too): what the
     server does from here on, the agent's commands included, it does with
@@ -398,8 +401,18 @@ def become(user: str) -> None:
     os.initgroups(pw.pw_name, pw.pw_gid)
     os.setgid(pw.pw_gid)
     os.setuid(pw.pw_uid)
-    os.environ.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
-    os.environ.pop("XDG_RUNTIME_DIR", None)
+    # A fresh environment, as a login would give it: what the starter's
+    # held (tokens, keys, its PATH) is not the agent's to read.
+    kept = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith(("LC_", "COWFS_"))}
+    os.environ.clear()
+    os.environ.update(
+        kept,
+        HOME=pw.pw_dir,
+        USER=pw.pw_name,
+        LOGNAME=pw.pw_name,
+        SHELL="/bin/sh",
+        PATH="/usr/local/bin:/usr/bin:/bin",
+    )
 
 
 def serve(path: str, mount: bool = False, as_user: str | None = None) -> int:

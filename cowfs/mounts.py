@@ -11,7 +11,15 @@ from typing import NamedTuple
 
 import xxhash
 
-from .errors import AlreadyMounted, BadWorkspace, NoStore, NotMounted, NotOwner, StoreError
+from .errors import (
+    AlreadyMounted,
+    BadWorkspace,
+    NoStore,
+    NotMounted,
+    NotOwner,
+    PlantedLink,
+    StoreError,
+)
 
 FSTYPE = "fuse.cowfs"
 VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/view.py)
@@ -380,7 +388,7 @@ def locate(path: str) -> Location:
     was made through its mount), so it is never adopted.  Where stores were
     found and none may be trusted, the nearest one's refusal (StoreError
     from Location.unmounted)."""
-    p = os.path.realpath(path)  # non-strict: a dead mount's ENOTCONN does not stop it
+    p = resolve(path)
     table = mount_table()
     q = p
     while True:
@@ -422,6 +430,53 @@ def locate(path: str) -> Location:
         if q == "/":
             return found or refused or Location(UNMOUNTED, p, None, None)
         q = os.path.dirname(q)
+
+
+def resolve(path: str) -> str:
+    """*path* absolute and without symlinks, as os.path.realpath gives it
+    (non-strict: a component it cannot look at, such as a dead mount's, ends
+    the resolution), but following only a symlink that the invoking user or
+    root owns, in a directory that only they may change (or a sticky one):
+    a path root names must not lead, through a link an agent planted, to
+    another workspace than the one it lies in.  PlantedLink (exit 2)
+    otherwise."""
+    trusted = (0, os.geteuid())
+    todo = [p for p in os.path.abspath(path).split("/") if p]
+    done = "/"
+    links = 0
+    while todo:
+        name = todo.pop(0)
+        if name == "..":
+            done = os.path.dirname(done)
+            continue
+        here = os.path.join(done, name)
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return os.path.normpath(os.path.join(here, *todo))
+        if not stat.S_ISLNK(st.st_mode):
+            done = here
+            continue
+        try:
+            parent = os.lstat(done)
+        except OSError:
+            return os.path.normpath(os.path.join(here, *todo))
+        links += 1
+        if (
+            st.st_uid not in trusted
+            or parent.st_uid not in trusted
+            or (parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX)
+            or links > 40
+        ):
+            raise PlantedLink(
+                f"{here} is a symlink another user (uid {st.st_uid}) could have put "
+                "there; it is not followed: give the path it should lead to"
+            )
+        target = os.readlink(here)
+        if target.startswith("/"):
+            done = "/"
+        todo[:0] = [p for p in target.split("/") if p and p != "."]
+    return done
 
 
 def find_mount(path: str) -> MountRecord:

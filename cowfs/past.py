@@ -165,6 +165,41 @@ class History:
             return None
         return access.parse_acl(dict(self.xattrs_of(obj)).get(access.ACL_ACCESS))
 
+    def _acl_now(self, loc: bytes, st: os.stat_result) -> list | None:
+        if stat.S_ISLNK(st.st_mode):
+            return None
+        try:
+            with self.r.at(loc) as (d, n):
+                target, follow = B.xattr_target(d, n)
+                return access.parse_acl(
+                    os.getxattr(target, access.ACL_ACCESS, follow_symlinks=follow)
+                )
+        except OSError:
+            return None
+
+    def from_the_past(self, obj: Past) -> bool:
+        """Whether all of *obj*'s content at T comes from what the records
+        kept (pre-images of every chunk of a file), none of it from the
+        live object -- whose bytes (or names) may be ones written since,
+        uncaptured (an ignored path), under other permissions."""
+        if stat.S_ISREG(obj.mode):
+            C = self.store.chunk_size
+            return all(k in obj.chunks for k in range(-(-obj.size // C)))
+        return not stat.S_ISDIR(obj.mode)
+
+    def live_readable(self, obj: Past, who: Requester) -> bool:
+        """Whether *who* may read the live object *obj*'s content comes
+        from (as it is now: its mode, owner and ACL)."""
+        if who.root or self.from_the_past(obj):
+            return True
+        st = self.r.lstat(obj.loc)
+        if st is None or st.st_ino != obj.ino:
+            return False
+        want = access.R | access.X if stat.S_ISDIR(st.st_mode) else access.R
+        return access.permitted(
+            who, st.st_mode, st.st_uid, st.st_gid, want, self._acl_now(obj.loc, st)
+        )
+
     def readable(self, path: bytes, who: Requester) -> bool:
         """Whether *who* could have read what *path* held at T, as the
         kernel would have decided then: search permission on every
@@ -180,6 +215,8 @@ class History:
         obj = self.object_at(path)
         if obj is None:
             return True  # (nothing to reveal)
+        if not self.live_readable(obj, who):
+            return False
         want = (
             access.R | access.X
             if stat.S_ISDIR(obj.mode)
@@ -194,19 +231,7 @@ class History:
         on the tree as it is)."""
         if who.root:
             return True
-
-        def acl(loc: bytes, st: os.stat_result) -> list | None:
-            if stat.S_ISLNK(st.st_mode):
-                return None
-            try:
-                with self.r.at(loc) as (d, n):
-                    target, follow = B.xattr_target(d, n)
-                    return access.parse_acl(
-                        os.getxattr(target, access.ACL_ACCESS, follow_symlinks=follow)
-                    )
-            except OSError:
-                return None
-
+        acl = self._acl_now
         comps = path.split(b"/") if path else []
         for i in range(len(comps) + 1):
             loc = b"/".join(comps[:i])

@@ -155,12 +155,14 @@ class Restore:
         return node, st
 
     def _now(self, rel: bytes) -> tuple[Node, os.stat_result] | None:
-        """The object at *rel* now, walking directories only."""
+        """The object at *rel* now, walking directories only (each one
+        searchable by the requester)."""
         node: Node = self.fs.root
         st = os.stat(node.fd)
         for comp in rel.split(b"/") if rel else []:
             if not stat.S_ISDIR(st.st_mode):
                 return None
+            self._may_now(node, st, X, f"{_show(rel)}: cannot reach it")
             found = self._lookup(node, comp)
             if found is None:
                 return None
@@ -256,6 +258,7 @@ class Restore:
         comps = rel.split(b"/")[:-1]
         for i, name in enumerate(comps):
             here = b"/".join(comps[: i + 1])
+            self._may_now(node, st, X, f"{_show(rel)}: cannot reach it")
             found = self._lookup(node, name) if node is not None else None
             if found is not None and stat.S_ISDIR(found[1].st_mode):
                 node, st = found
@@ -322,6 +325,7 @@ class Restore:
         have made) back as it was at T."""
         name = rel.rpartition(b"/")[2]
         pst = os.stat(parent.fd) if parent is not None else None
+        self._may_now(parent, pst, X, f"{_show(rel)}: cannot reach it")
         found = self._lookup(parent, name) if parent is not None else None
         obj = self._then(rel)
         if obj is None:  # made after T: it goes

@@ -34,9 +34,11 @@ from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore
 from .ignore import IgnoreRules
 from .launch import start_view
 from .mounts import (
+    VIEW_FSTYPE,
     default_store,
     finishing_daemon,
     is_cowfs_mount,
+    mount_table,
     recover_stale_mount,
     store_in_use,
     wait_gone,
@@ -52,6 +54,7 @@ from .text import count, quote
 AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
 FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
+MAX_VIEWS = 4  # views a user other than the owner may have mounted at once
 
 log = logging.getLogger("cowfs.session")
 
@@ -178,6 +181,7 @@ class Session:
         # control request; offline, the command's own user)
         self.requester = Requester.this_process()
         self._offline_ops: Ops | None = None
+        self._views: list[tuple[int, str]] = []  # (uid, mount point) of views started
         self._history_cache: tuple | None = None  # (store state, History) for show/diff
 
     # -- opening and closing ------------------------------------------------------
@@ -750,7 +754,9 @@ class Session:
         """The open layer's net changes (under *paths*), the store's usage,
         the changes --max-store refused since the mount, the redo note."""
         await self.flush()
-        return self.stack.status(paths=path_list(paths)) | {
+        result = self.stack.status(paths=path_list(paths))
+        result["changes"] = self._writers_shown(result["changes"])
+        return result | {
             "usage": self.stack.usage(),
             "refused": self.hooks.refused(),
             "redo": self.stack.redo_note(),
@@ -770,7 +776,23 @@ class Session:
         under *paths* if given."""
         await self.flush()
         since = self.store.open_layer().id if since is None else since
-        return {"since": since, "changes": self.stack.changes_since(since, path_list(paths))}
+        changes = self.stack.changes_since(since, path_list(paths))
+        return {"since": since, "changes": self._writers_shown(changes)}
+
+    def _writers_shown(self, changes: list[dict]) -> list[dict]:
+        """*changes* as the requester may see them: the command line of a
+        writer that is another user's process is its own business (it may
+        carry a password); a user other than the owner sees its pid and
+        uid only."""
+        who = self.requester
+        if who.uid in (0, os.geteuid()):
+            return changes
+        return [
+            c | {"who": {k: v for k, v in c["who"].items() if k != "cmd"}}
+            if isinstance(c.get("who"), dict) and c["who"].get("uid") != who.uid
+            else c
+            for c in changes
+        ]
 
     async def log(self, limit: int | None = None) -> dict:
         """The layers, oldest first (with *limit*: that many of the newest)."""
@@ -842,7 +864,7 @@ class Session:
                 return diff_entry(h, c, text_limit)
             return c | {"binary": False, "unreadable": True}  # (names only)
 
-        return {"since": h.layer, "changes": [entry(c) for c in changes]}
+        return {"since": h.layer, "changes": [entry(c) for c in self._writers_shown(changes)]}
 
     async def restore(self, paths: list, layer: int | None = None) -> dict:
         """Put *paths* back as they were when *layer* (default: the open
@@ -875,18 +897,31 @@ class Session:
 
     async def view(self, layer: int, mountpoint: str) -> dict:
         """`cowfs view`: mount the tree as it was when *layer* was opened,
-        read-only, at *mountpoint*, in a process of its own."""
+        read-only, at *mountpoint*, in a process of its own.  A user other
+        than the owner (granted `read`) has at most MAX_VIEWS at once: each
+        is a process of the daemon's that only the owner can end."""
         self.store.get_layer(layer)
+        uid = self.requester.uid
+        if uid not in (0, os.geteuid()):
+            table = mount_table()
+            self._views = [(u, mp) for u, mp in self._views if table.get(mp) == VIEW_FSTYPE]
+            if sum(u == uid for u, _ in self._views) >= MAX_VIEWS:
+                raise AlreadyMounted(
+                    f"uid {uid} has {MAX_VIEWS} views of this workspace mounted already; "
+                    "the workspace's owner ends them (cowfs unmount DIR)"
+                )
         await self.flush()
-        return await self.hooks.wait(
+        result = await self.hooks.wait(
             start_view,
             self.rootfd,
             self.store.dirfd,
             layer,
             mountpoint,
             self.hidden,
-            self.requester.uid,
+            uid,
         )
+        self._views.append((uid, result["mountpoint"]))
+        return result
 
     # -- the audit log --------------------------------------------------------------------
 
@@ -974,6 +1009,20 @@ class Session:
             if not isinstance(run.get(key), kind) or isinstance(run.get(key), bool):
                 raise CowfsError(
                     f"bad request: a run record needs {key!r} ({kind.__name__})", errors.USAGE
+                )
+        # (what `log` reads of a record, of the type it expects: any user
+        # granted `step` may annotate)
+        optional: dict[str, tuple[type, ...]] = {
+            "verify_status": (int, type(None)),
+            "started": (int, float),
+            "duration": (int, float),
+            "changes": (int,),
+            "layer": (int, type(None)),
+        }
+        for key, kinds in optional.items():
+            if key in run and (not isinstance(run[key], kinds) or isinstance(run[key], bool)):
+                raise CowfsError(
+                    f"bad request: a run record's {key!r} has the wrong type", errors.USAGE
                 )
         if len(json.dumps(run)) > 64 << 10:
             raise CowfsError("bad request: the run record is too large", errors.USAGE)

@@ -40,6 +40,7 @@ import trio
 from . import backing as B
 from . import errors
 from . import schema as S
+from .access import Requester
 from .errors import CowfsError
 from .mounts import VIEW_FSTYPE
 from .ops import fail
@@ -195,11 +196,23 @@ class View(pyfuse3.Operations):
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         pass
 
+    def _may_read(self, obj: Past, ctx: pyfuse3.RequestContext) -> None:
+        """The kernel checked the permissions recorded at T (the mount's
+        default_permissions); what is read from the live object (a file's
+        bytes no record kept, a directory's names) must also be readable
+        by the caller as that object is now -- its mode may have closed
+        since, over bytes written uncaptured."""
+        if ctx.uid != 0 and not self.history().live_readable(
+            obj, Requester.of_process(ctx.pid, ctx.uid, ctx.gid)
+        ):
+            raise fail(errno.EACCES)
+
     @handler
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         obj = self.past(self._path(inode))
         if not stat.S_ISDIR(obj.mode):
             raise fail(errno.ENOTDIR)
+        self._may_read(obj, ctx)
         fh = self.next_fh
         self.next_fh += 1
         self.dirs[fh] = [obj.path]
@@ -237,6 +250,7 @@ class View(pyfuse3.Operations):
         obj = self.past(self._path(inode))
         if stat.S_ISDIR(obj.mode):
             raise fail(errno.EISDIR)
+        self._may_read(obj, ctx)
         fh = self.next_fh
         self.next_fh += 1
         self.files[fh] = obj.path

@@ -164,8 +164,10 @@ def test_an_unknown_user_in_allow_is_a_usage_error(tmp_path):
         assert not ws.mounted
 
 
-def _mcp(ws, steps, *args: str):
-    env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
+def _mcp(ws, steps, *args: str, env: dict | None = None):
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ} | (
+        env or {}
+    )
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "cowfs", "mcp", "-C", str(ws.path), *args],
@@ -270,3 +272,131 @@ def test_the_agent_cannot_name_a_container_or_vm_to_snapshot(granted):
     for kw in ({"containers": ["someone-elses"]}, {"vms": ["a-domain"]}):
         assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, checkpoint, kw) == NOT_OWNER
     assert ws.json("provider", "list") == []
+
+
+def test_uncaptured_bytes_never_pass_for_old_ones(granted):
+    """A file the agent could read when the layer was opened, closed to it
+    since and rewritten where nothing captures it (a path the owner's
+    .cowfsignore names): show and view of the past would read the live
+    bytes -- they are refused.  And the agent's own .cowfsignore switches
+    off nothing."""
+    ws = granted
+    (ws / "conf").write_text("public v1\n")
+    layer = ws.checkpoint()
+    os.chmod(ws / "conf", 0o600)  # (captured: the path is not ignored yet)
+    ws.checkpoint()
+    (ws / ".cowfsignore").write_text("conf\nmine/\n")
+    (ws / "conf").write_text("ROOT-PASSWORD=hunter2\n")  # (not captured)
+    code, out, err = agent(ws, "show", f"{layer}:conf")
+    assert code == NOT_OWNER and "hunter2" not in out, (code, out, err)
+    # an agent's .cowfsignore is not honoured
+    os.unlink(ws / ".cowfsignore")
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / "mine" / ".keep").write_text, "")
+    os.chmod(ws.path, 0o777)
+    try:
+        users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / ".cowfsignore").write_text, "conf\n")
+    finally:
+        os.chmod(ws.path, 0o755)
+    ws.checkpoint()
+    (ws / "conf").write_text("captured again\n")
+    assert "conf" in {c["path"] for c in ws.status()}
+
+
+def test_a_restore_needs_search_permission_on_every_directory_above(granted):
+    ws = granted
+    (ws / "rd").mkdir(mode=0o755)
+    (ws / "rd" / "w").mkdir(mode=0o777)
+    os.chmod(ws / "rd" / "w", 0o777)
+    layer = ws.checkpoint()
+    os.chmod(ws / "rd", 0o700)
+    (ws / "rd" / "w" / "new").write_text("root's\n")
+    code, _, err = agent(ws, "restore", "--from", str(layer), "rd/w/new")
+    assert code == NOT_OWNER and "nothing restored" in err, err
+    assert (ws / "rd" / "w" / "new").read_text() == "root's\n"
+
+
+def test_a_run_record_is_checked_and_printed_harmlessly(granted):
+    ws = granted
+    code, out, _ = agent(ws, "--json", "checkpoint", "-m", "step")
+    layer = json.loads(out)["id"]
+
+    def annotate(run: dict) -> int:
+        from cowfs.api import Workspace
+        from cowfs.errors import CowfsError
+
+        try:
+            Workspace.attach(str(ws.path))._call("annotate", layer=layer, run=run)
+        except CowfsError as e:
+            return e.code
+        return 0
+
+    base = {"command": "make", "outcome": "kept", "exit_status": 0}
+    assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, annotate, base | {"started": "S"}) == USAGE
+    evil = base | {"outcome": "kept\x1b[2J\x1b]0;pwned\x07\nforged line"}
+    assert users.run_as(AGENT.pw_uid, AGENT.pw_gid, annotate, evil) == 0
+    text = ws.cowfs("log").stdout
+    assert "\x1b" not in text and "\x07" not in text and "\nforged line" not in text, text
+    assert "kept\\033[2J" in text
+
+
+def test_the_agent_sees_no_other_users_command_lines(granted):
+    ws = granted
+    ws.checkpoint()
+    subprocess.run(["sh", "-c", f"echo x > {ws.path}/by-root", "--password=S3CRET"], check=True)
+    code, out, err = agent(ws, "--json", "status")
+    assert code == 0, err
+    (entry,) = [c for c in json.loads(out)["changes"] if c["path"] == "by-root"]
+    assert entry["who"]["uid"] == 0 and "cmd" not in entry["who"]
+    assert "S3CRET" not in out
+    assert "S3CRET" in ws.cowfs("--json", "status").stdout  # (root's own)
+
+
+def test_root_does_not_follow_the_agents_link_to_another_workspace(granted, tmp_path):
+    ws = granted
+    with managed_workspace(tmp_path / "other") as other:
+        (other / "f").write_text("other\n")
+        other.mount()
+        other.checkpoint()
+        (other / "f").write_text("changed\n")
+        link = ws / "mine" / "proj"
+        users.run_as(AGENT.pw_uid, AGENT.pw_gid, os.symlink, str(other.path), str(link))
+        r = subprocess.run(
+            [*COWFS, "-C", str(link), "rollback"], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == USAGE and "not followed" in r.stderr, r.stderr
+        assert (other / "f").read_text() == "changed\n"
+
+
+def test_the_agent_has_a_bounded_number_of_views(granted):
+    ws = granted
+    home = ws.path.parent / "views"
+    home.mkdir()
+    os.chown(home, AGENT.pw_uid, AGENT.pw_gid)
+    made = []
+    try:
+        for i in range(5):
+            d = home / f"v{i}"
+            users.run_as(AGENT.pw_uid, AGENT.pw_gid, os.mkdir, str(d))
+            code, _, err = agent(ws, "view", "1", str(d))
+            if i < 4:
+                assert code == 0, err
+                made.append(d)
+            else:
+                assert code == 5 and "4 views" in err, err
+    finally:
+        for d in made:
+            subprocess.run([*COWFS, "unmount", str(d)], capture_output=True)
+    assert not any(str(d) in mount_table() for d in made)
+
+
+def test_mcp_as_the_agent_hands_it_none_of_roots_environment(granted):
+    ws = granted
+
+    async def steps(s):
+        return await s.call_tool("run", {"command": "env", "max_bytes": 20000})
+
+    starter = {"SECRET_API_KEY": "key-456", "PATH": "/root/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+    res = _mcp(ws, steps, "--as", AGENT.pw_name, env=starter)
+    text = res.content[0].text
+    assert "key-456" not in text and "/root/bin" not in text, text
+    assert "USER=nobody" in text and "LANG=C.UTF-8" in text, text
