@@ -180,6 +180,28 @@ def chmod_fd(fd: int, mode: int) -> None:
     os.chmod(proc(fd), mode)
 
 
+def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+    """The ranges of the first *size* bytes of the file open at *fd* that
+    hold data (SEEK_DATA/SEEK_HOLE); the rest reads as zeros.  What reads a
+    whole file costs in proportion to its data this way, not its size (a
+    sparse file of a TiB holds none)."""
+    out: list[tuple[int, int]] = []
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+            break
+        if start >= size:
+            break
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        out.append((start, end))
+        off = end
+    return out
+
+
 def split(path: bytes) -> tuple[bytes, bytes]:
     """'a/b/c' -> ('a/b', 'c')."""
     head, _, tail = path.rpartition(b"/")

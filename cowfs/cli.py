@@ -1290,7 +1290,11 @@ def iso_ns(ns: int) -> str:
 def side_sizes(c: dict) -> str:
     def one(side: str) -> str:
         d = c.get(side)
-        return "(none)" if d is None else f"{d['size']} bytes xxh3 {d.get('xxh3', '-')}"
+        if d is None:
+            return "(none)"
+        if "xxh3" not in d and d.get("sparse"):
+            return f"{d['size']} bytes (sparse: not read)"
+        return f"{d['size']} bytes xxh3 {d.get('xxh3', '-')}"
 
     return f"{one('old')} -> {one('new')}"
 

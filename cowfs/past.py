@@ -414,9 +414,25 @@ def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
     return [c for c in changes if under(c["path"]) or under(c.get("from"))]
 
 
-def _side(kind: int, size: int, mode: int, mtime: int, read, hash_limit: int) -> dict:
+# what a file's blocks may fall short of its size and still count as data
+SPARSE_SLACK = 1 << 20
+
+
+def _dense(size: int, held: int) -> bool:
+    """Whether a file of *size* is (nearly) all data, *held* bytes of it
+    on disk or in the store: reading it costs what it holds.  A sparse
+    file -- a TiB that holds nothing costs an agent nothing to make -- is
+    not read whole: its side says "sparse" and has no hash or text."""
+    return held + SPARSE_SLACK >= size
+
+
+def _side(
+    kind: int, size: int, mode: int, mtime: int, read, hash_limit: int, dense: bool = True
+) -> dict:
     d = {"kind": KINDS.get(kind, "unknown"), "mode": mode, "size": size, "mtime_ns": mtime}
-    if kind == stat.S_IFREG and size <= hash_limit:
+    if kind == stat.S_IFREG and not dense:
+        d["sparse"] = True
+    elif kind == stat.S_IFREG and size <= hash_limit:
         hasher = xxhash.xxh3_128()
         for off in range(0, size, SHOW_PAGE):
             hasher.update(read(off, SHOW_PAGE))
@@ -445,10 +461,18 @@ def diff_entry(h: History, change: dict, text_limit: int, hash_limit: int = 1 <<
     new_st = h.r.lstat(new_path) if change["kind"] != "D" else None
     old_bytes = new_bytes = None
     if old is not None:
+        held = old.now.st_blocks * 512 + len(old.chunks) * h.store.chunk_size
+        old_dense = _dense(old.size, held)
         out["old"] = _side(
-            old.kind, old.size, old.mode, old.mtime_ns, lambda o, n: h.read(old, o, n), hash_limit
+            old.kind,
+            old.size,
+            old.mode,
+            old.mtime_ns,
+            lambda o, n: h.read(old, o, n),
+            hash_limit,
+            old_dense,
         )
-        if old.kind == stat.S_IFREG and old.size <= text_limit:
+        if old.kind == stat.S_IFREG and old.size <= text_limit and old_dense:
             old_bytes = h.read(old)
     if new_st is not None:
 
@@ -462,6 +486,7 @@ def diff_entry(h: History, change: dict, text_limit: int, hash_limit: int = 1 <<
             finally:
                 os.close(fd)
 
+        new_dense = _dense(new_st.st_size, new_st.st_blocks * 512)
         out["new"] = _side(
             stat.S_IFMT(new_st.st_mode),
             new_st.st_size,
@@ -469,8 +494,9 @@ def diff_entry(h: History, change: dict, text_limit: int, hash_limit: int = 1 <<
             new_st.st_mtime_ns,
             read_new,
             hash_limit,
+            new_dense,
         )
-        if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit:
+        if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit and new_dense:
             new_bytes = read_new(0, new_st.st_size)
     present = [
         (side, data) for side, data in (("old", old_bytes), ("new", new_bytes)) if side in out

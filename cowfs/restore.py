@@ -23,7 +23,6 @@ the requester may not make is refused whole, naming the path.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections import Counter
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import access
+from . import backing as B
 from .access import R, Requester, W, X
 from .errors import DAEMON_ERROR, NOT_OWNER, PARTIAL, USAGE, CowfsError, NothingToDo
 from .inodes import Node
@@ -453,19 +453,7 @@ class Restore:
         with self.h.r.at(obj.loc) as (d, n):
             fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
         try:
-            off = 0
-            while off < obj.size:
-                try:
-                    start = os.lseek(fd, off, os.SEEK_DATA)
-                except OSError as e:
-                    if e.errno != errno.ENXIO:
-                        raise
-                    break
-                if start >= obj.size:
-                    break
-                end = min(os.lseek(fd, start, os.SEEK_HOLE), obj.size)
-                spans.append((start, end))
-                off = end
+            spans += B.data_ranges(fd, obj.size)
         finally:
             os.close(fd)
         merged: list[tuple[int, int]] = []

@@ -55,6 +55,7 @@ AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
 AUDIT_LEVELS = ("hashes", "changes", "events")
 FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
 MAX_VIEWS = 4  # views a user other than the owner may have mounted at once
+MAX_TEXT = 64 << 20  # the largest file `diff` reads whole for a text diff
 
 log = logging.getLogger("cowfs.session")
 
@@ -851,6 +852,7 @@ class Session:
         """Changes since layer *since* was opened, each with both sides'
         sizes and hashes and, for text, a unified diff."""
         await self.flush()
+        text_limit = max(0, min(text_limit, MAX_TEXT))
         h = self._history(since)
         changes = self.stack.changes_since(h.layer, path_list(paths))
         who = self.requester

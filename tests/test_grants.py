@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import anyio
@@ -400,3 +401,31 @@ def test_mcp_as_the_agent_hands_it_none_of_roots_environment(granted):
     text = res.content[0].text
     assert "key-456" not in text and "/root/bin" not in text, text
     assert "USER=nobody" in text and "LANG=C.UTF-8" in text, text
+
+
+def test_a_huge_sparse_file_costs_a_diff_or_status_what_it_holds(granted):
+    """Making a file of a TiB that holds nothing costs the agent nothing:
+    `diff` and `status` (which compares a file removed and made again with
+    the one it replaced) read what the files hold, not their sizes."""
+    ws = granted
+    big = ws / "mine" / "big"
+    fd = os.open(big, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.ftruncate(fd, 1 << 40)
+    os.pwrite(fd, b"data in the middle", 1 << 39)
+    os.close(fd)
+    ws.checkpoint()
+    os.unlink(big)
+    fd = os.open(big, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.ftruncate(fd, 1 << 40)
+    os.pwrite(fd, b"data in the middle", 1 << 39)
+    os.close(fd)
+    t0 = time.monotonic()
+    code, out, err = agent(ws, "--json", "status")
+    assert code == 0, err
+    kinds = {c["path"]: c["kind"] for c in json.loads(out)["changes"]}
+    assert kinds["mine/big"] == "m", kinds  # the same bytes (its mtime is new)
+    code, out, err = agent(ws, "--json", "diff", "--", "mine/big")
+    assert code == 0, err
+    assert time.monotonic() - t0 < 60  # (a TiB read would take hours)
+    code, out, err = agent(ws, "diff", "--", "mine/big")
+    assert "sparse: not read" in out or out.strip() == "", out
