@@ -1218,6 +1218,8 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             counts = (
                 "not readable by you"
                 if c.get("unreadable")
+                else "too many lines to diff"
+                if c.get("too_large")
                 else "content unchanged"
                 if same_content(c)
                 else f"+{c['added']} -{c['removed']}"
@@ -1235,6 +1237,8 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             same = same_content(c)
             if c.get("unreadable"):
                 rows.append("(not readable by you: contents not shown)")
+            elif c.get("too_large"):
+                rows.append(f"Text, too many lines to diff: {side_sizes(c)}")
             elif c.get("diff"):
                 rows.append(quoted_headers(c).rstrip("\n"))
             elif c["binary"] and not same:

@@ -44,7 +44,7 @@ from .mounts import (
     wait_gone,
 )
 from .ops import Ops
-from .past import SHOW_PAGE, History, describe_past, diff_entry, wpath
+from .past import SHOW_PAGE, History, describe_past, diff_entry, diff_sides, wpath
 from .providers import Registry
 from .restore import Denied, Invalid, restore
 from .stack import RollbackReport, Stack
@@ -56,6 +56,7 @@ AUDIT_LEVELS = ("hashes", "changes", "events")
 FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
 MAX_VIEWS = 4  # views a user other than the owner may have mounted at once
 MAX_TEXT = 64 << 20  # the largest file `diff` reads whole for a text diff
+MAX_TEXT_HELD = 256 << 20  # text one `diff` reads before it diffs the rest by size
 
 log = logging.getLogger("cowfs.session")
 
@@ -857,16 +858,32 @@ class Session:
         changes = self.stack.changes_since(h.layer, path_list(paths))
         who = self.requester
 
-        def entry(c: dict) -> dict:
+        # Every side is read while the tree holds still (one instant); the
+        # text diffs are computed afterwards, while file requests are served,
+        # from at most MAX_TEXT_HELD bytes of text held at once.
+        entries, todo, held = [], [], 0
+        for c in self._writers_shown(changes):
             new = wpath(c["path"]) if c["path"] != "." else b""
             old = wpath(c["from"]) if c.get("from") else new
             if (c["kind"] == "A" or h.readable(old, who)) and (
                 c["kind"] == "D" or h.readable_now(new, who)
             ):
-                return diff_entry(h, c, text_limit)
-            return c | {"binary": False, "unreadable": True}  # (names only)
+                room = text_limit if held < MAX_TEXT_HELD else 0
+                out, finish = diff_sides(h, c, room)
+                if finish is not None:
+                    todo.append(finish)
+                    held += sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
+                entries.append(out)
+            else:
+                entries.append(c | {"binary": False, "unreadable": True})  # (names only)
 
-        return {"since": h.layer, "changes": [entry(c) for c in self._writers_shown(changes)]}
+        def texts() -> None:
+            for finish in todo:
+                finish()
+
+        if todo:
+            await self.hooks.blocking(texts)
+        return {"since": h.layer, "changes": entries}
 
     async def restore(self, paths: list, layer: int | None = None) -> dict:
         """Put *paths* back as they were when *layer* (default: the open

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import xxhash
 
@@ -338,3 +339,24 @@ def test_diff_of_content_put_back_says_so_and_shows_what_differs(mounted):
     assert (
         ws.cowfs("diff", "--stat", str(layer)).stdout.split("|")[1].strip() == "content unchanged"
     )
+
+
+def test_a_diff_too_large_for_text_says_so_and_a_one_line_edit_is_still_text(mounted):
+    """A text diff costs difflib about lines x changed lines: past a bound
+    the change is reported by sizes and hashes; a one-line edit of a big
+    file is still a text diff."""
+    ws = mounted
+    (ws / "mid.txt").write_text("".join(f"{i}\n" for i in range(1, 200_001)))
+    (ws / "big.txt").write_text("".join(f"{i}\n" for i in range(1, 300_001)))
+    layer = ws.checkpoint()
+    subprocess.run(["sed", "-i", "s/5$/five/", str(ws / "mid.txt")], check=True)
+    subprocess.run(["sed", "-i", "150000s/.*/changed/", str(ws / "big.txt")], check=True)
+    t0 = time.monotonic()
+    res = ws.json("diff", str(layer))
+    assert time.monotonic() - t0 < 60
+    by = {c["path"]: c for c in res["changes"]}
+    assert by["mid.txt"].get("too_large") and "diff" not in by["mid.txt"]
+    assert by["mid.txt"]["old"]["xxh3"] != by["mid.txt"]["new"]["xxh3"]
+    assert by["big.txt"]["added"] == 1 and "+changed" in by["big.txt"]["diff"]
+    text = ws.cowfs("diff", str(layer), "--", "mid.txt").stdout
+    assert "too many lines to diff" in text
