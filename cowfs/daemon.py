@@ -29,7 +29,7 @@ from . import control, errors, gravesum, progress, steps
 from . import schema as S
 from .access import Requester, granted
 from .errors import AlreadyMounted, CowfsError, NoFuse, NotOwner
-from .launch import clear_view, detach, start_and_wait
+from .launch import clear_view, detach, reap, start_and_wait
 from .mounts import (
     FSTYPE,
     MountRecord,
@@ -318,6 +318,7 @@ class Daemon:
         while True:
             await trio.sleep(SYNC_INTERVAL)
             await trio.to_thread.run_sync(self.session.store.env.sync, True)
+            reap()  # (views that ended)
 
     def exclusive(self):
         """While control code runs, no file request is served (the kernel

@@ -400,7 +400,19 @@ def start_and_wait(
     if not msg.get("ok"):
         proc.wait()
         raise errors.from_dict(msg)
+    STARTED.append(proc)
     return msg
+
+
+# processes started here that outlive the start (a daemon's views): each is
+# reaped once it exits (``reap``), so none stays a zombie of the process
+# that started it
+STARTED: list[subprocess.Popen] = []
+
+
+def reap() -> None:
+    """Collect the exit status of every process started here that ended."""
+    STARTED[:] = [p for p in STARTED if p.poll() is None]
 
 
 def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what: str) -> dict:

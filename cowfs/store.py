@@ -569,12 +569,14 @@ class Store:
                         cls._validate(txn, path, ws_st)
                 except BaseException:
                     store.close()
+                    lock_fd = dirfd = -1  # (closed with it: a second close would hide why)
                     raise
             return store
         except BaseException:
             if lock_fd >= 0:
                 os.close(lock_fd)
-            os.close(dirfd)
+            if dirfd >= 0:
+                os.close(dirfd)
             raise
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import pytest
 from cowfs import schema as S
 from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
+
+from .helpers import COWFS
 
 CHUNK = 64 << 10
 
@@ -184,3 +187,17 @@ def test_repair_fixes_what_it_can_and_asks_first(damaged):
     assert not (ws / ".cowfs" / "grave" / "999").exists()
     ws.rollback()  # nothing was lost
     treesnap.assert_same(before, ws.snapshot())
+
+
+def test_check_of_a_copied_workspace_names_the_store_of_another(mounted, tmp_path):
+    """`cp -a ws ws2` copies the store too: it belongs to ws.  `check`
+    says so, as `status` does (exit 6), not that a descriptor was bad."""
+    ws = mounted
+    ws.checkpoint()
+    ws.unmount()
+    copy = tmp_path / "ws2"
+    subprocess.run(["cp", "-a", str(ws.path), str(copy)], check=True)
+    for args in (["check"], ["status"]):
+        r = subprocess.run([*COWFS, "-C", str(copy), *args], capture_output=True, text=True)
+        assert r.returncode == STORE_ERROR, (args, r.stderr)
+        assert f"belongs to another workspace ({ws.path})" in r.stderr, (args, r.stderr)

@@ -360,3 +360,29 @@ def test_a_diff_too_large_for_text_says_so_and_a_one_line_edit_is_still_text(mou
     assert by["big.txt"]["added"] == 1 and "+changed" in by["big.txt"]["diff"]
     text = ws.cowfs("diff", str(layer), "--", "mid.txt").stdout
     assert "too many lines to diff" in text
+
+
+def test_an_ended_view_leaves_no_zombie_behind(mounted, view_dir):
+    ws = mounted
+    layer = ws.checkpoint()
+    daemon = ws.daemon_pid()
+
+    def zombies() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == daemon:
+                found.append(int(pid))
+        return found
+
+    for _ in range(2):
+        ws.cowfs("view", str(layer), view_dir)
+        ws.cowfs("unmount", view_dir)
+    deadline = time.monotonic() + 15
+    while zombies() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert zombies() == []
