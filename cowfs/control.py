@@ -44,6 +44,13 @@ def call(
     the CowfsError it answered with.  *on_interrupt*: a first Ctrl-C once
     the request is sent calls it and goes on waiting for the answer (the
     daemon carries the operation out anyway); a second one is raised."""
+    request = encode({"op": op, **args})
+    if len(request) > MAX_REQUEST:
+        raise errors.CowfsError(
+            f"the {op} request is too large ({len(request):,} bytes; the daemon takes at most "
+            f"{MAX_REQUEST:,}): shorten what it carries (a message, a record, paths)",
+            errors.USAGE,
+        )
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(rec.socket)  # blocking: waits while the daemon's backlog is full
@@ -55,7 +62,7 @@ def call(
         ) from None
     with s:
         try:
-            s.sendall(encode({"op": op, **args}))
+            s.sendall(request)
         except (BrokenPipeError, ConnectionResetError):
             pass  # (refused before it read the request: its answer is there to read)
         buf = bytearray()
@@ -193,6 +200,16 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
                     break
                 buf += chunk
         if b"\n" not in buf:
+            if len(buf) > MAX_REQUEST:
+                await stream.send_all(
+                    encode(
+                        {
+                            "ok": False,
+                            "code": errors.USAGE,
+                            "error": f"bad request: larger than {MAX_REQUEST:,} bytes",
+                        }
+                    )
+                )
             return
         try:
             req = json.loads(buf[: buf.index(b"\n")])

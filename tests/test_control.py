@@ -914,3 +914,19 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
     assert r.returncode == NOT_MOUNTED, r.stderr
     assert one.json("status")["mounted"] is False  # read from its store directly
     assert_mount_works(two, pid2)
+
+
+def test_a_request_over_the_limit_is_refused_with_a_reason(mounted):
+    """A 5 MB checkpoint message: a usage error saying why (exit 2), not a
+    broken pipe; and a raw request over the limit gets an answer too."""
+    from cowfs.api import Workspace
+    from cowfs.errors import USAGE, CowfsError
+
+    ws = Workspace.attach(str(mounted.path))
+    with pytest.raises(CowfsError) as e:
+        ws.checkpoint("m" * (5 << 20))
+    assert e.value.code == USAGE and "too large" in str(e.value)
+    r = stream(ws.record.socket, 2 * MiB)
+    resp = parse_answer(r["data"])
+    assert resp is not None and resp["code"] == USAGE and "larger than" in resp["error"], r
+    assert ws.checkpoint("small") > 0
