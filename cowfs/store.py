@@ -523,8 +523,10 @@ class Store:
             dst = os.fstat(dirfd)
             if (dst.st_dev, dst.st_ino) != (st.st_dev, st.st_ino):
                 raise StoreError(f"store {shown} was replaced while it was opened")
-            if not create and not os.path.isfile(os.path.join(path, "db", "data.mdb")):
-                # (an empty directory, or one with an empty db/: nothing is made in it)
+            data = os.path.join(path, "db", "data.mdb")
+            if not create and (not os.path.isfile(data) or os.path.getsize(data) == 0):
+                # (an empty directory, one with an empty db/, or an emptied
+                # database: nothing is made in it, nothing is written)
                 raise StoreError(f"store {shown} is not initialised")
             lock_fd = os.open(
                 "lock",
@@ -539,6 +541,9 @@ class Store:
                 raise AlreadyMounted(
                     f"store {path} is in use by another cowfs process (is the workspace mounted?)"
                 ) from None
+            used = False
+            if create:
+                used = cls._not_lost(dirfd, shown)
             if not readonly:
                 for sub in ("grave", "db"):  # (lmdb would make db with its files' 0600)
                     try:
@@ -561,7 +566,11 @@ class Store:
             )
             if not readonly:
                 env.reader_check()
-                cls._init_meta(env, shown, workspace, ws_st, chunk_size, create)
+                try:
+                    cls._init_meta(env, shown, workspace, ws_st, chunk_size, create, used)
+                except BaseException:
+                    env.close()
+                    raise
             store = cls(path, dirfd, lock_fd, env, readonly=readonly)
             if readonly:
                 try:
@@ -580,6 +589,49 @@ class Store:
             raise
 
     @staticmethod
+    def _not_lost(dirfd: int, shown: str) -> bool:
+        """A store whose database is missing or empty while the rest of it
+        is there (removed files in its grave, LMDB's lock file) lost its
+        undo data: it is an error, never a fresh start over the grave.
+        Returns whether the store was used before (mounted: it has a
+        daemon log, or its grave holds something), which a database
+        without cowfs's records in it then also is."""
+
+        def entries(sub: str) -> list[str]:
+            try:
+                fd = os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+            except FileNotFoundError:
+                return []
+            try:
+                return os.listdir(fd)
+            finally:
+                os.close(fd)
+
+        db = entries("db")
+        graves = entries("grave")
+        try:
+            os.stat("daemon.log", dir_fd=dirfd, follow_symlinks=False)
+            logged = True
+        except FileNotFoundError:
+            logged = False
+        try:
+            data = os.stat("db/data.mdb", dir_fd=dirfd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            data = 0
+        if data:
+            return logged or bool(graves)
+        if db or graves or logged:
+            raise StoreError(
+                f"store {shown} has lost its database (db/data.mdb is "
+                + ("empty" if "data.mdb" in db else "missing")
+                + f") but still holds {len(graves)} removed files and "
+                f"{', '.join(sorted(db)) or 'no other database files'}; refusing to start a "
+                "fresh store over it (the grave holds the only copies of removed files): put "
+                "db/ back from a backup, or move the store away to start afresh"
+            )
+        return False
+
+    @staticmethod
     def _init_meta(
         env: lmdb.Environment,
         path: str,
@@ -587,6 +639,7 @@ class Store:
         ws_st: os.stat_result,
         chunk_size: int,
         create: bool = True,
+        used: bool = False,
     ) -> None:
         if not create:  # an existing store: ours and this workspace's, before anything is made
             try:
@@ -600,6 +653,13 @@ class Store:
             env.open_db(name)
         with env.begin(write=True, db=meta) as txn:
             fmt = txn.get(S.K_FORMAT)
+            if fmt is None and used:
+                raise StoreError(
+                    f"store {path} has lost its database (db/data.mdb holds none of cowfs's "
+                    "records) but was used before; refusing to start a fresh store over it "
+                    "(its grave holds the only copies of removed files): put db/ back from a "
+                    "backup, or move the store away to start afresh"
+                )
             if fmt is None:
                 txn.put(S.K_FORMAT, S.u64(S.FORMAT))
                 txn.put(

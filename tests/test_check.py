@@ -201,3 +201,29 @@ def test_check_of_a_copied_workspace_names_the_store_of_another(mounted, tmp_pat
         r = subprocess.run([*COWFS, "-C", str(copy), *args], capture_output=True, text=True)
         assert r.returncode == STORE_ERROR, (args, r.stderr)
         assert f"belongs to another workspace ({ws.path})" in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.parametrize("loss", ["emptied", "removed"])
+def test_a_store_that_lost_its_database_is_refused_not_started_afresh(workspace, loss):
+    """The grave holds the only copy of a removed file; with db/data.mdb
+    emptied or removed, neither an offline command nor a mount may start
+    a fresh store over it (which would sweep the grave)."""
+    ws = workspace
+    (ws / "precious").write_text("the only copy\\n")
+    ws.mount()
+    ws.checkpoint()
+    os.unlink(ws / "precious")
+    ws.unmount()
+    data = ws / ".cowfs" / "db" / "data.mdb"
+    graves = sorted(os.listdir(ws / ".cowfs" / "grave"))
+    assert graves
+    if loss == "emptied":
+        os.truncate(data, 0)
+    else:
+        os.unlink(data)
+    for args in (["-C", str(ws.path), "status"], ["mount", str(ws.path)]):
+        r = subprocess.run([*COWFS, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == STORE_ERROR, (args, r.stdout, r.stderr)
+        assert "lost its database" in r.stderr or "not initialised" in r.stderr, r.stderr
+    assert not ws.path.is_mount()
+    assert sorted(os.listdir(ws / ".cowfs" / "grave")) == graves
