@@ -411,6 +411,7 @@ class Workspace:
         dry_run: Literal[False] = False,
         keep_redo: bool = True,
         yes: bool = False,
+        skip_damaged: bool = False,
     ) -> RollbackResult: ...
 
     @overload
@@ -421,11 +422,17 @@ class Workspace:
         dry_run: Literal[True],
         keep_redo: bool = True,
         yes: bool = False,
+        skip_damaged: bool = False,
     ) -> list[Change]: ...
 
     @overload
     def rollback(
-        self, to: int | None, dry_run: Literal[True], keep_redo: bool = True, yes: bool = False
+        self,
+        to: int | None,
+        dry_run: Literal[True],
+        keep_redo: bool = True,
+        yes: bool = False,
+        skip_damaged: bool = False,
     ) -> list[Change]: ...
 
     @overload
@@ -435,6 +442,7 @@ class Workspace:
         dry_run: bool = False,
         keep_redo: bool = True,
         yes: bool = False,
+        skip_damaged: bool = False,
     ) -> RollbackResult | list[Change]: ...
 
     def rollback(
@@ -443,16 +451,21 @@ class Workspace:
         dry_run: bool = False,
         keep_redo: bool = True,
         yes: bool = False,
+        skip_damaged: bool = False,
     ) -> RollbackResult | list[Change]:
         """Undo the top layer, or every layer down to and including *to*.
         With *dry_run*, change nothing and return what would be undone.
         Without *keep_redo*, nothing is kept for `redo` (faster).  When the
         top layer is the base layer (everything since the mount), a rollback
         without *to* raises CowfsError (code 14, changing nothing) unless
-        *yes*; naming the base layer with *to* is explicit and needs no *yes*."""
+        *yes*; naming the base layer with *to* is explicit and needs no *yes*.
+        A step whose undo data is damaged leaves its layer in place (raising
+        PartialFailure, code 10) unless *skip_damaged*; a full disk stops
+        the rollback (the same call finishes it once there is room)."""
         if dry_run:
             return self.changes(since=to)
-        r = self._call("rollback", to=to, keep_redo=keep_redo, yes=yes)
+        extra = {"skip_damaged": True} if skip_damaged else {}
+        r = self._call("rollback", to=to, keep_redo=keep_redo, yes=yes, **extra)
         return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
 
     def redo(self) -> RedoResult:

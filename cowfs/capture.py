@@ -44,7 +44,8 @@ class Obj:
 
 
 class Recorder:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, follow: bool = True):
+        """*follow*: follow the store's top layer now (else at ``reset``)."""
         self.store = store
         self.C = store.chunk_size
         self._zero = bytes(self.C)
@@ -59,7 +60,8 @@ class Recorder:
         self._writers: dict[tuple, int] = {}  # (pid, start time) -> writer id
         self._procs: dict[tuple, dict] = {}  # (pid, start time) -> pid, uid, cmd
         self._recent: dict[int, tuple] = {}  # pid -> (until, its _process answer)
-        self.reset(fresh=False)
+        if follow:
+            self.reset(fresh=False)
 
     def reset(self, fresh: bool) -> None:
         """Follow the store's top layer.  *fresh*: the layer was opened by
@@ -96,12 +98,15 @@ class Recorder:
         with self.store.read() as txn:
             for key, value in scan(txn, self.store.db_index, S.index_prefix(self.layer, ino)):
                 _, _, kind, chunk = S.split_index_key(key)
+                seq = S.index_seq(key, value)
+                if seq is None:
+                    continue  # (damaged: not trusted, the object is captured again)
                 if kind == S.IDX_CREATED:
                     o.created = True
                 elif kind == S.IDX_PINNED:
                     o.pinned = True
                 elif kind == S.IDX_META:
-                    raw = txn.get(value, db=self.store.db_journal)
+                    raw = txn.get(S.u64(seq), db=self.store.db_journal)
                     rec = S.decode_or_damaged(raw or b"")
                     o.meta = True
                     # a damaged record: the object cannot be restored anyway

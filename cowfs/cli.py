@@ -28,7 +28,7 @@ from .mounts import (
     mount_table,
     processes,
 )
-from .text import ago, count, duration, printable, quote
+from .text import ago, count, duration, human_size, printable, quote
 
 # = policy.RUN_SCOPES (the policy is loaded by the commands that use it: every
 # command starts by importing this module, and it must stay cheap)
@@ -298,6 +298,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--no-redo",
         action="store_true",
         help="keep nothing for `cowfs redo` (faster; frees the undo data at once)",
+    )
+    s.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="give up the steps whose undo data is damaged (their objects stay as they "
+        "are) and drop the layers; without it such layers stay, holding those steps",
     )
     s.add_argument(
         "--yes",
@@ -1015,13 +1021,18 @@ def do_checkpoint(args) -> int:
     return 0
 
 
+def rollback_args(args, yes: bool) -> dict:
+    extra = {"skip_damaged": True} if args.skip_damaged else {}
+    return {"to": args.to, "keep_redo": not args.no_redo, "yes": yes} | extra
+
+
 def do_rollback(args) -> int:
     if args.dry_run:
         res = call(args, "changes", since=args.to)
         out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
         return 0
     try:
-        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=args.yes)
+        res = call(args, "rollback", **rollback_args(args, args.yes))
     except CowfsError as e:
         # the base layer, without --yes: on a terminal, ask
         if e.code != errors.CONFIRM or not sys.stdin.isatty():
@@ -1029,7 +1040,7 @@ def do_rollback(args) -> int:
         answer = ask(f"cowfs: {str(e).split(';')[0]}. Roll it back? [y/N] ", "yn", 300)
         if answer != "y":
             raise CowfsError("not rolled back", errors.CONFIRM) from None
-        res = call(args, "rollback", to=args.to, keep_redo=not args.no_redo, yes=True)
+        res = call(args, "rollback", **rollback_args(args, True))
     dropped = ", ".join(map(str, res["dropped"]))
     out(
         args,
@@ -1144,14 +1155,6 @@ def change_lines(
     shown = changes if every else listing.individual_first(listing.collapse(changes))
     shown, more = listing.cut(shown, limit)
     return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def workspace_paths(args, paths: list[str]) -> list[str]:
@@ -1670,6 +1673,11 @@ def do_check(args) -> int:
         + ("consistent" if res["ok"] else count(len(res["problems"]), "problem"))
     ]
     lines += [f"  {p['text']}" for p in res["problems"]]
+    if res.get("unsealed"):
+        lines.append(
+            f"  note: {count(res['unsealed'], 'record')} written by an older cowfs "
+            "without a checksum (read as they are)"
+        )
     if args.repair and not res["ok"]:
         fixable = [p for p in res["problems"] if p["repairable"]]
         if not fixable:

@@ -130,6 +130,9 @@ class Mounted(MountHooks):
     def after_commit(self, freed: list) -> None:
         self.fs.after_commit(freed)
 
+    def removed(self, inos: list) -> None:
+        self.fs.let_go(inos)
+
     def operations(self) -> Ops:
         return self.fs
 

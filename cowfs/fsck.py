@@ -32,6 +32,7 @@ from . import backing as B
 from . import gravesum, redo
 from . import pending as P
 from . import schema as S
+from .errors import StoreError
 from .store import Store, digest
 from .text import count
 
@@ -95,9 +96,11 @@ def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
     cur = txn.cursor(db=store.db_index)
     ok = cur.first()
     while ok:
-        _, ino, kind, _ = S.split_index_key(cur.key())
-        if kind != S.IDX_CREATED and S.from_u64(cur.value()) in seqs:
-            found[S.from_u64(cur.value())] = ino
+        key = bytes(cur.key())
+        _, ino, kind, _ = S.split_index_key(key)
+        seq = S.index_seq(key, cur.value())
+        if kind != S.IDX_CREATED and seq in seqs:
+            found[seq] = ino
         ok = cur.next()
     return found
 
@@ -157,6 +160,7 @@ class Report:
     graves_hashed: int = 0  # regular files in the grave verified by their hash
     graves_pending: int = 0  # not hashed yet (identity only until they are)
     graves_changed: int = 0  # changed since they were removed (identity only)
+    unsealed: int = 0  # records and entries an older cowfs wrote without a checksum
     bytes_checked: int = 0  # of chunks
     grave_bytes_checked: int = 0
     corrupt_chunks: set[bytes] = field(default_factory=set)
@@ -182,6 +186,7 @@ class Report:
             "graves_changed": self.graves_changed,
             "bytes_checked": self.bytes_checked,
             "grave_bytes_checked": self.grave_bytes_checked,
+            "unsealed": self.unsealed,
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -207,7 +212,14 @@ def check(store: Store, hashes: bool = True) -> Report:
     resumed steps check each object they move and report one that is
     truly missing."""
     rep = Report()
-    layers = store.layers()
+    try:
+        # (the store's own entries first: a damaged one names itself)
+        _check_sealed(store, rep)
+        layers = store.layers()
+        redo_segment(store)
+    except StoreError as e:
+        rep.problems.append(Problem(str(e)))
+        return rep
     starts = [(layer.start, layer.id) for layer in layers]
     if [s for s, _ in starts] != sorted(s for s, _ in starts):
         rep.problems.append(
@@ -222,8 +234,7 @@ def check(store: Store, hashes: bool = True) -> Report:
     # grave entries the interrupted rollback or redo moves (see above)
     moving: set[int] = set()
     with store.read() as txn:
-        raw = txn.get(S.K_PENDING, db=store.db_meta)
-        pending = S.from_json(raw) if raw is not None else None
+        pending = S.meta_json(S.DB_META, S.K_PENDING, txn.get(S.K_PENDING, db=store.db_meta))
         op = pending["op"] if pending is not None and P.files_left(pending) else None
         under_way, redoing = op is not None, op == "redo"
         dropping = pending["to"] if pending is not None and op == "rollback" else None
@@ -245,6 +256,8 @@ def check(store: Store, hashes: bool = True) -> Report:
                 damaged[seq] = owner
                 ok = cur.next()
                 continue
+            if not S.is_sealed(cur.value()):
+                rep.unsealed += 1
             loc = S.record_loc(rec)
             if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
                 names[rec.ino] = show(loc)
@@ -305,9 +318,10 @@ def check(store: Store, hashes: bool = True) -> Report:
         owners = owners_of(store, txn, set(damaged))
         for seq, owner in damaged.items():
             ino = owners.get(seq)
+            why = S.damage_of(S.Damaged(txn.get(S.u64(seq), db=store.db_journal) or b""))
             rep.problems.append(
                 Problem(
-                    f"record {seq} is damaged: what it would undo is lost",
+                    f"record {seq} is damaged: it {why}; what it would undo is lost",
                     [owner] if owner else [],
                     [names.get(ino, "?")] if ino is not None else [],
                 )
@@ -447,11 +461,19 @@ def check(store: Store, hashes: bool = True) -> Report:
             ids[seg] = layers[-1].id
         cur = txn.cursor(db=store.db_index)
         ok = cur.first()
-        stale = 0
+        stale = bad = 0
         while ok:
             key = bytes(cur.key())
             lid, _, kind, _ = S.split_index_key(key)
-            seq = S.from_u64(cur.value())
+            found = S.index_seq(key, cur.value())
+            seq = found if found is not None else -1
+            if not S.is_sealed(cur.value()):
+                rep.unsealed += 1
+            if found is None:
+                rep.drop_index.append(key)
+                bad += 1
+                ok = cur.next()
+                continue
             if lid not in ids:
                 stale_entry = True
             elif kind in S.INDEX_FLAGS:
@@ -470,6 +492,14 @@ def check(store: Store, hashes: bool = True) -> Report:
             rep.problems.append(
                 Problem(f"{stale} index entries point at no record of their layer", repairable=True)
             )
+        if bad:
+            rep.problems.append(
+                Problem(
+                    f"{count(bad, 'index entry', 'index entries')} fail their checksum (repair "
+                    "drops them: what they said was captured is captured again when it changes)",
+                    repairable=True,
+                )
+            )
         if store.db_who is not None:
             cur = txn.cursor(db=store.db_who)
             ok = cur.first()
@@ -482,6 +512,18 @@ def check(store: Store, hashes: bool = True) -> Report:
                     Problem(f"{len(rep.drop_who)} attributions belong to no layer", repairable=True)
                 )
     return rep
+
+
+def _check_sealed(store: Store, rep: Report) -> None:
+    """The store's settings, counters and layer rows: each intact (a
+    damaged one raises StoreError naming it); those an older cowfs wrote
+    without a checksum are counted."""
+    with store.read() as txn:
+        for db, handle in ((S.DB_META, store.db_meta), (S.DB_LAYERS, store.db_layers)):
+            cur = txn.cursor(db=handle)
+            for key, raw in cur:
+                S.open_sealed(db, bytes(key), bytes(raw))
+                rep.unsealed += not S.is_sealed(raw)
 
 
 def redo_segment(store: Store) -> tuple[int | None, int]:

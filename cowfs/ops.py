@@ -1448,6 +1448,16 @@ class Ops:
                 inodes.append(node.ino)
         return entries, sorted(set(inodes))
 
+    def let_go(self, binos: list[int]) -> None:
+        """These objects are gone (a rollback removed them to make room):
+        the O_PATH fds held on them close now, not when the kernel forgets
+        them, so that their blocks are freed (an open file keeps its own)."""
+        for bino in binos:
+            node = self.by_bino.get(bino)
+            if node is not None and node.nopen == 0:
+                node.cache.close(node)
+                self._orphan(bino)
+
     def after_commit(self, freed: list[int]) -> None:
         """A base commit deleted these objects' grave entries."""
         self.grave_links = self.store.grave_counts()

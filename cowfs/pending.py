@@ -89,6 +89,18 @@ def files_done(w: Writer) -> None:
     w.update_pending(files=True)
 
 
+def stopped(w: Writer) -> None:
+    """In the transaction that ends a rollback that could not take every
+    step: its file part is over (what is left stays in its layers, for the
+    same command to finish), and its snapshots are not discarded (they stay
+    with their layers, which stay)."""
+    record = w.pending()
+    if record is None:
+        return
+    record["steps"] = [step for step in record.get("steps", ()) if step["do"] != "discard"]
+    w.set_pending(record | {"files": True})
+
+
 def mark_step(store: Store, index: int, **fields) -> None:
     """Update step *index*, durably (even against a power loss) before the
     step runs or anything follows it."""

@@ -62,8 +62,7 @@ RedoState = dict[str, Any]
 
 
 def state(store: Store) -> RedoState | None:
-    raw = store.redo_get(S.K_REDO_STATE)
-    return S.from_json(raw) if raw is not None else None
+    return S.meta_json(S.DB_REDO, S.K_REDO_STATE, store.redo_get(S.K_REDO_STATE))
 
 
 def _state_in(w: Writer) -> RedoState:
@@ -72,11 +71,11 @@ def _state_in(w: Writer) -> RedoState:
     raw = w.redo_get(S.K_REDO_STATE)
     if raw is None:
         raise StoreError("the store is damaged: it has no note of the last rollback")
-    return S.from_json(raw)
+    return S.meta_json(S.DB_REDO, S.K_REDO_STATE, raw)
 
 
 def _put_state(w: Writer, st: RedoState) -> None:
-    w.redo_put(S.K_REDO_STATE, S.to_json(st))
+    w.redo_put(S.K_REDO_STATE, S.seal(S.DB_REDO, S.K_REDO_STATE, S.to_json(st)))
 
 
 def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:

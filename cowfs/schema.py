@@ -42,6 +42,10 @@ Databases
              ``limits``      JSON  {"max_store": bytes, "max_layers": int}, each
                                    absent (or 0) for no limit
              ``ignore``      JSON  the mount's --ignore patterns (a list)
+             ``identity``    JSON  {"store": random id, "generation": n}: the
+                                   database's, matched against the file
+                                   STORE/identity at every opening (see
+                                   ``store.check_identity``)
              ``grants``      JSON  the mount's --allow grants: a list of
                                    {"user"|"group": id, "name", "ops": [...]}
              ``drift``       JSON  written at a clean unmount: {"seq", "layers":
@@ -147,6 +151,9 @@ import os
 import struct
 from typing import Any, NamedTuple, get_type_hints
 
+import xxhash
+
+from .errors import StoreError
 from .text import quote
 
 FORMAT = 1
@@ -191,6 +198,7 @@ K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_IGNORE = b"ignore"
 K_GRANTS = b"grants"
+K_IDENTITY = b"identity"
 
 _U64 = struct.Struct(">Q")
 
@@ -212,6 +220,106 @@ def to_json(obj: Any) -> bytes:
 
 def from_json(b: bytes) -> Any:
     return json.loads(b)
+
+
+# -- checksums ------------------------------------------------------------------
+# Every journal record, index entry, layer row, meta value and the redo note
+# is written sealed: a NUL byte, the 8-byte xxh3-64 digest of the database's
+# name, the key and the value, then the value.  A sealed value is verified
+# when read; one that fails is damage, reported and never used.  Values an
+# older cowfs wrote carry no seal and are read as they are (``check`` counts
+# them): a JSON value never begins with NUL, an unsealed integer is 8 bytes,
+# an unsealed journal record begins with its kind (never 0).
+
+SEAL = 0
+SEAL_LEN = 9
+
+
+class Damage(ValueError):
+    """A stored value that fails its checksum or does not decode."""
+
+
+def _digest(db: bytes, key: bytes, body: bytes) -> bytes:
+    return xxhash.xxh3_64_digest(b"".join((db, b"\0", key, b"\0", body)))
+
+
+def seal(db: bytes, key: bytes, body: bytes) -> bytes:
+    """*body* sealed for *key* of database *db* (journal records: b"", b"")."""
+    return b"\0" + _digest(db, key, body) + body
+
+
+def is_sealed(raw: bytes) -> bool:
+    return len(raw) >= SEAL_LEN and raw[0] == SEAL
+
+
+def unseal(db: bytes, key: bytes, raw: bytes) -> bytes:
+    """The value sealed in *raw* (or *raw* itself, written unsealed by an
+    older cowfs); Damage when its checksum does not match."""
+    if not is_sealed(raw):
+        return raw
+    body = raw[SEAL_LEN:]
+    if raw[1:SEAL_LEN] != _digest(db, key, body):
+        raise Damage("fails its checksum")
+    return body
+
+
+def describe_db(db: bytes, key: bytes) -> str:
+    """What an entry of the store is, for messages."""
+    if db == DB_LAYERS and len(key) == 8:
+        return f"the record of layer {from_u64(key)}"
+    if db == DB_META:
+        return f"the store's {key.decode(errors='replace')!r} entry"
+    if db == DB_REDO and key == K_REDO_STATE:
+        return "the note of the last rollback (for redo)"
+    return f"an entry of the store's {db.decode()} database"
+
+
+def open_sealed(db: bytes, key: bytes, raw: bytes) -> bytes:
+    """The value of an entry a sound store must have intact: StoreError
+    (naming it) when it fails its checksum."""
+    try:
+        return unseal(db, key, raw)
+    except Damage as e:
+        raise StoreError(
+            f"the store is damaged: {describe_db(db, key)} {e}; run `cowfs check`"
+        ) from None
+
+
+def meta_json(db: bytes, key: bytes, raw: bytes | None) -> Any:
+    """A sealed JSON value (None for none), StoreError when damaged."""
+    if raw is None:
+        return None
+    body = open_sealed(db, key, raw)
+    try:
+        return from_json(body)
+    except ValueError:
+        raise StoreError(
+            f"the store is damaged: {describe_db(db, key)} does not decode; run `cowfs check`"
+        ) from None
+
+
+def meta_int(key: bytes, raw: bytes) -> int:
+    """A sealed u64 of the meta database, StoreError when damaged."""
+    body = open_sealed(DB_META, key, raw)
+    if len(body) != 8:
+        raise StoreError(
+            f"the store is damaged: {describe_db(DB_META, key)} does not decode; run `cowfs check`"
+        )
+    return from_u64(body)
+
+
+def index_value(key: bytes, seq: int) -> bytes:
+    return seal(DB_INDEX, key, u64(seq))
+
+
+def index_seq(key: bytes, raw: bytes) -> int | None:
+    """The seq an index entry names; None when it is damaged (an entry the
+    capture then does not trust: the object is captured again)."""
+    try:
+        body = unseal(DB_INDEX, key, raw)
+    except Damage:
+        return None
+    return from_u64(body) if len(body) == 8 else None
 
 
 # -- index keys ---------------------------------------------------------------
@@ -550,13 +658,14 @@ _L = struct.Struct(">I")
 
 
 def encode_record(rec: Change) -> bytes:
+    """A journal value: the record's fields, sealed (see ``seal``)."""
     out = [bytes((rec.kind,))]
     for f in rec:
         if isinstance(f, int):
             out.append(b"i" + _I.pack(f))
         else:
             out.append(b"b" + _L.pack(len(f)) + bytes(f))
-    return b"".join(out)
+    return seal(b"", b"", b"".join(out))
 
 
 _TAG_INT, _TAG_BYTES = ord("i"), ord("b")
@@ -570,8 +679,14 @@ _DECODERS: dict[int, tuple[type[Change], bytes]] = {
 
 
 def decode_record(data: bytes) -> Change:
-    """ValueError for a value that is not a record of a known kind with the
-    fields of its kind."""
+    """ValueError (Damage) for a value that fails its checksum or is not a
+    record of a known kind with the fields of its kind."""
+    if data[0] == SEAL:
+        data = unseal(b"", b"", data)
+    return _decode_fields(data)
+
+
+def _decode_fields(data: bytes) -> Change:
     kind = data[0]
     decoder = _DECODERS.get(kind)
     if decoder is None:
@@ -598,12 +713,28 @@ def decode_record(data: bytes) -> Change:
 
 
 def decode_or_damaged(data: bytes) -> Record:
-    """Decode a journal record; one that does not decode (corruption) comes
-    back as a Damaged record holding its bytes, so readers can report it."""
+    """Decode a journal record; one that fails its checksum or does not
+    decode (corruption) comes back as a Damaged record holding its bytes,
+    so readers can report it."""
     try:
         return decode_record(data)
     except (ValueError, IndexError, struct.error):
         return Damaged(bytes(data))
+
+
+def damage_of(rec: Damaged) -> str:
+    """What is wrong with a damaged record, and the path it seems to name
+    (read from its unverified bytes: a hint for people, never acted on)."""
+    raw = rec.raw
+    why = "does not decode"
+    if is_sealed(raw):
+        why = "fails its checksum"
+        raw = raw[SEAL_LEN:]
+    try:
+        seems = _decode_fields(raw)
+    except (ValueError, IndexError, struct.error):
+        return why
+    return f"{why} (it seems to be a {record_name(seems)} record of {show_loc(record_loc(seems))})"
 
 
 def encode_xattrs(pairs: list[tuple[bytes, bytes]]) -> bytes:

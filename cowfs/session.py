@@ -30,7 +30,7 @@ from . import pending as P
 from . import schema as S
 from .access import BadGrant, Requester, parse_grant
 from .capture import Recorder
-from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore
+from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
 from .ignore import IgnoreRules
 from .launch import start_view
 from .mounts import (
@@ -129,6 +129,10 @@ class MountHooks:
 
     def after_commit(self, freed: list) -> None:
         """A commit freed these grave entries (the inode table forgets them)."""
+
+    def removed(self, inos: list) -> None:
+        """A rollback removed these objects to make room: nothing of the
+        mount may keep them (and their blocks) any longer."""
 
     def refused(self) -> dict | None:
         """The changes --max-store refused since the mount, if any."""
@@ -274,12 +278,17 @@ class Session:
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
-        self.recorder = Recorder(self.store)
+        self.recorder = Recorder(self.store, follow=False)
+        try:
+            self.recorder.reset(fresh=False)
+        except StoreError:
+            pass  # (layer records that fail their checksum: the check reports them)
 
     def attach(self, hooks: MountHooks) -> None:
         """The workspace is mounted: the session calls *hooks* from now on."""
         self.hooks = hooks
         self.stack.on_freed = hooks.after_commit
+        self.stack.on_removed = hooks.removed
 
     def close(self) -> None:
         if not self.store.readonly:
@@ -639,16 +648,23 @@ class Session:
         return info
 
     async def rollback(
-        self, to: int | None = None, keep_redo: bool = True, yes: bool = False
+        self,
+        to: int | None = None,
+        keep_redo: bool = True,
+        yes: bool = False,
+        skip_damaged: bool = False,
     ) -> dict:
         """Roll back the top layer, or down to and including layer *to*.  A
         rollback of the top layer when it is the base layer (everything
         since the mount) is refused unless *yes* (naming it with *to* is
-        explicit enough)."""
+        explicit enough).  A step that cannot be taken (a damaged record, a
+        corrupt pre-image) leaves its layer in place with what it could not
+        undo, unless *skip_damaged* gives that up; a full disk or an I/O
+        error stops the rollback, which the same call finishes later."""
         await self.flush()
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
-        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes)
+        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes, skip_damaged=skip_damaged)
         undone = self._audit_changes(self.stack.planned()["to"], hashes=False, planned=True)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
@@ -673,9 +689,14 @@ class Session:
                     "dropped": result["dropped"],
                     "failures": failures,
                 }
+                | ({"stopped": report.stopped} if report.stopped else {})
             ]
             + [c | {"undone": True} for c in undone]
         )
+        if report.stopped:
+            raise errors.PartialFailure(
+                "rollback did not finish: " + report.stopped + "".join(f"\n  {f}" for f in failures)
+            )
         if failures:
             raise errors.PartialFailure(
                 "rollback finished with failures:\n  " + "\n  ".join(failures)

@@ -5,6 +5,7 @@ an unmounted workspace; the daemon adds flushing and cache invalidation.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -20,6 +21,7 @@ from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, Unknown
 from .journal import Kept, MetaAt, Reading
 from .past import filter_paths
 from .store import Layer, PendingRecord, Store, digest
+from .text import count, human_size
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,11 @@ class RollbackReport:
     touched: Touched = field(default_factory=Touched)
     top: int = 0
     restored: list[int] = field(default_factory=list)  # (a redo)
+    # a rollback that could not take every step: why, how many steps were
+    # kept (not taken, still recorded), the free space they need
+    stopped: str | None = None
+    kept: int = 0
+    needs: int = 0
 
     def to_dict(self) -> dict:
         d = {
@@ -41,6 +48,8 @@ class RollbackReport:
             "failures": self.failures,
             "top": self.top,
         }
+        if self.stopped is not None:
+            d |= {"stopped": self.stopped, "kept": self.kept, "needs": self.needs}
         return d | {"restored": self.restored} if self.restored else d
 
 
@@ -52,6 +61,9 @@ class Stack:
         self.ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None
         # told the inodes of objects a discarded redo held in the grave
         self.on_freed: Callable[[list[int]], None] | None = None
+        # told the inodes of objects a rollback removed to make room (their
+        # blocks are freed once nothing holds them)
+        self.on_removed: Callable[[list[int]], None] | None = None
         self.redo_blocked: str | None = None  # why, when even noting it failed
         self.same = Sameness(store, resolver)
         self.kept = Kept(store)  # readings of the journal up to now
@@ -316,7 +328,11 @@ class Stack:
     # -- rollback -------------------------------------------------------------------
 
     def plan_rollback(
-        self, to: int | None = None, keep_redo: bool = True, base: bool = True
+        self,
+        to: int | None = None,
+        keep_redo: bool = True,
+        base: bool = True,
+        skip_damaged: bool = False,
     ) -> PendingRecord:
         """Check a rollback (down to and including layer *to*; default: the
         top layer) and write its pending record: the restores of the dropped
@@ -343,7 +359,7 @@ class Stack:
                 f"no layer {to} (layers: {', '.join(str(layer.id) for layer in layers)})"
             )
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
-        pending = P.rollback(to, dropping)
+        pending = P.rollback(to, dropping) | ({"skip_damaged": True} if skip_damaged else {})
         self.discard_redo("another rollback was made")
         why = None
         if not keep_redo:
@@ -434,6 +450,9 @@ class Stack:
         undo = Undoer(st, self.resolver, report.touched, self.ignored)
         keeper = redo.Keeper(st, self.resolver) if redo.building(st, to) else None
         batches = steps.Batches(undo, self.helper)
+        skip_damaged = bool(self.planned().get("skip_damaged"))
+        kept: list[tuple[int, S.Record]] = []  # records left in the store, not applied
+        stopped: OSError | None = None
         if layers:
             records = self._records_from(layers[0].start)
             self.board.start(len(records))
@@ -441,14 +460,18 @@ class Stack:
             # whole (left as it is now), never restored in part.
             unrestorable, known = fsck.unrestorable(st, records)
             reported: set[int] = set()
+            early: set[int] = set()  # seqs taken ahead of their turn, to make room
+            room_made_at = -1
 
             def skipped(seq: int, rec: S.Record) -> bool:
-                return isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable
+                return (
+                    isinstance(rec, S.Damaged) or fsck.restores(rec) in unrestorable or seq in early
+                )
 
             def done(taken: list[tuple[int, S.Record, bool]]) -> None:
                 """After the steps of these records ((seq, record, whether
                 it moved its object into the grave or out of it)): taken,
-                failed or skipped."""
+                failed or given up."""
                 nonlocal keeper
                 self.board.step(len(taken))
                 if keeper is not None:
@@ -462,11 +485,23 @@ class Stack:
                         for seq, _, _ in taken:
                             w.delete_record(seq)
 
+            def stop(e: OSError) -> None:
+                """The rollback cannot go on here (a full disk, an I/O
+                error): what is left is kept, nothing a redo would need."""
+                nonlocal keeper, stopped
+                stopped = e
+                if keeper is not None:
+                    self._give_up_redo(keeper, e)
+                    keeper = None
+
             i = 0
             ahead = None  # what the batch at i keeps, kept while the one before it ran
             taken = -1  # the seq of a step taken with the one before it
-            while i < len(records):
+            while i < len(records) and stopped is None:
                 seq, rec = records[i]
+                if seq in early:
+                    i += 1
+                    continue
                 keeps: list[tuple[int, int] | None] = [None]
                 if keeper is not None and not skipped(seq, rec):
                     try:
@@ -479,57 +514,96 @@ class Stack:
                     ahead = None
                 if keeper is not None and len(keeps) > 1:
                     batch = records[i : i + len(keeps)]
-                    i += len(keeps)
                     undone, ahead, error = batches.run(
                         batch,
                         keeps,
                         keeper.planned,
-                        partial(keeper.batch_ahead, records, i, skipped),
+                        partial(keeper.batch_ahead, records, i + len(keeps), skipped),
                     )
-                    failures = [failure for _, failure, _ in undone if failure is not None]
+                    halt = next((k for k, out in enumerate(undone) if out[3]), None)
+                    if halt is not None:
+                        # the steps from there on are taken one by one (making
+                        # room first), without keeping what a redo needs
+                        undone, batch = undone[:halt], batch[:halt]
+                    failures = [failure for _, failure, _, _ in undone if failure is not None]
                     report.failures += failures
                     report.applied += len(batch) - len(failures)
-                    for (seq, _), (_, _, emptied) in zip(batch, undone, strict=True):
+                    for (seq, _), (_, _, emptied, _) in zip(batch, undone, strict=True):
                         if emptied:
                             keeper.emptied_by(seq, *emptied)
                     done(
                         [(seq, rec, out[0]) for (seq, rec), out in zip(batch, undone, strict=True)]
                     )
+                    i += len(batch)
+                    if halt is not None and keeper is not None:
+                        self._give_up_redo(keeper, OSError(errno.ENOSPC, "no room"))
+                        keeper = None
                     if error is not None and keeper is not None:
                         self._give_up_redo(keeper, error)
                         keeper = None
+                        ahead = None
+                    if keeper is None:
                         ahead = None
                     continue
                 ino = fsck.restores(rec)
                 moved = False
                 try:
-                    if isinstance(rec, S.Damaged):
-                        if seq not in known:  # else reported with its object
+                    if isinstance(rec, S.Damaged) or ino in unrestorable:
+                        if isinstance(rec, S.Damaged) and seq not in known:
+                            where = fsck.layer_of([(la.start, la.id) for la in layers], seq)
                             report.failures.append(
-                                f"record {seq} is damaged and cannot be "
-                                "applied; what it would undo stays as it is"
+                                f"record {seq} of layer {where} is damaged: it "
+                                f"{S.damage_of(rec)}; not applied, what it would undo "
+                                "stays as it is"
                             )
-                    elif ino in unrestorable:
-                        if ino not in reported:
+                        elif ino is not None and ino not in reported:
                             reported.add(ino)
                             report.failures.append(unrestorable[ino])
-                    else:
-                        if seq == taken:
-                            moved = True
-                        elif (
-                            keeper is None
-                            and isinstance(rec, S.Rename)
-                            and steps.removes_next(records, i, skipped)
-                            and undo.put_back_and_remove(rec, None)
-                        ):
-                            taken = records[i + 1][0]
-                        else:
-                            moved = undo.apply(rec, keeps[0])
+                        if not skip_damaged:
+                            kept.append((seq, rec))
+                        else:  # given up: gone, not kept for a redo either
+                            with st.write() as w:
+                                w.delete_record(seq)
+                            self.board.step(1)
+                        i += 1
+                        continue
+                    elif seq == taken:
+                        moved = True
                         report.applied += 1
-                except (OSError, Exception) as e:  # report by name, keep going
+                    elif (
+                        keeper is None
+                        and isinstance(rec, S.Rename)
+                        and steps.removes_next(records, i, skipped)
+                        and undo.put_back_and_remove(rec, None)
+                    ):
+                        taken = records[i + 1][0]
+                        report.applied += 1
+                    else:
+                        moved = undo.apply(rec, keeps[0])
+                        report.applied += 1
+                except Exception as e:  # report by name, keep going
+                    if steps.halts(e):
+                        if keeper is not None:
+                            self._give_up_redo(keeper, e)
+                            keeper = None
+                        if steps.wants_room(e) and room_made_at != i:
+                            room_made_at = i
+                            if self._make_room(undo, records, i, skipped, early, done):
+                                continue  # (and the step is tried again)
+                        assert isinstance(e, OSError)
+                        stop(e)
+                        break
                     report.failures.append(f"{describe(rec)}: {e}")
-                done([(seq, rec, moved)])
+                try:
+                    done([(seq, rec, moved)])
+                except OSError as e:  # (taken, but still recorded: taken again when resumed)
+                    stop(e)
+                    break
                 i += 1
+            if stopped is not None:
+                kept += [(seq, rec) for seq, rec in records[i:] if seq not in early]
+        if stopped is not None or kept:
+            return self._stopped(layers, report, kept, stopped)
         sealing, to_seal, prints = None, None, []
         try:
             if keeper is not None:
@@ -553,6 +627,105 @@ class Stack:
         report.top = self.ensure_base().id
         if keeper is not None and to_seal is not None:
             self._seal_redo(keeper, report.top, (to_seal[0] + prints, to_seal[2]))
+        return report
+
+    def _make_room(
+        self,
+        undo: Undoer,
+        records: list[tuple[int, S.Record]],
+        i: int,
+        skipped: Callable[[int, S.Record], bool],
+        early: set[int],
+        done: Callable[[list[tuple[int, S.Record, bool]]], None],
+    ) -> bool:
+        """The disk is full at records[i]: take first the steps after it that
+        remove a name the rolled-back layers made (a CREATE or LINK of no
+        directory), where nothing between names that place, what is above
+        it or below it -- they leave the tree as they would in their turn.
+        Returns whether any was taken."""
+        named: set[bytes] = set()  # places named by the steps from i on
+        above: set[bytes] = set()  # and every directory above them
+        any_taken = False
+        removed = len(undo.touched.removed)
+        for seq, rec in records[i:]:
+            if seq in early:
+                continue
+            if isinstance(rec, S.Create | S.Link) and not skipped(seq, rec):
+                path = rec.path
+                ups = [path[:k] for k in range(len(path)) if path[k : k + 1] == b"/"]
+                if path not in named and path not in above and not named.intersection(ups):
+                    st = undo.r.lstat(path)
+                    if st is not None and not stat.S_ISDIR(st.st_mode):
+                        try:
+                            undo.apply(rec)
+                            done([(seq, rec, False)])
+                        except OSError:
+                            pass
+                        else:
+                            early.add(seq)
+                            any_taken = True
+                            continue
+            if isinstance(rec, S.Damaged):
+                break  # (what it names is not known: nothing past it)
+            for loc in redo.record_locs(rec):
+                named.add(loc)
+                above.update(loc[:k] for k in range(len(loc)) if loc[k : k + 1] == b"/")
+        if self.on_removed is not None and len(undo.touched.removed) > removed:
+            self.on_removed(undo.touched.removed[removed:])
+        return any_taken
+
+    def _stopped(
+        self,
+        layers: list[Layer],
+        report: RollbackReport,
+        kept: list[tuple[int, S.Record]],
+        stopped: OSError | None,
+    ) -> RollbackReport:
+        """The rollback could not take every step: the steps not taken stay
+        recorded in their layers, which stay (a damaged record without
+        --skip-damaged, a full disk, an I/O error).  What the layers
+        captured is forgotten (their records stay), so that changes made
+        from now on are captured afresh and undone first by the rollback
+        that finishes the job -- the same command, run again -- but where a
+        record kept holds the object's state already."""
+        st = self.store
+        with st.write() as w:
+            for layer in layers:
+                w.drop_index(layer.id, {seq for seq, _ in kept})
+            P.stopped(w)
+        st.forget_layer_cache()
+        self.discard_redo("the rollback stopped before it finished")
+        needs = 0
+        for _, rec in kept:
+            if isinstance(rec, S.Chunk) and rec.digest:
+                needs += rec.length
+        report.top = st.open_layer().id
+        report.kept = len(kept)
+        report.needs = needs if stopped is not None and steps.wants_room(stopped) else 0
+        first = layers[0].id if layers else 0
+        if stopped is not None:
+            report.stopped = (
+                f"the rollback stopped: {describe(kept[0][1]) if kept else 'a step'}: "
+                f"{stopped.strerror or stopped}"
+            )
+        else:
+            report.stopped = (
+                "what the damaged records named is left as it is; roll back with "
+                "--skip-damaged to give them up"
+            )
+        report.stopped += (
+            f"; {count(len(kept), 'step')} not taken, kept in layers {first}..{layers[-1].id}"
+            if layers
+            else ""
+        )
+        if report.needs:
+            report.stopped += (
+                f"; it needs about {human_size(report.needs)} of free space "
+                f"({human_size(st.space_left())} free now): make room and run the same "
+                "command again to finish it"
+            )
+        elif stopped is not None:
+            report.stopped += "; run the same command again to finish it"
         return report
 
     def _seal_redo(self, keeper: redo.Keeper, top: int, looked=None) -> None:

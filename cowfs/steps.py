@@ -12,6 +12,7 @@ share); a rollback without one takes its steps itself.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -27,9 +28,27 @@ from .undo import Touched, Undoer, describe
 log = logging.getLogger(__name__)
 
 # for each step: whether it moved its object into the grave or out of it,
-# its failure, and where it left nothing (see ``Keeper.emptied_by``)
-Outcome = tuple[bool, str | None, tuple[bytes, ...]]
+# its failure, where it left nothing (see ``Keeper.emptied_by``), and
+# whether it failed in a way that halts the rollback (see ``halts``): then
+# it is the last outcome of its batch, the steps after it were not taken
+Outcome = tuple[bool, str | None, tuple[bytes, ...], bool]
 Keeps = list[tuple[int, int] | None]
+
+# Errors after which a rollback does not take the next step (an undo step
+# out of its order would not be undone the same way): it stops, keeping
+# what is left, to be taken by the same command once the cause is gone.
+HALTING = frozenset(
+    (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+)
+
+
+def halts(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in HALTING
+
+
+def wants_room(e: BaseException) -> bool:
+    """A halt a full disk caused (removing files may cure it)."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def removes_next(records: Sequence[tuple[int, S.Record]], i: int, skipped) -> bool:
@@ -56,7 +75,7 @@ def batch_steps(
     out: list[Outcome] = []
     taken: S.Rename | None = None  # a RENAME step taken with the CREATE after it
     for k, (_, rec) in enumerate(batch):
-        moved, failure = False, None
+        moved, failure, halt = False, None, False
         emptied: tuple[bytes, ...] = ()
         try:
             if taken is not None:
@@ -70,9 +89,11 @@ def batch_steps(
                 taken = rec
             else:
                 moved = undo.apply(rec, keeps[k])
-        except (OSError, Exception) as e:  # report by name, keep going
-            failure = f"{describe(rec)}: {e}"
-        out.append((moved, failure, emptied))
+        except Exception as e:  # report by name, keep going (unless it halts)
+            failure, halt = f"{describe(rec)}: {e}", halts(e)
+        out.append((moved, failure, emptied, halt))
+        if halt:
+            break
     return out
 
 

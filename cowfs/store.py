@@ -79,6 +79,12 @@ def need(txn: lmdb.Transaction[bytes], key: bytes, db: lmdb._Database | None = N
     return raw
 
 
+def meta_int(txn: lmdb.Transaction[bytes], key: bytes) -> int:
+    """A counter or setting of the meta database (*txn* opened on it),
+    which a sound store has, intact."""
+    return S.meta_int(key, need(txn, key))
+
+
 def scan(txn: lmdb.Transaction[bytes], db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     """(key, value) of every entry of *db* whose key starts with *prefix*.
     Collect them (list()) before writing to *db* in the same transaction."""
@@ -87,6 +93,99 @@ def scan(txn: lmdb.Transaction[bytes], db, prefix: bytes) -> Iterator[tuple[byte
     while ok and cur.key().startswith(prefix):
         yield bytes(cur.key()), bytes(cur.value())
         ok = cur.next()
+
+
+# -- the store's identity ---------------------------------------------------------
+# STORE/identity (JSON {"store": a random id, "generation": n}, written by
+# replacing it, fsynced) says which database belongs to the store and how
+# recent it must be; the meta entry ``identity`` in LMDB says the same of
+# the database.  Each writable opening moves the generation on (the
+# database first, then the file: a crash between leaves the database one
+# ahead, never behind), so a database that is missing, emptied, from
+# another store or put back from an older copy is an error, never a fresh
+# start over the grave.
+
+IDENTITY = "identity"
+
+
+def read_identity(dirfd: int) -> dict | None:
+    try:
+        fd = os.open(IDENTITY, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    except FileNotFoundError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        ident = S.from_json(raw)
+        if isinstance(ident["store"], str) and isinstance(ident["generation"], int):
+            return {"store": ident["store"], "generation": ident["generation"]}
+    except (ValueError, KeyError, TypeError):
+        pass
+    raise StoreError(
+        "the store's identity file is damaged; if its database is the right one, remove "
+        f"the file ({IDENTITY}) and it is made again from the database"
+    )
+
+
+def write_identity(dirfd: int, ident: dict) -> None:
+    """Replace STORE/identity, durably."""
+    tmp = IDENTITY + ".new"
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dirfd,
+    )
+    try:
+        os.write(fd, S.to_json(ident) + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, IDENTITY, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    d = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=dirfd)
+    try:
+        os.fsync(d)
+    finally:
+        os.close(d)
+
+
+def check_identity(shown: str, file: dict | None, db: dict | None) -> None:
+    """The database is the store's, and no older than it: StoreError (saying
+    what is wrong and what to do) otherwise.  (Either may be absent: a store
+    from before identities, or a file removed to accept the database.)"""
+    if file is None:
+        return
+    if db is None:
+        raise StoreError(
+            f"store {shown}: its database (db/) is not the one the store was using (it has "
+            "no identity): put the store's own db/ back; to use this one anyway, remove "
+            f"{IDENTITY}"
+        )
+    if db["store"] != file["store"]:
+        raise StoreError(
+            f"store {shown}: its database (db/) belongs to another store: put the store's own "
+            f"db/ back; to use this one anyway, remove {IDENTITY}"
+        )
+    if db["generation"] not in (file["generation"], file["generation"] + 1):
+        raise StoreError(
+            f"store {shown}: its database (db/) is an older copy (generation {db['generation']}, "
+            f"the store is at {file['generation']}): what was recorded since that copy is not "
+            f"in it; put the current db/ back; to use this one anyway, remove {IDENTITY}"
+        )
+
+
+def check_map(env: lmdb.Environment, path: str, shown: str) -> None:
+    """A database file shorter than the pages LMDB says are in use would
+    kill the process (SIGBUS) when one of them is read: an error instead."""
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.stat(os.path.join(path, "db", "data.mdb")).st_size
+    if size < need:
+        raise StoreError(
+            f"store {shown}: its database is truncated (db/data.mdb has {size} bytes, its "
+            f"pages end at {need}): put db/ back from a backup"
+        )
 
 
 class LimitReached(OSError):
@@ -183,6 +282,14 @@ class Writer:
         self.txn.delete(h, db=self.store.db_chunks)
         self.txn.delete(h, db=self.store.db_refs)
 
+    def drop_index(self, layer_id: int, keep: set[int]) -> None:
+        """Forget what layer *layer_id* captured but for the entries of the
+        records *keep* (seqs): later changes of those objects are captured
+        again, unless a record kept holds their state already."""
+        for key, val in list(scan(self.txn, self.store.db_index, S.index_prefix(layer_id))):
+            if S.split_index_key(key).kind in S.INDEX_FLAGS or S.index_seq(key, val) not in keep:
+                self.txn.delete(key, db=self.store.db_index)
+
     def drop_index_entry(self, key: bytes) -> None:
         self.txn.delete(key, db=self.store.db_index)
 
@@ -193,7 +300,8 @@ class Writer:
     def index_put(
         self, layer: int, ino: int, kind: bytes, seq: int, chunk: int | None = None
     ) -> None:
-        self.txn.put(S.index_key(layer, ino, kind, chunk), S.u64(seq), db=self.store.db_index)
+        key = S.index_key(layer, ino, kind, chunk)
+        self.txn.put(key, S.index_value(key, seq), db=self.store.db_index)
 
     def new_grave(self, ino: int, st: os.stat_result | None = None) -> int:
         """A grave entry for object *ino*, which the caller moves into the
@@ -326,8 +434,12 @@ class Writer:
         return self.txn.get(S.u64(gid), db=self.store.db_graves) is not None
 
     def layer_row(self, layer_id: int) -> dict | None:
-        raw = self.txn.get(S.u64(layer_id), db=self.store.db_layers)
-        return S.from_json(raw) if raw is not None else None
+        key = S.u64(layer_id)
+        return S.meta_json(S.DB_LAYERS, key, self.txn.get(key, db=self.store.db_layers))
+
+    def put_layer_row(self, layer_id: int, row: dict) -> None:
+        key = S.u64(layer_id)
+        self.txn.put(key, S.seal(S.DB_LAYERS, key, S.to_json(row)), db=self.store.db_layers)
 
     def delete_layer_row(self, layer_id: int) -> None:
         self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
@@ -343,6 +455,9 @@ class Writer:
         for key, val in list(scan(txn, st.db_index, S.index_prefix(upper))):
             _, ino, kind, chunk = S.split_index_key(key)
             txn.delete(key, db=st.db_index)
+            seq = S.index_seq(key, val)
+            if seq is None:  # (damaged: its record, if any, stays where it is)
+                continue
             if ino not in created_below:
                 created_below[ino] = (
                     txn.get(S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
@@ -350,9 +465,9 @@ class Writer:
             below = S.index_key(lower, ino, kind, chunk)
             lower_has = txn.get(below, db=st.db_index) is not None
             if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_has):
-                self.delete_record(S.from_u64(val))
+                self.delete_record(seq)
             elif not lower_has:
-                txn.put(below, val, db=st.db_index)
+                txn.put(below, S.index_value(below, seq), db=st.db_index)
         if st.db_who is not None:
             for key, writer in list(scan(txn, st.db_who, S.index_prefix(upper))):
                 txn.delete(key, db=st.db_who)
@@ -370,23 +485,26 @@ class Writer:
     def new_writer(self, info: dict) -> int:
         meta = self.store.db_meta
         raw = self.txn.get(S.K_NEXT_WRITER, db=meta)
-        wid = S.from_u64(raw) if raw else 1
-        self.txn.put(S.K_NEXT_WRITER, S.u64(wid + 1), db=meta)
+        wid = S.meta_int(S.K_NEXT_WRITER, raw) if raw else 1
+        self.set_meta(S.K_NEXT_WRITER, S.u64(wid + 1))
         self.txn.put(S.u64(wid), S.to_json(info), db=self.store.db_writers)
         return wid
 
     def set_meta(self, key: bytes, value: bytes | None) -> None:
+        """Write (sealed) or delete a meta entry."""
         if value is None:
             self.txn.delete(key, db=self.store.db_meta)
         else:
-            self.txn.put(key, value, db=self.store.db_meta)
+            self.txn.put(key, S.seal(S.DB_META, key, value), db=self.store.db_meta)
+
+    def meta_json(self, key: bytes) -> Any:
+        return S.meta_json(S.DB_META, key, self.txn.get(key, db=self.store.db_meta))
 
     # -- the pending record: the group operation under way (written only
     # through cowfs/pending.py, which says who changes it when) --
 
     def pending(self) -> PendingRecord | None:
-        v = self.txn.get(S.K_PENDING, db=self.store.db_meta)
-        return S.from_json(v) if v is not None else None
+        return self.meta_json(S.K_PENDING)
 
     def set_pending(self, record: PendingRecord | None) -> None:
         """Write the pending record (None: the group operation is over).
@@ -450,11 +568,11 @@ class Store:
         except lmdb.Error:
             self.db_sums = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
-        with env.begin() as txn:
-            self.chunk_size = S.from_u64(need(txn, S.K_CHUNK_SIZE, self.db_meta))
-            self._next_seq = S.from_u64(need(txn, S.K_NEXT_SEQ, self.db_meta))
-            self._next_layer = S.from_u64(need(txn, S.K_NEXT_LAYER, self.db_meta))
-            self._next_grave = S.from_u64(need(txn, S.K_NEXT_GRAVE, self.db_meta))
+        with env.begin(db=self.db_meta) as txn:
+            self.chunk_size = meta_int(txn, S.K_CHUNK_SIZE)
+            self._next_seq = meta_int(txn, S.K_NEXT_SEQ)
+            self._next_layer = meta_int(txn, S.K_NEXT_LAYER)
+            self._next_grave = meta_int(txn, S.K_NEXT_GRAVE)
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
         # The journal's epoch: it moves on when a record already written is
@@ -527,6 +645,7 @@ class Store:
             if not create and (not os.path.isfile(data) or os.path.getsize(data) == 0):
                 # (an empty directory, one with an empty db/, or an emptied
                 # database: nothing is made in it, nothing is written)
+                cls._not_lost(dirfd, shown)
                 raise StoreError(f"store {shown} is not initialised")
             lock_fd = os.open(
                 "lock",
@@ -564,10 +683,16 @@ class Store:
                 mode=0o600,
                 readonly=readonly,
             )
+            try:
+                check_map(env, path, shown)
+            except BaseException:
+                env.close()
+                raise
             if not readonly:
                 env.reader_check()
                 try:
                     cls._init_meta(env, shown, workspace, ws_st, chunk_size, create, used)
+                    cls._next_generation(env, dirfd, shown)
                 except BaseException:
                     env.close()
                     raise
@@ -576,6 +701,8 @@ class Store:
                 try:
                     with env.begin(db=store.db_meta) as txn:
                         cls._validate(txn, path, ws_st)
+                        db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
+                    check_identity(shown, read_identity(dirfd), db)
                 except BaseException:
                     store.close()
                     lock_fd = dirfd = -1  # (closed with it: a second close would hide why)
@@ -609,11 +736,13 @@ class Store:
 
         db = entries("db")
         graves = entries("grave")
-        try:
-            os.stat("daemon.log", dir_fd=dirfd, follow_symlinks=False)
-            logged = True
-        except FileNotFoundError:
-            logged = False
+        logged = False
+        for name in ("daemon.log", IDENTITY):
+            try:
+                os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                logged = True
+            except FileNotFoundError:
+                pass
         try:
             data = os.stat("db/data.mdb", dir_fd=dirfd, follow_symlinks=False).st_size
         except FileNotFoundError:
@@ -630,6 +759,38 @@ class Store:
                 "db/ back from a backup, or move the store away to start afresh"
             )
         return False
+
+    @staticmethod
+    def _next_generation(env: lmdb.Environment, dirfd: int, shown: str) -> None:
+        """Check that the database is the store's (see ``check_identity``)
+        and move the generation on: the database first, then the file, each
+        durably (a crash between leaves the database one ahead, which is
+        accepted)."""
+        import uuid
+
+        meta = env.open_db(S.DB_META)
+        file = read_identity(dirfd)
+        with env.begin(db=meta) as txn:
+            db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
+        check_identity(shown, file, db)
+
+        def put(ident: dict) -> None:
+            with env.begin(write=True, db=meta) as txn:
+                txn.put(S.K_IDENTITY, S.seal(S.DB_META, S.K_IDENTITY, S.to_json(ident)))
+            env.sync(True)
+
+        try:
+            if db is not None and file is not None and db["generation"] > file["generation"]:
+                write_identity(dirfd, db)  # (a crash after the database moved on: catch up)
+                return
+            ident = db or file or {"store": uuid.uuid4().hex, "generation": 0}
+            ident = {"store": ident["store"], "generation": ident["generation"] + 1}
+            put(ident)
+            write_identity(dirfd, ident)
+        except (OSError, lmdb.Error):
+            # (a full disk: the generation stays, or the database is one
+            # ahead, both accepted; the identity was checked all the same)
+            pass
 
     @staticmethod
     def _init_meta(
@@ -661,35 +822,29 @@ class Store:
                     "backup, or move the store away to start afresh"
                 )
             if fmt is None:
-                txn.put(S.K_FORMAT, S.u64(S.FORMAT))
-                txn.put(
-                    S.K_WORKSPACE,
-                    S.to_json(
-                        {
-                            "path": os.path.abspath(workspace),
-                            "dev": ws_st.st_dev,
-                            "ino": ws_st.st_ino,
-                        }
-                    ),
-                )
-                txn.put(S.K_CHUNK_SIZE, S.u64(chunk_size))
-                txn.put(S.K_NEXT_SEQ, S.u64(1))
-                txn.put(S.K_NEXT_LAYER, S.u64(1))
-                txn.put(S.K_NEXT_GRAVE, S.u64(1))
+                owner = {"path": os.path.abspath(workspace), "dev": ws_st.st_dev}
+                for key, value in (
+                    (S.K_FORMAT, S.u64(S.FORMAT)),
+                    (S.K_WORKSPACE, S.to_json(owner | {"ino": ws_st.st_ino})),
+                    (S.K_CHUNK_SIZE, S.u64(chunk_size)),
+                    (S.K_NEXT_SEQ, S.u64(1)),
+                    (S.K_NEXT_LAYER, S.u64(1)),
+                    (S.K_NEXT_GRAVE, S.u64(1)),
+                ):
+                    txn.put(key, S.seal(S.DB_META, key, value))
                 return
             Store._validate(txn, path, ws_st)
 
     @staticmethod
     def _validate(txn: lmdb.Transaction[bytes], path: str, ws_st: os.stat_result) -> None:
         """The store's format is ours and it belongs to this workspace."""
-        fmt = txn.get(S.K_FORMAT)
-        if fmt is None:
+        raw = txn.get(S.K_FORMAT)
+        if raw is None:
             raise StoreError(f"store {path} is not initialised")
-        if S.from_u64(fmt) != S.FORMAT:
-            raise StoreError(
-                f"store {path} has format {S.from_u64(fmt)}, this cowfs reads format {S.FORMAT}"
-            )
-        owner = S.from_json(need(txn, S.K_WORKSPACE))
+        fmt = S.meta_int(S.K_FORMAT, raw)
+        if fmt != S.FORMAT:
+            raise StoreError(f"store {path} has format {fmt}, this cowfs reads format {S.FORMAT}")
+        owner = S.meta_json(S.DB_META, S.K_WORKSPACE, need(txn, S.K_WORKSPACE))
         if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
             raise StoreError(f"store {path} belongs to another workspace ({owner['path']})")
 
@@ -736,9 +891,9 @@ class Store:
                 graves = self._next_grave
                 yield w
                 if w.seq != self._next_seq:
-                    txn.put(S.K_NEXT_SEQ, S.u64(w.seq), db=self.db_meta)
+                    w.set_meta(S.K_NEXT_SEQ, S.u64(w.seq))
                 if self._next_grave != graves:
-                    txn.put(S.K_NEXT_GRAVE, S.u64(self._next_grave), db=self.db_meta)
+                    w.set_meta(S.K_NEXT_GRAVE, S.u64(self._next_grave))
             first, self._next_seq = self._next_seq, w.seq
             if w.written is None:
                 self.epoch += 1
@@ -759,7 +914,7 @@ class Store:
             out = []
             with self.env.begin(db=self.db_layers) as txn:
                 for k, v in txn.cursor():
-                    d = S.from_json(v)
+                    d = S.meta_json(S.DB_LAYERS, k, v)
                     out.append(
                         Layer(
                             S.from_u64(k),
@@ -818,7 +973,7 @@ class Store:
         if agent:
             record["agent"] = agent
         with self.write() as w:
-            w.txn.put(S.u64(layer.id), S.to_json(record), db=self.db_layers)
+            w.put_layer_row(layer.id, record)
             self._next_layer += 1
             w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
         self._layers = None
@@ -827,10 +982,9 @@ class Store:
     def set_snapshots(self, layer_id: int, snapshots: list[dict], w: Writer) -> None:
         """Record a layer's snapshots (in the checkpoint's transaction that
         closes its pending record)."""
-        key = S.u64(layer_id)
-        d = S.from_json(need(w.txn, key, self.db_layers))
+        d = self._row(w, layer_id)
         d["snapshots"] = snapshots
-        w.txn.put(key, S.to_json(d), db=self.db_layers)
+        w.put_layer_row(layer_id, d)
         self._layers = None
 
     def append_to_layer(
@@ -839,10 +993,9 @@ class Store:
         """Append records (``runs``, ``postmortems``, ``turns``) to a layer's record."""
 
         def put(w: Writer) -> None:
-            k = S.u64(layer_id)
-            d = S.from_json(need(w.txn, k, self.db_layers))
+            d = self._row(w, layer_id)
             d[key] = d.get(key, []) + items
-            w.txn.put(k, S.to_json(d), db=self.db_layers)
+            w.put_layer_row(layer_id, d)
 
         if w is not None:
             put(w)
@@ -850,6 +1003,12 @@ class Store:
             with self.write() as w2:
                 put(w2)
         self._layers = None
+
+    def _row(self, w: Writer, layer_id: int) -> dict:
+        row = w.layer_row(layer_id)
+        if row is None:
+            raise StoreError(f"the store is damaged: it has no record of layer {layer_id}")
+        return row
 
     def forget_layer_cache(self) -> None:
         self._layers = None
@@ -994,8 +1153,7 @@ class Store:
 
     def get_meta_json(self, key: bytes):
         with self.env.begin(db=self.db_meta) as txn:
-            v = txn.get(key)
-        return S.from_json(v) if v is not None else None
+            return S.meta_json(S.DB_META, key, txn.get(key))
 
     def set_meta_json(self, key: bytes, value) -> None:
         with self.write() as w:

@@ -46,7 +46,7 @@ from .mounts import VIEW_FSTYPE
 from .ops import fail
 from .past import History, Past
 from .pyfuse3_engine import handler, statvfs_data
-from .store import Store, need
+from .store import Store, meta_int
 
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
@@ -89,7 +89,7 @@ class View(pyfuse3.Operations):
 
     def _state(self) -> tuple:
         with self.store.env.begin(db=self.store.db_meta) as txn:
-            seq = S.from_u64(need(txn, S.K_NEXT_SEQ))
+            seq = meta_int(txn, S.K_NEXT_SEQ)
         with self.store.env.begin(db=self.store.db_layers) as txn:
             layers = tuple(S.from_u64(k) for k, _ in txn.cursor())
         return seq, layers

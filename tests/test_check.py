@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -227,3 +228,80 @@ def test_a_store_that_lost_its_database_is_refused_not_started_afresh(workspace,
         assert "lost its database" in r.stderr or "not initialised" in r.stderr, r.stderr
     assert not ws.path.is_mount()
     assert sorted(os.listdir(ws / ".cowfs" / "grave")) == graves
+
+
+def refused(ws, *commands: str, says: str) -> None:
+    """Each command (offline, and a mount) exits 6 naming the problem, and
+    no mount is left."""
+    for args in [["-C", str(ws.path), c] for c in commands] + [["mount", str(ws.path)]]:
+        r = subprocess.run([*COWFS, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == STORE_ERROR, (args, r.stdout, r.stderr)
+        assert says in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert not ws.path.is_mount()
+
+
+def test_a_database_put_back_from_an_older_copy_or_another_store_is_refused(workspace, tmp_path):
+    ws = workspace
+    (ws / "f").write_text("one\n")
+    ws.mount()
+    ws.checkpoint()
+    (ws / "f").write_text("two\n")
+    ws.unmount()
+    db = ws / ".cowfs" / "db"
+    subprocess.run(["cp", "-a", str(db), str(tmp_path / "old")], check=True)
+    ws.mount()
+    layer = ws.checkpoint()
+    os.unlink(ws / "f")  # (the grave holds the only copy now)
+    ws.unmount()
+    current = tmp_path / "current"
+    os.rename(db, current)
+    subprocess.run(["cp", "-a", str(tmp_path / "old"), str(db)], check=True)
+    refused(ws, "status", "check", "rollback", says="is an older copy")
+    # the store's own database back: all is well, nothing was lost
+    shutil.rmtree(db)
+    os.rename(current, db)
+    assert ws.json("log")[-1]["id"] == layer
+    # another store's database (of the same workspace)
+    os.rename(ws / ".cowfs", tmp_path / "store")
+    ws.mount()
+    ws.unmount()
+    shutil.rmtree(ws / ".cowfs" / "db")
+    subprocess.run(["cp", "-a", str(tmp_path / "store" / "db"), str(db)], check=True)
+    refused(ws, "status", says="belongs to another store")
+    # to use a database anyway, its identity file goes (and is made again)
+    os.unlink(ws / ".cowfs" / "identity")
+    assert ws.json("log")[-1]["id"] == layer
+    assert (ws / ".cowfs" / "identity").exists()
+
+
+def test_a_truncated_database_is_an_error_never_sigbus(workspace):
+    ws = workspace
+    (ws / "big").write_bytes(os.urandom(4 << 20))
+    ws.mount()
+    ws.checkpoint()
+    with open(ws / "big", "r+b") as f:
+        f.write(os.urandom(4 << 20))  # (4 MiB of chunks in LMDB)
+    ws.unmount()
+    data = ws / ".cowfs" / "db" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    refused(ws, "status", "check", "rollback", "log", says="database is truncated")
+    view = ws.path.parent / "view"
+    view.mkdir()
+    r = subprocess.run(
+        [*COWFS, "-C", str(ws.path), "view", "1", str(view)], capture_output=True, text=True
+    )
+    assert r.returncode == STORE_ERROR and "truncated" in r.stderr, r.stderr
+    assert not view.is_mount()
+
+
+def test_a_store_with_no_removed_files_that_lost_its_database_is_refused(workspace):
+    """Its identity file says it was used, even with no grave and no log."""
+    ws = workspace
+    ws.mount()
+    ws.checkpoint()
+    ws.unmount()
+    store = ws / ".cowfs"
+    assert not os.listdir(store / "grave")
+    os.unlink(store / "daemon.log")
+    os.truncate(store / "db" / "data.mdb", 0)
+    refused(ws, "status", says="lost its database")

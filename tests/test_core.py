@@ -697,6 +697,7 @@ def small_fs(tmp_path):
 
 def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
     from .helpers import Workspace
+    from .test_fulldisk import fill_file
 
     ws = Workspace(small_fs / "ws")
     ws.path.mkdir()
@@ -704,14 +705,7 @@ def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
     (ws / "victim").write_bytes(original)
     try:
         ws.mount()
-        with open(ws / "filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
+        fill_file(ws / "filler")
         failed = None
         fd = os.open(ws / "victim", os.O_WRONLY)
         try:

@@ -152,3 +152,78 @@ def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(sm
         ws.rollback()
         treesnap.assert_same(at_start, ws.snapshot())
         assert ws.json("check")["ok"]
+
+
+def punch(path: Path) -> None:
+    """Punch a hole over the whole file (its blocks are freed)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        fallocate = __import__("ctypes").CDLL(None, use_errno=True).fallocate
+        size = os.fstat(fd).st_size
+        assert fallocate(fd, 0x03, 0, __import__("ctypes").c_long(size)) == 0  # PUNCH_HOLE|KEEP
+    finally:
+        os.close(fd)
+
+
+def fill_file(path: Path) -> None:
+    """Write *path* until the disk is full."""
+    with open(path, "ab") as f:
+        try:
+            while True:
+                f.write(b"\xee" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_rollback_on_a_full_disk_first_removes_what_the_layer_made(small_ext4):
+    """The disk is full of a file the layer created (before the pre-images
+    of a file it emptied): the rollback removes it first, then restores."""
+    with managed_workspace(small_ext4 / "ws") as ws:
+        (ws / "big").write_bytes(os.urandom(12 << 20))
+        ws.mount()
+        before = ws.snapshot()
+        ws.checkpoint()
+        os.close(os.open(ws / "filler", os.O_CREAT | os.O_WRONLY, 0o644))  # made first
+        punch(ws / "big")
+        fill_file(ws / "filler")  # then it fills the disk
+        fill(small_ext4)
+        r = ws.cowfs("rollback", "--no-redo", check=False)
+        assert r.returncode == 0, r.stderr
+        treesnap.assert_same(before, ws.snapshot())
+        assert ws.json("check")["ok"]
+
+
+@pytest.mark.parametrize("redo", [True, False], ids=["keeping redo", "no redo"])
+def test_a_rollback_on_a_full_disk_stops_keeps_everything_and_the_same_command_finishes(
+    small_ext4, redo
+):
+    with managed_workspace(small_ext4 / "ws") as ws:
+        (ws / "big").write_bytes(os.urandom(12 << 20))
+        (ws / "keep.txt").write_text("kept\n")
+        ws.mount()
+        before = ws.snapshot()
+        layer = ws.checkpoint()
+        (ws / "keep.txt").write_text("changed\n")
+        (ws / "new.txt").write_text("new\n")
+        punch(ws / "big")
+        fill(small_ext4)  # full, of files outside the workspace
+        command = ["rollback", "--to", str(layer)] + ([] if redo else ["--no-redo"])
+        r = ws.cowfs(*command, check=False)
+        assert r.returncode == 10, r.stderr
+        assert "rollback did not finish" in r.stderr and "No space left" in r.stderr
+        assert "of free space" in r.stderr and "run the same command again" in r.stderr
+        assert "Traceback" not in r.stderr
+        # what it could not undo is still in the store, and the layer is still there
+        assert [entry["id"] for entry in ws.json("log")][-1] == layer
+        assert ws.json("check")["ok"]
+        assert ws.json("status")["redo"]["available"] is False
+        # the agent goes on meanwhile: what it changes is undone too
+        (ws / "keep.txt").write_text("meanwhile\n")
+        for f in small_ext4.glob("filler-*"):  # room again
+            f.unlink()
+        ws.cowfs(*command)
+        treesnap.assert_same(before, ws.snapshot())
+        assert ws.json("check")["ok"]
+        assert layer not in [entry["id"] for entry in ws.json("log")]

@@ -433,11 +433,12 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
     try:
         db = env.open_db(S.DB_REDO)
         with env.begin(write=True, db=db) as txn:
-            state = S.from_json(txn.get(S.K_REDO_STATE))
+            state = S.meta_json(S.DB_REDO, S.K_REDO_STATE, txn.get(S.K_REDO_STATE))
             assert state["state"] == redo.READY
             for key in [k for k, _ in txn.cursor() if k.startswith(S.REDO_PRINT)]:
                 txn.delete(key)
-            txn.put(S.K_REDO_STATE, S.to_json(state | {"state": redo.BUILDING, "fresh": None}))
+            new = S.to_json(state | {"state": redo.BUILDING, "fresh": None})
+            txn.put(S.K_REDO_STATE, S.seal(S.DB_REDO, S.K_REDO_STATE, new))
     finally:
         env.close()
     ws.mount()

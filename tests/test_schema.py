@@ -1,7 +1,9 @@
 """The typed records of schema.py keep the on-disk format: every kind encodes
 to the very bytes the positional encoder (``encode_record(kind, *fields)``,
-cowfs up to the typed records) wrote for the same values, and what that
-encoder wrote decodes to the same values.  No FUSE."""
+cowfs up to the typed records) wrote for the same values, sealed with a
+checksum, and what that encoder wrote (unsealed, as older stores hold it)
+decodes to the same values.  A flipped bit anywhere in a sealed record makes
+it damaged, never another record.  No FUSE."""
 
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ def test_golden_covers_every_kind():
 @pytest.mark.parametrize("rec, raw", GOLDEN, ids=lambda x: type(x).__name__)
 def test_golden_bytes(rec, raw):
     data = bytes.fromhex(raw)
-    assert S.encode_record(rec) == data
+    assert S.encode_record(rec) == S.seal(b"", b"", data)
+    assert S.decode_record(S.encode_record(rec)) == rec
     assert old_encode(rec.kind, *rec) == data
     assert S.decode_record(data) == rec
     assert type(S.decode_record(data)) is type(rec)
@@ -127,10 +130,42 @@ def records(draw):
 @given(records())
 def test_same_bytes_as_the_positional_encoder(rec):
     data = S.encode_record(rec)
-    assert data == old_encode(rec.kind, *rec)
+    assert data == S.seal(b"", b"", old_encode(rec.kind, *rec))
     back = S.decode_record(data)
     assert back == rec and type(back) is type(rec)
-    assert old_decode(data) == (rec.kind, tuple(rec))
+    assert old_decode(data[S.SEAL_LEN :]) == (rec.kind, tuple(rec))
+
+
+@given(records(), st.data())
+def test_a_flipped_bit_makes_a_record_damaged(rec, data):
+    raw = bytearray(S.encode_record(rec))
+    bit = data.draw(st.integers(0, len(raw) * 8 - 1))
+    raw[bit // 8] ^= 1 << (bit % 8)
+    got = S.decode_or_damaged(bytes(raw))
+    assert isinstance(got, S.Damaged)
+    assert got.raw == bytes(raw)
+
+
+def test_a_damaged_record_says_what_it_seems_to_be():
+    raw = bytearray(S.encode_record(S.Meta(b"dir/f", 7, 0o100644, 0, 0, 1, 2, 3)))
+    raw[-30] ^= 0x08  # (inside the mode field)
+    got = S.decode_or_damaged(bytes(raw))
+    assert isinstance(got, S.Damaged)
+    assert S.damage_of(got) == "fails its checksum (it seems to be a meta record of dir/f)"
+    assert S.damage_of(S.Damaged(b"\x09junk")) == "does not decode"
+
+
+def test_sealed_values_are_bound_to_their_key():
+    sealed = S.seal(S.DB_LAYERS, S.u64(3), b'{"start": 1}')
+    assert S.unseal(S.DB_LAYERS, S.u64(3), sealed) == b'{"start": 1}'
+    for db, key in ((S.DB_LAYERS, S.u64(4)), (S.DB_META, S.u64(3))):
+        with pytest.raises(S.Damage):
+            S.unseal(db, key, sealed)
+    # what an older cowfs wrote is read as it is
+    assert S.unseal(S.DB_LAYERS, S.u64(3), b'{"start": 1}') == b'{"start": 1}'
+    assert S.index_seq(b"k", S.u64(9)) == 9
+    assert S.index_seq(b"k", S.index_value(b"k", 9)) == 9
+    assert S.index_seq(b"j", S.index_value(b"k", 9)) is None
 
 
 def test_named_fields_are_the_positions_of_the_format():
@@ -147,7 +182,7 @@ def test_meta_record_from_a_stat(tmp_path):
     p.write_bytes(b"12345")
     s = p.stat()
     m = S.meta_record(b"f", s)
-    assert S.encode_record(m) == old_encode(
+    assert S.encode_record(m)[S.SEAL_LEN :] == old_encode(
         S.META,
         b"f",
         s.st_ino,
