@@ -1470,8 +1470,24 @@ class Ops:
             for link in [(node.parent, node.name), *(node.extra or ())]:
                 if link[0] is self.grave:
                     self._remove_link(node, *link)
-            if node._fd < 0 or os.fstat(node._fd).st_nlink == 0:
+            if not self._named(node):
                 self._orphan(bino)
+
+    def _named(self, node: Node) -> bool:
+        """Whether *node*'s object still has a name the kernel may know it
+        by.  (An fd evicted from the cache says nothing: orphaning a live
+        object would give its other names a second inode number.)"""
+        if node._fd >= 0:
+            return os.fstat(node._fd).st_nlink > 0
+        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+            if parent is None or not parent.live or parent is self.grave:
+                continue
+            try:
+                if os.stat(name, dir_fd=parent.fd, follow_symlinks=False).st_ino == node.bino:
+                    return True
+            except OSError:
+                continue
+        return False
 
     def _dir_node(self, path: bytes) -> Node | None:
         try:
