@@ -1,4 +1,5 @@
-"""The FUSE kernel protocol (``include/uapi/linux/fuse.h``, 7.41): opcodes,
+"""The FUSE kernel protocol (``include/uapi/linux/fuse.h``, 7.41, and 7.45's
+COPY_FILE_RANGE_64, which the kernel sends whatever minor INIT agreed): opcodes,
 flags and the struct layouts the kernel engine reads and writes, each named
 once, after the header.  Little-endian, as the kernel writes them on every
 architecture cowfs runs on."""
@@ -60,6 +61,7 @@ INTERRUPT, BMAP, DESTROY, IOCTL, POLL, NOTIFY_REPLY, BATCH_FORGET, FALLOCATE = (
 )
 READDIRPLUS, RENAME2, LSEEK, COPY_FILE_RANGE, SETUPMAPPING, REMOVEMAPPING = (44, 45, 46, 47, 48, 49)
 SYNCFS, TMPFILE, STATX = 50, 51, 52
+COPY_FILE_RANGE_64 = 53  # (7.45, Linux 6.18)
 
 OPCODE_NAMES = {
     number: name.lower()
@@ -111,6 +113,7 @@ OPCODE_NAMES = {
         ("SYNCFS", SYNCFS),
         ("TMPFILE", TMPFILE),
         ("STATX", STATX),
+        ("COPY_FILE_RANGE_64", COPY_FILE_RANGE_64),
     )
 }
 
@@ -193,7 +196,8 @@ INTERRUPT_IN = struct.Struct("<Q")
 FALLOCATE_IN = struct.Struct("<QQQII")
 LSEEK_IN = struct.Struct("<QQII")
 LSEEK_OUT = struct.Struct("<Q")
-COPY_FILE_RANGE_IN = struct.Struct("<QQQQQQQ")
+COPY_FILE_RANGE_IN = struct.Struct("<QQQQQQQ")  # fh_in off_in nodeid_out fh_out off_out len flags
+COPY_FILE_RANGE_OUT = struct.Struct("<Q")  # bytes_copied (COPY_FILE_RANGE answers in WRITE_OUT)
 DIRENT = struct.Struct("<QQII")  # ino off namelen type (+ name, 8-aligned)
 NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")
 NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")

@@ -40,6 +40,7 @@ NAME = "kernel"
 SUBTYPE = "cowfs"  # the mount's type is fuse.cowfs
 MS_NOSUID, MS_NODEV = 2, 4
 MAX_WRITE = 1 << 20
+OFF_MAX = (1 << 63) - 1  # the largest file offset (loff_t) and count (ssize_t)
 MAX_PAGES = MAX_WRITE // 4096
 READ_AHEAD_KB = 1024
 # How long (microseconds) the loop looks for the next request before it
@@ -482,6 +483,7 @@ class Engine:
             F.FALLOCATE: self._fallocate,
             F.LSEEK: self._lseek,
             F.COPY_FILE_RANGE: self._copy_file_range,
+            F.COPY_FILE_RANGE_64: self._copy_file_range_64,
             F.TMPFILE: self._tmpfile,
         }
 
@@ -756,12 +758,36 @@ class Engine:
         fh, off, whence, _ = F.LSEEK_IN.unpack_from(body)
         self._reply(unique, F.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
 
+    def _copy(self, nodeid: int, body: memoryview, most: int) -> int:
+        """The copy a COPY_FILE_RANGE(_64) request asks for, of at most
+        *most* bytes (what its answer can carry: a short copy is one
+        copy_file_range(2) may make); offsets past what a file offset can
+        be (loff_t) and flags are EINVAL, as the system call says."""
+        fh_in, off_in, _, fh_out, off_out, length, flags = F.COPY_FILE_RANGE_IN.unpack_from(body)
+        if off_in > OFF_MAX or off_out > OFF_MAX or flags:
+            raise OSError(errno.EINVAL, "copy_file_range: offset out of range, or flags")
+        n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, min(length, most))
+        # The kernel updates the destination's attributes itself but not the
+        # source's atime, which reading it underneath changed (as natively):
+        # drop its cached attributes (only those: offset -1 leaves the page
+        # cache, and no page lock is waited for in the loop).
+        self._notify(F.NOTIFY_INVAL_INODE, F.NOTIFY_INVAL_INODE_OUT.pack(nodeid, -1, 0))
+        return n
+
     def _copy_file_range(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh_in, off_in, _, fh_out, off_out, length, _ = F.COPY_FILE_RANGE_IN.unpack_from(body)
-        n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, length)
-        self._reply(unique, F.WRITE_OUT.pack(n, 0))
+        """The count answered in 32 bits (fuse_write_out): the kernel asks
+        for at most UINT_MAX & PAGE_MASK here, and so does this."""
+        self._reply(unique, F.WRITE_OUT.pack(self._copy(nodeid, body, 0xFFFFF000), 0))
+
+    def _copy_file_range_64(
+        self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
+    ) -> None:
+        """The same copy, its count answered in 64 bits (Linux 6.18 sends
+        it first, whatever the protocol minor, and falls back to
+        COPY_FILE_RANGE for good when it is answered ENOSYS)."""
+        self._reply(unique, F.COPY_FILE_RANGE_OUT.pack(self._copy(nodeid, body, OFF_MAX)))
 
     def _read(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview

@@ -5,22 +5,28 @@ imports it).
 
 Every tool talks to the workspace's daemon through the Python API and the
 control channel (never the cowfs command); a failure comes back as a tool
-error carrying the cowfs message and exit code, and the server goes on.
+error carrying the cowfs message and exit code, and the server goes on.  The
+stdio transport is this module's own (``run_stdio``): it answers a line that
+is no message to serve with its JSON-RPC error, where the SDK's drops it.
 """
 
 import base64
+import fcntl
 import functools
 import inspect
 import json
 import os
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, BinaryIO, Literal
 
 from . import control, errors
 from .api import Workspace
 from .errors import CowfsError
 from .mounts import find_mount
 from .policy import RunScope
+from .text import quote
 
 TEXT_LIMIT = 20_000  # default byte limit of diff, show and run output
 
@@ -374,6 +380,285 @@ def build(root: str):
     return server
 
 
+# The stdio transport.  The SDK's own (mcp.server.stdio) hands a line that is
+# no JSON-RPC message to the session as an exception, which logs and drops it
+# (the client waits for an answer for ever), reads a line of any length, and
+# dies when an answer cannot be written.  This one answers every line as
+# JSON-RPC 2.0 says and goes on serving the lines that follow.
+
+MAX_LINE = control.MAX_REQUEST  # bytes one message line may have, without its newline: 1 MiB
+MAX_DEPTH = 100  # levels of arrays and objects one message may nest
+SURROGATE = re.compile("[\ud800-\udfff]")  # (what json.loads leaves unpaired)
+
+
+class Refused(Exception):
+    """A line that is no message to serve; its JSON-RPC error code, and the
+    request's id where it has one (None: the answer's id is null)."""
+
+    def __init__(self, code: int, message: str, rid: int | str | None = None):
+        super().__init__(message)
+        self.code, self.rid = code, rid
+
+
+def levels(obj: Any) -> Iterator[list]:
+    """The values in the parsed JSON *obj*, keys included, level by level:
+    [obj], then what is in it, then what is in that, and so on."""
+    level = [obj]
+    while level:
+        yield level
+        inner: list = []
+        for x in level:
+            if isinstance(x, dict):
+                inner += x
+                inner += x.values()
+            elif isinstance(x, list):
+                inner += x
+        level = inner
+
+
+def not_text(obj: Any) -> Iterator[str]:
+    """The strings in *obj* that are not Unicode text (they hold a lone
+    surrogate, which UTF-8 cannot carry)."""
+    for level in levels(obj):
+        yield from (x for x in level if isinstance(x, str) and SURROGATE.search(x))
+
+
+def request_id(value: Any) -> int | str | None:
+    """*value* if it can be a request's id (an integer or a string) and be
+    answered with, else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return value if isinstance(value, str) and not SURROGATE.search(value) else None
+
+
+def leading_id(head: bytes) -> int | str | None:
+    """The id of the JSON object that *head* begins (a line cut short), if a
+    member "id" comes before the cut: clients put it before the params."""
+    decoder, text = json.JSONDecoder(), head.decode(errors="replace")
+
+    def skip(at: int, char: str = "") -> int:
+        """*at* past blanks and then *char*; -1 if *char* is not there."""
+        while text[at : at + 1] in (" ", "\t", "\r", "\n"):
+            at += 1
+        return at + len(char) if text.startswith(char, at) else -1
+
+    at = skip(0, "{")
+    try:
+        while at >= 0:
+            key, at = decoder.raw_decode(text, skip(at))
+            if not isinstance(key, str) or (at := skip(at, ":")) < 0:
+                return None
+            value, at = decoder.raw_decode(text, skip(at))
+            if key == "id":  # (a number at the cut may go on after it)
+                return request_id(value) if at < len(text) else None
+            at = skip(at, ",")
+    except (ValueError, RecursionError):  # cut in the middle of a value
+        pass
+    return None
+
+
+def read_line(wire: BinaryIO) -> tuple[bytes, int] | None:
+    """The next line of *wire* without its newline (of a line longer than
+    MAX_LINE: its first MAX_LINE + 1 bytes, the rest read and dropped) and
+    its length; None at the end."""
+    head = last = wire.readline(MAX_LINE + 1)
+    if not head:
+        return None
+    size = len(head)
+    while size > MAX_LINE and last and not last.endswith(b"\n"):
+        last = wire.readline(1 << 16)
+        size += len(last)
+    return head.removesuffix(b"\n"), size - last.endswith(b"\n")
+
+
+JSON_KINDS = {str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+def parse(line: bytes, size: int) -> Any:
+    """The JSON-RPC message (an ``mcp_types.JSONRPCMessage``) of one line of
+    *size* bytes, None for a blank line; raises Refused.  The JSON text must
+    be UTF-8 (RFC 8259 8.1) and parse: else -32700, a parse error, id null
+    (also for a document nested too deeply to parse).  What parses but is
+    not a message to serve is -32600, an invalid request, with its id: not a
+    JSON-RPC 2.0 message object, nested deeper than MAX_DEPTH, a lone
+    surrogate in a string (RFC 8259's grammar allows one as an escape, but it
+    is not Unicode text), or longer than MAX_LINE."""
+    from mcp_types import (
+        INVALID_REQUEST,
+        PARSE_ERROR,
+        JSONRPCError,
+        JSONRPCNotification,
+        JSONRPCRequest,
+        JSONRPCResponse,
+    )
+    from pydantic import ValidationError
+
+    if size > MAX_LINE:
+        raise Refused(
+            INVALID_REQUEST,
+            f"Invalid Request: the message is {size:,} bytes long; a line may have at most "
+            f"{MAX_LINE:,} (1 MiB): send less (a shorter message, fewer paths)",
+            leading_id(line),
+        )
+    if not line.strip():
+        return None
+
+    def constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        obj = json.loads(line.decode(), parse_constant=constant)
+    except UnicodeDecodeError as e:
+        raise Refused(PARSE_ERROR, f"Parse error: not UTF-8 (byte {e.start})") from None
+    except ValueError as e:
+        raise Refused(PARSE_ERROR, f"Parse error: {e}") from None
+    except RecursionError:
+        raise Refused(PARSE_ERROR, "Parse error: nested too deeply to parse") from None
+    rid = request_id(obj.get("id")) if isinstance(obj, dict) else None
+
+    def invalid(why: str) -> Refused:
+        return Refused(INVALID_REQUEST, f"Invalid Request: {why}", rid)
+
+    if isinstance(obj, list):
+        raise invalid("an array (a batch): MCP takes one message, an object, per line")
+    if not isinstance(obj, dict):
+        raise invalid(f"a message is a JSON object, not {JSON_KINDS.get(type(obj), 'null')}")
+    if any(depth > MAX_DEPTH for depth, _ in enumerate(levels(obj))):
+        raise invalid(f"nested deeper than {MAX_DEPTH} levels")
+    # (a lone surrogate in a string parsed from UTF-8 comes from an escape)
+    bad = next(not_text(obj), None) if b"\\u" in line else None
+    if bad is not None:
+        lone = SURROGATE.search(bad).group()  # type: ignore[union-attr]
+        raise invalid(f"a string holds a lone surrogate (U+{ord(lone):04X}): not Unicode text")
+    model = (
+        (JSONRPCRequest if "id" in obj else JSONRPCNotification)
+        if "method" in obj
+        else JSONRPCResponse
+        if "result" in obj
+        else JSONRPCError
+        if "error" in obj
+        else None
+    )
+    if model is None:
+        raise invalid('no "method" (a request) and no "result" or "error" (a response)')
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise invalid(
+            "; ".join(
+                f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                for err in e.errors(include_url=False)[:3]
+            )
+        ) from None
+
+
+END = object()
+
+
+def next_message(wire: BinaryIO) -> Any:
+    """The next message read from *wire*: a JSONRPCMessage, None for a blank
+    line, END at the end; raises Refused."""
+    got = read_line(wire)
+    return END if got is None else parse(*got)
+
+
+def encode(message: Any) -> bytes | None:
+    """*message* as a line to send.  An answer that holds text that is not
+    UTF-8 (a file name's bytes, as os.fsdecode carries them) becomes an
+    internal error saying so; a message of the server's own that does, None."""
+    from mcp_types import INTERNAL_ERROR, ErrorData, JSONRPCError, JSONRPCResponse
+
+    try:
+        return message.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n"
+    except ValueError:  # pydantic_core.PydanticSerializationError
+        # (the shortest: a name rather than a text that holds it)
+        bad = min(not_text(message.model_dump()), key=len, default=None)
+        if bad is None:
+            raise
+    if not isinstance(message, JSONRPCResponse | JSONRPCError) or message.id is None:
+        print(f"cowfs mcp: not sent, not UTF-8: {quote(bad[:200])}", file=sys.stderr)
+        return None
+    return encode(
+        JSONRPCError(
+            jsonrpc="2.0",
+            id=message.id,
+            error=ErrorData(
+                code=INTERNAL_ERROR,
+                message="Internal error: the answer holds text that is not UTF-8, which JSON-RPC "
+                f"cannot carry: {quote(bad[:200])}",
+            ),
+        )
+    )
+
+
+def claim_stdio() -> tuple[BinaryIO, BinaryIO]:
+    """The protocol's stdin and stdout on descriptors of their own; fd 0 then
+    reads /dev/null and fd 1 writes to stderr, so nothing a tool runs or
+    prints reads the client's requests or writes into the answers."""
+    sys.stdout.flush()
+    wire_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    wire_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    return os.fdopen(wire_in, "rb"), os.fdopen(wire_out, "wb")
+
+
+def send_line(wire: BinaryIO, data: bytes) -> None:
+    wire.write(data)
+    wire.flush()
+
+
+async def run_stdio(server: Any) -> None:
+    """Serve *server* (an MCPServer, as its run_stdio_async does) on stdin
+    and stdout until the client closes stdin."""
+    import anyio
+    from mcp.shared.message import SessionMessage
+    from mcp_types import ErrorData, JSONRPCError
+
+    wire_in, wire_out = claim_stdio()
+    read_send, read_receive = anyio.create_memory_object_stream[Any](0)
+    write_send, write_receive = anyio.create_memory_object_stream[Any](0)
+
+    async def reader(answers: Any) -> None:
+        async with read_send, answers:
+            while True:
+                try:
+                    got = await anyio.to_thread.run_sync(
+                        next_message, wire_in, abandon_on_cancel=True
+                    )
+                except Refused as e:
+                    error = ErrorData(code=e.code, message=str(e))
+                    await answers.send(
+                        SessionMessage(JSONRPCError(jsonrpc="2.0", id=e.rid, error=error))
+                    )
+                    continue
+                if got is END:
+                    return
+                if got is not None:
+                    await read_send.send(SessionMessage(got))
+
+    async def writer() -> None:
+        async with write_receive:
+            async for item in write_receive:
+                data = encode(item.message)
+                if data is None:
+                    continue
+                try:
+                    await anyio.to_thread.run_sync(send_line, wire_out, data)
+                except OSError:  # the client is gone
+                    tg.cancel_scope.cancel()
+                    return
+
+    # (MCPServer's lowlevel server: what its own run_stdio_async runs)
+    lowlevel = server._lowlevel_server
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reader, write_send.clone())
+        tg.start_soon(writer)
+        await lowlevel.run(read_receive, write_send, lowlevel.create_initialization_options())
+
+
 KEPT_ENV = frozenset({"LANG", "LANGUAGE", "TZ", "TERM"})  # (and LC_*, COWFS_*)
 
 
@@ -452,7 +737,7 @@ def serve(path: str, mount: bool = False, as_user: str | None = None) -> int:
         become(as_user)
     server = build(root)
     try:
-        anyio.run(server.run_stdio_async)
+        anyio.run(run_stdio, server)
     except KeyboardInterrupt:
         pass
     return 0

@@ -175,3 +175,38 @@ def test_a_passthrough_writer_across_checkpoints_is_undone_exactly(workspace):
         os.close(fd)
     workspace.rollback(to=first)
     assert not (workspace / "log").exists()
+
+
+def test_copy_file_range_is_answered_in_64_bits_and_captured(workspace):
+    """Linux 6.18 sends COPY_FILE_RANGE_64 first (and falls back to the
+    32-bit COPY_FILE_RANGE for good if it is refused): the engine serves
+    it, counted by kind, and captures what the copy overwrites before it
+    does -- across chunks, past the old end, within one file -- so a
+    rollback restores the destination exactly."""
+    src, old = os.urandom(300_000), os.urandom(200_000)
+    (workspace / "src").write_bytes(src)
+    (workspace / "dst").write_bytes(old)
+    workspace.mount("--engine", "kernel")
+    before = workspace.snapshot()
+    layer = workspace.checkpoint()
+    base = requests(workspace)
+    fd_in = os.open(workspace / "src", os.O_RDONLY)
+    fd_out = os.open(workspace / "dst", os.O_RDWR)
+    try:
+        assert os.copy_file_range(fd_in, fd_out, 250_000, 10_000, 100_000) == 250_000
+        assert os.copy_file_range(fd_out, fd_out, 50_000, 0, 400_000) == 50_000
+        assert os.copy_file_range(fd_in, fd_out, 10, 300_000, 0) == 0  # (past the end)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+    copied = old[:100_000] + src[10_000:260_000]
+    want = copied + bytes(50_000) + copied[:50_000]
+    assert (workspace / "dst").read_bytes() == want
+    assert os.stat(workspace / "dst").st_size == 450_000
+    got = requests(workspace)
+    grown = {k: got.get(k, 0) - base.get(k, 0) for k in got}
+    assert grown.get("copy_file_range_64") == 2, grown  # (the VFS answers the third)
+    assert "copy_file_range" not in grown and "53" not in grown, grown
+    workspace.rollback(to=layer)
+    treesnap.assert_same(before, workspace.snapshot())
+    assert (workspace / "dst").read_bytes() == old

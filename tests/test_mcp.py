@@ -1,19 +1,24 @@
 """`cowfs mcp`: the workspace's operations as MCP tools, driven by the
 official MCP SDK's own stdio client against ``python -m cowfs mcp -C WS``
-on real mounts."""
+on real mounts, and its stdio transport spoken to in raw lines."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import subprocess
 import sys
+import time
 
 import anyio
 import pytest
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.shared.exceptions import MCPError
 
 from cowfs import treesnap
+from cowfs.mcpserver import MAX_LINE
 from cowfs.mounts import is_cowfs_mount
 
 from .helpers import COWFS
@@ -271,3 +276,183 @@ def test_usage_errors_are_one_line(args):
         [*COWFS, "mcp", *args], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+class Raw:
+    """``cowfs mcp -C PATH --as root`` spoken to in raw lines: bytes written
+    to its stdin, each answer line read from its stdout with a timeout."""
+
+    def __init__(self, path, errlog):
+        env = {k: os.environ[k] for k in ("PYTHONPATH", "COWFS_ENGINE") if k in os.environ}
+        self.proc = subprocess.Popen(
+            [*COWFS, "mcp", "-C", str(path), "--as", "root"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            env=env,
+            cwd="/",
+        )
+        self.buf = b""
+        self.ids = iter(range(1000, 2000))
+
+    def send(self, line: bytes) -> None:
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            ready = left > 0 and select.select([self.proc.stdout], [], [], left)[0]
+            assert ready, f"no answer within {timeout} s"
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            assert chunk, f"the server ended (exit status {self.proc.wait()})"
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+    def request(self, method: str, **params) -> dict:
+        rid = next(self.ids)
+        self.send(
+            json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}).encode()
+        )
+        got = self.answer()
+        assert got["id"] == rid, got
+        return got
+
+    def start(self) -> None:
+        init = self.request(
+            "initialize",
+            protocolVersion="2025-06-18",
+            capabilities={},
+            clientInfo={"name": "raw", "version": "1"},
+        )
+        assert "result" in init, init
+        self.send(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}')
+
+    def tool(self, name: str, **args) -> dict:
+        got = self.request("tools/call", name=name, arguments=args)
+        assert not got["result"]["isError"], got
+        return got["result"]["structuredContent"]
+
+    def close(self) -> int:
+        try:
+            self.proc.stdin.close()
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+CHECKPOINT = (
+    b'{"jsonrpc":"2.0","id":%s,"method":"tools/call",'
+    b'"params":{"name":"checkpoint","arguments":{"message":%s}}}'
+)
+DEEP = 150  # arrays in arrays: over the 100 levels a message may nest, fine for the JSON parser
+
+MALFORMED = [
+    # (line, code, id): parse errors have id null
+    (b"{bad", -32700, None),
+    (b'{"jsonrpc": "2.0", "id": 1, "method": "ping"', -32700, None),
+    (b"[" * 100_000 + b"]" * 100_000, -32700, None),
+    (b'{"jsonrpc":"2.0","id":2,"method":"ping","params":{"a":"\xff"}}', -32700, None),
+    (b'{"jsonrpc":"2.0","id":3,"method":"ping","params":{"a":NaN}}', -32700, None),
+    # parsed, but no request to serve: the request's id when it has one
+    (CHECKPOINT % (b"5", rb'"\ud800"'), -32600, 5),
+    (CHECKPOINT % (b'"six"', rb'"a\udcffb"'), -32600, "six"),
+    (b"1", -32600, None),
+    (b'"a string"', -32600, None),
+    (b"null", -32600, None),
+    (b"[]", -32600, None),
+    (b'[{"jsonrpc":"2.0","id":7,"method":"ping"}]', -32600, None),
+    (b'{"id":8,"method":"ping"}', -32600, 8),
+    (b'{"jsonrpc":"1.0","id":9,"method":"ping"}', -32600, 9),
+    (b'{"jsonrpc":"2.0","id":10}', -32600, 10),
+    (b'{"jsonrpc":"2.0","id":11,"method":["ping"]}', -32600, 11),
+    (b'{"jsonrpc":"2.0","id":12,"method":"tools/call","params":"x"}', -32600, 12),
+    (b'{"jsonrpc":"2.0","id":true,"method":"ping"}', -32600, None),
+    (b'{"jsonrpc":"2.0","id":null,"method":"ping"}', -32600, None),
+    (b'{"jsonrpc":"2.0","method":1}', -32600, None),
+    (
+        b'{"jsonrpc":"2.0","id":13,"method":"ping","params":{"a":%s}}'
+        % (b"[" * DEEP + b"]" * DEEP),
+        -32600,
+        13,
+    ),
+]
+
+
+@pytest.mark.parametrize("line, code, rid", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_line_gets_its_json_rpc_error_and_the_server_goes_on(
+    mounted, tmp_path, line, code, rid
+):
+    errlog = (tmp_path / "server.err").open("w+")
+    raw = Raw(mounted.path, errlog)
+    try:
+        raw.start()
+        raw.send(line)
+        got = raw.answer()
+        assert got["jsonrpc"] == "2.0" and "result" not in got, got
+        assert (got["id"], got["error"]["code"]) == (rid, code), got
+        assert got["error"]["message"].startswith(
+            "Parse error: " if code == -32700 else "Invalid Request: "
+        )
+        raw.send(b"")  # a blank line is no message: nothing answers it
+        assert raw.request("ping") == {"jsonrpc": "2.0", "id": 1001, "result": {}}
+        layer = raw.tool("checkpoint", message="after")["id"]
+        assert [x["message"] for x in raw.tool("log")["layers"]] == ["base", "after"]
+        assert layer == 2  # (the checkpoint refused above made none)
+    finally:
+        assert raw.close() == 0
+    errlog.seek(0)
+    assert "Traceback" not in errlog.read()
+
+
+def test_a_line_over_1_mib_is_refused_with_its_id(mounted, tmp_path):
+    errlog = (tmp_path / "server.err").open("w+")
+    raw = Raw(mounted.path, errlog)
+
+    def line(rid: int, size: int) -> bytes:
+        empty = CHECKPOINT % (b"%d" % rid, b'""')
+        return empty.replace(b'""}', b'"' + b"x" * (size - len(empty)) + b'"}')
+
+    try:
+        raw.start()
+        raw.send(line(21, MAX_LINE + 1))
+        got = raw.answer()
+        assert (got["id"], got["error"]["code"]) == (21, -32600), got
+        assert f"{MAX_LINE + 1:,} bytes" in got["error"]["message"]
+        assert f"at most {MAX_LINE:,}" in got["error"]["message"]
+        raw.send(line(22, 5_000_000))
+        got = raw.answer()
+        assert (got["id"], got["error"]["code"]) == (22, -32600), got
+        raw.send(line(23, MAX_LINE))  # at the limit: served
+        assert raw.answer()["id"] == 23
+        assert len(raw.tool("log")["layers"]) == 2  # only the one at the limit
+    finally:
+        assert raw.close() == 0
+    errlog.seek(0)
+    assert "Traceback" not in errlog.read()
+
+
+def test_a_5_mb_checkpoint_message_is_refused_to_the_sdk_client(mounted):
+    async def steps(s):
+        with pytest.raises(MCPError) as e:
+            await s.call_tool("checkpoint", {"message": "m" * 5_000_000})
+        assert e.value.code == -32600 and f"at most {MAX_LINE:,}" in e.value.message
+        assert (await ok(s, "checkpoint", message="small"))["id"] == 2
+
+    serve(mounted.path, steps)
+
+
+def test_an_answer_utf8_cannot_carry_is_an_error_and_the_server_goes_on(mounted):
+    os.close(os.open(os.fsencode(mounted.path) + b"/new\xfe", os.O_CREAT | os.O_WRONLY, 0o644))
+
+    async def steps(s):
+        with pytest.raises(MCPError) as e:
+            await s.call_tool("status", {})
+        assert e.value.code == -32603 and '"new\\376"' in e.value.message
+        assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
+
+    serve(mounted.path, steps)

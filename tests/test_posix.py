@@ -344,6 +344,38 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
+def copy_case(
+    name: str,
+    setup: str,
+    src: str,
+    dst: str,
+    count: int,
+    off_in: int,
+    off_out: int,
+    src_flags: int = os.O_RDONLY,
+    dst_flags: int = os.O_WRONLY,
+    user: bool = False,
+) -> Case:
+    """A case of copy_file_range(2): *count* bytes of *src* at *off_in* to
+    *dst* at *off_out*, within one file opened read-write when they are one
+    name; both names watched."""
+
+    def op():
+        fd_in = os.open(src, RW if src == dst else src_flags)
+        try:
+            fd_out = fd_in if src == dst else os.open(dst, dst_flags)
+            try:
+                return os.copy_file_range(fd_in, fd_out, count, off_in, off_out)
+            finally:
+                if fd_out != fd_in:
+                    os.close(fd_out)
+        finally:
+            os.close(fd_in)
+
+    watch = " ".join([".", *dict.fromkeys([src, dst])])
+    return Case(f"copy_file_range {name}".strip(), setup, op, watch, user=user)
+
+
 def xattrs(path: str = "f"):
     return lambda: sorted(
         (n, os.getxattr(path, n, follow_symlinks=False))
@@ -355,6 +387,8 @@ WHITEOUT = 4
 LONG = "n" * 255
 TOO_LONG = "n" * 256
 RW, CREAT, EXCL, TRUNC = os.O_RDWR, os.O_CREAT, os.O_EXCL, os.O_TRUNC
+APPEND = os.O_WRONLY | os.O_APPEND
+OWN_SETUID = f"d/:0777 s=0123 d/t=abcdef:4755:{USER}"  # (USER's setuid file)
 
 CASES = [
     # mkdir / rmdir
@@ -530,6 +564,16 @@ CASES = [
         opened("f", RW, then=lambda fd: os.posix_fallocate(fd, 0, 10_000)),
         ". f",
     ),
+    copy_case("", "s=0123456789 d=abcdefghij", "s", "d", 4, 2, 3),
+    copy_case("past the source's end", "s=0123 d=abcd", "s", "d", 4, 10, 0),
+    copy_case("of nothing", "s=0123 d=abcd", "s", "d", 0, 0, 0),
+    copy_case("beyond the source's end", "s=0123456789 d=abcd", "s", "d", 100, 6, 1),
+    copy_case("past the destination's end", "s=0123 d=ab", "s", "d", 4, 0, 10_000),
+    copy_case("within a file", "f=0123456789", "f", "f", 3, 0, 6),
+    copy_case("within a file overlapping", "f=0123456789", "f", "f", 6, 0, 2),
+    copy_case("to an append fd", "s=0123 d=ab", "s", "d", 4, 0, 0, dst_flags=APPEND),
+    copy_case("from a write-only fd", "s=0123 d=ab", "s", "d", 4, 0, 0, src_flags=os.O_WRONLY),
+    copy_case("by user into own setuid file", OWN_SETUID, "s", "d/t", 4, 0, 1, user=True),
     # attributes
     Case("fchmod", "f", opened("f", os.O_RDONLY, then=lambda fd: os.fchmod(fd, 0o600)), ". f"),
     Case("fchown", "f", opened("f", os.O_RDONLY, then=lambda fd: os.fchown(fd, USER, -1)), ". f"),
