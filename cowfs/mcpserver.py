@@ -250,6 +250,13 @@ def build(root: str):
             bool, Field(description="only list what would be undone; change nothing")
         ] = False,
         no_redo: Annotated[bool, Field(description="keep nothing for redo (faster)")] = False,
+        skip_damaged: Annotated[
+            bool,
+            Field(
+                description="give up the steps whose undo data is damaged (their objects "
+                "stay as they are) and drop the layers; without it such layers stay"
+            ),
+        ] = False,
         yes: Annotated[
             bool,
             Field(
@@ -266,12 +273,20 @@ def build(root: str):
         layer is the base layer, a rollback without `to` undoes the whole
         session and is refused (exit code 14) unless `yes`."""
 
+        extra: dict[str, Any] = {"skip_damaged": True} if skip_damaged else {}
+
         def work(ws: Workspace) -> dict:
             if dry_run:
                 return clean(ws._call("changes", since=to))
             return clean(
                 control.call(
-                    ws.record, "rollback", timeout=None, to=to, keep_redo=not no_redo, yes=yes
+                    ws.record,
+                    "rollback",
+                    timeout=None,
+                    to=to,
+                    keep_redo=not no_redo,
+                    yes=yes,
+                    **extra,
                 )
             )
 

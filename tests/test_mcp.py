@@ -83,7 +83,7 @@ def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
     for t in tools.values():
         assert t.description and t.input_schema["type"] == "object"
     props = {name: set(t.input_schema.get("properties", {})) for name, t in tools.items()}
-    assert {"to", "dry_run", "no_redo", "yes"} <= props["rollback"]
+    assert {"to", "dry_run", "no_redo", "yes", "skip_damaged"} <= props["rollback"]
     assert {"layer", "paths", "stat", "name_status", "max_bytes"} <= props["diff"]
     assert {"paths", "from"} <= props["restore"]
     assert {
