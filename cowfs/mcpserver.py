@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from . import control, errors
+from . import errors
 from .api import Workspace
 from .errors import CowfsError
 from .mounts import find_mount
@@ -263,11 +263,7 @@ def build(root: str):
         def work(ws: Workspace) -> dict:
             if dry_run:
                 return clean(ws._call("changes", since=to))
-            return clean(
-                control.call(
-                    ws.record, "rollback", timeout=None, to=to, keep_redo=not no_redo, yes=yes
-                )
-            )
+            return clean(ws._call("rollback", to=to, keep_redo=not no_redo, yes=yes))
 
         return answer(work)
 
@@ -275,13 +271,13 @@ def build(root: str):
     def commit() -> CallToolResult:
         """Keep the open layer's changes: merge it into the layer below (the
         base layer: make them permanent)."""
-        return answer(lambda ws: clean(control.call(ws.record, "commit", timeout=None)))
+        return answer(lambda ws: clean(ws._call("commit")))
 
     @tool
     def redo() -> CallToolResult:
         """Undo the last rollback exactly, if nothing has changed since
         (otherwise it says why not and changes nothing)."""
-        return answer(lambda ws: clean(control.call(ws.record, "redo", timeout=None)))
+        return answer(lambda ws: clean(ws._call("redo")))
 
     @tool
     def restore(
