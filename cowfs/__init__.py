@@ -19,7 +19,7 @@ _API = (
     "StepFailed",
     "Workspace",
 )
-__all__ = [*_API, "CowfsError", "__version__"]
+__all__ = [*_API, "CowfsError", "NotAnswering", "__version__"]
 
 
 def __getattr__(name: str):
@@ -27,8 +27,8 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
-    if name == "CowfsError":
-        from .errors import CowfsError
+    if name in ("CowfsError", "NotAnswering"):
+        from . import errors
 
-        return CowfsError
+        return getattr(errors, name)
     raise AttributeError(f"module 'cowfs' has no attribute {name!r}")

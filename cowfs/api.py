@@ -8,7 +8,10 @@
         edit_files()                               # or a failing verification
 
 Every method talks to the workspace's daemon over its control socket and
-raises ``CowfsError`` (with the CLI's exit code in ``.code``) on failure.
+raises ``CowfsError`` (with the CLI's exit code in ``.code``) on failure;
+a daemon that sends nothing for the deadline ($COWFS_DEADLINE, 30 s; it
+is stopped, or hangs) raises ``NotAnswering`` (code 5, with its ``.pid``
+and ``.mountpoint``), never leaving the caller waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Literal, overload
 
 from . import control
-from .errors import USAGE, CowfsError
+from .errors import USAGE, CowfsError, NotAnswering
 from .mounts import MountRecord, find_mount, finish_unmount
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 from .text import printable, quote
@@ -835,6 +838,7 @@ __all__ = [
     "CommitResult",
     "CowfsError",
     "LayerInfo",
+    "NotAnswering",
     "Plan",
     "Policy",
     "RollbackResult",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from . import __version__, control, errors, listing, progress
 from .errors import BadWorkspace, CowfsError, NotMounted
 from .mounts import (
+    check_answering,
     default_store,
     find_mount,
     finish_unmount,
@@ -682,6 +683,7 @@ def do_mount(args) -> int:
 
     check_fuse()
     ws = os.path.abspath(args.workspace)
+    check_answering(ws)  # (a mount whose daemon is stopped would hang isdir)
     if not os.path.isdir(ws) and not is_cowfs_mount(ws):  # a dead mount is recovered
         raise BadWorkspace(f"workspace {args.workspace} does not exist or is not a directory")
     if args.foreground:
@@ -810,6 +812,7 @@ def unmount_view(path: str) -> bool:
 
 
 def do_unmount(args) -> int:
+    check_answering(args.target or args.path)
     target = os.path.realpath(args.target or args.path)
     if unmount_view(target):
         out(args, f"unmounted the view at {target}", {"unmounted": target})
@@ -871,7 +874,7 @@ def call(args, op: str, **kw) -> dict:
 
     try:
         with progress_shown(args, op, lambda: progress.read(progress.path_for(rec.socket))):
-            return control.call(rec, op, timeout=None, on_interrupt=waiting, **kw)
+            return control.call(rec, op, on_interrupt=waiting, **kw)
     except KeyboardInterrupt:
         if not said:
             raise

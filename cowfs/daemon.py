@@ -355,8 +355,12 @@ class Daemon:
             return getattr(self.session, name)
         raise KeyError(name)
 
-    async def run_request(self, name: str, op: Callable, args: dict, who: Requester) -> dict:
+    async def run_request(
+        self, name: str, op: Callable, args: dict, who: Requester, gone: Callable[[], bool]
+    ) -> dict:
         async with self.lock:
+            if gone():
+                raise control.Gone
             t0 = time.perf_counter()
             with self.exclusive():  # (let go while it waits)
                 self.session.request_starts()

@@ -10,6 +10,7 @@ NOT_MOUNTED = 3
 UNKNOWN_LAYER = 4
 NO_STORE = 4  # an offline command on a path with no store (none is ever made for it)
 ALREADY_MOUNTED = 5
+NOT_ANSWERING = 5  # busy: the daemon sent no sign of life within the deadline (stopped?)
 STORE_ERROR = 6
 BAD_WORKSPACE = 7
 NO_FUSE = 8
@@ -59,6 +60,21 @@ class AlreadyMounted(CowfsError):
     code = ALREADY_MOUNTED
 
 
+class NotAnswering(CowfsError):
+    """The daemon of a mount sent nothing within the deadline (it is
+    stopped, or hangs): *pid* and *mountpoint* name it."""
+
+    code = NOT_ANSWERING
+
+    def __init__(self, message: str, pid: int, mountpoint: str):
+        super().__init__(message)
+        self.pid = pid
+        self.mountpoint = mountpoint
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "pid": self.pid, "mountpoint": self.mountpoint}
+
+
 class StoreError(CowfsError):
     code = STORE_ERROR
 
@@ -105,4 +121,7 @@ class NeedsConfirmation(CowfsError):
 
 
 def from_dict(d: dict) -> CowfsError:
-    return CowfsError(d.get("error", "unknown error"), int(d.get("code", DAEMON_ERROR)))
+    message, code = d.get("error", "unknown error"), int(d.get("code", DAEMON_ERROR))
+    if code == NOT_ANSWERING and isinstance(d.get("pid"), int):  # (a new daemon's report)
+        return NotAnswering(message, d["pid"], str(d.get("mountpoint", "")))
+    return CowfsError(message, code)

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, BinaryIO, Literal
 
-from . import control, errors
+from . import errors
 from .api import Workspace
 from .errors import CowfsError
 from .mounts import find_mount
@@ -278,17 +278,7 @@ def build(root: str):
         def work(ws: Workspace) -> dict:
             if dry_run:
                 return clean(ws._call("changes", since=to))
-            return clean(
-                control.call(
-                    ws.record,
-                    "rollback",
-                    timeout=None,
-                    to=to,
-                    keep_redo=not no_redo,
-                    yes=yes,
-                    **extra,
-                )
-            )
+            return clean(ws._call("rollback", to=to, keep_redo=not no_redo, yes=yes, **extra))
 
         return answer(work)
 
@@ -296,13 +286,13 @@ def build(root: str):
     def commit() -> CallToolResult:
         """Keep the open layer's changes: merge it into the layer below (the
         base layer: make them permanent)."""
-        return answer(lambda ws: clean(control.call(ws.record, "commit", timeout=None)))
+        return answer(lambda ws: clean(ws._call("commit")))
 
     @tool
     def redo() -> CallToolResult:
         """Undo the last rollback exactly, if nothing has changed since
         (otherwise it says why not and changes nothing)."""
-        return answer(lambda ws: clean(control.call(ws.record, "redo", timeout=None)))
+        return answer(lambda ws: clean(ws._call("redo")))
 
     @tool
     def restore(

@@ -15,6 +15,7 @@ from .errors import (
     AlreadyMounted,
     BadWorkspace,
     NoStore,
+    NotAnswering,
     NotMounted,
     NotOwner,
     PlantedLink,
@@ -215,11 +216,22 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
+    return process_state(pid) not in (None, "Z")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process *pid* (proc(5): R, S, D, T stopped, t
+    stopped by a tracer, Z, ...), None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def stopped(pid: int) -> bool:
+    """Whether process *pid* is stopped (SIGSTOP, SIGTSTP, a debugger)."""
+    return process_state(pid) in ("T", "t")
 
 
 class MountRecord:
@@ -388,22 +400,12 @@ def locate(path: str) -> Location:
     was made through its mount), so it is never adopted.  Where stores were
     found and none may be trusted, the nearest one's refusal (StoreError
     from Location.unmounted)."""
-    p = resolve(path)
     table = mount_table()
+    p = resolve(path, table)
     q = p
     while True:
         if table.get(q) == FSTYPE:
-            rec = MountRecord.load(q)
-            owner = mount_owner(q) if rec is None else None
-            if owner is not None and owner != os.geteuid():
-                if os.geteuid() != 0:
-                    # (its daemon serves other users only where the
-                    # workspace grants them something: cowfs mount --allow)
-                    rec = MountRecord.load(q, shared_dirs_of(owner))
-                    if rec is None:
-                        raise not_owner(f"the cowfs workspace mounted at {q}", owner)
-                else:
-                    rec = MountRecord.load(q, runtime_dirs_of(owner))
+            rec = record_at(q)
             alive = rec is not None and pid_alive(rec.pid)
             return Location(LIVE if alive else DEAD, q, rec, None)
         if q == "/":
@@ -432,14 +434,83 @@ def locate(path: str) -> Location:
         q = os.path.dirname(q)
 
 
-def resolve(path: str) -> str:
+def record_at(mountpoint: str) -> MountRecord | None:
+    """The record of the daemon of the cowfs mount at *mountpoint*, if it
+    left one: this user's, or (root) that of the user who mounted it, or
+    one the workspace shares with other users.  Another user's mount that
+    shares nothing with this one is NotOwner."""
+    rec = MountRecord.load(mountpoint)
+    owner = mount_owner(mountpoint) if rec is None else None
+    if owner is not None and owner != os.geteuid():
+        if os.geteuid() != 0:
+            # (its daemon serves other users only where the
+            # workspace grants them something: cowfs mount --allow)
+            rec = MountRecord.load(mountpoint, shared_dirs_of(owner))
+            if rec is None:
+                raise not_owner(f"the cowfs workspace mounted at {mountpoint}", owner)
+        else:
+            rec = MountRecord.load(mountpoint, runtime_dirs_of(owner))
+    return rec
+
+
+def not_answering(rec: MountRecord, waited: float, why: str = "") -> NotAnswering:
+    """The error for the daemon of *rec* that sent nothing for *waited*
+    seconds (*why*: what the client saw, when the daemon is not stopped)."""
+    pid, state = rec.pid, process_state(rec.pid)
+    if state in ("T", "t"):
+        why, todo = "it is stopped", f"'kill -CONT {pid}' resumes it; "
+    else:
+        why = why or f"nothing came from it for {waited:g} s"
+        todo = f"see {os.path.join(rec.store, 'daemon.log')}; " if rec.store else ""
+    return NotAnswering(
+        f"daemon {pid} of {rec.mountpoint} does not answer ({why}): {todo}'kill -9 {pid}', "
+        f"then 'cowfs mount {rec.workspace}', recovers the workspace with its layers "
+        f"(waited {waited:g} s; COWFS_DEADLINE sets how long)",
+        pid,
+        rec.mountpoint,
+    )
+
+
+def wait_resumed(mountpoint: str) -> None:
+    """Before anything looks at the cowfs mount at *mountpoint*: if its
+    daemon is stopped, wait for it to go on, up to the deadline, then
+    NotAnswering.  (The kernel would wait for it without a deadline.)"""
+    try:
+        rec = record_at(mountpoint)
+    except NotOwner:
+        return  # (whose daemon it is is told where the workspace is looked for)
+    if rec is None or rec.pid <= 0 or not stopped(rec.pid):
+        return
+    from .control import deadline
+
+    waited = deadline()
+    end = time.monotonic() + waited
+    while stopped(rec.pid):
+        if time.monotonic() >= end:
+            raise not_answering(rec, waited)
+        time.sleep(0.02)
+
+
+def check_answering(path: str) -> None:
+    """*path* may be looked at: no cowfs mount it lies in (as it is written;
+    resolve checks each mount point it crosses, through symlinks too) has
+    a stopped daemon (see wait_resumed)."""
+    p = os.path.abspath(path)
+    for m in mounts():
+        if m.fstype == FSTYPE and within(p, m.mountpoint):
+            wait_resumed(m.mountpoint)
+
+
+def resolve(path: str, table: dict[str, str] | None = None) -> str:
     """*path* absolute and without symlinks, as os.path.realpath gives it
     (non-strict: a component it cannot look at, such as a dead mount's, ends
     the resolution), but following only a symlink that the invoking user or
     root owns, in a directory that only they may change (or a sticky one):
     a path root names must not lead, through a link an agent planted, to
     another workspace than the one it lies in.  PlantedLink (exit 2)
-    otherwise."""
+    otherwise.  A cowfs mount it crosses whose daemon is stopped is waited
+    for (wait_resumed; *table*: the mount table, when read already)."""
+    table = mount_table() if table is None else table
     trusted = (0, os.geteuid())
     todo = [p for p in os.path.abspath(path).split("/") if p]
     done = "/"
@@ -450,6 +521,8 @@ def resolve(path: str) -> str:
             done = os.path.dirname(done)
             continue
         here = os.path.join(done, name)
+        if table.get(here) == FSTYPE:
+            wait_resumed(here)
         try:
             st = os.lstat(here)
         except OSError:
@@ -482,7 +555,7 @@ def resolve(path: str) -> str:
 def find_mount(path: str) -> MountRecord:
     """The mounted workspace that contains *path*."""
     try:
-        os.lstat(os.path.realpath(path))
+        os.lstat(resolve(path))
     except FileNotFoundError:
         raise NotMounted(f"{path}: no such file or directory") from None
     except OSError:
@@ -654,6 +727,8 @@ def check_other_mounts(workspace: str, mountpoint: str, store_dir: str) -> list[
     another mounted workspace, either way: the outer one's layers would
     capture the inner one's live store, and an outer rollback rewrite it."""
     warnings = []
+    for path in (workspace, mountpoint, store_dir):
+        check_answering(path)  # (a stopped daemon's mount would hang realpath)
     ws, mp, store = map(os.path.realpath, (workspace, mountpoint, store_dir))
     ours = {"workspace": ws, "mount point": mp, "store": store}
     for rec in mounted_workspaces():

@@ -129,6 +129,15 @@ class Workspace:
         ]
 
 
+def helper_of(ws: Workspace) -> int:
+    """The pid of the daemon's helper process (its only child)."""
+    pid = ws.daemon_pid()
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    assert len(children) == 1, children
+    return children[0]
+
+
 def plain(changes: list[dict]) -> list[dict]:
     """Changes without who made them (for comparing paths and kinds)."""
     return [{k: v for k, v in c.items() if k != "who"} for c in changes]

@@ -25,7 +25,7 @@ from cowfs import schema as S
 from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
 
-from .helpers import COWFS, plain, run
+from .helpers import COWFS, helper_of, plain, run
 
 
 def layer_ids(ws) -> list[int]:
@@ -807,15 +807,6 @@ def test_a_rollback_in_small_batches_killed_after_any_step_resumes_exactly(
     ws.json("redo")
     treesnap.assert_same(before, ws.snapshot())
     assert ws.json("check")["ok"]
-
-
-def helper_of(ws) -> int:
-    """The pid of the daemon's helper process (its only child)."""
-    pid = ws.daemon_pid()
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    assert len(children) == 1, children
-    return children[0]
 
 
 @pytest.mark.parametrize("batch", [None, "8"])
