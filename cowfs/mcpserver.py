@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, BinaryIO, Literal
 
-from . import errors
+from . import control, errors
 from .api import Workspace
 from .errors import CowfsError
 from .mounts import find_mount
