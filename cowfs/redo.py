@@ -925,7 +925,11 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     changed = []
     with resolver.reading():
         for loc, val in prints.items():
-            if B.fingerprint(resolver, loc) != S.from_json(val):
+            try:
+                same = B.fingerprint(resolver, loc) == S.from_json(val)
+            except ValueError:  # (damaged: nothing can be proved the same)
+                same = False
+            if not same:
                 changed.append(S.show_loc(loc))
     if changed:
         return f"{_shown(changed)} changed since the rollback"
