@@ -602,6 +602,8 @@ class Session:
                 + ")"
             )
             warnings += report.failures
+            if report.stopped:
+                warnings.append(f"the interrupted {op} did not finish: {report.stopped}")
         if ran:
             warnings.append(f"finished the provider work of an interrupted {op}: " + ", ".join(ran))
         return warnings + step_failures(record)

@@ -603,6 +603,8 @@ class Stack:
             if stopped is not None:
                 kept += [(seq, rec) for seq, rec in records[i:] if seq not in early]
         if stopped is not None or kept:
+            if keeper is not None:  # (the steps it held were taken: their records go)
+                self._give_up_redo(keeper, RuntimeError("the rollback left steps undone"))
             return self._stopped(layers, report, kept, stopped)
         sealing, to_seal, prints = None, None, []
         try:
