@@ -466,7 +466,6 @@ def check(store: Store, hashes: bool = True) -> Report:
             key = bytes(cur.key())
             lid, _, kind, _ = S.split_index_key(key)
             found = S.index_seq(key, cur.value())
-            seq = found if found is not None else -1
             if not S.is_sealed(cur.value()):
                 rep.unsealed += 1
             if found is None:
@@ -474,6 +473,7 @@ def check(store: Store, hashes: bool = True) -> Report:
                 bad += 1
                 ok = cur.next()
                 continue
+            seq = found
             if lid not in ids:
                 stale_entry = True
             elif kind in S.INDEX_FLAGS:

@@ -5,7 +5,6 @@ an unmounted workspace; the daemon adds flushing and cache invalidation.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -452,7 +451,8 @@ class Stack:
         batches = steps.Batches(undo, self.helper)
         skip_damaged = bool(self.planned().get("skip_damaged"))
         kept: list[tuple[int, S.Record]] = []  # records left in the store, not applied
-        stopped: OSError | None = None
+        stopped: str | None = None  # why the rollback stopped, and where
+        room = False  # whether it stopped for want of room
         if layers:
             records = self._records_from(layers[0].start)
             self.board.start(len(records))
@@ -485,13 +485,13 @@ class Stack:
                         for seq, _, _ in taken:
                             w.delete_record(seq)
 
-            def stop(e: OSError) -> None:
+            def stop(why: str) -> None:
                 """The rollback cannot go on here (a full disk, an I/O
                 error): what is left is kept, nothing a redo would need."""
                 nonlocal keeper, stopped
-                stopped = e
+                stopped = why
                 if keeper is not None:
-                    self._give_up_redo(keeper, e)
+                    self._give_up_redo(keeper, RuntimeError(why))
                     keeper = None
 
             i = 0
@@ -521,6 +521,7 @@ class Stack:
                         partial(keeper.batch_ahead, records, i + len(keeps), skipped),
                     )
                     halt = next((k for k, out in enumerate(undone) if out[3]), None)
+                    halted = undone[halt][1] if halt is not None else None
                     if halt is not None:
                         # the steps from there on are taken one by one (making
                         # room first), without keeping what a redo needs
@@ -535,8 +536,8 @@ class Stack:
                         [(seq, rec, out[0]) for (seq, rec), out in zip(batch, undone, strict=True)]
                     )
                     i += len(batch)
-                    if halt is not None and keeper is not None:
-                        self._give_up_redo(keeper, OSError(errno.ENOSPC, "no room"))
+                    if halted is not None and keeper is not None:
+                        self._give_up_redo(keeper, RuntimeError(halted))
                         keeper = None
                     if error is not None and keeper is not None:
                         self._give_up_redo(keeper, error)
@@ -590,14 +591,16 @@ class Stack:
                             room_made_at = i
                             if self._make_room(undo, records, i, skipped, early, done):
                                 continue  # (and the step is tried again)
-                        assert isinstance(e, OSError)
-                        stop(e)
+                        assert isinstance(e, OSError)  # (as halts says)
+                        stop(f"{describe(rec)}: {e.strerror or e}")
+                        room = steps.wants_room(e)
                         break
                     report.failures.append(f"{describe(rec)}: {e}")
                 try:
                     done([(seq, rec, moved)])
                 except OSError as e:  # (taken, but still recorded: taken again when resumed)
-                    stop(e)
+                    stop(f"the store: {e.strerror or e}")
+                    room = steps.wants_room(e)
                     break
                 i += 1
             if stopped is not None:
@@ -605,7 +608,7 @@ class Stack:
         if stopped is not None or kept:
             if keeper is not None:  # (the steps it held were taken: their records go)
                 self._give_up_redo(keeper, RuntimeError("the rollback left steps undone"))
-            return self._stopped(layers, report, kept, stopped)
+            return self._stopped(layers, report, kept, stopped, room)
         sealing, to_seal, prints = None, None, []
         try:
             if keeper is not None:
@@ -681,7 +684,8 @@ class Stack:
         layers: list[Layer],
         report: RollbackReport,
         kept: list[tuple[int, S.Record]],
-        stopped: OSError | None,
+        stopped: str | None,
+        room: bool,
     ) -> RollbackReport:
         """The rollback could not take every step: the steps not taken stay
         recorded in their layers, which stay (a damaged record without
@@ -703,13 +707,10 @@ class Stack:
                 needs += rec.length
         report.top = st.open_layer().id
         report.kept = len(kept)
-        report.needs = needs if stopped is not None and steps.wants_room(stopped) else 0
+        report.needs = needs if room else 0
         first = layers[0].id if layers else 0
         if stopped is not None:
-            report.stopped = (
-                f"the rollback stopped: {describe(kept[0][1]) if kept else 'a step'}: "
-                f"{stopped.strerror or stopped}"
-            )
+            report.stopped = f"the rollback stopped: {stopped}"
         else:
             report.stopped = (
                 "what the damaged records named is left as it is; roll back with "

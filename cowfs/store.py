@@ -14,6 +14,7 @@ import itertools
 import os
 import stat
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -766,8 +767,6 @@ class Store:
         and move the generation on: the database first, then the file, each
         durably (a crash between leaves the database one ahead, which is
         accepted)."""
-        import uuid
-
         meta = env.open_db(S.DB_META)
         file = read_identity(dirfd)
         with env.begin(db=meta) as txn:
@@ -822,10 +821,14 @@ class Store:
                     "backup, or move the store away to start afresh"
                 )
             if fmt is None:
-                owner = {"path": os.path.abspath(workspace), "dev": ws_st.st_dev}
+                owner = {
+                    "path": os.path.abspath(workspace),
+                    "dev": ws_st.st_dev,
+                    "ino": ws_st.st_ino,
+                }
                 for key, value in (
                     (S.K_FORMAT, S.u64(S.FORMAT)),
-                    (S.K_WORKSPACE, S.to_json(owner | {"ino": ws_st.st_ino})),
+                    (S.K_WORKSPACE, S.to_json(owner)),
                     (S.K_CHUNK_SIZE, S.u64(chunk_size)),
                     (S.K_NEXT_SEQ, S.u64(1)),
                     (S.K_NEXT_LAYER, S.u64(1)),
