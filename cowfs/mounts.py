@@ -136,22 +136,37 @@ class Mount(NamedTuple):
 
 def mounts() -> list[Mount]:
     """The mount table, in mount order."""
-    out = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, rest = left.split(" "), right.rstrip("\n").split(" ")
-            out.append(
-                Mount(
-                    int(fields[0]),
-                    fields[2],
-                    _unescape(fields[4]),
-                    rest[0],
-                    _unescape(rest[1]),
-                    rest[2] if len(rest) > 2 else "",
-                )
-            )
+    for _ in range(3):
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            text = f.read()
+        out, whole = _parse_mountinfo(text)
+        if whole:
+            break
+        # (a line came out cut short while the table changed under the
+        # read -- seen while a killed daemon's mount was going: read again)
     return out
+
+
+def _parse_mountinfo(text: str) -> tuple[list[Mount], bool]:
+    """The mounts *text* lists, and whether every line was whole."""
+    out, whole = [], True
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, rest = left.split(" "), right.split(" ")
+        if len(fields) < 5 or len(rest) < 2 or not fields[0].isdigit():
+            whole = False
+            continue
+        out.append(
+            Mount(
+                int(fields[0]),
+                fields[2],
+                _unescape(fields[4]),
+                rest[0],
+                _unescape(rest[1]),
+                rest[2] if len(rest) > 2 else "",
+            )
+        )
+    return out, whole
 
 
 MNT_DETACH = 2

@@ -64,9 +64,12 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="module", autouse=True)
 def engine(request):
     """The FUSE engine mounts use ($COWFS_ENGINE, which `cowfs mount` takes
-    as its default --engine)."""
-    choice = getattr(request, "param", "auto")
+    as its default --engine).  Modules run on the default engine run on the
+    one $COWFS_ENGINE names, if set (`COWFS_ENGINE=pyfuse3 tools/soak`)."""
     old = os.environ.get("COWFS_ENGINE")
+    choice = getattr(request, "param", "auto")
+    if choice == "auto" and old:
+        choice = old
     os.environ["COWFS_ENGINE"] = choice
     try:
         yield choice

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,7 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 t = run_trial(n, base, seed + n, args.writers, moment)
             except Exception as e:  # a trial that could not even finish is not exact
-                t = Trial(n, moment, False, "", f"{type(e).__name__}: {e}")
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                t = Trial(
+                    n,
+                    moment,
+                    False,
+                    "",
+                    f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})",
+                )
             results.append(t)
             print(
                 f"trial {n:3} kill while {moment:9} {'exact' if t.exact else 'NOT EXACT'}"
