@@ -44,6 +44,10 @@ CAPABILITY = b"security.capability"
 # 3,000 files of the stdlib tree, daemon + client CPU: a cold cat the same,
 # a warm one 21-40 % less, a stat of them all 65 % less.
 PASSTHROUGH_READ_MIN = 256 << 10
+# Inode numbers for the nodes that cannot have their object's own (see
+# ``Ops._new_ino``): counted down from here, within 32 bits (a program
+# built without large-file support fails a stat(2) of anything higher).
+SPARE_INO = 0xFFFF_FFFF
 
 R = TypeVar("R")
 
@@ -183,7 +187,7 @@ class Ops:
         self.grave = Node(0, 0, store.grave_fd, stat.S_IFDIR)
         self.nodes: dict[int, Node] = {self.root.ino: self.root}
         self.by_bino: dict[int, Node] = {self.root.bino: self.root}
-        self.next_ino = ROOT + 1
+        self.spare_ino = SPARE_INO
         self.handles: dict[int, Handle | DirHandle] = {}
         self.next_fh = 1
         # Files open for writing: only they can have dirty pages (shared
@@ -227,8 +231,7 @@ class Ops:
             fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
             if made is None:
                 st = os.fstat(fd)
-            node = Node(self.next_ino, st.st_ino, fd, st.st_mode)
-            self.next_ino += 1
+            node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
             node.parent, node.name = parent, name
             self.nodes[node.ino] = node
             self.by_bino[node.bino] = node
@@ -238,6 +241,27 @@ class Ops:
         if count:
             node.nlookup += 1
         return node, st
+
+    def _new_ino(self, bino: int) -> int:
+        """The inode number (the kernel's node id, and the st_ino programs
+        see) of a new node for backing object *bino*: the object's own, as
+        the filesystem underneath has it.  So an object keeps its number
+        however often the kernel forgets it (under memory pressure, or when
+        a rollback or redo drops the names it cached) and looks it up again
+        -- a number of our own, new at each lookup, made two names of one
+        file that were looked up either side of that seem two files to
+        whatever counts hard links by it (tar, rsync -H, du, cp -a, find
+        -samefile), and git's index took every file for touched.  Unless a
+        node the kernel still holds has that number (the object removed
+        since, its number given to a new one; or the root's, 1): then a
+        spare one."""
+        if bino > ROOT and bino not in self.nodes:
+            return bino
+        while self.spare_ino in self.nodes or self.spare_ino <= ROOT:
+            self.spare_ino = self.spare_ino - 1 if self.spare_ino > ROOT + 1 else SPARE_INO
+        ino = self.spare_ino
+        self.spare_ino -= 1
+        return ino
 
     def _drop(self, node: Node) -> None:
         if node is self.root or self.nodes.get(node.ino) is not node:
@@ -1086,11 +1110,10 @@ class Ops:
             # (an O_PATH fd on the file itself: through our own fd's magic
             # link, which O_NOFOLLOW would open instead)
             path_fd = os.open(B.proc(fd), os.O_PATH | os.O_CLOEXEC)
-            node = Node(self.next_ino, st.st_ino, path_fd, st.st_mode)
+            node = Node(self._new_ino(st.st_ino), st.st_ino, path_fd, st.st_mode)
         except BaseException:
             os.close(fd)
             raise
-        self.next_ino += 1
         node.nlookup = 1
         node.nocap = True
         self.nodes[node.ino] = node

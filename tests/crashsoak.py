@@ -8,9 +8,12 @@ was before it, and the checkpoint's layer rolling back exactly again.
                               [--moments redo,rollback]
 
 prints one line per trial and then ``K/N exact``; the exit status is 0 only
-when every trial was exact: the trees as they must be, and nothing said by
-the mount that finished an interrupted operation but that it did (no step
-of it failed, the store check of the dead mount found nothing).
+when every trial was exact: the trees as they must be, the hard links of
+every tree walk through the mount those of the backing directory underneath
+(names grouped by the st_ino the mount showed, as treesnap groups them, and
+by real inode), and nothing said by the mount that finished an interrupted
+operation but that it did (no step of it failed, the store check of the
+dead mount found nothing).
 tests/test_crash.py runs a few trials in CI; tools/soak runs many.  Real
 mounts, real processes: run as root.
 """
@@ -23,6 +26,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -32,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cowfs import treesnap
-from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+from cowfs.mounts import STORE_DIR, MountRecord, is_cowfs_mount, pid_alive
+
+from .helpers import backing_dir
 
 COWFS = [sys.executable, "-m", "cowfs"]
 MOMENTS = ("writing", "rollback", "commit", "redo")
@@ -129,6 +135,84 @@ def populate(root: Path, rnd: random.Random) -> None:
     os.chmod(root / "keep" / "big", 0o600)
 
 
+# -- hard links as the mount shows them and as they are -------------------------------
+
+
+def _inodes(root: Path) -> dict[bytes, os.stat_result]:
+    """Every entry below *root* (the store excepted) and its lstat."""
+    found: dict[bytes, os.stat_result] = {}
+    top = os.fsencode(root)
+    pending = [b""]
+    while pending:
+        rel = pending.pop()
+        for name in os.listdir(os.path.join(top, rel) if rel else top):
+            if not rel and name == os.fsencode(STORE_DIR):
+                continue
+            path = os.path.join(rel, name) if rel else name
+            st = os.lstat(os.path.join(top, path))
+            found[path] = st
+            if stat.S_ISDIR(st.st_mode):
+                pending.append(path)
+    return found
+
+
+def _groups(found: dict[bytes, os.stat_result]) -> dict[bytes, frozenset[bytes]]:
+    """Each non-directory's names: all paths that share its inode."""
+    by_ino: dict[int, set[bytes]] = {}
+    for path, st in found.items():
+        if not stat.S_ISDIR(st.st_mode):
+            by_ino.setdefault(st.st_ino, set()).add(path)
+    return {p: frozenset(names) for names in by_ino.values() for p in names}
+
+
+def _show(path: bytes | None) -> str:
+    return "none" if path is None else repr(path.decode(errors="replace"))
+
+
+def link_problems(ws: Path, snap: treesnap.Snapshot) -> list[str]:
+    """Where the hard links of *snap* (a snapshot of *ws* taken through the
+    mount just before: names grouped by the st_ino the mount showed while
+    the walk went on) or of the mount now (a second walk, stat only)
+    disagree with the backing directory's (names sharing a real inode), or
+    a link count the mount shows now is not the number of names it shows
+    of the object: each disagreement, described.  Only while nothing
+    changes the tree."""
+    seen, real = _inodes(ws), _inodes(backing_dir(ws))
+    problems = [
+        f"{'only through the mount' if p in seen else 'only in the backing directory'}: {_show(p)}"
+        for p in sorted(seen.keys() ^ real.keys())
+    ]
+    shown, actual = _groups(seen), _groups(real)
+
+    def names(group: frozenset[bytes]) -> str:
+        return "{" + ", ".join(sorted(n.decode(errors="replace") for n in group)) + "}"
+
+    for path, group in sorted(actual.items()):
+        # (treesnap links a name to the least name of its group, if it has more)
+        want = min(group) if len(group) > 1 else None
+        entry = snap.get(path)
+        if entry is not None and entry.link != want:
+            problems.append(
+                f"hard links of {_show(path)}: the tree walk through the mount linked it to "
+                f"{_show(entry.link)}, the backing directory has {names(group)}"
+            )
+    for path in sorted(shown.keys() & actual.keys()):
+        if shown[path] != actual[path] and path == min(shown[path] | actual[path]):
+            problems.append(
+                f"hard links of {_show(path)}: the mount shows {names(shown[path])} "
+                f"(st_ino {seen[path].st_ino}), the backing directory has "
+                f"{names(actual[path])} (inode {real[path].st_ino})"
+            )
+    for path, group in sorted(shown.items()):
+        st = seen[path]
+        if path == min(group) and st.st_nlink != len(group):
+            problems.append(
+                f"link count of {_show(path)}: the mount shows {st.st_nlink} for "
+                f"{names(group)} (st_ino {st.st_ino})"
+            )
+    return problems
+
+
 # -- one trial ------------------------------------------------------------------------
 
 
@@ -189,11 +273,19 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
     populate(ws, rnd)
     procs: list[subprocess.Popen] = []
     bg: subprocess.Popen | None = None
+    links: list[str] = []  # the mount's hard links against the backing directory's
+
+    def look(when: str) -> treesnap.Snapshot:
+        """The tree through the mount, its hard links checked."""
+        snap = treesnap.snapshot(ws)
+        links.extend(f"{when}: {problem}" for problem in link_problems(ws, snap))
+        return snap
+
     try:
         cowfs("mount", ws)
         start_writers(ws, 1, seed + 7, 40)[0].wait()  # some changes in the base layer
         layer = json.loads(cowfs("--json", "-C", ws, "checkpoint", "-m", "trial").stdout)["id"]
-        expected = treesnap.snapshot(ws)
+        expected = look("at the checkpoint")
         procs = start_writers(ws, writers, seed, 100_000)
         if moment == "writing":
             time.sleep(rnd.uniform(0.2, 1.0))
@@ -204,7 +296,7 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
                 cowfs("-C", ws, "checkpoint", "-m", "upper")
             start_writers(ws, 1, seed, rnd.randrange(500, 3000), "bulk")[0].wait()
             stop(procs)
-            before = treesnap.snapshot(ws)
+            before = look(f"before the {moment}")
             op = {
                 "rollback": ["rollback", "--to", str(layer)],
                 "commit": ["commit"],
@@ -238,19 +330,25 @@ def run_trial(n: int, base: Path, seed: int, writers: int, moment: str) -> Trial
         if moment in ("rollback", "redo"):
             if moment == "rollback" and layer not in layers:
                 # the rollback (finished by the mount) is redone exactly
-                diff = treesnap.compare(expected, treesnap.snapshot(ws))
+                diff = treesnap.compare(expected, look("after the remount"))
                 cowfs("-C", ws, "redo")
                 layers.append(layer)
-            diff += treesnap.compare(before, treesnap.snapshot(ws))
+            again = "after the redo" if moment == "redo" else "after the rollback and its redo"
+            diff += treesnap.compare(before, look(again))
         if layer in layers:
             cowfs("-C", ws, "rollback", "--to", layer)
         else:
             return Trial(n, moment, False, finished, f"layer {layer} vanished: {layers}")
-        diff += treesnap.compare(expected, treesnap.snapshot(ws))
-        # (a step that failed, or a store check that found something, is a
+        diff += treesnap.compare(expected, look("after the last rollback"))
+        # (a step that failed, or a store check that found something, or a
+        # mount whose hard links are not the backing directory's, is a
         # defect even where the tree came out right)
         return Trial(
-            n, moment, not diff and not failures, finished, "; ".join([*diff[:5], *failures[:5]])
+            n,
+            moment,
+            not diff and not failures and not links,
+            finished,
+            "; ".join([*diff[:5], *failures[:5], *links[:5]]),
         )
     finally:
         stop(procs)

@@ -138,6 +138,23 @@ def helper_of(ws: Workspace) -> int:
     return children[0]
 
 
+def backing_dir(where: Workspace | Path) -> Path:
+    """The daemon's fd on the root of the workspace mounted at *where*, as
+    a path that reaches the backing directory underneath the mount (to see
+    what the kernel's attribute cache would hide; root reads it)."""
+    path = where.path if isinstance(where, Workspace) else where
+    rec = MountRecord.load(str(path))
+    if rec is None:
+        raise AssertionError(f"{path} is not mounted")
+    for fd in Path(f"/proc/{rec.pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                return fd
+        except FileNotFoundError:  # closed meanwhile (the daemon is running)
+            continue
+    raise AssertionError("the daemon holds no fd on the workspace root")
+
+
 def plain(changes: list[dict]) -> list[dict]:
     """Changes without who made them (for comparing paths and kinds)."""
     return [{k: v for k, v in c.items() if k != "who"} for c in changes]

@@ -17,8 +17,7 @@ import pytest
 
 from cowfs import treesnap
 
-from .helpers import managed_workspace
-from .test_posix import backing_dir
+from .helpers import backing_dir, managed_workspace
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ import pytest
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .helpers import Workspace, managed_workspace
+from .helpers import Workspace, backing_dir, managed_workspace
 
 T0 = 1_600_000_000 * 10**9  # an old atime/mtime given to everything before an operation
 USER = 1234  # an unprivileged uid (and gid)
@@ -60,20 +60,6 @@ class Roots:
     native: Path
     at_mount: treesnap.Snapshot
     backing: Path  # the workspace underneath the mount, as the daemon sees it
-
-
-def backing_dir(ws: Workspace) -> Path:
-    """The daemon's fd on the workspace root, as a path that reaches the
-    backing directory underneath the mount (to see what the kernel's
-    attribute cache would hide)."""
-    fds = Path(f"/proc/{ws.daemon_pid()}/fd")
-    for fd in fds.iterdir():
-        try:
-            if os.readlink(fd) == str(ws.path):
-                return fd
-        except FileNotFoundError:  # closed meanwhile (the daemon is running)
-            continue
-    raise AssertionError("the daemon holds no fd on the workspace root")
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ import xxhash
 from cowfs import backing as B
 from cowfs import treesnap
 
-from .helpers import COWFS, managed_workspace
-from .test_posix import backing_dir
+from .helpers import COWFS, backing_dir, managed_workspace
 
 TOP, SUB, FILES = 12, 8, 24  # a base tree of 12 * 8 * 24 = 2,304 files
 RENAMES = 24_000  # operations in all, over two layers
