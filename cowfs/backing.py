@@ -185,7 +185,12 @@ def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     hold data (SEEK_DATA/SEEK_HOLE); the rest reads as zeros.  What reads a
     whole file costs in proportion to its data this way, not its size (a
     sparse file of a TiB holds none)."""
-    out: list[tuple[int, int]] = []
+    return list(iter_data(fd, size))
+
+
+def iter_data(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """``data_ranges``, one range at a time (memory that does not grow
+    with the number of extents)."""
     off = 0
     while off < size:
         try:
@@ -193,13 +198,12 @@ def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
         except OSError as e:
             if e.errno != errno.ENXIO:
                 raise
-            break
+            return
         if start >= size:
-            break
+            return
         end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        out.append((start, end))
+        yield start, end
         off = end
-    return out
 
 
 def split(path: bytes) -> tuple[bytes, bytes]:

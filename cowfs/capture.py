@@ -329,11 +329,23 @@ class Recorder:
         o.xattrs = True
 
     def data(
-        self, w: Writer, ino: int, loc: Loc, fd: int, st: os.stat_result, start: int, end: int
+        self,
+        w: Writer,
+        ino: int,
+        loc: Loc,
+        fd: int,
+        st: os.stat_result,
+        start: int,
+        end: int,
+        zeroing: bool = False,
     ) -> None:
         """Capture the old bytes of [start, end) (as whole chunks, within the
         size the object had when the layer was opened) before they change.
-        *fd* must be readable."""
+        *fd* must be readable.  *zeroing*: the change can only make them
+        zeros (a truncation, a punched hole): a chunk that is all hole now
+        reads the same after it, and a later write there is captured first,
+        so it is not recorded -- what truncating a sparse file of TiBs costs
+        follows what it holds, not its size."""
         o = self.meta(w, ino, loc, st)
         if o.created:
             return
@@ -344,12 +356,19 @@ class Recorder:
         where = None
         holes = Holes(fd)
         self._changing(ino, o)
-        for k in range(start // C, (end - 1) // C + 1):
+        k, last = start // C, (end - 1) // C
+        while k <= last:
+            length = min(C, o.s0 - k * C)
+            if zeroing:
+                data_at = holes.next_data(k * C)
+                if data_at >= k * C + length:
+                    k = max(k + 1, data_at // C)  # (the next chunk that holds data)
+                    continue
             if k in o.chunks:
+                k += 1
                 continue
             if where is None:
                 where = loc()
-            length = min(C, o.s0 - k * C)
             if holes.covers(k * C, k * C + length):
                 zero = True  # not even read: sparse files cost nothing per hole
             else:
@@ -363,6 +382,7 @@ class Recorder:
             seq = w.record(S.Chunk(where, ino, k, length, h))
             w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
             o.chunks.add(k)
+            k += 1
 
 
 class Holes:
@@ -374,8 +394,8 @@ class Holes:
         self.data_at = -1  # the next data at or after the last position asked
         self.asked = -1
 
-    def covers(self, start: int, end: int) -> bool:
-        """True when [start, end) is all hole (reads as zeros)."""
+    def next_data(self, start: int) -> int:
+        """Where the next data at or after *start* begins (1 << 63: none)."""
         if start < self.asked or self.data_at < start:
             try:
                 self.data_at = os.lseek(self.fd, start, os.SEEK_DATA)
@@ -383,4 +403,8 @@ class Holes:
                 # ENXIO: no data at or after start; otherwise no support: read it
                 self.data_at = 1 << 63 if e.errno == errno.ENXIO else start
             self.asked = start
-        return self.data_at >= end
+        return self.data_at
+
+    def covers(self, start: int, end: int) -> bool:
+        """True when [start, end) is all hole (reads as zeros)."""
+        return self.next_data(start) >= end

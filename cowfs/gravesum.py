@@ -1,9 +1,14 @@
 """Content hashes of the regular files kept whole in the grave.
 
 A file a layer removes or replaces is moved, whole, into ``STORE/grave/<id>``
-(same inode: nothing is copied).  Its bytes are hashed (xxh3-128, as the
-chunks are) so that `cowfs check` and a rollback notice when they changed
-in the store — a flipped byte — instead of putting the file back silently.
+(same inode: nothing is copied).  Its bytes are hashed so that `cowfs check`
+and a rollback notice when they changed in the store — a flipped byte —
+instead of putting the file back silently.  The hash (``datahash``: xxh3-128
+of the blocks that are not all zeros, with their positions, and the size)
+reads only the ranges of the file that hold data: a removed sparse file of
+5 TiB holding one byte costs a few system calls, not 5 TiB of zeros.
+Entries an older cowfs wrote hold the xxh3-128 of every byte; they are
+verified that way (``schema.SUM_FORM_ALL``), reading only the data too.
 
 Off the request path: the handler that moves the file only adds, in the
 transaction of its GRAVE record, a *pending* entry (``gravesums``, see
@@ -51,6 +56,7 @@ import trio
 import xxhash
 
 from . import backing as B
+from . import datahash
 from . import schema as S
 from .store import Store
 
@@ -86,17 +92,37 @@ def _open(store: Store, gid: int) -> int:
 
 
 def digest_of(fd: int, stop: Callable[[], bool] | None = None) -> bytes | None:
-    """xxh3-128 of the whole file *fd*; None when *stop* said so midway."""
+    """The digest of the file *fd* (``datahash``: what reading costs follows
+    the file's data, not its size); None when *stop* said so midway."""
+    return datahash.of_file(fd, stop)
+
+
+def digest_all(fd: int) -> bytes:
+    """xxh3-128 of every byte of file *fd*: the digest older cowfs recorded
+    (``SUM_FORM_ALL``).  Only the ranges that hold data are read; the
+    holes between them are hashed as the zeros they read as."""
     h = xxhash.xxh3_128()
-    off = 0
-    while True:
-        if stop is not None and stop():
-            return None
-        data = os.pread(fd, READ_SIZE, off)
-        if not data:
-            return h.digest()
-        h.update(data)
-        off += len(data)
+    size = os.fstat(fd).st_size
+    at = 0
+    for lo, hi in B.iter_data(fd, size):
+        _zeros(h, lo - at)
+        for off in range(lo, hi, READ_SIZE):
+            data = os.pread(fd, min(READ_SIZE, hi - off), off)
+            h.update(data)
+            if len(data) < min(READ_SIZE, hi - off):  # (shorter now)
+                return h.digest()
+        at = hi
+    _zeros(h, size - at)
+    return h.digest()
+
+
+_ZEROS = memoryview(bytes(READ_SIZE))
+
+
+def _zeros(h: xxhash.xxh3_128, n: int) -> None:
+    while n > 0:
+        h.update(_ZEROS[: min(n, READ_SIZE)])
+        n -= READ_SIZE
 
 
 def verify(store: Store, gid: int, txn=None) -> str | None:
@@ -116,12 +142,13 @@ def verify(store: Store, gid: int, txn=None) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"grave {gid} is no longer a regular file"
-        if digest_of(fd) == s.digest:
+        found = digest_all(fd) if s.form == S.SUM_FORM_ALL else digest_of(fd)
+        if found == s.digest:
             return None  # (even if it is another inode now: the same bytes)
     finally:
         os.close(fd)
     return (
-        f"its {st.st_size} bytes (grave {gid}) do not hash to the xxh3-128 taken when "
+        f"its {st.st_size} bytes (grave {gid}) do not hash to the digest taken when "
         "it was removed" + (f" ({s.size} bytes then)" if st.st_size != s.size else "")
     )
 

@@ -431,9 +431,12 @@ class Ops:
         with self.rec.txn() as w:
             self.rec.meta(w, node.bino, functools.partial(self._loc, node), st)
 
-    def _capture_data(self, node: Node, fd: int | None, start: int, end: int) -> None:
+    def _capture_data(
+        self, node: Node, fd: int | None, start: int, end: int, zeroing: bool = False
+    ) -> None:
         """Capture [start, end) of a regular file before it changes; *fd*: a
-        readable fd on it, or None to open one."""
+        readable fd on it, or None to open one.  *zeroing*: the change only
+        makes those bytes zeros or cuts them off (see ``Recorder.data``)."""
         o = self.rec.obj(node.bino)
         if o.created:
             return
@@ -445,7 +448,9 @@ class Ops:
             if self._unreachable(node, st):
                 return
             with self.rec.txn() as w, B.noatime(fd):
-                self.rec.data(w, node.bino, functools.partial(self._loc, node), fd, st, start, end)
+                self.rec.data(
+                    w, node.bino, functools.partial(self._loc, node), fd, st, start, end, zeroing
+                )
         finally:
             if own:
                 os.close(fd)
@@ -572,7 +577,7 @@ class Ops:
             if not stat.S_ISREG(node.mode):
                 raise fail(errno.EINVAL)
             fd = handle.fd if isinstance(handle, Handle) else None
-            self._capture_data(node, fd, size, 1 << 63)
+            self._capture_data(node, fd, size, 1 << 63, zeroing=True)
             self._rewriting(node)
             if fd is not None:
                 os.ftruncate(fd, size)
@@ -1009,7 +1014,7 @@ class Ops:
         node = self._node(inode)
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._kill_privs(node, kill_suidgid, ctx)
-            self._capture_data(node, None, 0, 1 << 63)
+            self._capture_data(node, None, 0, 1 << 63, zeroing=True)
             self._rewriting(node)
         fl = self._open_flags(flags)
         try:
@@ -1067,7 +1072,7 @@ class Ops:
         if mode & (B.FALLOC_FL_COLLAPSE_RANGE | B.FALLOC_FL_INSERT_RANGE):
             self._capture_data(node, h.fd, off, 1 << 63)
         elif mode & (B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_ZERO_RANGE):
-            self._capture_data(node, h.fd, off, off + length)
+            self._capture_data(node, h.fd, off, off + length, zeroing=True)
         if not mode & B.FALLOC_FL_KEEP_SIZE:
             self._capture_meta(node)  # (the size it may grow from)
         self._rewriting(node)

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import base64
 import difflib
+import heapq
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import xxhash
 
-from . import access
+from . import access, datahash
 from . import backing as B
 from . import schema as S
 from .access import Requester
@@ -185,8 +186,10 @@ class History:
         live object -- whose bytes (or names) may be ones written since,
         uncaptured (an ignored path), under other permissions."""
         if stat.S_ISREG(obj.mode):
-            C = self.store.chunk_size
-            return all(k in obj.chunks for k in range(-(-obj.size // C)))
+            # (counted before they are looked at: a file of TiBs with few
+            # chunks recorded costs what was recorded, not its size)
+            n = -(-obj.size // self.store.chunk_size)
+            return len(obj.chunks) >= n and all(k in obj.chunks for k in range(n))
         return not stat.S_ISDIR(obj.mode)
 
     def live_readable(self, obj: Past, who: Requester) -> bool:
@@ -429,17 +432,60 @@ def _dense(size: int, held: int) -> bool:
 
 
 def _side(
-    kind: int, size: int, mode: int, mtime: int, read, hash_limit: int, dense: bool = True
+    kind: int,
+    size: int,
+    mode: int,
+    mtime: int,
+    read,
+    hash_limit: int,
+    dense: bool = True,
+    data: Callable[[int], list[tuple[int, int]] | None] | None = None,
 ) -> dict:
+    """One side of a change.  A regular file no larger than *hash_limit*
+    that is (nearly) all data gets the xxh3-128 of its bytes; a sparse one
+    is not read whole: it says so, and with *data* (its data ranges, up to
+    a limit: None beyond) gets the digest of what it holds (``datahash``),
+    reading only that."""
     d = {"kind": KINDS.get(kind, "unknown"), "mode": mode, "size": size, "mtime_ns": mtime}
     if kind == stat.S_IFREG and not dense:
         d["sparse"] = True
+        ranges = data(size) if data is not None else None
+        if ranges is not None:
+            found = datahash.of_ranges(read, size, ranges)
+            assert found is not None  # (nothing stops it)
+            d["xxh3_data"] = found.hex()
     elif kind == stat.S_IFREG and size <= hash_limit:
         hasher = xxhash.xxh3_128()
         for off in range(0, size, SHOW_PAGE):
             hasher.update(read(off, SHOW_PAGE))
         d["xxh3"] = hasher.hexdigest()
     return d
+
+
+def _ranges_within(
+    ranges: Iterable[tuple[int, int]], size: int, limit: int
+) -> list[tuple[int, int]] | None:
+    """The block-aligned data ranges of a side, or None past *limit* bytes."""
+    return datahash.within(datahash.aligned(ranges, size), limit)
+
+
+def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None:
+    """Where *obj*'s bytes at T may be other than zero, up to *limit* bytes
+    of such ranges (None beyond): the ranges of its live object that hold
+    data, and the chunks recorded since that are not all zeros (a chunk
+    recorded as zeros reads so whatever the live object holds there)."""
+    C = h.store.chunk_size
+    spans = sorted(
+        (k * C, min(obj.size, k * C + length))
+        for k, (length, digest) in obj.chunks.items()
+        if digest and k * C < obj.size
+    )
+    with h.r.at(obj.loc) as (d, n):
+        fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
+    try:
+        return _ranges_within(heapq.merge(spans, B.iter_data(fd, obj.size)), obj.size, limit)
+    finally:
+        os.close(fd)
 
 
 def _is_text(data: bytes) -> bool:
@@ -459,23 +505,27 @@ def _is_text(data: bytes) -> bool:
 MAX_DIFF_WORK = 30_000_000
 
 
-def diff_entry(h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62) -> dict:
+def diff_entry(
+    h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
+) -> dict:
     """One change (from Stack.changes_since) with both sides: kind, mode,
     size, mtime and xxh3 of regular files; for text no larger than
     *text_limit*, a unified diff and the lines added and removed."""
-    out, finish = diff_sides(h, change, text_limit, hash_limit)
+    out, finish = diff_sides(h, change, text_limit, hash_limit, data_limit)
     if finish is not None:
         finish()
     return out
 
 
 def diff_sides(
-    h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62
+    h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
 ) -> tuple[dict, Callable[[], None] | None]:
     """``diff_entry`` in two parts: what reads the tree and the store (to
     run while the tree holds still), and a function that computes the text
     diff from the bytes read (None: nothing to compute), which touches
-    neither and may run while file requests are served."""
+    neither and may run while file requests are served.  A sparse side
+    holding at most *data_limit* bytes of data (in 4 KiB blocks) gets the
+    digest of what it holds (``xxh3_data``, see ``datahash``)."""
     out = dict(change)
     new_path = os.fsencode(change["path"]) if change["path"] != "." else b""
     old_path = os.fsencode(change["from"]) if change.get("from") else new_path
@@ -493,6 +543,7 @@ def diff_sides(
             lambda o, n: h.read(old, o, n),
             hash_limit,
             old_dense,
+            (lambda size: past_data(h, old, data_limit)) if data_limit > 0 else None,
         )
         if old.kind == stat.S_IFREG and old.size <= text_limit and old_dense:
             old_bytes = h.read(old)
@@ -508,6 +559,16 @@ def diff_sides(
             finally:
                 os.close(fd)
 
+        def new_data(size: int) -> list[tuple[int, int]] | None:
+            with h.r.at(new_path) as (d, name):
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d
+                )
+            try:
+                return _ranges_within(B.iter_data(fd, size), size, data_limit)
+            finally:
+                os.close(fd)
+
         new_dense = _dense(new_st.st_size, new_st.st_blocks * 512)
         out["new"] = _side(
             stat.S_IFMT(new_st.st_mode),
@@ -517,6 +578,7 @@ def diff_sides(
             read_new,
             hash_limit,
             new_dense,
+            new_data if data_limit > 0 else None,
         )
         if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit and new_dense:
             new_bytes = read_new(0, new_st.st_size)

@@ -552,6 +552,23 @@ class Keeper:
         h = b"" if data == bytes(len(data)) else w.put_chunk(data)
         return S.Chunk(loc, ino, index, len(data), h)
 
+    def _data_chunks(self, d: int, name: bytes, start: int, end: int) -> list[int]:
+        """The chunks of the file *name* that hold data within [start, end)."""
+        fd = B.open_noatime(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
+        )
+        try:
+            out: list[int] = []
+            for lo, hi in B.iter_data(fd, end):
+                if hi <= start:
+                    continue
+                for i in range(max(lo, start) // self.C, (hi - 1) // self.C + 1):
+                    if not out or out[-1] < i:
+                        out.append(i)
+            return out
+        finally:
+            os.close(fd)
+
     @staticmethod
     def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Change]:
         pairs = B.list_xattrs(*B.xattr_target(d, n))
@@ -593,10 +610,12 @@ class Keeper:
                     ]
                 out: list[S.Change] = []
                 if stat.S_ISREG(st.st_mode) and st.st_size > rec.size:
-                    # the step truncates: keep what it cuts off
+                    # the step truncates: keep what it cuts off that holds
+                    # data (the rest reads as the zeros that putting the
+                    # size back gives: a sparse file of TiBs costs what it holds)
                     out += [
                         self._bytes(w, d, n, loc, ino, i, st.st_size)
-                        for i in range(rec.size // self.C, (st.st_size - 1) // self.C + 1)
+                        for i in self._data_chunks(d, n, rec.size, st.st_size)
                     ]
                 out.append(S.meta_record(loc, st))
                 if (st.st_uid, st.st_gid) != (rec.uid, rec.gid):

@@ -92,14 +92,24 @@ Databases
 ``gravesums`` u64 grave id -> what is known of the bytes of a regular file
              kept whole in ``STORE/grave/<id>`` (see ``encode_sum``): a state
              byte, u64 inode, u64 size, i64 mtime_ns, i64 time_ns and, once
-             hashed, its 16-byte xxh3-128 digest.  Written with the grave
-             entry, deleted with it (``Writer.new_grave``, ``drop_grave``):
+             hashed, its 16-byte digest and the digest's form.  Written with
+             the grave entry, deleted with it (``Writer.new_grave``,
+             ``drop_grave``):
              ``p`` pending: inode, size and mtime as the file was removed, and
                    the wall-clock time of that (its ctime, set by the move
                    into the grave, is no later unless it changed since);
                    hashed later, off the request path (``gravesum``);
              ``h`` hashed: the digest of its bytes; time_ns is the ctime it
-                   had when hashed.  Check and rollback verify it;
+                   had when hashed.  Check and rollback verify it.  The
+                   digest's form is the byte after it:
+                   ``1`` (``SUM_FORM_DATA``): the digest of ``datahash``,
+                         which reads only the ranges that hold data (a
+                         sparse file of TiBs costs what it holds) and hashes
+                         the content's 4 KiB blocks that are not all zeros
+                         with their positions, and the size;
+                   no byte (``SUM_FORM_ALL``, written by older cowfs): the
+                         xxh3-128 of every byte of the file, holes read as
+                         zeros;
              ``c`` changed since it was removed (written through an open
                    descriptor or another name of it, or before it could be
                    hashed): verified by identity only.
@@ -423,6 +433,11 @@ SUM_PENDING = b"p"
 SUM_HASHED = b"h"
 SUM_CHANGED = b"c"
 
+# the forms of a hashed entry's digest
+SUM_FORM_ALL = 0  # xxh3-128 of every byte (older cowfs: no form byte)
+SUM_FORM_DATA = 1  # datahash: what the file holds, block by block
+SUM_FORMS = (SUM_FORM_ALL, SUM_FORM_DATA)
+
 _SUM = struct.Struct(">cQQqq")
 
 
@@ -433,20 +448,29 @@ class GraveSum(NamedTuple):
     mtime_ns: int
     time_ns: int  # pending: when it was removed; hashed: its ctime then
     digest: bytes = b""
+    form: int = SUM_FORM_DATA  # (of the digest, when there is one)
 
 
 def encode_sum(s: GraveSum) -> bytes:
-    return _SUM.pack(s.state, s.ino, s.size, s.mtime_ns, s.time_ns) + s.digest
+    head = _SUM.pack(s.state, s.ino, s.size, s.mtime_ns, s.time_ns)
+    if not s.digest or s.form == SUM_FORM_ALL:
+        return head + s.digest
+    return head + s.digest + bytes([s.form])
 
 
 def decode_sum(raw: bytes) -> GraveSum | None:
     """None for a value that does not decode (reported by the check)."""
-    if len(raw) not in (_SUM.size, _SUM.size + 16):
+    if len(raw) not in (_SUM.size, _SUM.size + 16, _SUM.size + 17):
         return None
     state, ino, size, mtime_ns, time_ns = _SUM.unpack_from(raw)
-    s = GraveSum(state, ino, size, mtime_ns, time_ns, bytes(raw[_SUM.size :]))
-    if s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED) or (s.state == SUM_HASHED) != (
-        len(s.digest) == 16
+    digest = bytes(raw[_SUM.size : _SUM.size + 16])
+    form = raw[-1] if len(raw) == _SUM.size + 17 else SUM_FORM_ALL
+    s = GraveSum(state, ino, size, mtime_ns, time_ns, digest, form)
+    if (
+        s.state not in (SUM_PENDING, SUM_HASHED, SUM_CHANGED)
+        or (s.state == SUM_HASHED) != (len(s.digest) == 16)
+        or form not in SUM_FORMS
+        or (len(raw) == _SUM.size + 17 and form == SUM_FORM_ALL)
     ):
         return None
     return s

@@ -973,7 +973,10 @@ class Session:
     def _audit_changes(self, since: int, hashes: bool, planned: bool = False) -> list[dict]:
         """Change events for what changed since layer *since* opened: path,
         kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
-        up to AUDIT_HASH_LIMIT; larger ones get sizes only).  None at audit
+        up to AUDIT_HASH_LIMIT; larger ones get sizes only; a sparse file
+        holding up to AUDIT_HASH_LIMIT of data gets the digest of what it
+        holds, ``xxh3_data``, reading only that: see ``past.diff_sides``).
+        What it reads follows the files' data, not their sizes.  None at audit
         level "events".  *planned*: for the rollback planned now (to
         *since*: see ``Stack.undone``)."""
         if self._audit_level() == "events":
@@ -991,7 +994,9 @@ class Session:
             )
             out = []
             for c in self.stack.changes_since(since):
-                d = diff_entry(h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT)
+                d = diff_entry(
+                    h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT, data_limit=AUDIT_HASH_LIMIT
+                )
                 out.append(
                     {
                         "event": "change",

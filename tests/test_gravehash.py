@@ -9,6 +9,7 @@ are verified by identity and roll back as before."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -16,6 +17,7 @@ import os
 import struct
 import subprocess
 import time
+from collections.abc import Iterator
 
 import lmdb
 import pytest
@@ -25,7 +27,7 @@ from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
 
-from .helpers import managed_workspace
+from .helpers import Workspace, managed_workspace
 
 CHUNK = 64 << 10
 FS_IOC_FIEMAP = 0xC020660B
@@ -33,16 +35,16 @@ FIEMAP_FLAG_SYNC = 1
 PAGE = 4096
 
 
-@pytest.fixture
-def on_ext4(tmp_path):
-    """An empty, unmounted workspace on an ext4 of its own (a loop device),
-    so that a test can change bytes on the device beneath a file: bit rot,
-    which changes no size, mtime or ctime."""
+@contextlib.contextmanager
+def ext4_workspace(tmp_path, *mkfs: str) -> Iterator[Workspace]:
+    """An empty, unmounted workspace on an ext4 of its own (a loop device;
+    *mkfs*: options for mkfs.ext4), so that a test can change bytes on the
+    device beneath a file: bit rot, which changes no size, mtime or ctime."""
     image, fs = tmp_path / "ext4.img", tmp_path / "fs"
     fs.mkdir()
     with open(image, "wb") as f:
         f.truncate(256 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", *mkfs, str(image)], check=True)
     dev = subprocess.run(
         ["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -57,6 +59,14 @@ def on_ext4(tmp_path):
                 subprocess.run(["umount", "-l", str(fs)])
     finally:
         subprocess.run(["losetup", "-d", dev])
+
+
+@pytest.fixture
+def on_ext4(tmp_path):
+    """An empty, unmounted workspace on an ext4 of its own (see
+    ``ext4_workspace``)."""
+    with ext4_workspace(tmp_path) as ws:
+        yield ws
 
 
 def bitrot(ws, path, offset: int) -> None:
