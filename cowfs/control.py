@@ -6,11 +6,12 @@ parsing and argument checking."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from . import errors
@@ -22,6 +23,52 @@ MAX_REQUEST = 1 << 20
 
 def encode(obj: dict) -> bytes:
     return json.dumps(obj).encode() + b"\n"
+
+
+# An answer is sent in pieces of about this many bytes, and a list in it
+# encoded this many items at a time: a status of 200,000 changes is never
+# held as one string (nor twice, as text and as bytes).
+PIECE_BYTES = 1 << 16
+PIECE_ITEMS = 512
+
+
+def encode_pieces(obj: dict) -> Iterator[bytes]:
+    """``encode(obj)`` in pieces of about PIECE_BYTES."""
+    held: list[str] = []
+    size = 0
+    for text in _pieces(obj):
+        held.append(text)
+        size += len(text)
+        if size >= PIECE_BYTES:
+            yield "".join(held).encode()
+            held, size = [], 0
+    held.append("\n")
+    yield "".join(held).encode()
+
+
+def _pieces(obj: Any) -> Iterator[str]:
+    dumps = json.dumps
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            yield (", " if i else "") + dumps(k) + ": "
+            yield from _pieces(v)
+        yield "}"
+    elif isinstance(obj, list) and len(obj) > PIECE_ITEMS:
+        yield "["
+        for i in range(0, len(obj), PIECE_ITEMS):
+            yield (", " if i else "") + dumps(obj[i : i + PIECE_ITEMS])[1:-1]
+        yield "]"
+    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, tuple, list)):
+        # (made as it is read: listing.Changes)
+        items = iter(obj)
+        sep = "["
+        while batch := list(itertools.islice(items, PIECE_ITEMS)):
+            yield sep + dumps(batch)[1:-1]
+            sep = ", "
+        yield "[]" if sep == "[" else "]"
+    else:
+        yield dumps(obj)
 
 
 def wait_readable(fd: int, timeout: float) -> bool:
@@ -241,7 +288,8 @@ async def _serve_one(stream: Any, host: Host, log: Any) -> None:
                 log.exception("control request failed")
                 resp = {"ok": False, "code": errors.DAEMON_ERROR, "error": str(e)}
             try:
-                await stream.send_all(encode(resp))
+                for piece in encode_pieces(resp):
+                    await stream.send_all(piece)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 if resp["ok"]:
                     await host.unanswered(name, resp["result"])

@@ -36,7 +36,7 @@ class Slot:
         self.name = name
         self.parent = parent
         self.origin = origin  # the path at T of what is here, if it was
-        self.children: dict[bytes, Slot] = {}
+        self.children: dict[bytes, Slot] | None = None  # (made with the first)
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
 
 
@@ -56,8 +56,10 @@ class Names:
     def __init__(self) -> None:
         self.root = Slot(b"", None, b"")
         self.by_origin: dict[bytes, Slot] = {b"": self.root}
-        # path -> slot, for the slots at those paths now: a move of a slot
-        # that has slots below it empties it, any other move drops one entry
+        # path -> slot, for slots at those paths now that had slots looked
+        # up below them (directories: a layer of many files holds no entry
+        # per file): a move of a slot that has slots below it empties it,
+        # any other move drops one entry
         self._at: dict[bytes, Slot] = {b"": self.root}
 
     def slot(self, path: bytes) -> Slot:
@@ -68,8 +70,11 @@ class Names:
         parent_path, _, name = path.rpartition(b"/")
         p = at.get(parent_path)
         if p is None:
-            p = self.slot(parent_path)
-        s = p.children.get(name)
+            p = at[parent_path] = self.slot(parent_path)
+        children = p.children
+        if children is None:
+            children = p.children = {}
+        s = children.get(name)
         if s is None:
             origin = p.origin
             if origin is not None:
@@ -77,10 +82,9 @@ class Names:
                     origin = None
                 else:
                     origin = origin + b"/" + name if origin else name
-            s = p.children[name] = Slot(name, p, origin)
+            s = children[name] = Slot(name, p, origin)
             if origin is not None:
                 self.by_origin[origin] = s
-        at[path] = s
         return s
 
     def _moved(self, s: Slot, path: bytes) -> None:
@@ -101,6 +105,7 @@ class Names:
         p = s.parent
         self._moved(s, path)
         if p is not None:
+            assert p.children is not None  # (it is one of them)
             del p.children[s.name]
             if p.vacated is None:
                 p.vacated = set()
@@ -112,6 +117,8 @@ class Names:
         """Put slot *s* at *path*; whatever was there is replaced."""
         parent_path, _, name = path.rpartition(b"/")
         p = self.slot(parent_path)
+        if p.children is None:
+            p.children = {}
         old = p.children.get(name)
         if old is not None:
             self._moved(old, path)
@@ -139,9 +146,9 @@ class Names:
         """Take everything below *path* out of the tree."""
         s = self.slot(path)
         self._moved(s, path)
-        for child in s.children.values():
+        for child in (s.children or {}).values():
             child.parent = None
-        s.children.clear()
+        s.children = None
         self._at[path] = s
 
     def remove(self, path: bytes) -> None:
@@ -239,6 +246,16 @@ class Reading:
             self.created[s] = None
             if type(rec) is S.Link:
                 self.linked.append(s)
+            origin = s.origin
+            if origin is not None:
+                # What is here now was not here at T (``start`` says so), nor
+                # was anything that will be named below it: such slots need
+                # no origin, and a layer of many new files keeps no path at T
+                # for each.
+                by_origin = self.names.by_origin
+                if by_origin.get(origin) is s:
+                    del by_origin[origin]
+                s.origin = None
 
     def _grave(self, seq: int, rec: S.Grave) -> None:
         s = self._seen(rec.path, rec.ino)
@@ -329,12 +346,14 @@ class Kept:
     they stay in the processor's caches: a few microseconds a record), or
     when asked; what it missed it reads from the store.  It is dropped when
     the store's epoch moves on (records deleted or put back).  At most KEEP
-    readings, of at most LIMIT records in all (a reading holds some 500
-    bytes a record): past that, a layer is read afresh each time.
+    readings, of at most LIMIT records in all (a reading holds some 200
+    bytes a record of a new file, more of a captured one: at most some
+    30 MB kept): past that, a layer is read afresh each time (200,000
+    records in about a second), and its reading is freed after the request.
     """
 
     KEEP = 3
-    LIMIT = 250_000
+    LIMIT = 100_000
     WAIT = 4096
 
     def __init__(self, store: Store):

@@ -19,7 +19,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -33,6 +33,7 @@ from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
 from .ignore import IgnoreRules
 from .launch import start_view
+from .listing import Changes
 from .mounts import (
     VIEW_FSTYPE,
     default_store,
@@ -802,7 +803,7 @@ class Session:
         changes = self.stack.changes_since(since, path_list(paths))
         return {"since": since, "changes": self._writers_shown(changes)}
 
-    def _writers_shown(self, changes: list[dict]) -> list[dict]:
+    def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
         """*changes* as the requester may see them: the command line of a
         writer that is another user's process is its own business (it may
         carry a password); a user other than the owner sees its pid and
@@ -1160,7 +1161,8 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
         session.close()
     result["warnings"] = session.warnings + result.get("warnings", [])
     result["mounted"] = False
-    return result
+    # (what the daemon sends as lists: listing.Changes)
+    return {k: list(v) if isinstance(v, Changes) else v for k, v in result.items()}
 
 
 def inspect_offline(workspace: str, store: str | None, readonly: bool = True) -> Session:
