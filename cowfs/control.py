@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from . import errors
 from .access import Requester
+from .listing import Encoded
 from .mounts import MountRecord, not_owner
 
 MAX_REQUEST = 1 << 20
@@ -54,17 +55,18 @@ def _pieces(obj: Any) -> Iterator[str]:
             yield (", " if i else "") + dumps(k) + ": "
             yield from _pieces(v)
         yield "}"
-    elif isinstance(obj, list) and len(obj) > PIECE_ITEMS:
-        yield "["
-        for i in range(0, len(obj), PIECE_ITEMS):
-            yield (", " if i else "") + dumps(obj[i : i + PIECE_ITEMS])[1:-1]
-        yield "]"
-    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, tuple, list)):
-        # (made as it is read: listing.Changes)
+    elif isinstance(obj, list) or (
+        isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, tuple))
+    ):
+        # (a list, or one made as it is read: listing.Changes; its items
+        # may be JSON text already: listing.Encoded)
         items = iter(obj)
         sep = "["
         while batch := list(itertools.islice(items, PIECE_ITEMS)):
-            yield sep + dumps(batch)[1:-1]
+            if any(type(x) is Encoded for x in batch):
+                yield sep + ", ".join(x if type(x) is Encoded else dumps(x) for x in batch)
+            else:
+                yield sep + dumps(batch)[1:-1]
             sep = ", "
         yield "[]" if sep == "[" else "]"
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -30,7 +31,7 @@ _GRAVE = S.GRAVE_PREFIX
 class Slot:
     """A place in the tree (see ``Names``)."""
 
-    __slots__ = ("name", "parent", "children", "origin", "vacated")
+    __slots__ = ("name", "parent", "children", "origin", "vacated", "made")
 
     def __init__(self, name: bytes, parent: Slot | None, origin: bytes | None):
         self.name = name
@@ -38,6 +39,7 @@ class Slot:
         self.origin = origin  # the path at T of what is here, if it was
         self.children: dict[bytes, Slot] | None = None  # (made with the first)
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
+        self.made = False  # listed in a reading's ``created``
 
 
 class Names:
@@ -207,7 +209,7 @@ class Reading:
     def __init__(self, records: Iterable[tuple[int, S.Record]]):
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
-        self.created: dict[Slot, None] = {}  # (in order; a slot renamed once)
+        self.created: list[Slot] = []  # (in order; each once: Slot.made)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
@@ -243,7 +245,7 @@ class Reading:
     def _create(self, seq: int, rec: S.Create | S.Link) -> None:
         s = self._seen(rec.path, None)
         if s is not None:
-            self.created[s] = None
+            self._made(s)
             if type(rec) is S.Link:
                 self.linked.append(s)
             origin = s.origin
@@ -269,7 +271,12 @@ class Reading:
         s = self._seen(rec.src, rec.ino)
         self._seen(rec.dst, None)
         self.names.move(rec.src, rec.dst)
-        self.created[s if s is not None else self.names.slot(rec.dst)] = None
+        self._made(s if s is not None else self.names.slot(rec.dst))
+
+    def _made(self, s: Slot) -> None:
+        if not s.made:
+            s.made = True
+            self.created.append(s)
 
     def _exchange(self, seq: int, rec: S.Exchange) -> None:
         self._seen(rec.a, rec.ino_a)
@@ -324,11 +331,11 @@ class _Entry:
 
     __slots__ = ("epoch", "upto", "count", "reading", "waiting")
 
-    def __init__(self, epoch: int, start: int):
+    def __init__(self, epoch: int, start: int, reading: Reading | None = None, count: int = 0):
         self.epoch = epoch
         self.upto = start
-        self.count = 0  # records read (fed or waiting)
-        self.reading = Reading(())
+        self.count = count  # records read (fed or waiting)
+        self.reading = reading if reading is not None else Reading(())
         self.waiting: list[tuple[int, S.Record]] = []
 
     def catch_up(self) -> None:
@@ -349,7 +356,9 @@ class Kept:
     readings, of at most LIMIT records in all (a reading holds some 200
     bytes a record of a new file, more of a captured one: at most some
     30 MB kept): past that, a layer is read afresh each time (200,000
-    records in about a second), and its reading is freed after the request.
+    records in about a second), and its reading is freed after the request
+    -- while a request still holds it (a diff: the history and the changes),
+    it is handed out again.
     """
 
     KEEP = 3
@@ -359,6 +368,9 @@ class Kept:
     def __init__(self, store: Store):
         self.store = store
         self._kept: dict[int, _Entry] = {}  # by start; the most recently used last
+        # readings trimmed while still held: start -> (the reading, epoch,
+        # records read, the next record to read)
+        self._held: dict[int, tuple[weakref.ref[Reading], int, int, int]] = {}
         self._lock = threading.Lock()
         store.on_append = self._appended
 
@@ -371,7 +383,7 @@ class Kept:
             e = self._kept.pop(start, None)
             end = st.next_seq
             if e is None or e.epoch != st.epoch or e.upto > end:
-                e = _Entry(st.epoch, start)
+                e = self._still_held(start) or _Entry(st.epoch, start)
             e.catch_up()
             if e.upto < end:
                 records: Iterable[tuple[int, S.Record]] = st.records(e.upto, end)
@@ -384,17 +396,33 @@ class Kept:
             self._trim()
             return e.reading
 
+    def _still_held(self, start: int) -> _Entry | None:
+        """The reading from *start* trimmed while a request held it, if one
+        still does and the store is as it was (records appended since are
+        read from the store)."""
+        found = self._held.pop(start, None)
+        if found is None:
+            return None
+        ref, epoch, count, upto = found
+        reading = ref()
+        if reading is None or epoch != self.store.epoch or upto > self.store.next_seq:
+            return None
+        e = _Entry(epoch, upto, reading, count)
+        return e
+
     def opened(self, start: int) -> None:
         """A layer was opened at *start* (now): its reading is empty."""
         with self._lock:
             if start == self.store.next_seq:
                 self._kept.pop(start, None)
+                self._held.pop(start, None)
                 self._kept[start] = _Entry(self.store.epoch, start)
                 self._trim()
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+            self._held.clear()
 
     def _appended(self, first: int, records: list[tuple[int, S.Record]]) -> None:
         with self._lock:
@@ -419,4 +447,9 @@ class Kept:
     def _trim(self) -> None:
         kept = self._kept
         while kept and (len(kept) > self.KEEP or sum(e.count for e in kept.values()) > self.LIMIT):
-            del kept[next(iter(kept))]
+            start = next(iter(kept))
+            e = kept.pop(start)
+            fed = e.waiting[0][0] if e.waiting else e.upto
+            self._held[start] = (weakref.ref(e.reading), e.epoch, e.count - len(e.waiting), fed)
+        for start in [s for s, held in self._held.items() if held[0]() is None]:
+            del self._held[start]

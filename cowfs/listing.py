@@ -9,6 +9,7 @@ Changes are dicts as the daemon gives them: "path", "kind", and "from",
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import overload
@@ -63,6 +64,23 @@ class Changes(Sequence[dict]):
                 if wanted(_path(r[0]), os.fsdecode(r[2]) if r[2] is not None else None)
             ]
         )
+
+
+class Encoded(str):
+    """An item of a list held as its JSON text (made once it is complete: a
+    diff entry's text is a third of its dicts), which encoders put in as
+    it is (control.encode_pieces)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, value: object) -> Encoded:
+        return cls(json.dumps(value))
+
+
+def plain_list(items: Sequence) -> list:
+    """*items* as a plain list of what its JSON says (offline answers)."""
+    return [json.loads(x) if isinstance(x, Encoded) else x for x in items]
 
 
 def _path(p: bytes) -> str:

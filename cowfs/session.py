@@ -33,7 +33,7 @@ from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
 from .ignore import IgnoreRules
 from .launch import start_view
-from .listing import Changes
+from .listing import Changes, Encoded, plain_list
 from .mounts import (
     VIEW_FSTYPE,
     default_store,
@@ -882,8 +882,10 @@ class Session:
 
         # Every side is read while the tree holds still (one instant); the
         # text diffs are computed afterwards, while file requests are served,
-        # from at most MAX_TEXT_HELD bytes of text held at once.
-        entries, todo, held = [], [], 0
+        # from at most MAX_TEXT_HELD bytes of text held at once.  An entry
+        # that is complete is kept as its JSON text (a third of its dicts).
+        entries: list[dict | Encoded] = []
+        todo, held = [], 0
         for c in self._writers_shown(changes):
             new = wpath(c["path"]) if c["path"] != "." else b""
             old = wpath(c["from"]) if c.get("from") else new
@@ -895,9 +897,11 @@ class Session:
                 if finish is not None:
                     todo.append(finish)
                     held += sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
-                entries.append(out)
+                    entries.append(out)
+                else:
+                    entries.append(Encoded.of(out))
             else:
-                entries.append(c | {"binary": False, "unreadable": True})  # (names only)
+                entries.append(Encoded.of(c | {"binary": False, "unreadable": True}))  # (names)
 
         def texts() -> None:
             for finish in todo:
@@ -1161,8 +1165,8 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
         session.close()
     result["warnings"] = session.warnings + result.get("warnings", [])
     result["mounted"] = False
-    # (what the daemon sends as lists: listing.Changes)
-    return {k: list(v) if isinstance(v, Changes) else v for k, v in result.items()}
+    # (what the daemon sends as lists: listing.Changes, listing.Encoded items)
+    return {k: plain_list(v) if isinstance(v, (Changes, list)) else v for k, v in result.items()}
 
 
 def inspect_offline(workspace: str, store: str | None, readonly: bool = True) -> Session:

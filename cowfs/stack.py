@@ -897,15 +897,19 @@ class Stack:
             stands_in.add(at)
             if kind:
                 out[at] = (at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino, None)
+        # (no two slots are at one path: what was made is listed, not looked up)
+        added = []
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                out[cur] = (cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino, None)
+                added.append((cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino, None))
         rows = [*deleted.values(), *out.values()]
         del deleted, out
+        rows += added
+        del added
         rows.sort(key=_by_path)  # (stable: a deletion before what stands there now)
         return Changes(rows)
 
