@@ -64,6 +64,16 @@ _TRACE = os.environ.get("COWFS_TRACEMALLOC", "")
 _traced = 0
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free memory back to the system.  A request over a
+    large layer frees tens of MB of objects that malloc would otherwise
+    keep, scattered (measured: three `status` of 200,000 new files held
+    219, 253, then 284 MiB)."""
+    trim = getattr(_libc, "malloc_trim", None)  # (glibc's)
+    if trim is not None:
+        trim(0)
+
+
 def _trace_report(op: str) -> None:
     import tracemalloc
 
@@ -386,6 +396,7 @@ class Daemon:
             result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
             if _TRACE:
                 _trace_report(name)
+        _trim_heap()
         return result
 
     async def unanswered(self, name: str, result: dict) -> None:

@@ -58,6 +58,9 @@ FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
 MAX_VIEWS = 4  # views a user other than the owner may have mounted at once
 MAX_TEXT = 64 << 20  # the largest file `diff` reads whole for a text diff
 MAX_TEXT_HELD = 256 << 20  # text one `diff` reads before it diffs the rest by size
+# texts this small (both sides) are diffed as they are read: keeping their
+# entry and bytes for later costs more than the diff (some 1 KB an entry)
+SMALL_TEXT = 4096
 
 log = logging.getLogger("cowfs.session")
 
@@ -882,10 +885,12 @@ class Session:
 
         # Every side is read while the tree holds still (one instant); the
         # text diffs are computed afterwards, while file requests are served,
-        # from at most MAX_TEXT_HELD bytes of text held at once.  An entry
-        # that is complete is kept as its JSON text (a third of its dicts).
+        # from at most MAX_TEXT_HELD bytes of text held at once (those of
+        # small texts at once).  An entry that is complete is kept as its
+        # JSON text (a third of its dicts).
         entries: list[dict | Encoded] = []
-        todo, held = [], 0
+        todo: list[tuple[int, Callable[[], None]]] = []
+        held = 0
         for c in self._writers_shown(changes):
             new = wpath(c["path"]) if c["path"] != "." else b""
             old = wpath(c["from"]) if c.get("from") else new
@@ -895,17 +900,23 @@ class Session:
                 room = text_limit if held < MAX_TEXT_HELD else 0
                 out, finish = diff_sides(h, c, room)
                 if finish is not None:
-                    todo.append(finish)
-                    held += sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
-                    entries.append(out)
-                else:
+                    size = sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
+                    if size <= SMALL_TEXT:
+                        finish()
+                        finish = None
+                    else:
+                        todo.append((len(entries), finish))
+                        held += size
+                        entries.append(out)
+                if finish is None:
                     entries.append(Encoded.of(out))
             else:
                 entries.append(Encoded.of(c | {"binary": False, "unreadable": True}))  # (names)
 
         def texts() -> None:
-            for finish in todo:
+            for i, finish in todo:
                 finish()
+                entries[i] = Encoded.of(entries[i])
 
         if todo:
             await self.hooks.blocking(texts)
