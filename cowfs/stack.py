@@ -6,6 +6,7 @@ an unmounted workspace; the daemon adds flushing and cache invalidation.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import stat
@@ -791,6 +792,10 @@ class Stack:
         to = self.planned()["to"]
         collect: list[tuple[int, S.Record]] = []
         changes = self.attribute(self._changes(to, since=True, collect=collect), to)
+        if len(collect) > self.WHO_BATCH:
+            # (the reading is garbage in cycles -- a tree of slots -- that the
+            # rollback about to run would otherwise carry through its peak)
+            gc.collect()
         st = self.store
         self._ahead = (st.epoch, st.get_layer(to).start, st.next_seq, collect) if collect else None
         return changes
