@@ -15,6 +15,7 @@ as long as it takes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,11 +24,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from . import errors
 from .access import Requester
+from .listing import Encoded
 from .mounts import MountRecord, not_answering, not_owner
 
 MAX_REQUEST = 1 << 20
@@ -37,6 +39,53 @@ BEAT = 0.5  # seconds between the signs of life a daemon sends a waiting client
 
 def encode(obj: dict) -> bytes:
     return json.dumps(obj).encode() + b"\n"
+
+
+# An answer is sent in pieces of about this many bytes, and a list in it
+# encoded this many items at a time: a status of 200,000 changes is never
+# held as one string (nor twice, as text and as bytes).
+PIECE_BYTES = 1 << 16
+PIECE_ITEMS = 512
+
+
+def encode_pieces(obj: dict) -> Iterator[bytes]:
+    """``encode(obj)`` in pieces of about PIECE_BYTES."""
+    held: list[str] = []
+    size = 0
+    for text in _pieces(obj):
+        held.append(text)
+        size += len(text)
+        if size >= PIECE_BYTES:
+            yield "".join(held).encode()
+            held, size = [], 0
+    held.append("\n")
+    yield "".join(held).encode()
+
+
+def _pieces(obj: Any) -> Iterator[str]:
+    dumps = json.dumps
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+        yield "{"
+        for i, (k, v) in enumerate(obj.items()):
+            yield (", " if i else "") + dumps(k) + ": "
+            yield from _pieces(v)
+        yield "}"
+    elif isinstance(obj, list) or (
+        isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, tuple))
+    ):
+        # (a list, or one made as it is read: listing.Changes; its items
+        # may be JSON text already: listing.Encoded)
+        items = iter(obj)
+        sep = "["
+        while batch := list(itertools.islice(items, PIECE_ITEMS)):
+            if any(type(x) is Encoded for x in batch):
+                yield sep + ", ".join(x if type(x) is Encoded else dumps(x) for x in batch)
+            else:
+                yield sep + dumps(batch)[1:-1]
+            sep = ", "
+        yield "[]" if sep == "[" else "]"
+    else:
+        yield dumps(obj)
 
 
 def wait_readable(fd: int, timeout: float) -> bool:
@@ -408,7 +457,8 @@ async def _serve_one(
 
     async def send(answer: dict) -> None:
         quiet()
-        await stream.send_all(encode(answer))
+        for piece in encode_pieces(answer):
+            await stream.send_all(piece)
 
     def gone() -> bool:
         """Whether the client has closed its end."""

@@ -55,6 +55,43 @@ log = logging.getLogger("cowfs.daemon")
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 SYNC_INTERVAL = 2.0
+LONG_REQUEST = 0.25  # seconds: a control request after which garbage is collected
+
+# A diagnostic: $COWFS_TRACEMALLOC=DIR has the daemon trace its Python
+# allocations (tracemalloc, several times slower) and write, after each
+# control request, DIR/<pid>-<n>-<op>.txt: the memory traced now and at its
+# peak during the request, and the lines that hold the most now.
+_TRACE = os.environ.get("COWFS_TRACEMALLOC", "")
+_traced = 0
+
+
+def _let_go(seconds: float) -> None:
+    """After a control request, give back what it used.  One that took a
+    while (a layer of many records read) left garbage in cycles -- a
+    journal reading's tree of slots -- which the collector's rare full
+    passes would keep for many requests: it is collected now.  Then the C
+    heap's free memory goes back to the system (malloc would keep it,
+    scattered).  Measured: three `status` of 200,000 new files in a row
+    held 219, 253, then 284 MiB."""
+    if seconds > LONG_REQUEST:
+        gc.collect()
+    trim = getattr(_libc, "malloc_trim", None)  # (glibc's)
+    if trim is not None:
+        trim(0)
+
+
+def _trace_report(op: str) -> None:
+    import tracemalloc
+
+    global _traced
+    _traced += 1
+    now, peak = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    top = tracemalloc.take_snapshot().statistics("lineno")[:40]
+    name = os.path.join(_TRACE, f"{os.getpid()}-{_traced:04d}-{op}.txt")
+    with open(name, "w") as f:
+        f.write(f"traced {now / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB during {op}\n")
+        f.writelines(f"{s}\n" for s in top)
 
 
 def check_fuse() -> None:
@@ -367,6 +404,9 @@ class Daemon:
                 self.session.requester = who
                 result = await invoke(op, **args)
             result["daemon_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+            if _TRACE:
+                _trace_report(name)
+        _let_go(time.perf_counter() - t0)
         return result
 
     async def unanswered(self, name: str, result: dict) -> None:
@@ -502,6 +542,10 @@ def serve(
     # 100,000 records.  A pass every 50,000 costs a few MB of cyclic garbage
     # kept a little longer.
     gc.set_threshold(GC_YOUNG, 20, 10)
+    if _TRACE:
+        import tracemalloc
+
+        tracemalloc.start(int(os.environ.get("COWFS_TRACEMALLOC_FRAMES") or 1))
     daemon = Daemon(workspace, mountpoint, store, **options)
     try:
         daemon.prepare()

@@ -14,6 +14,10 @@ from collections.abc import Callable
 ROOT = 1  # the root's inode number in every FUSE protocol
 
 
+# the modes nodes have, each held once (a table of many files holds few)
+_MODES: dict[int, int] = {}
+
+
 class Node:
     """A kernel-visible inode: our inode number, the backing object's inode
     number, the names we know it by (parent node + name), and an O_PATH fd
@@ -47,7 +51,7 @@ class Node:
         self._fd = fd
         self.live = True
         self.nopen = 0
-        self.mode = mode
+        self.mode = _MODES.setdefault(mode, mode)  # (one int object per mode)
         self.nlookup = 0
         self.parent: Node | None = None
         self.name = b""

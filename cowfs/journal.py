@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -30,14 +31,15 @@ _GRAVE = S.GRAVE_PREFIX
 class Slot:
     """A place in the tree (see ``Names``)."""
 
-    __slots__ = ("name", "parent", "children", "origin", "vacated")
+    __slots__ = ("name", "parent", "children", "origin", "vacated", "made")
 
     def __init__(self, name: bytes, parent: Slot | None, origin: bytes | None):
         self.name = name
         self.parent = parent
         self.origin = origin  # the path at T of what is here, if it was
-        self.children: dict[bytes, Slot] = {}
+        self.children: dict[bytes, Slot] | None = None  # (made with the first)
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
+        self.made = False  # listed in a reading's ``created``
 
 
 class Names:
@@ -56,8 +58,10 @@ class Names:
     def __init__(self) -> None:
         self.root = Slot(b"", None, b"")
         self.by_origin: dict[bytes, Slot] = {b"": self.root}
-        # path -> slot, for the slots at those paths now: a move of a slot
-        # that has slots below it empties it, any other move drops one entry
+        # path -> slot, for slots at those paths now that had slots looked
+        # up below them (directories: a layer of many files holds no entry
+        # per file): a move of a slot that has slots below it empties it,
+        # any other move drops one entry
         self._at: dict[bytes, Slot] = {b"": self.root}
 
     def slot(self, path: bytes) -> Slot:
@@ -68,8 +72,11 @@ class Names:
         parent_path, _, name = path.rpartition(b"/")
         p = at.get(parent_path)
         if p is None:
-            p = self.slot(parent_path)
-        s = p.children.get(name)
+            p = at[parent_path] = self.slot(parent_path)
+        children = p.children
+        if children is None:
+            children = p.children = {}
+        s = children.get(name)
         if s is None:
             origin = p.origin
             if origin is not None:
@@ -77,10 +84,9 @@ class Names:
                     origin = None
                 else:
                     origin = origin + b"/" + name if origin else name
-            s = p.children[name] = Slot(name, p, origin)
+            s = children[name] = Slot(name, p, origin)
             if origin is not None:
                 self.by_origin[origin] = s
-        at[path] = s
         return s
 
     def _moved(self, s: Slot, path: bytes) -> None:
@@ -101,6 +107,7 @@ class Names:
         p = s.parent
         self._moved(s, path)
         if p is not None:
+            assert p.children is not None  # (it is one of them)
             del p.children[s.name]
             if p.vacated is None:
                 p.vacated = set()
@@ -112,6 +119,8 @@ class Names:
         """Put slot *s* at *path*; whatever was there is replaced."""
         parent_path, _, name = path.rpartition(b"/")
         p = self.slot(parent_path)
+        if p.children is None:
+            p.children = {}
         old = p.children.get(name)
         if old is not None:
             self._moved(old, path)
@@ -139,9 +148,9 @@ class Names:
         """Take everything below *path* out of the tree."""
         s = self.slot(path)
         self._moved(s, path)
-        for child in s.children.values():
+        for child in (s.children or {}).values():
             child.parent = None
-        s.children.clear()
+        s.children = None
         self._at[path] = s
 
     def remove(self, path: bytes) -> None:
@@ -200,7 +209,7 @@ class Reading:
     def __init__(self, records: Iterable[tuple[int, S.Record]]):
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
-        self.created: dict[Slot, None] = {}  # (in order; a slot renamed once)
+        self.created: list[Slot] = []  # (in order; each once: Slot.made)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
@@ -236,9 +245,19 @@ class Reading:
     def _create(self, seq: int, rec: S.Create | S.Link) -> None:
         s = self._seen(rec.path, None)
         if s is not None:
-            self.created[s] = None
+            self._made(s)
             if type(rec) is S.Link:
                 self.linked.append(s)
+            origin = s.origin
+            if origin is not None:
+                # What is here now was not here at T (``start`` says so), nor
+                # was anything that will be named below it: such slots need
+                # no origin, and a layer of many new files keeps no path at T
+                # for each.
+                by_origin = self.names.by_origin
+                if by_origin.get(origin) is s:
+                    del by_origin[origin]
+                s.origin = None
 
     def _grave(self, seq: int, rec: S.Grave) -> None:
         s = self._seen(rec.path, rec.ino)
@@ -252,7 +271,12 @@ class Reading:
         s = self._seen(rec.src, rec.ino)
         self._seen(rec.dst, None)
         self.names.move(rec.src, rec.dst)
-        self.created[s if s is not None else self.names.slot(rec.dst)] = None
+        self._made(s if s is not None else self.names.slot(rec.dst))
+
+    def _made(self, s: Slot) -> None:
+        if not s.made:
+            s.made = True
+            self.created.append(s)
 
     def _exchange(self, seq: int, rec: S.Exchange) -> None:
         self._seen(rec.a, rec.ino_a)
@@ -307,11 +331,11 @@ class _Entry:
 
     __slots__ = ("epoch", "upto", "count", "reading", "waiting")
 
-    def __init__(self, epoch: int, start: int):
+    def __init__(self, epoch: int, start: int, reading: Reading | None = None, count: int = 0):
         self.epoch = epoch
         self.upto = start
-        self.count = 0  # records read (fed or waiting)
-        self.reading = Reading(())
+        self.count = count  # records read (fed or waiting)
+        self.reading = reading if reading is not None else Reading(())
         self.waiting: list[tuple[int, S.Record]] = []
 
     def catch_up(self) -> None:
@@ -329,17 +353,24 @@ class Kept:
     they stay in the processor's caches: a few microseconds a record), or
     when asked; what it missed it reads from the store.  It is dropped when
     the store's epoch moves on (records deleted or put back).  At most KEEP
-    readings, of at most LIMIT records in all (a reading holds some 500
-    bytes a record): past that, a layer is read afresh each time.
+    readings, of at most LIMIT records in all (a reading holds some 200
+    bytes a record of a new file, more of a captured one: at most some
+    30 MB kept): past that, a layer is read afresh each time (200,000
+    records in about a second), and its reading is freed after the request
+    -- while a request still holds it (a diff: the history and the changes),
+    it is handed out again.
     """
 
     KEEP = 3
-    LIMIT = 250_000
+    LIMIT = 100_000
     WAIT = 4096
 
     def __init__(self, store: Store):
         self.store = store
         self._kept: dict[int, _Entry] = {}  # by start; the most recently used last
+        # readings trimmed while still held: start -> (the reading, epoch,
+        # records read, the next record to read)
+        self._held: dict[int, tuple[weakref.ref[Reading], int, int, int]] = {}
         self._lock = threading.Lock()
         store.on_append = self._appended
 
@@ -352,7 +383,7 @@ class Kept:
             e = self._kept.pop(start, None)
             end = st.next_seq
             if e is None or e.epoch != st.epoch or e.upto > end:
-                e = _Entry(st.epoch, start)
+                e = self._still_held(start) or _Entry(st.epoch, start)
             e.catch_up()
             if e.upto < end:
                 records: Iterable[tuple[int, S.Record]] = st.records(e.upto, end)
@@ -365,17 +396,33 @@ class Kept:
             self._trim()
             return e.reading
 
+    def _still_held(self, start: int) -> _Entry | None:
+        """The reading from *start* trimmed while a request held it, if one
+        still does and the store is as it was (records appended since are
+        read from the store)."""
+        found = self._held.pop(start, None)
+        if found is None:
+            return None
+        ref, epoch, count, upto = found
+        reading = ref()
+        if reading is None or epoch != self.store.epoch or upto > self.store.next_seq:
+            return None
+        e = _Entry(epoch, upto, reading, count)
+        return e
+
     def opened(self, start: int) -> None:
         """A layer was opened at *start* (now): its reading is empty."""
         with self._lock:
             if start == self.store.next_seq:
                 self._kept.pop(start, None)
+                self._held.pop(start, None)
                 self._kept[start] = _Entry(self.store.epoch, start)
                 self._trim()
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+            self._held.clear()
 
     def _appended(self, first: int, records: list[tuple[int, S.Record]]) -> None:
         with self._lock:
@@ -400,4 +447,9 @@ class Kept:
     def _trim(self) -> None:
         kept = self._kept
         while kept and (len(kept) > self.KEEP or sum(e.count for e in kept.values()) > self.LIMIT):
-            del kept[next(iter(kept))]
+            start = next(iter(kept))
+            e = kept.pop(start)
+            fed = e.waiting[0][0] if e.waiting else e.upto
+            self._held[start] = (weakref.ref(e.reading), e.epoch, e.count - len(e.waiting), fed)
+        for start in [s for s, held in self._held.items() if held[0]() is None]:
+            del self._held[start]

@@ -9,6 +9,11 @@ Changes are dicts as the daemon gives them: "path", "kind", and "from",
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import overload
+
 from .text import count, quote
 
 KINDS = {
@@ -19,6 +24,81 @@ KINDS = {
     "T": "type changed",
     "m": "attributes",
 }
+
+
+class Changes(Sequence[dict]):
+    """Changes as the daemon gives them, held as a row each -- (path, kind,
+    from, dir, ino, who), paths as bytes -- and made into dicts as they are
+    read: a layer of 200,000 new files is 200,000 rows of some 150 bytes,
+    not as many dicts of 350.  JSON encoders take it as a list, some rows at
+    a time (control.encode_pieces)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[tuple]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> dict: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | list[dict]:
+        if isinstance(i, slice):
+            return [_as_dict(r) for r in self.rows[i]]
+        return _as_dict(self.rows[i])
+
+    def __iter__(self) -> Iterator[dict]:
+        return map(_as_dict, self.rows)
+
+    def where(self, wanted: Callable[[str, str | None], bool]) -> Changes:
+        """The changes whose path (or the path they came from) is *wanted*."""
+        return Changes(
+            [
+                r
+                for r in self.rows
+                if wanted(_path(r[0]), os.fsdecode(r[2]) if r[2] is not None else None)
+            ]
+        )
+
+
+class Encoded(str):
+    """An item of a list held as its JSON text (made once it is complete: a
+    diff entry's text is a third of its dicts), which encoders put in as
+    it is (control.encode_pieces)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, value: object) -> Encoded:
+        return cls(json.dumps(value))
+
+
+def plain_list(items: Sequence) -> list:
+    """*items* as a plain list of what its JSON says (offline answers)."""
+    return [json.loads(x) if isinstance(x, Encoded) else x for x in items]
+
+
+def _path(p: bytes) -> str:
+    return os.fsdecode(p) if p else "."
+
+
+def _as_dict(row: tuple) -> dict:
+    path, kind, was, is_dir, _, who = row
+    c = {"path": _path(path), "kind": kind}
+    if was is not None:
+        c["from"] = os.fsdecode(was)
+    if is_dir:
+        c["dir"] = True
+    if who is not None:
+        c["who"] = who
+    return c
+
+
 WHOLE = ("A", "D")  # the kinds whose directories are taken as a whole
 # A directory holding fewer changes is listed in full: a line per path is
 # then about as short, and says more.

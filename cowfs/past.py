@@ -30,6 +30,7 @@ from . import schema as S
 from .access import Requester
 from .errors import NOTHING_TO_DO, USAGE, CowfsError
 from .journal import Reading
+from .listing import Changes
 from .store import Store
 from .text import quote
 
@@ -404,7 +405,7 @@ def describe_past(h: History, obj: Past, offset: int = 0, size: int = SHOW_PAGE)
     return d
 
 
-def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
+def filter_paths(changes: Changes, paths: list[str]) -> Changes:
     """The changes under any of *paths* (workspace-relative; a directory
     takes everything below it)."""
     if not paths:
@@ -416,7 +417,7 @@ def filter_paths(changes: list[dict], paths: list[str]) -> list[dict]:
             w in ("", ".") or p == w or p.startswith(w + "/") for w in wanted
         )
 
-    return [c for c in changes if under(c["path"]) or under(c.get("from"))]
+    return changes.where(lambda path, was: under(path) or under(was))
 
 
 # what a file's blocks may fall short of its size and still count as data

@@ -19,7 +19,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -33,6 +33,7 @@ from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
 from .ignore import IgnoreRules
 from .launch import start_view
+from .listing import Changes, Encoded, plain_list
 from .mounts import (
     VIEW_FSTYPE,
     default_store,
@@ -57,6 +58,9 @@ FINISHING_WAIT = 60  # seconds a mount waits for the last mount's daemon to exit
 MAX_VIEWS = 4  # views a user other than the owner may have mounted at once
 MAX_TEXT = 64 << 20  # the largest file `diff` reads whole for a text diff
 MAX_TEXT_HELD = 256 << 20  # text one `diff` reads before it diffs the rest by size
+# texts this small (both sides) are diffed as they are read: keeping their
+# entry and bytes for later costs more than the diff (some 1 KB an entry)
+SMALL_TEXT = 4096
 
 log = logging.getLogger("cowfs.session")
 
@@ -804,7 +808,7 @@ class Session:
         changes = self.stack.changes_since(since, path_list(paths))
         return {"since": since, "changes": self._writers_shown(changes)}
 
-    def _writers_shown(self, changes: list[dict]) -> list[dict]:
+    def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
         """*changes* as the requester may see them: the command line of a
         writer that is another user's process is its own business (it may
         carry a password); a user other than the owner sees its pid and
@@ -883,8 +887,12 @@ class Session:
 
         # Every side is read while the tree holds still (one instant); the
         # text diffs are computed afterwards, while file requests are served,
-        # from at most MAX_TEXT_HELD bytes of text held at once.
-        entries, todo, held = [], [], 0
+        # from at most MAX_TEXT_HELD bytes of text held at once (those of
+        # small texts at once).  An entry that is complete is kept as its
+        # JSON text (a third of its dicts).
+        entries: list[dict | Encoded] = []
+        todo: list[tuple[int, Callable[[], None]]] = []
+        held = 0
         for c in self._writers_shown(changes):
             new = wpath(c["path"]) if c["path"] != "." else b""
             old = wpath(c["from"]) if c.get("from") else new
@@ -894,15 +902,23 @@ class Session:
                 room = text_limit if held < MAX_TEXT_HELD else 0
                 out, finish = diff_sides(h, c, room)
                 if finish is not None:
-                    todo.append(finish)
-                    held += sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
-                entries.append(out)
+                    size = sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
+                    if size <= SMALL_TEXT:
+                        finish()
+                        finish = None
+                    else:
+                        todo.append((len(entries), finish))
+                        held += size
+                        entries.append(out)
+                if finish is None:
+                    entries.append(Encoded.of(out))
             else:
-                entries.append(c | {"binary": False, "unreadable": True})  # (names only)
+                entries.append(Encoded.of(c | {"binary": False, "unreadable": True}))  # (names)
 
         def texts() -> None:
-            for finish in todo:
+            for i, finish in todo:
                 finish()
+                entries[i] = Encoded.of(entries[i])
 
         if todo:
             await self.hooks.blocking(texts)
@@ -1167,7 +1183,8 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
         session.close()
     result["warnings"] = session.warnings + result.get("warnings", [])
     result["mounted"] = False
-    return result
+    # (what the daemon sends as lists: listing.Changes, listing.Encoded items)
+    return {k: plain_list(v) if isinstance(v, (Changes, list)) else v for k, v in result.items()}
 
 
 def inspect_offline(workspace: str, store: str | None, readonly: bool = True) -> Session:

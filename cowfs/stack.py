@@ -5,6 +5,7 @@ an unmounted workspace; the daemon adds flushing and cache invalidation.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import stat
@@ -18,6 +19,7 @@ from . import pending as P
 from . import schema as S
 from .errors import NeedsConfirmation, NothingToDo, Refused, StoreError, UnknownLayer
 from .journal import Kept, MetaAt, Reading
+from .listing import Changes
 from .past import filter_paths
 from .store import Layer, PendingRecord, Store, digest
 from .text import count, human_size
@@ -53,6 +55,8 @@ class RollbackReport:
 
 
 class Stack:
+    WHO_BATCH = 4096  # changes attributed at a time
+
     def __init__(self, store: Store, resolver: B.Resolver):
         self.store = store
         self.resolver = resolver
@@ -289,18 +293,23 @@ class Stack:
             B.remove_tree_at(st.grave_fd, str(gid).encode())
         return freed
 
-    def attribute(self, changes: list[dict], since: int) -> list[dict]:
+    def attribute(self, changes: Changes, since: int) -> Changes:
         """Each change with who first made it ("who": pid, uid, cmd), from
-        the layers since *since*; the internal "ino" is dropped."""
+        the layers since *since* (looked up a batch at a time)."""
         layers = [layer.id for layer in self.store.layers() if layer.id >= since]
         seg = redo.segment(self.store)  # (changes since the last rollback)
         if seg is not None:
             layers.append(seg)
-        inos = [c.pop("ino", None) for c in changes]
-        found = self.store.who(layers, [i for i in inos if i is not None])
-        for c, ino in zip(changes, inos, strict=True):
-            if ino in found:
-                c["who"] = dict(found[ino])
+        rows = changes.rows
+        for i in range(0, len(rows), self.WHO_BATCH):
+            found = self.store.who(
+                layers, [r[4] for r in rows[i : i + self.WHO_BATCH] if r[4] is not None]
+            )
+            for j in range(i, min(i + self.WHO_BATCH, len(rows))):
+                path, kind, was, is_dir, ino, _ = rows[j]
+                who = found.get(ino) if ino is not None else None
+                if who is not None:  # (one dict per writer, shared: read, never changed)
+                    rows[j] = (path, kind, was, is_dir, ino, who)
         return changes
 
     def sweep_graves(self) -> int:
@@ -772,13 +781,13 @@ class Stack:
             "changes": self.attribute(filter_paths(self._changes(layer_id), list(paths)), layer_id),
         }
 
-    def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> list[dict]:
+    def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> Changes:
         """Net changes since layer *layer_id* was opened (what a rollback
         --to it would undo), under *paths* if given."""
         changes = self._changes(layer_id, since=True)
         return self.attribute(filter_paths(changes, list(paths)), layer_id)
 
-    def undone(self) -> list[dict]:
+    def undone(self) -> Changes:
         """What the rollback planned now undoes (``changes_since`` its
         layer), for its audit.  The records read for it, when they were
         read afresh, serve the rollback's steps too (one reading of a large
@@ -786,6 +795,10 @@ class Stack:
         to = self.planned()["to"]
         collect: list[tuple[int, S.Record]] = []
         changes = self.attribute(self._changes(to, since=True, collect=collect), to)
+        if len(collect) > self.WHO_BATCH:
+            # (the reading is garbage in cycles -- a tree of slots -- that the
+            # rollback about to run would otherwise carry through its peak)
+            gc.collect()
         st = self.store
         self._ahead = (st.epoch, st.get_layer(to).start, st.next_seq, collect) if collect else None
         return changes
@@ -809,9 +822,7 @@ class Stack:
             return self.kept.get(layer.start, collect)
         return Reading(self.store.records(layer.start, end))
 
-    def _changes(
-        self, layer_id: int, since: bool = False, collect: list | None = None
-    ) -> list[dict]:
+    def _changes(self, layer_id: int, since: bool = False, collect: list | None = None) -> Changes:
         """Net changes of a layer (with *since*: since it was opened),
         like ``git status --short``: A added, D deleted, M modified, T type
         changed, R renamed, m attributes only.
@@ -822,7 +833,7 @@ class Stack:
         with self.resolver.reading():
             return self._net(j)
 
-    def _net(self, j: Reading) -> list[dict]:
+    def _net(self, j: Reading) -> Changes:
         """The net changes *j* describes, compared with the tree now.  An
         object counts as renamed (R) when its own name or directory changed,
         not when it moved only with a directory above it; one that is gone
@@ -851,8 +862,9 @@ class Stack:
             here = names.now(head)
             return None if here is None else (here + b"/" + name if here else name)
 
-        out: dict[bytes, dict] = {}
-        deleted: dict[bytes, dict] = {}  # (at their paths then: kept apart)
+        # path -> (path, kind, from, is a directory, ino, who): see listing.Changes
+        out: dict[bytes, tuple] = {}
+        deleted: dict[bytes, tuple] = {}  # (at their paths then: kept apart)
         present: set[int] = set()
         gone: list[tuple[bytes, int]] = []
         for sp, was in j.start.items():
@@ -865,33 +877,21 @@ class Stack:
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = {
-                    "path": cur,
-                    "kind": "R",
-                    "from": sp,
-                    "ino": was,
-                    "dir": stat.S_ISDIR(st.st_mode),
-                }
+                out[cur] = (cur, "R", sp, stat.S_ISDIR(st.st_mode), was, None)
             elif cur:
                 kind = self.same.modified(
                     cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was)
                 )
                 if kind:
-                    out[cur] = {
-                        "path": cur,
-                        "kind": kind,
-                        "ino": was,
-                        "dir": stat.S_ISDIR(st.st_mode),
-                    }
+                    out[cur] = (cur, kind, None, stat.S_ISDIR(st.st_mode), was, None)
         stands_in: set[bytes] = set()  # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
             st = now(at)
             if at is None or st is None or at in out:  # (no path, no object)
                 if st is None or st.st_ino not in present:
-                    deleted.setdefault(
-                        sp, {"path": sp, "kind": "D", "ino": was, "dir": was_dir(was)}
-                    )
+                    if sp not in deleted:
+                        deleted[sp] = (sp, "D", None, was_dir(was), was, None)
                 continue  # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
@@ -904,33 +904,26 @@ class Stack:
             )
             stands_in.add(at)
             if kind:
-                out[at] = {
-                    "path": at,
-                    "kind": kind,
-                    "ino": st.st_ino,
-                    "dir": stat.S_ISDIR(st.st_mode),
-                }
+                out[at] = (at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino, None)
+        # (no two slots are at one path: what was made is listed, not looked up)
+        added = []
         for slot in j.created:
             cur = names.where(slot)
             if cur is None or cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                out[cur] = {
-                    "path": cur,
-                    "kind": "A",
-                    "ino": st.st_ino,
-                    "dir": stat.S_ISDIR(st.st_mode),
-                }
-        result = []
-        for c in sorted([*deleted.values(), *out.values()], key=lambda c: c["path"]):
-            c["path"] = os.fsdecode(c["path"]) if c["path"] else "."
-            if "from" in c:
-                c["from"] = os.fsdecode(c["from"])
-            if not c["dir"]:
-                del c["dir"]  # (said of directories only)
-            result.append(c)
-        return result
+                added.append((cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino, None))
+        rows = [*deleted.values(), *out.values()]
+        del deleted, out
+        rows += added
+        del added
+        rows.sort(key=_by_path)  # (stable: a deletion before what stands there now)
+        return Changes(rows)
+
+
+def _by_path(row: tuple) -> bytes:
+    return row[0] or b"."  # (the root is listed as ".")
 
 
 def _as_recorded(fp: list | None, was: list | None) -> list | None:
