@@ -358,8 +358,11 @@ class Engine:
                     self._wait(idle)
                     continue
                 except OSError as e:
-                    if e.errno in (errno.EINTR, errno.ENOENT):
-                        continue  # (ENOENT: a request interrupted meanwhile)
+                    # (ENOENT: a request interrupted meanwhile; ECONNABORTED:
+                    # one read while an unmount tore the connection down --
+                    # the next read says ENODEV)
+                    if e.errno in (errno.EINTR, errno.ENOENT, errno.ECONNABORTED):
+                        continue
                     if e.errno == errno.ENODEV:
                         self.ended = True  # unmounted
                         return
