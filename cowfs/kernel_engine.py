@@ -820,6 +820,9 @@ class Engine:
             if bfd is not None:
                 node = self.ops.handles[fh].node
                 if node.backing is None:
+                    # (the kernel takes a reference to the file behind *bfd*,
+                    # the node's O_PATH fd, and keeps it until the id is
+                    # closed: the fd itself may be closed or evicted later)
                     node.backing = self._backing_open(bfd)
                 return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, node.backing)
         return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)
