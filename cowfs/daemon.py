@@ -184,6 +184,7 @@ class Mounted(MountHooks):
             "name": self.engine.name,
             "why": self.engine.why,
             **getattr(self.engine, "features", lambda: {})(),
+            "descriptors": self.fs.fds.info(),
         }
 
 

@@ -359,8 +359,11 @@ class Engine:
                     self._wait(idle)
                     continue
                 except OSError as e:
-                    if e.errno in (errno.EINTR, errno.ENOENT):
-                        continue  # (ENOENT: a request interrupted meanwhile)
+                    # (ENOENT: a request interrupted meanwhile; ECONNABORTED:
+                    # one read while an unmount tore the connection down --
+                    # the next read says ENODEV)
+                    if e.errno in (errno.EINTR, errno.ENOENT, errno.ECONNABORTED):
+                        continue
                     if e.errno == errno.ENODEV:
                         self.ended = True  # unmounted
                         return
@@ -843,6 +846,9 @@ class Engine:
             if bfd is not None:
                 node = self.ops.handles[fh].node
                 if node.backing is None:
+                    # (the kernel takes a reference to the file behind *bfd*,
+                    # the node's O_PATH fd, and keeps it until the id is
+                    # closed: the fd itself may be closed or evicted later)
                     node.backing = self._backing_open(bfd)
                 return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, node.backing)
         return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)

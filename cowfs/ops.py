@@ -228,7 +228,7 @@ class Ops:
         st = made if made is not None else os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         node = self.by_bino.get(st.st_ino)
         if node is None:
-            fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+            fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
             if made is None:
                 st = os.fstat(fd)
             node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
@@ -289,7 +289,7 @@ class Ops:
             if parent is None or not parent.live:
                 continue
             try:
-                fd = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+                fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
             except OSError:
                 continue
             if os.fstat(fd).st_ino == node.bino:
@@ -571,6 +571,8 @@ class Ops:
         without CAP_FSETID (see ``_kill_privs``)."""
         node = self._node(inode)
         handle = self.handles.get(fh) if fh is not None else None
+        if isinstance(handle, Handle):
+            self.fds.using(handle)
         if size is not None or uid is not None or gid is not None:
             self._kill_privs(node, kill_suidgid and size is not None, ctx)
         if size is not None:
@@ -756,7 +758,7 @@ class Ops:
             if flags & os.O_EXCL:
                 raise fail(errno.EEXIST)
             node, st = self._lookup(parent, name)
-            fh, keep = self.open(node.ino, flags & ~os.O_CREAT, ctx=ctx, kill_suidgid=kill_suidgid)
+            fh, keep = self._open(node, flags & ~os.O_CREAT, ctx, kill_suidgid)
             return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.rec.obj(parent.bino)
@@ -764,11 +766,9 @@ class Ops:
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
                 self.rec.create(w, self._child(parent, name))
-        fd = os.open(
-            name,
-            self._open_flags(flags) | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-            stat.S_IMODE(mode),
-            dir_fd=parent.fd,
+        fl = self._open_flags(flags)
+        fd = self.fds.open(
+            name, fl | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, stat.S_IMODE(mode), parent.fd
         )
         try:
             self._own(parent, name, ctx, mode, fd)
@@ -778,7 +778,7 @@ class Ops:
             raise
         self.rec.note_created(st.st_ino)
         node.nocap = True
-        return (*self._new_handle(node, fd, flags), node, st)
+        return (*self._new_handle(node, fd, flags, fl), node, st)
 
     # -- removing and moving names -------------------------------------------------------
 
@@ -808,6 +808,7 @@ class Ops:
         self.rec.obj(parent.bino)
         if self.rec.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
             # Not captured: removed for real, the parent's times are left.
+            self._last_name(st)
             if isdir:
                 os.rmdir(name, dir_fd=parent.fd)
             else:
@@ -822,6 +823,7 @@ class Ops:
             # Nothing to keep.  (Directories always go to the grave, even
             # new ones: earlier records may name paths inside them, and those
             # must resolve while a rollback replays them.)
+            self._last_name(st)
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
             os.unlink(name, dir_fd=parent.fd)
@@ -833,10 +835,24 @@ class Ops:
             return
         if isdir and not self._is_empty(parent, name):
             raise fail(errno.ENOTEMPTY)
+        self._last_name(st)  # (the grave's name goes at a base commit)
         with self.rec.txn() as w:
             self._dir_changes(w, parent)
             gid = self._bury(w, parent, name, st)
         self._to_grave(parent, name, gid, st.st_ino)
+
+    def _last_name(self, st: os.stat_result) -> None:
+        """The name of *st*'s object is about to go (for real, or into the
+        grave, whose name a base commit takes): if it was the last and a
+        program has the file open, the node's fd is kept open from now
+        (pinned: it could not be opened again by a name), counted against
+        the requester -- EMFILE, before anything changes, for one who holds
+        its share of such files already."""
+        if st.st_nlink == 1 and not stat.S_ISDIR(st.st_mode):
+            node = self.by_bino.get(st.st_ino)
+            if node is not None and node.nopen:
+                who = self.rec.who
+                self.fds.pin(node, who[1] if who is not None else -1)
 
     def _is_empty(self, parent: Node, name: bytes) -> bool:
         fd = B.open_noatime(
@@ -911,6 +927,8 @@ class Ops:
             and (stat.S_ISDIR(dst.st_mode) or not self.rec.obj(dst.st_ino).created)
         )
         whiteout = flags & B.RENAME_WHITEOUT
+        if dst is not None:
+            self._last_name(dst)  # (the object replaced may be open)
         gid = None
         with self.rec.txn() as w:
             if not quiet:  # (within ignored paths: nothing is recorded)
@@ -981,14 +999,15 @@ class Ops:
             | os.O_CLOEXEC
         )
 
-    def _new_handle(self, node: Node, fd: int, flags: int) -> tuple[int, bool]:
-        """(fh, whether the kernel may keep the cached pages)"""
+    def _new_handle(self, node: Node, fd: int, flags: int, fd_flags: int) -> tuple[int, bool]:
+        """(fh, whether the kernel may keep the cached pages); *fd* was
+        opened with *fd_flags* (and is opened so again if it is evicted)."""
         fh = self.next_fh
         self.next_fh += 1
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         self.writers += writable
-        self.handles[fh] = Handle(node, fd, writable, self.rec.who)
-        self.fds.pin(node)
+        h = self.handles[fh] = Handle(node, fd, fd_flags, writable, self.rec.who)
+        self.fds.opened(node, h)
         return fh, self._keep_cache(fd, flags)
 
     def _keep_cache(self, fd: int, flags: int) -> bool:
@@ -1011,23 +1030,31 @@ class Ops:
         self, inode: int, flags: int, ctx: Caller, kill_suidgid: bool = False
     ) -> tuple[int, bool]:
         """*kill_suidgid*: an O_TRUNC open by a caller without CAP_FSETID."""
-        node = self._node(inode)
+        return self._open(self._node(inode), flags, ctx, kill_suidgid)
+
+    def _open(self, node: Node, flags: int, ctx: Caller, kill_suidgid: bool) -> tuple[int, bool]:
         if flags & os.O_TRUNC and stat.S_ISREG(node.mode):
             self._kill_privs(node, kill_suidgid, ctx)
             self._capture_data(node, None, 0, 1 << 63, zeroing=True)
             self._rewriting(node)
         fl = self._open_flags(flags)
         try:
-            fd = os.open(B.proc(node.fd), fl)
+            fd = self.fds.open(B.proc(node.fd), fl)
         except PermissionError:
-            fd = os.open(B.proc(node.fd), (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE))
-        return self._new_handle(node, fd, flags)
+            fl = (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE)
+            fd = self.fds.open(B.proc(node.fd), fl)
+        return self._new_handle(node, fd, flags, fl)
 
     def _file(self, fh: int) -> Handle:
         """The open file *fh* (EBADF for a directory handle)."""
         h = self.handles[fh]
         if not isinstance(h, Handle):
             raise fail(errno.EBADF)
+        fds = self.fds  # (its fd is open, and stays so while the request runs)
+        if h is not fds.busy:
+            fds.busy2, fds.busy = fds.busy, h
+        if h.fd < 0:
+            fds.reopen_handle(h)
         return h
 
     def _dir(self, fh: int) -> DirHandle:
@@ -1104,11 +1131,9 @@ class Ops:
         (nothing to capture; giving it a name later is a link)."""
         parent = self._node(parent_inode)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
-        fd = os.open(
-            B.proc(parent.fd),
-            (self._open_flags(flags) & ~os.O_DIRECTORY) | os.O_TMPFILE,
-            stat.S_IMODE(mode),
-        )
+        self.fds.may_pin(ctx.uid)  # (it has no name: its fd stays while open)
+        fl = self._open_flags(flags) & ~os.O_TMPFILE
+        fd = self.fds.open(B.proc(parent.fd), fl | os.O_TMPFILE, stat.S_IMODE(mode))
         try:
             self._own(parent, b"", ctx, mode, fd)
             st = os.fstat(fd)
@@ -1124,7 +1149,9 @@ class Ops:
         self.nodes[node.ino] = node
         self.by_bino[node.bino] = node
         self.rec.note_created(st.st_ino)
-        return (*self._new_handle(node, fd, flags), node, st)
+        fh, keep = self._new_handle(node, fd, flags, fl)
+        self.fds.pin(node, ctx.uid)
+        return fh, keep, node, st
 
     def _rewriting(self, node: Node) -> None:
         """The bytes of *node*'s object are about to change: if it is also
@@ -1151,9 +1178,10 @@ class Ops:
 
     @op
     def release(self, fh: int) -> Handle:
-        h = self._file(fh)
+        h = self.handles[fh]  # (not _file: an evicted fd needs no reopening)
+        if not isinstance(h, Handle):
+            raise fail(errno.EBADF)
         del self.handles[fh]
-        os.close(h.fd)
         self.writers -= h.writable
         node = h.node
         if h.counted:
@@ -1162,12 +1190,9 @@ class Ops:
                 node.pt_writers -= h.writable
                 if not node.pt_writers:
                     self.pt_writers.discard(node)
-                if not node.pt and node.bfd >= 0:
-                    os.close(node.bfd)
-                    node.bfd = -1
             else:
                 node.cached -= 1
-        self.fds.unpin(node)
+        self.fds.closed(h)
         return h
 
     # -- passthrough --------------------------------------------------------------------
@@ -1184,7 +1209,12 @@ class Ops:
         open layer (nothing to capture).  A writer of a file already served
         so gets passthrough too, the file captured whole first; and at every
         layer switch, files open for writing this way are captured whole in
-        the new top layer (``layer_switched``)."""
+        the new top layer (``layer_switched``).
+
+        The fd returned is the node's O_PATH fd, for the engine to hand over
+        at once (FUSE_DEV_IOC_BACKING_OPEN takes a reference to the file:
+        the kernel opens each passthrough file on its path, and the fd can
+        be closed -- or evicted -- right after)."""
         h = self._file(fh)
         node = h.node
         ok = (
@@ -1199,9 +1229,9 @@ class Ops:
                 )
             )
         )
-        if ok and node.bfd < 0:
-            try:  # (the kernel opens the file on its path: O_PATH is enough)
-                node.bfd = os.dup(node.fd)
+        if ok and not node.pt:
+            try:
+                _ = node.fd  # (reachable: opened again if it was evicted)
             except OSError:
                 ok = False
         if not ok:
@@ -1214,7 +1244,7 @@ class Ops:
             self.pt_writers.add(node)
         node.pt += 1
         h.counted = h.passthrough = True
-        return node.bfd
+        return node.fd
 
     def _capture_whole(self, node: Node, fd: int) -> None:
         """Capture every byte and the attributes of *node*'s file in the open
@@ -1230,20 +1260,25 @@ class Ops:
         it, unless made in it.  After an undo, not those it took out of the
         tree (into the grave, kept for a redo, which would notice their
         change by its fingerprint)."""
+        if not self.pt_writers:
+            return
+        # (one pass over the open files: a program may hold very many)
+        writing: dict[Node, Handle] = {}
+        for open_file in self.handles.values():
+            if (
+                isinstance(open_file, Handle)
+                and open_file.passthrough
+                and open_file.node in self.pt_writers
+            ):
+                writing.setdefault(open_file.node, open_file)
         for node in list(self.pt_writers):
-            h = next(
-                (
-                    h
-                    for h in self.handles.values()
-                    if isinstance(h, Handle) and h.node is node and h.passthrough
-                ),
-                None,
-            )
-            if h is not None and node.live:
+            found = writing.get(node)
+            if found is not None and node.live:
+                self.fds.using(found)
                 if after_undo and S.grave_id(self._loc(node)) is not None:
                     continue
                 try:
-                    self._capture_whole(node, h.fd)
+                    self._capture_whole(node, found.fd)
                 except OSError as e:
                     log.warning(
                         "could not capture a file open for writing across a layer switch: %s", e
@@ -1472,7 +1507,10 @@ class Ops:
         for bino in touched.objects:
             node = self.by_bino.get(bino)
             if node is not None:
-                node.mode = os.stat(node.fd).st_mode
+                try:
+                    node.mode = os.stat(node.fd).st_mode
+                except OSError:  # (its fd was evicted, and it has no name left)
+                    pass
                 inodes.append(node.ino)
         return entries, sorted(set(inodes))
 

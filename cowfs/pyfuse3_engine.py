@@ -21,6 +21,7 @@ from .inodes import Node
 from .ops import TIMEOUT, Ops, errno_only
 
 NAME = "pyfuse3"
+log = logging.getLogger("cowfs.pyfuse3")
 T = TypeVar("T")
 P = ParamSpec("P")
 Ts = TypeVarTuple("Ts")
@@ -265,7 +266,14 @@ class Engine:
         pyfuse3.init(CowFS(self.ops, on_init), mountpoint, options)
 
     async def serve(self) -> None:
-        await pyfuse3.main(min_tasks=2, max_tasks=16)
+        try:
+            await pyfuse3.main(min_tasks=2, max_tasks=16)
+        except* ConnectionAbortedError:
+            # A request read while the kernel tore the connection down (an
+            # unmount with releases still queued: a program closed many
+            # files just before) reads as ECONNABORTED, which libfuse takes
+            # for an error; the connection is gone either way.
+            log.info("the kernel ended the FUSE connection with requests queued")
 
     def terminate(self) -> None:
         pyfuse3.terminate()

@@ -94,15 +94,25 @@ TREE_OPS = ("rollback", "commit", "redo")  # refused on drift; the drift record 
 
 
 def raise_fd_limit() -> None:
+    """As many descriptors as this process may have: root raises its hard
+    limit up to the kernel's ceiling (fs.nr_open; it needs
+    CAP_SYS_RESOURCE), anyone the soft limit to the hard one.  The daemon
+    keeps its backing descriptors below what it got, less a reserve
+    (``inodes.fd_cache_size``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 1 << 20
-    if os.geteuid() == 0 and hard < want:
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            ceiling = int(f.read())
+    except (OSError, ValueError):
+        ceiling = 1 << 20
+    if os.geteuid() == 0 and hard != resource.RLIM_INFINITY and hard < ceiling:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, ceiling))
             return
         except (ValueError, OSError):
             pass
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class MountHooks:

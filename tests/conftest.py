@@ -49,7 +49,13 @@ settings.load_profile(
 
 
 # Modules that run on both FUSE engines (the rest on the default one).
-BOTH_ENGINES = ("test_core", "test_posix", "test_crash", "test_engines_compared")
+BOTH_ENGINES = (
+    "test_core",
+    "test_posix",
+    "test_crash",
+    "test_engines_compared",
+    "test_descriptors",
+)
 ENGINES = ("kernel", "pyfuse3")
 
 
