@@ -389,6 +389,60 @@ class Resolver:
             return lstat_at(d, n)
 
 
+# An object's identity beyond its inode number, which the filesystem gives
+# the next object made once it is freed: the file handle name_to_handle_at(2)
+# encodes (ext4, xfs, tmpfs: the inode number and its generation, new at
+# each reuse), with the mount it is on.  AT_HANDLE_FID (Linux 6.5) asks for
+# one to compare only, which filesystems that cannot be exported give too.
+MAX_HANDLE_SZ = 128
+AT_HANDLE_FID = 0x200
+_handle_flags = [AT_EMPTY_PATH | AT_HANDLE_FID]
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [
+        ("handle_bytes", ctypes.c_uint),
+        ("handle_type", ctypes.c_int),
+        ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ),
+    ]
+
+
+_libc.name_to_handle_at.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.POINTER(_FileHandle),
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.c_int,
+]
+
+
+def object_id(fd: int) -> bytes | None:
+    """The identity of the object behind *fd* (O_PATH is enough), to tell
+    it from a later object given its inode number; None where the
+    filesystem has no file handles."""
+    fh = _FileHandle()
+    mount_id = ctypes.c_int()
+    while True:
+        fh.handle_bytes = MAX_HANDLE_SZ
+        if (
+            _libc.name_to_handle_at(
+                fd, b"", ctypes.byref(fh), ctypes.byref(mount_id), _handle_flags[0]
+            )
+            == 0
+        ):
+            break
+        e = ctypes.get_errno()
+        if e == errno.EINVAL and _handle_flags[0] & AT_HANDLE_FID:
+            _handle_flags[0] = AT_EMPTY_PATH  # (a kernel before 6.5)
+            continue
+        if e in (errno.EOPNOTSUPP, errno.EOVERFLOW, errno.ENOSYS):
+            return None
+        raise OSError(e, os.strerror(e))
+    n = fh.handle_bytes
+    head = mount_id.value.to_bytes(4, "little", signed=True)
+    return head + fh.handle_type.to_bytes(4, "little", signed=True) + bytes(fh.f_handle[:n])
+
+
 def lstat_at(dirfd: int, name: bytes) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=dirfd, follow_symlinks=False)

@@ -34,6 +34,7 @@ from .mounts import MountRecord, not_answering, not_owner
 
 MAX_REQUEST = 1 << 20
 DEADLINE = 30.0  # seconds a client waits for a sign of life from a daemon
+MAX_CONNECTIONS = 32  # control connections open at once per user (not root)
 BEAT = 0.5  # seconds between the signs of life a daemon sends a waiting client
 
 
@@ -320,6 +321,9 @@ class Doorman:
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="control-doorman", daemon=True)
+        # connections open, by the user on the other end (root's uncounted)
+        self.open: dict[socket.socket, int] = {}
+        self.per_user: dict[int, int] = {}
 
     def start(self) -> None:
         self.thread.start()
@@ -371,13 +375,62 @@ class Doorman:
             except OSError:  # out of descriptors or memory: a moment later
                 time.sleep(0.1)
                 return
+            if not self._admit(conn):
+                continue
             with self.lock:
                 self.waiting[conn] = (time.monotonic(), False)
             try:
                 self.handoff(conn)
             except Exception:  # (the loop has ended)
-                self.quiet(conn)
+                self.done(conn)
                 conn.close()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Count *conn* against the user on the other end; a user other than
+        root who has MAX_CONNECTIONS open already is answered an error at
+        once and let go (a user holding connections open -- each may take
+        up to the time a request has to arrive -- must not take the
+        daemon's descriptors from everyone else)."""
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            uid = struct.unpack("3i", creds)[1]
+        except OSError:
+            conn.close()
+            return False
+        if uid != 0:
+            with self.lock:
+                if self.per_user.get(uid, 0) >= MAX_CONNECTIONS:
+                    refused = True
+                else:
+                    refused = False
+                    self.per_user[uid] = self.per_user.get(uid, 0) + 1
+                    self.open[conn] = uid
+            if refused:
+                answer = {
+                    "ok": False,
+                    "code": errors.NOT_ANSWERING,
+                    "error": f"user {uid} has {MAX_CONNECTIONS} requests open to this "
+                    "workspace's daemon already: wait for their answers",
+                }
+                try:
+                    conn.send(encode(answer), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                except OSError:
+                    pass
+                conn.close()
+                return False
+        return True
+
+    def done(self, conn: socket.socket) -> None:
+        """*conn* is over (answered or not): it counts no more."""
+        with self.lock:
+            self.waiting.pop(conn, None)
+            uid = self.open.pop(conn, None)
+            if uid is not None:
+                left = self.per_user[uid] - 1
+                if left:
+                    self.per_user[uid] = left
+                else:
+                    del self.per_user[uid]
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -428,14 +481,14 @@ async def serve(path: str, host: Host, mode: int = 0o600, task_status: Any = Non
                 except Exception:
                     log.exception("control connection failed")
                 finally:
-                    doorman.quiet(conn)
+                    doorman.done(conn)
                     conn.close()
 
             def start(conn: socket.socket) -> None:
                 try:
                     nursery.start_soon(connection, conn)
                 except RuntimeError:  # (the nursery is closing)
-                    doorman.quiet(conn)
+                    doorman.done(conn)
                     conn.close()
 
             doorman = Doorman(sock, lambda conn: token.run_sync_soon(start, conn))

@@ -11,6 +11,8 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable
 
+from . import backing as B
+
 ROOT = 1  # the root's inode number in every FUSE protocol
 
 
@@ -131,6 +133,10 @@ class FdCache:
         self.lru: OrderedDict[Node | Handle, None] = OrderedDict()
         self.pinned: dict[Node, int] = {}  # node -> uid it is counted against
         self.pins: dict[int, int] = {}  # uid -> pinned fds counted against it
+        # what the objects of nodes whose fds were evicted are (B.object_id):
+        # a reopened fd must reach the same object, not a later one the
+        # filesystem gave its freed inode number
+        self.ids: dict[Node, bytes] = {}
         self.busy: Handle | None = None  # the handles the request works on
         self.busy2: Handle | None = None
         self.evicted = 0  # (for status and tests: fds closed to stay under cap)
@@ -186,6 +192,11 @@ class FdCache:
                     if nameless:  # (an undo or a commit took its last name)
                         self.pinned[obj] = -1
                         continue
+                ident = B.object_id(fd)
+                if ident is None:  # (a filesystem without file handles: it stays)
+                    self.pinned[obj] = -1
+                    continue
+                self.ids[obj] = ident
                 obj._fd = -1
             else:
                 fd, obj.fd = obj.fd, -1
@@ -218,8 +229,21 @@ class FdCache:
         if not node.live:
             raise OSError(errno.ESTALE, "stale inode")
         node._fd = self._reopen(node)
+        self.ids.pop(node, None)
         self.add(node)
         return node._fd
+
+    def same(self, node: Node, fd: int) -> bool:
+        """Whether *fd* is on the object *node*'s evicted fd was on."""
+        want = self.ids.get(node)
+        return want is not None and B.object_id(fd) == want
+
+    def found(self, node: Node, fd: int) -> None:
+        """*node*'s evicted fd is found again: *fd*, which ``same`` vouched
+        for (the cache holds it now)."""
+        node._fd = fd
+        self.ids.pop(node, None)
+        self.add(node)
 
     def reopen_handle(self, h: Handle) -> None:
         """Open *h*'s evicted fd again (*h* is busy)."""
@@ -275,6 +299,7 @@ class FdCache:
 
     def close(self, node: Node) -> None:
         self.lru.pop(node, None)
+        self.ids.pop(node, None)
         if node in self.pinned:
             self._unpin(node)
         if node._fd >= 0:

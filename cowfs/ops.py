@@ -227,15 +227,35 @@ class Ops:
         """*made*: the stat of an object the daemon has just made there."""
         st = made if made is not None else os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         node = self.by_bino.get(st.st_ino)
-        if node is None:
+        if node is None or (node._fd < 0 and node is not self.root):
             fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
-            if made is None:
-                st = os.fstat(fd)
-            node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
-            node.parent, node.name = parent, name
-            self.nodes[node.ino] = node
-            self.by_bino[node.bino] = node
-            self.fds.add(node)
+            try:
+                if made is None or node is not None:
+                    st = os.fstat(fd)
+                    node = self.by_bino.get(st.st_ino)
+                if node is not None and node._fd < 0 and node is not self.root:
+                    # Its fd was evicted: the object may have gone since,
+                    # and this be a later one given its inode number.
+                    if self.fds.same(node, fd):
+                        self.fds.found(node, fd)
+                        fd = -1
+                    else:
+                        self._orphan(node.bino)
+                        node = None
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                raise
+            if node is None:
+                node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
+                node.parent, node.name = parent, name
+                self.nodes[node.ino] = node
+                self.by_bino[node.bino] = node
+                self.fds.add(node)
+            else:
+                if fd >= 0:  # (the name led to an object with a node of its fd)
+                    os.close(fd)
+                self._add_link(node, parent, name)
         else:
             self._add_link(node, parent, name)
         if count:
@@ -292,16 +312,17 @@ class Ops:
                 fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
             except OSError:
                 continue
-            if os.fstat(fd).st_ino == node.bino:
+            if os.fstat(fd).st_ino == node.bino and self.fds.same(node, fd):
                 return fd
             os.close(fd)
         path = self._search(node.bino)
         if path is not None:
             with B.Resolver(self.root.fd, self.grave.fd).at(path) as (d, n):
                 fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
-            if os.fstat(fd).st_ino == node.bino:
+            if os.fstat(fd).st_ino == node.bino and self.fds.same(node, fd):
                 return fd
             os.close(fd)
+        # (gone: its inode number may be another object's by now)
         raise OSError(errno.ESTALE, "the object has no name left")
 
     def _add_link(self, node: Node, parent: Node, name: bytes) -> None:

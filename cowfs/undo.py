@@ -11,7 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from . import backing as B
@@ -235,42 +236,48 @@ class Undoer:
 
     # -- objects -------------------------------------------------------------------
 
-    def _object(self, d: int, n: bytes, ino: int, loc: bytes) -> os.stat_result:
-        st = B.lstat_at(d, n)
-        if st is None:
-            raise UndoError(f"{_show(loc)}: object missing")
-        if st.st_ino != ino:
-            raise UndoError(f"{_show(loc)}: a different object is there")
-        return st
+    @contextmanager
+    def _held(self, loc: bytes, ino: int) -> Iterator[tuple[int, os.stat_result, int, bytes]]:
+        """An O_PATH fd on the object at *loc*, which must be object *ino*
+        (else UndoError), its stat, and its directory fd and name: a step
+        acts on the object through the fd, never by its name again (the
+        agent may swap names between a check and a call)."""
+        with self.r.at(loc) as (d, n):
+            try:
+                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+            except FileNotFoundError:
+                raise UndoError(f"{_show(loc)}: object missing") from None
+            try:
+                st = os.fstat(fd)
+                if st.st_ino != ino:
+                    raise UndoError(f"{_show(loc)}: a different object is there")
+                yield fd, st, d, n
+            finally:
+                os.close(fd)
 
     def _meta(
         self, loc: bytes, ino: int, mode: int, uid: int, gid: int, size: int, atime: int, mtime: int
     ) -> None:
-        with self.r.at(loc) as (d, n):
-            st = self._object(d, n, ino, loc)
+        with self._held(loc, ino) as (fd, st, _, _):
             if stat.S_ISREG(st.st_mode) and st.st_size != size:
-                fd = os.open(
-                    n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
-                )
+                wfd = os.open(B.proc(fd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
-                    os.ftruncate(fd, size)
+                    os.ftruncate(wfd, size)
                 finally:
-                    os.close(fd)
+                    os.close(wfd)
             if (st.st_uid, st.st_gid) != (uid, gid):
-                os.chown(n, uid, gid, dir_fd=d, follow_symlinks=False)
+                B.chown_fd(fd, uid, gid)
             if not stat.S_ISLNK(st.st_mode):
-                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
-                try:
-                    os.chmod(B.proc(fd), stat.S_IMODE(mode))
-                finally:
-                    os.close(fd)
-            os.utime(n, ns=(atime, mtime), dir_fd=d, follow_symlinks=False)
+                B.chmod_fd(fd, stat.S_IMODE(mode))
+            B.utime_fd(fd, atime, mtime)
         self.touched.objects.add(ino)
 
     def _xattrs(self, loc: bytes, ino: int, blob: bytes) -> None:
-        with self.r.at(loc) as (d, n):
-            self._object(d, n, ino, loc)
-            B.set_all_xattrs(*B.xattr_target(d, n), S.decode_xattrs(blob))
+        with self._held(loc, ino) as (fd, st, d, n):
+            # (a symlink's by its name, as the daemon's own calls: xattr
+            # calls have no form that takes an fd on a symlink)
+            target = B.xattr_target(d, n) if stat.S_ISLNK(st.st_mode) else (B.proc(fd), True)
+            B.set_all_xattrs(*target, S.decode_xattrs(blob))
         self.touched.objects.add(ino)
 
     def _chunk(self, loc: bytes, ino: int, index: int, length: int, h: bytes) -> None:
@@ -281,9 +288,10 @@ class Undoer:
                 raise UndoError(f"{_show(loc)}: pre-image chunk {index} is missing")
             if len(data) != length or digest(data) != h:
                 raise UndoError(f"{_show(loc)}: pre-image chunk {index} is corrupt")
-        with self.r.at(loc) as (d, n):
-            self._object(d, n, ino, loc)
-            fd = os.open(n, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        with self._held(loc, ino) as (pfd, st, _, _):
+            if not stat.S_ISREG(st.st_mode):
+                raise UndoError(f"{_show(loc)}: not a regular file")
+            fd = os.open(B.proc(pfd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 off = index * self.store.chunk_size
                 size = os.fstat(fd).st_size

@@ -18,6 +18,7 @@ which the kernel serves from its own reference to the backing file."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -274,29 +275,41 @@ LIMIT = 600  # the daemon's (prlimit)
 CACHED = 300  # backing fds it keeps (inodes.fd_cache_size: half, at this limit)
 
 
-@pytest.fixture
-def tight(engine) -> Iterator[Workspace]:
-    """A workspace other users can reach, with 1,000 files and a directory
-    of the agent's, mounted by a daemon limited to LIMIT descriptors."""
+@contextlib.contextmanager
+def limited(files: int) -> Iterator[Workspace]:
+    """A workspace other users can reach, with *files* files in many/ and a
+    directory of the agent's; mounted, once the caller has added what it
+    needs, by a daemon limited to LIMIT descriptors (``mount``)."""
     base = Path(tempfile.mkdtemp(prefix="cowfs-fds-"))
     os.chmod(base, 0o755)
     try:
         with managed_workspace(base / "ws") as ws:
             os.chmod(ws.path, 0o755)
             (ws / "many").mkdir()
-            for i in range(1000):
+            for i in range(files):
                 (ws / "many" / f"f{i}").write_bytes(content(i))
             (ws / "agent").mkdir()
             os.chown(ws / "agent", AGENT.pw_uid, AGENT.pw_gid)
-            subprocess.run(
-                ["prlimit", f"--nofile={LIMIT}:{LIMIT}", *COWFS, "mount", str(ws.path)],
-                check=True,
-                capture_output=True,
-            )
-            ws.mounted = True
             yield ws
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def mount(ws: Workspace) -> None:
+    subprocess.run(
+        ["prlimit", f"--nofile={LIMIT}:{LIMIT}", *COWFS, "mount", str(ws.path)],
+        check=True,
+        capture_output=True,
+    )
+    ws.mounted = True
+
+
+@pytest.fixture
+def tight(engine) -> Iterator[Workspace]:
+    """``limited`` with 1,000 files, mounted."""
+    with limited(1000) as ws:
+        mount(ws)
+        yield ws
 
 
 def test_an_unlinked_file_held_open_keeps_its_data_past_the_cache(tight):
@@ -423,3 +436,68 @@ def test_passthrough_files_held_open_take_no_descriptor_each(tight):
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_handle_whose_object_went_never_reaches_the_object_given_its_number(engine):
+    """The agent holds a file open (read-only first, so the kernel does not
+    serve it by passthrough) inside a directory the layer made, where it
+    is ignored; other opens evict the daemon's descriptors on it; the
+    rollback removes the directory with the file, whose inode number the
+    filesystem then gives a file root makes, mode 0600.  The agent's old
+    handle must fail (ESTALE), never read or write root's file: the
+    daemon tells an object from a later one of the same number by its file
+    handle (inode number and generation)."""
+    with limited(800) as ws:
+        (ws / "shared").mkdir()
+        os.chmod(ws / "shared", 0o1777)
+        (ws / ".cowfsignore").write_text("*.log\n")
+        mount(ws)
+        ws.checkpoint()
+        go_r, go_w = os.pipe()
+        res_r, res_w = os.pipe()
+        root = os.open(ws / "shared", os.O_PATH | os.O_DIRECTORY)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the agent
+            try:
+                users.become(AGENT.pw_uid, AGENT.pw_gid)
+                os.mkdir("d", dir_fd=root)
+                fd = os.open("x.log", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=root)
+                os.write(fd, b"agent data")
+                os.close(fd)
+                os.rename("x.log", "d/x.log", src_dir_fd=root, dst_dir_fd=root)
+                ro = os.open("d/x.log", os.O_RDONLY, dir_fd=root)
+                rw = os.open("d/x.log", os.O_RDWR, dir_fd=root)
+                os.write(res_w, b"ready\n")
+                os.read(go_r, 1)
+                got = []
+                for act in (lambda: os.pread(rw, 100, 0), lambda: os.pwrite(rw, b"AGENT", 0)):
+                    try:
+                        got.append(repr(act()))
+                    except OSError as e:
+                        got.append(errno.errorcode[e.errno or 0])
+                os.write(res_w, " ".join(got).encode() + b"\n")
+                os.close(ro)
+            finally:
+                os._exit(0)
+        os.close(root)
+        try:
+            assert os.read(res_r, 100) == b"ready\n"
+            held = [os.open(ws / "many" / f"f{i}", os.O_RDONLY) for i in range(700)]
+            for fd in held:  # (the cache turns over: the agent's fds go)
+                os.close(fd)
+            ws.cowfs("rollback", "--no-redo")
+            victims = []
+            for i in range(40):  # (one of them is given the freed number)
+                p = ws / "shared" / f"secret{i}"
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.write(fd, b"root only %d\n" % i)
+                os.close(fd)
+                victims.append(p)
+            os.write(go_w, b"g")
+            answer = os.read(res_r, 1000).decode().split()
+        finally:
+            os.close(go_w)
+            os.waitpid(pid, 0)
+        assert answer == ["ESTALE", "ESTALE"]
+        for i, p in enumerate(victims):
+            assert p.read_bytes() == b"root only %d\n" % i

@@ -429,3 +429,58 @@ def test_a_huge_sparse_file_costs_a_diff_or_status_what_it_holds(granted):
     assert time.monotonic() - t0 < 60  # (a TiB read would take hours)
     code, out, err = agent(ws, "diff", "--", "mine/big")
     assert "sparse: not read" in out or out.strip() == "", out
+
+
+def test_a_user_holding_control_connections_open_is_refused_more_and_no_one_else(granted):
+    """The agent opens connections to the daemon and sends half a request
+    on each, holding them (each may wait up to 30 s for the rest): past
+    MAX_CONNECTIONS it is answered an error at once, while root's commands
+    answer as quickly as ever; once it lets go, it is served again."""
+    import socket as socketlib
+
+    from cowfs.control import MAX_CONNECTIONS
+    from cowfs.mounts import MountRecord
+
+    ws = granted
+    rec = MountRecord.load(str(ws.path))
+    assert rec is not None
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the agent
+        try:
+            os.close(report_r)
+            os.close(go_w)
+            users.become(AGENT.pw_uid, AGENT.pw_gid)
+            held, answers = [], []
+            for _ in range(MAX_CONNECTIONS + 5):
+                s = socketlib.socket(socketlib.AF_UNIX)
+                s.settimeout(10)
+                s.connect(rec.socket)
+                s.send(b'{"op": "status"')
+                held.append(s)
+            for s in held[MAX_CONNECTIONS:]:  # (answered at once, then closed)
+                answers.append(json.loads(s.makefile("rb").readline()))
+            os.write(report_w, json.dumps(answers).encode())
+            os.close(report_w)
+            os.read(go_r, 1)
+            for s in held:
+                s.close()
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    os.close(go_r)
+    try:
+        with os.fdopen(report_r, "rb") as f:
+            answers = json.loads(f.read())
+        t0 = time.monotonic()
+        assert ws.json("status")["id"] >= 1
+        assert time.monotonic() - t0 < 25  # (not the 30 s a held connection may take)
+    finally:
+        os.close(go_w)
+        os.waitpid(pid, 0)
+    assert len(answers) == 5
+    for a in answers:
+        assert a["ok"] is False and "requests open" in a["error"], a
+    code, out, err = agent(ws, "--json", "status")
+    assert code == 0, err

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -224,3 +225,81 @@ def test_tar_with_hostile_member_paths_stays_inside(split, victim, tmp_path):
     split.cowfs("rollback")
     treesnap.assert_same(before, treesnap.snapshot(split.mnt))
     shutil.rmtree(src)
+
+
+def test_an_agent_swapping_its_files_with_roots_during_an_offline_rollback_gains_nothing():
+    """Unmounted, the agent (nobody) reaches the backing directory itself.
+    Its directory holds its own files, which the layer chmodded, beside
+    root's 0600 files; while root rolls the layer back, it keeps exchanging
+    the names of each pair (renameat2 RENAME_EXCHANGE), and the rollback's
+    checks are slowed (strace delays each stat 20 ms) to widen the window
+    between a check and what follows.  Every step acts on the object it
+    checked, through one descriptor: root's files keep their owner and
+    mode whatever name they have, and a step that meets the wrong object
+    says so."""
+    import ctypes
+    import pwd
+    import tempfile
+
+    from . import users
+    from .helpers import COWFS
+
+    agent = pwd.getpwnam("nobody")
+    pairs = 10
+    base = Path(tempfile.mkdtemp(prefix="cowfs-swap-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            mine = ws / "agent"
+            mine.mkdir()
+            os.chown(mine, agent.pw_uid, agent.pw_gid)
+            for k in range(pairs):
+                (mine / f"a{k}").write_text("agent file\n")
+                os.chown(mine / f"a{k}", agent.pw_uid, agent.pw_gid)
+                os.chmod(mine / f"a{k}", 0o666)
+                (mine / f"v{k}").write_text("ROOT SECRET\n")
+                os.chmod(mine / f"v{k}", 0o600)
+            ws.mount()
+            ws.checkpoint()
+            for k in range(pairs):
+                os.chmod(mine / f"a{k}", 0o600)  # (recorded: put back at 0666)
+            (mine / "many").mkdir()
+            for i in range(100):  # (undone first: the agent's cue)
+                (mine / "many" / f"m{i}").write_text("")
+            ws.unmount()
+            racer = os.fork()
+            if racer == 0:  # pragma: no cover - the agent
+                try:
+                    users.become(agent.pw_uid, agent.pw_gid)
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    os.chdir(mine)
+                    while os.path.exists("many/m99"):
+                        pass
+                    end = time.monotonic() + 120
+                    while time.monotonic() < end:
+                        for k in range(pairs):
+                            libc.renameat2(-100, b"a%d" % k, -100, b"v%d" % k, 2)
+                            time.sleep(0.003)
+                finally:
+                    os._exit(0)
+            try:
+                r = subprocess.run(
+                    ["strace", "-f", "-qq", "-o", "/dev/null"]
+                    + ["-e", "inject=newfstatat:delay_exit=20000"]
+                    + [*COWFS, "-C", str(ws.path), "rollback", "--yes", "--no-redo"],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+            finally:
+                os.kill(racer, 9)
+                os.waitpid(racer, 0)
+            assert "Traceback" not in r.stderr
+            assert r.returncode in (0, PARTIAL), r.stderr
+            for p in mine.iterdir():
+                if p.is_file() and p.read_text() == "ROOT SECRET\n":
+                    st = p.lstat()
+                    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600), p.name
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
