@@ -559,12 +559,13 @@ class Keeper:
         )
         try:
             out: list[int] = []
-            for lo, hi in B.iter_data(fd, end):
-                if hi <= start:
-                    continue
-                for i in range(max(lo, start) // self.C, (hi - 1) // self.C + 1):
+            pos = start
+            while (found := B.next_data(fd, pos, end)) is not None:
+                lo, hi = found
+                for i in range(lo // self.C, (hi - 1) // self.C + 1):
                     if not out or out[-1] < i:
                         out.append(i)
+                pos = hi
             return out
         finally:
             os.close(fd)

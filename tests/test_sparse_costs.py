@@ -548,3 +548,36 @@ def test_check_finds_a_forged_range_of_zeros(workspace):
     assert r.returncode == PARTIAL
     assert "big: not restored: its pre-image record is invalid" in r.stderr
     assert (ws / "small").read_bytes() == b"small\n"
+
+
+def test_restore_puts_back_a_file_captured_whole_by_what_it_holds(workspace):
+    """`cowfs restore` of a sparse file of 5 TiB captured whole (a writer
+    after a passthrough reader) and written into its holes punches out
+    what was written there and writes back what it held, reading and
+    writing what it holds; the restore itself rolls back exactly."""
+    ws = workspace
+    make_sparse(ws / "big", PIECES)
+    ws.mount("--engine", "kernel")
+    pid = ws.daemon_pid()
+    assert pid is not None
+    layer = ws.checkpoint("write into the holes")
+    before = tree(ws)
+    reader = os.open(ws / "big", os.O_RDONLY)
+    try:
+        writer = os.open(ws / "big", os.O_RDWR)
+        os.pwrite(writer, b"into a hole", TIB)
+        os.pwrite(writer, b"over the head", 3)
+        os.pwrite(writer, b"into another", 4 * TIB + 99)
+        os.close(writer)
+    finally:
+        os.close(reader)
+    after = tree(ws)
+    start = rchar(pid)
+    ws.cowfs("restore", "--from", str(layer), "big")
+    assert rchar(pid) - start < BOUND
+    restored = tree(ws)
+    assert restored[b"big"][1:] == before[b"big"][1:] != after[b"big"][1:]  # (its mtime: now)
+    ws.rollback()
+    assert tree(ws) == before
+    ws.json("redo")
+    assert tree(ws) == restored
