@@ -341,6 +341,32 @@ def tree(ws) -> dict:
     return out
 
 
+def mount_with_sparse(ws, *names: str) -> int:
+    """Make a sparse file of 5 TiB holding PIECES under each of *names*,
+    mount (the kernel engine: passthrough) and return the daemon's pid."""
+    for name in names:
+        make_sparse(ws / name, PIECES)
+    ws.mount("--engine", "kernel")
+    pid = ws.daemon_pid()
+    assert pid is not None
+    return pid
+
+
+def write_after_reader(ws, name: str, writes: dict[int, bytes]) -> None:
+    """Open *name* for reading (passthrough), then for writing (passthrough
+    too: captured whole first), write *writes* (offset -> bytes), close."""
+    reader = os.open(ws / name, os.O_RDONLY)
+    try:
+        writer = os.open(ws / name, os.O_RDWR)
+        try:
+            for off, data in writes.items():
+                os.pwrite(writer, data, off)
+        finally:
+            os.close(writer)
+    finally:
+        os.close(reader)
+
+
 def written(ws) -> int:
     """WRITE requests the daemon has served (none reach it through passthrough)."""
     return ws.json("status")["engine"]["requests"].get("write", 0)
@@ -418,10 +444,7 @@ def test_a_writer_after_a_passthrough_reader_captures_a_sparse_file_by_what_it_h
     gets passthrough too, the file captured whole first -- in a few
     records.  The writes roll back exactly and redo exactly."""
     ws = workspace
-    make_sparse(ws / "big", PIECES)
-    ws.mount("--engine", "kernel")
-    pid = ws.daemon_pid()
-    assert pid is not None
+    pid = mount_with_sparse(ws, "big")
     ws.checkpoint("read, then write")
     before = tree(ws)
     base, start = records(ws), rchar(pid)
@@ -458,11 +481,7 @@ def test_a_commit_merges_ranges_of_zeros_over_what_the_layer_below_recorded(work
     records, and a rollback of the merged layer puts back what the first
     layer started with, exactly; `check` finds the store sound."""
     ws = workspace
-    make_sparse(ws / "some", PIECES)
-    make_sparse(ws / "whole", PIECES)
-    ws.mount("--engine", "kernel")
-    pid = ws.daemon_pid()
-    assert pid is not None
+    pid = mount_with_sparse(ws, "some", "whole")
     first = ws.checkpoint("record some chunks")
     before = tree(ws)
     with open(ws / "some", "r+b") as f:  # (through the daemon: chunk by chunk)
@@ -508,17 +527,10 @@ def test_check_finds_a_forged_range_of_zeros(workspace):
     file's end (or that claims bytes longer than a chunk), and a rollback
     leaves that file as it is, reporting it, while it puts back the rest."""
     ws = workspace
-    make_sparse(ws / "big", PIECES)
     (ws / "small").write_bytes(b"small\n")
-    ws.mount("--engine", "kernel")
+    mount_with_sparse(ws, "big")
     layer = ws.checkpoint("capture whole")
-    reader = os.open(ws / "big", os.O_RDONLY)
-    try:
-        writer = os.open(ws / "big", os.O_RDWR)
-        os.pwrite(writer, b"written", TIB)
-        os.close(writer)
-    finally:
-        os.close(reader)
+    write_after_reader(ws, "big", {TIB: b"written"})
     (ws / "small").write_bytes(b"changed\n")
     code, res = check(ws)
     assert code == 0 and res["ok"], res
@@ -556,21 +568,12 @@ def test_restore_puts_back_a_file_captured_whole_by_what_it_holds(workspace):
     what was written there and writes back what it held, reading and
     writing what it holds; the restore itself rolls back exactly."""
     ws = workspace
-    make_sparse(ws / "big", PIECES)
-    ws.mount("--engine", "kernel")
-    pid = ws.daemon_pid()
-    assert pid is not None
+    pid = mount_with_sparse(ws, "big")
     layer = ws.checkpoint("write into the holes")
     before = tree(ws)
-    reader = os.open(ws / "big", os.O_RDONLY)
-    try:
-        writer = os.open(ws / "big", os.O_RDWR)
-        os.pwrite(writer, b"into a hole", TIB)
-        os.pwrite(writer, b"over the head", 3)
-        os.pwrite(writer, b"into another", 4 * TIB + 99)
-        os.close(writer)
-    finally:
-        os.close(reader)
+    write_after_reader(
+        ws, "big", {TIB: b"into a hole", 3: b"over the head", 4 * TIB + 99: b"into another"}
+    )
     after = tree(ws)
     start = rchar(pid)
     ws.cowfs("restore", "--from", str(layer), "big")
