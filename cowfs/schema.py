@@ -625,7 +625,7 @@ class Chunk(NamedTuple):
     chunk (*length* greater than the chunk size, indexed ``IDX_ZEROS``):
     the bytes [chunk * chunk size, + length) were all zeros -- one record
     for a run of holes, so capturing a sparse file whole costs what it
-    holds, not its size (``zero_span``).  Where layers merged into one
+    holds, not its size (``chunk_problem`` says which are valid).  Where layers merged into one
     overlap such a range with other records of the same chunks, the oldest
     record holds the state at the start: a rollback applies it last, a
     reading of the journal keeps the first (see ``cowfs/zeros.py``)."""
@@ -669,15 +669,6 @@ _SHAPES: dict[int, tuple[type, ...]] = {
     kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()
 }
 assert all(t in (int, bytes) for shape in _SHAPES.values() for t in shape)
-
-
-def zero_span(rec: Chunk, chunk_size: int) -> tuple[int, int] | None:
-    """The bytes [lo, hi) a CHUNK record of zeros covers (None: it holds
-    bytes)."""
-    if rec.digest:
-        return None
-    lo = rec.chunk * chunk_size
-    return lo, lo + rec.length
 
 
 def chunk_problem(rec: Chunk, chunk_size: int) -> str | None:
