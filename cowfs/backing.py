@@ -188,6 +188,22 @@ def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     return list(iter_data(fd, size))
 
 
+def next_data(fd: int, pos: int, end: int) -> tuple[int, int] | None:
+    """The first range of data of the file open at *fd* within [pos, end)
+    (None: none; a filesystem that cannot say: all of it)."""
+    try:
+        start = os.lseek(fd, pos, os.SEEK_DATA)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            return None
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return (pos, end) if pos < end else None
+    if start >= end:
+        return None
+    return start, min(os.lseek(fd, start, os.SEEK_HOLE), end)
+
+
 def iter_data(fd: int, size: int) -> Iterator[tuple[int, int]]:
     """``data_ranges``, one range at a time (memory that does not grow
     with the number of extents)."""

@@ -11,10 +11,17 @@ captured (metadata, xattrs, which chunks), so a later change of the same
 chunk or attribute costs one dictionary lookup and records nothing.  It keeps
 that for the objects changed last (``Recorder.KEEP``); the others' state is
 read back from the layer's index when they change again.
+
+A file captured whole (opened for writing through passthrough, whose writes
+the daemon never sees) is walked with SEEK_DATA/SEEK_HOLE: each chunk that
+holds data is recorded, each run of holes is one CHUNK record of zeros
+spanning it (indexed ``IDX_ZEROS``), so what it costs, and what is kept of
+it in memory, follows what the file holds, not the size it claims.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import itertools
 import os
@@ -27,6 +34,7 @@ from . import redo
 from . import schema as S
 from .ignore import IgnoreRules
 from .store import Store, Writer, scan
+from .zeros import Zeros
 
 Loc = Callable[[], bytes]
 
@@ -34,7 +42,7 @@ Loc = Callable[[], bytes]
 class Obj:
     """What the open layer holds for one object."""
 
-    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "attributed", "pinned")
+    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "zeros", "attributed", "pinned")
 
     def __init__(self) -> None:
         self.attributed = False
@@ -44,6 +52,7 @@ class Obj:
         self.s0 = 0
         self.xattrs = False
         self.chunks: set[int] | None = None  # (made on the first chunk)
+        self.zeros: Zeros | None = None  # ranges of zeros captured (bytes; made on the first)
 
 
 class Recorder:
@@ -135,6 +144,14 @@ class Recorder:
                     if o.chunks is None:
                         o.chunks = set()
                     o.chunks.add(chunk)
+                elif kind == S.IDX_ZEROS:
+                    raw = txn.get(S.u64(seq), db=self.store.db_journal)
+                    rec = S.decode_or_damaged(raw or b"")
+                    if isinstance(rec, S.Chunk) and not rec.digest:
+                        if o.zeros is None:
+                            o.zeros = Zeros()
+                        o.zeros.add(rec.chunk * self.C, rec.chunk * self.C + rec.length)
+                    # (else: not trusted, what it covers is captured again)
 
     def write_is_captured(self, ino: int, off: int, size: int) -> bool:
         """Fast path: True when a write of [off, off+size) needs no capture."""
@@ -147,13 +164,13 @@ class Recorder:
             return False
         if off >= o.s0:
             return True
-        chunks = o.chunks
-        if chunks is None:
+        chunks, zeros = o.chunks, o.zeros
+        if chunks is None and zeros is None:
             return False
         C = self.C
         end = min(off + size, o.s0)
         for k in range(off // C, (end - 1) // C + 1):
-            if k not in chunks:
+            if (chunks is None or k not in chunks) and (zeros is None or not zeros.covers(k * C)):
                 return False
         return True
 
@@ -176,7 +193,9 @@ class Recorder:
         except BaseException:
             for ino, saved in self._saved.items():
                 o = self.objs[ino]
-                (o.meta, o.s0, o.xattrs, o.chunks, o.attributed, o.pinned, o.created) = saved
+                (o.meta, o.s0, o.xattrs, o.chunks, o.zeros, o.attributed, o.pinned, o.created) = (
+                    saved
+                )
             raise
         finally:
             self._saved = {}
@@ -200,6 +219,7 @@ class Recorder:
                 o.s0,
                 o.xattrs,
                 set(o.chunks) if o.chunks is not None else None,
+                o.zeros.copy() if o.zeros is not None else None,
                 o.attributed,
                 o.pinned,
                 o.created,
@@ -379,7 +399,9 @@ class Recorder:
         zeros (a truncation, a punched hole): a chunk that is all hole now
         reads the same after it, and a later write there is captured first,
         so it is not recorded -- what truncating a sparse file of TiBs costs
-        follows what it holds, not its size."""
+        follows what it holds, not its size.  Otherwise a run of chunks that
+        are all hole is one record of zeros spanning them (what capturing a
+        sparse file whole costs follows what it holds too)."""
         o = self.meta(w, ino, loc, st)
         if o.created:
             return
@@ -392,20 +414,51 @@ class Recorder:
         self._changing(ino, o)
         if o.chunks is None:
             o.chunks = set()
+        chunks, s0 = o.chunks, o.s0
+        after: list[int] | None = None  # the chunks captured, sorted (for long runs of holes)
         k, last = start // C, (end - 1) // C
         while k <= last:
-            length = min(C, o.s0 - k * C)
+            if o.zeros is not None:
+                z = o.zeros.until(k * C)
+                if z > k * C:
+                    k = -(-z // C)  # (captured as zeros up to there)
+                    continue
+            length = min(C, s0 - k * C)
             if zeroing:
                 data_at = holes.next_data(k * C)
                 if data_at >= k * C + length:
                     k = max(k + 1, data_at // C)  # (the next chunk that holds data)
                     continue
-            if k in o.chunks:
+            if k in chunks:
                 k += 1
                 continue
             if where is None:
                 where = loc()
             if holes.covers(k * C, k * C + length):
+                # chunks [k, stop) are all hole, up to the next data, the
+                # end, or the next chunk or range captured already
+                stop = min(holes.next_data(k * C) // C, last + 1)
+                if stop - k > 64:
+                    if after is None:
+                        after = sorted(chunks)
+                    i = bisect.bisect_right(after, k)
+                    if i < len(after):
+                        stop = min(stop, after[i])
+                else:
+                    stop = next((j for j in range(k + 1, stop) if j in chunks), stop)
+                if o.zeros is not None:
+                    nxt = o.zeros.next_start(k * C)
+                    if nxt is not None:
+                        stop = min(stop, nxt // C)
+                if stop - k > 1:
+                    hi = min(stop * C, s0)
+                    seq = w.record(S.Chunk(where, ino, k, hi - k * C, b""))
+                    w.index_put(self.layer, ino, S.IDX_ZEROS, seq, k)
+                    if o.zeros is None:
+                        o.zeros = Zeros()
+                    o.zeros.add(k * C, hi)
+                    k = stop
+                    continue
                 zero = True  # not even read: sparse files cost nothing per hole
             else:
                 data = os.pread(fd, length, k * C)
@@ -417,7 +470,7 @@ class Recorder:
             h = b"" if zero else w.put_chunk(data)
             seq = w.record(S.Chunk(where, ino, k, length, h))
             w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
-            o.chunks.add(k)
+            chunks.add(k)
             k += 1
 
 

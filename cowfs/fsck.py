@@ -5,7 +5,9 @@ The check reads everything and writes nothing:
 * every chunk hashes (xxh3-128) to its name;
 * every chunk's reference count equals the records that use it, and no
   chunk is kept that nothing uses;
-* every journal record decodes and lies inside a layer; the chunk of a
+* every journal record decodes and lies inside a layer; a CHUNK record
+  holds at most a chunk's bytes, or a range of zeros that ends within the
+  largest file offset (``schema.chunk_problem``); the chunk of a
   CHUNK record and the grave entry of a GRAVE record exist, and a graved
   object is still the object that was removed (same inode) and, for a
   regular file hashed since it was removed (``gravesum``), still hashes
@@ -125,7 +127,16 @@ def unrestorable(
                 "is damaged; the object is left as it is now"
             )
         for _, rec in records:
-            if not isinstance(rec, S.Chunk) or not rec.digest or rec.ino in out:
+            if not isinstance(rec, S.Chunk) or rec.ino in out:
+                continue
+            problem = S.chunk_problem(rec, store.chunk_size)
+            if problem is not None:
+                out[rec.ino] = (
+                    f"{show(rec.loc)}: not restored: its pre-image record is invalid "
+                    f"({problem}); the object is left as it is now"
+                )
+                continue
+            if not rec.digest:
                 continue
             loc, ino, index, length, h = rec
             data = txn.get(h, db=store.db_chunks)
@@ -269,8 +280,21 @@ def check(store: Store, hashes: bool = True) -> Report:
                     )
                 )
                 rep.drop_records.append(seq)
-            elif isinstance(rec, S.Chunk) and rec.digest:
-                uses.setdefault(rec.digest, []).append((owner, f"{show(loc)} (chunk {rec.chunk})"))
+            elif isinstance(rec, S.Chunk):
+                problem = S.chunk_problem(rec, store.chunk_size)
+                if problem is not None:
+                    rep.problems.append(
+                        Problem(
+                            f"record {seq} (chunk of {show(loc)}) is invalid: {problem}; "
+                            "what it would undo is lost",
+                            [owner] if owner else [],
+                            [show(loc)],
+                        )
+                    )
+                if rec.digest:
+                    uses.setdefault(rec.digest, []).append(
+                        (owner, f"{show(loc)} (chunk {rec.chunk})")
+                    )
             elif isinstance(rec, S.Grave):
                 graved[rec.grave] = (owner, show(loc))
                 if dropping is not None and owner is not None and owner >= dropping:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import schema as S
+from .zeros import ChunkMap
 
 if TYPE_CHECKING:
     from .store import Store
@@ -197,22 +198,24 @@ class Reading:
     * ``created``: slots where objects were made after T (follow them with
       ``names.where``);
     * ``linked``: slots where hard links were made after T;
-    * ``meta`` (ino -> its META record and that record's seq), ``chunks`` (ino -> chunk index ->
-      (length, digest)), ``xattrs`` (ino -> blob): the first record of each
-      after T, which holds the object's state at T;
+    * ``meta`` (ino -> its META record and that record's seq), ``chunks`` (ino -> a
+      ``ChunkMap``: chunk index -> (length, digest), and the ranges of
+      zeros records span), ``xattrs`` (ino -> blob): the first record of
+      each (of each chunk) after T, which holds the object's state at T;
     * ``graves``: ino -> the grave ids it was moved into, in order;
     * ``removed``: ino -> how many of the names it had at T were removed
       since (moved into the grave): a name made after T and removed again
       is not one of them.
     """
 
-    def __init__(self, records: Iterable[tuple[int, S.Record]]):
+    def __init__(self, records: Iterable[tuple[int, S.Record]], chunk_size: int):
+        self.C = chunk_size
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
         self.created: list[Slot] = []  # (in order; each once: Slot.made)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
-        self.chunks: dict[int, dict[int, tuple[int, bytes]]] = {}
+        self.chunks: dict[int, ChunkMap] = {}
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
         self.removed: dict[int, int] = {}
@@ -289,7 +292,10 @@ class Reading:
             self.meta[rec.ino] = MetaAt(seq, rec)
 
     def _chunk(self, seq: int, rec: S.Chunk) -> None:
-        self.chunks.setdefault(rec.ino, {}).setdefault(rec.chunk, (rec.length, rec.digest))
+        m = self.chunks.get(rec.ino)
+        if m is None:
+            m = self.chunks[rec.ino] = ChunkMap(self.C)
+        m.add(rec.chunk, rec.length, rec.digest)
 
     def _xattrs(self, seq: int, rec: S.Xattrs) -> None:
         self.xattrs.setdefault(rec.ino, rec.blob)
@@ -331,11 +337,18 @@ class _Entry:
 
     __slots__ = ("epoch", "upto", "count", "reading", "waiting")
 
-    def __init__(self, epoch: int, start: int, reading: Reading | None = None, count: int = 0):
+    def __init__(
+        self,
+        epoch: int,
+        start: int,
+        chunk_size: int,
+        reading: Reading | None = None,
+        count: int = 0,
+    ):
         self.epoch = epoch
         self.upto = start
         self.count = count  # records read (fed or waiting)
-        self.reading = reading if reading is not None else Reading(())
+        self.reading = reading if reading is not None else Reading((), chunk_size)
         self.waiting: list[tuple[int, S.Record]] = []
 
     def catch_up(self) -> None:
@@ -383,7 +396,7 @@ class Kept:
             e = self._kept.pop(start, None)
             end = st.next_seq
             if e is None or e.epoch != st.epoch or e.upto > end:
-                e = self._still_held(start) or _Entry(st.epoch, start)
+                e = self._still_held(start) or _Entry(st.epoch, start, st.chunk_size)
             e.catch_up()
             if e.upto < end:
                 records: Iterable[tuple[int, S.Record]] = st.records(e.upto, end)
@@ -407,7 +420,7 @@ class Kept:
         reading = ref()
         if reading is None or epoch != self.store.epoch or upto > self.store.next_seq:
             return None
-        e = _Entry(epoch, upto, reading, count)
+        e = _Entry(epoch, upto, self.store.chunk_size, reading, count)
         return e
 
     def opened(self, start: int) -> None:
@@ -416,7 +429,7 @@ class Kept:
             if start == self.store.next_seq:
                 self._kept.pop(start, None)
                 self._held.pop(start, None)
-                self._kept[start] = _Entry(self.store.epoch, start)
+                self._kept[start] = _Entry(self.store.epoch, start, self.store.chunk_size)
                 self._trim()
 
     def clear(self) -> None:

@@ -33,6 +33,7 @@ from .journal import Reading
 from .listing import Changes
 from .store import Store
 from .text import quote
+from .zeros import ChunkMap
 
 
 class NotThere(CowfsError):
@@ -59,7 +60,7 @@ class Past:
     loc: bytes  # where it is now: a workspace path or a grave entry
     now: os.stat_result  # its status now
     meta: S.Meta | None = None  # the META record holding its state at T, if any
-    chunks: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    chunks: ChunkMap = field(default_factory=lambda: ChunkMap(1))  # (no records: any size)
     xattrs_blob: bytes | None = None
 
     # each from the META record when there is one (the state at T), else now
@@ -95,7 +96,9 @@ class History:
         layer = store.get_layer(layer_id)
         self.layer = layer_id
         self.j = (
-            reading if reading is not None else Reading(store.records(layer.start, store.next_seq))
+            reading
+            if reading is not None
+            else Reading(store.records(layer.start, store.next_seq), store.chunk_size)
         )
         self.start = self.j.start  # path at T -> object there (None: absent)
         self.graves = self.j.graves
@@ -130,7 +133,7 @@ class History:
             loc,
             now,
             meta.rec if meta is not None else None,
-            self.j.chunks.get(ino, {}),
+            self.j.chunks.get(ino) or ChunkMap(self.store.chunk_size),
             self.j.xattrs.get(ino),
         )
 
@@ -189,8 +192,7 @@ class History:
         if stat.S_ISREG(obj.mode):
             # (counted before they are looked at: a file of TiBs with few
             # chunks recorded costs what was recorded, not its size)
-            n = -(-obj.size // self.store.chunk_size)
-            return len(obj.chunks) >= n and all(k in obj.chunks for k in range(n))
+            return obj.chunks.covers_all(-(-obj.size // self.store.chunk_size))
         return not stat.S_ISDIR(obj.mode)
 
     def live_readable(self, obj: Past, who: Requester) -> bool:
@@ -478,7 +480,7 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
     C = h.store.chunk_size
     spans = sorted(
         (k * C, min(obj.size, k * C + length))
-        for k, (length, digest) in obj.chunks.items()
+        for k, (length, digest) in obj.chunks.one.items()
         if digest and k * C < obj.size
     )
     with h.r.at(obj.loc) as (d, n):
@@ -534,7 +536,7 @@ def diff_sides(
     new_st = h.r.lstat(new_path) if change["kind"] != "D" else None
     old_bytes = new_bytes = None
     if old is not None:
-        held = old.now.st_blocks * 512 + len(old.chunks) * h.store.chunk_size
+        held = old.now.st_blocks * 512 + len(old.chunks.one) * h.store.chunk_size
         old_dense = _dense(old.size, held)
         out["old"] = _side(
             old.kind,

@@ -559,12 +559,13 @@ class Keeper:
         )
         try:
             out: list[int] = []
-            for lo, hi in B.iter_data(fd, end):
-                if hi <= start:
-                    continue
-                for i in range(max(lo, start) // self.C, (hi - 1) // self.C + 1):
+            pos = start
+            while (found := B.next_data(fd, pos, end)) is not None:
+                lo, hi = found
+                for i in range(lo // self.C, (hi - 1) // self.C + 1):
                     if not out or out[-1] < i:
                         out.append(i)
+                pos = hi
             return out
         finally:
             os.close(fd)
@@ -603,6 +604,17 @@ class Keeper:
                     return []  # the step cannot apply either; it is reported
                 if isinstance(rec, S.Xattrs):
                     return self._xattrs(d, n, loc, ino)
+                if isinstance(rec, S.Chunk) and not rec.digest and rec.length > self.C:
+                    # a range of zeros: the step punches out what holds data
+                    # there, which is all it needs to put back (the rest
+                    # reads as zeros already: a range of TiBs costs what it holds)
+                    lo = rec.chunk * self.C
+                    hi = min(lo + rec.length, st.st_size)
+                    kept = [
+                        self._bytes(w, d, n, loc, ino, i, st.st_size, min(self.C, hi - i * self.C))
+                        for i in (self._data_chunks(d, n, lo, hi) if lo < hi else [])
+                    ]
+                    return [*kept, S.meta_record(loc, st)]
                 if isinstance(rec, S.Chunk):
                     return [
                         self._bytes(w, d, n, loc, ino, rec.chunk, st.st_size, rec.length),

@@ -422,10 +422,16 @@ class Restore:
             return
         assert st is not None
         C = self.h.store.chunk_size
+        zeros: list[tuple[int, int]] = []
         if same:
             ranges = [
-                (k * C, min(obj.size, k * C + C)) for k in sorted(obj.chunks) if k * C < obj.size
+                (k * C, min(obj.size, k * C + C))
+                for k in sorted(obj.chunks.one)
+                if k * C < obj.size
             ]
+            # (ranges of zeros: what the file holds there now is punched
+            # out, never written as zeros -- they may span TiBs)
+            zeros = self._live_data(obj, obj.chunks.zero_spans(obj.size))
         else:
             ranges = self._data_ranges(obj)
         fh, _ = self.fs.open(node.ino, os.O_WRONLY, ctx=self.ctx)
@@ -434,6 +440,14 @@ class Restore:
                 if not same:
                     self._do(self.fs.setattr, node.ino, fh, size=0)
                 self._do(self.fs.setattr, node.ino, fh, size=obj.size)
+            for lo, hi in zeros:
+                self._do(
+                    self.fs.fallocate,
+                    fh,
+                    lo,
+                    hi - lo,
+                    B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_KEEP_SIZE,
+                )
             for lo, hi in ranges:
                 for off in range(lo, hi, PAGE):
                     data = self.h.read(obj, off, min(PAGE, hi - off))
@@ -445,11 +459,31 @@ class Restore:
         self.invalid.inodes.add(node.ino)
         self._note(rel)
 
+    def _live_data(self, obj: Past, within) -> list[tuple[int, int]]:
+        """The parts of the ranges *within* (in order) where *obj*'s live
+        object holds data (SEEK_DATA: what it holds, not their size)."""
+        out: list[tuple[int, int]] = []
+        with self.h.r.at(obj.loc) as (d, n):
+            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
+        try:
+            for lo, hi in within:
+                pos = lo
+                while pos < hi:
+                    found = B.next_data(fd, pos, hi)
+                    if found is None:
+                        break
+                    out.append(found)
+                    pos = found[1]
+        finally:
+            os.close(fd)
+        return out
+
     def _data_ranges(self, obj: Past) -> list[tuple[int, int]]:
         """Where *obj*'s bytes at T may be other than zero: the ranges of its
-        live object that hold data, and the chunks recorded since."""
+        live object that hold data, and the chunks recorded since (a range
+        of zeros recorded reads as zeros)."""
         C = self.h.store.chunk_size
-        spans = [(k * C, min(obj.size, k * C + C)) for k in obj.chunks if k * C < obj.size]
+        spans = [(k * C, min(obj.size, k * C + C)) for k in obj.chunks.one if k * C < obj.size]
         with self.h.r.at(obj.loc) as (d, n):
             fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
         try:

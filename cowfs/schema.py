@@ -82,7 +82,9 @@ Databases
              ``N`` created in this layer (value: 0), ``M`` metadata captured,
              ``X`` xattrs captured, ``C`` + chunk number: that chunk captured,
              ``P`` pinned (value: 0): seen at a captured path, so captured in
-             this layer wherever it moves, even to an ignored path.
+             this layer wherever it moves, even to an ignored path,
+             ``Z`` + chunk number: a range of zeros beginning at that chunk
+             captured (the CHUNK record says how far it spans).
              ``N`` and ``P`` name no record (``INDEX_FLAGS``).
 ``chunks``   16-byte xxh3-128 digest -> chunk bytes (content-addressed).
 ``refs``     16-byte digest -> u64 number of records using it (in the journal
@@ -339,6 +341,7 @@ IDX_META = b"M"
 IDX_XATTRS = b"X"
 IDX_CHUNK = b"C"
 IDX_PINNED = b"P"  # (value 0) seen at a captured path: never ignored in this layer
+IDX_ZEROS = b"Z"  # + the first chunk of a range of zeros (a CHUNK record spanning chunks)
 INDEX_FLAGS = (IDX_CREATED, IDX_PINNED)  # index entries that name no record
 
 
@@ -618,7 +621,14 @@ class Xattrs(NamedTuple):
 class Chunk(NamedTuple):
     """The old bytes of chunk number *chunk* of object *ino*: *length* bytes
     stored under *digest* in ``chunks``; an empty digest: the chunk was all
-    zeros (a hole)."""
+    zeros (a hole).  A record with an empty digest may span more than one
+    chunk (*length* greater than the chunk size, indexed ``IDX_ZEROS``):
+    the bytes [chunk * chunk size, + length) were all zeros -- one record
+    for a run of holes, so capturing a sparse file whole costs what it
+    holds, not its size (``chunk_problem`` says which are valid).  Where layers merged into one
+    overlap such a range with other records of the same chunks, the oldest
+    record holds the state at the start: a rollback applies it last, a
+    reading of the journal keeps the first (see ``cowfs/zeros.py``)."""
 
     loc: bytes
     ino: int
@@ -659,6 +669,19 @@ _SHAPES: dict[int, tuple[type, ...]] = {
     kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()
 }
 assert all(t in (int, bytes) for shape in _SHAPES.values() for t in shape)
+
+
+def chunk_problem(rec: Chunk, chunk_size: int) -> str | None:
+    """What makes a decoded CHUNK record impossible (None: nothing): a
+    chunk or length out of range, bytes longer than a chunk, a range of
+    zeros past the largest file offset."""
+    if rec.chunk < 0 or rec.length < 0:
+        return f"chunk {rec.chunk} of length {rec.length}"
+    if rec.digest and rec.length > chunk_size:
+        return f"chunk {rec.chunk}: {rec.length} bytes, more than a chunk"
+    if rec.chunk * chunk_size + rec.length > 1 << 63:
+        return f"zeros from chunk {rec.chunk} over {rec.length} bytes, past any file's end"
+    return None
 
 
 def record_name(rec: Record) -> str:

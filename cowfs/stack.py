@@ -24,6 +24,7 @@ from .past import filter_paths
 from .store import Layer, PendingRecord, Store, digest
 from .text import count, human_size
 from .undo import Touched, Undoer, describe
+from .zeros import ChunkMap
 
 log = logging.getLogger(__name__)
 
@@ -820,7 +821,7 @@ class Stack:
         end = self.store.next_seq if since else self.store.layer_end(layer_id)
         if end == self.store.next_seq:
             return self.kept.get(layer.start, collect)
-        return Reading(self.store.records(layer.start, end))
+        return Reading(self.store.records(layer.start, end), self.store.chunk_size)
 
     def _changes(self, layer_id: int, since: bool = False, collect: list | None = None) -> Changes:
         """Net changes of a layer (with *since*: since it was opened),
@@ -954,7 +955,7 @@ class Sameness:
         path: bytes,
         st: os.stat_result,
         meta: MetaAt | None,
-        chunks: dict[int, tuple[int, bytes]] | None,
+        chunks: ChunkMap | None,
         xattrs: bytes | None,
     ) -> str | None:
         """M, m or None for the object at *path* (*st*), which was there at
@@ -968,7 +969,7 @@ class Sameness:
                 or m.size != st.st_size
                 or not self._cached(
                     ("c", meta.seq, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns),
-                    lambda: self._chunks_back(path, chunks or {}),
+                    lambda: self._chunks_back(path, chunks or ChunkMap(self.store.chunk_size)),
                 )
             ):
                 return "M"
@@ -1036,15 +1037,28 @@ class Sameness:
         with self.resolver.at(loc) as (d, n):
             return B.open_noatime(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
 
-    def _chunks_back(self, path: bytes, chunks: dict[int, tuple[int, bytes]]) -> bool:
+    def _chunks_back(self, path: bytes, chunks: ChunkMap) -> bool:
         """Whether every captured chunk of the file holds its pre-image again."""
         fd = self._open(path)
         try:
             size = self.store.chunk_size
-            for index, (length, h) in chunks.items():
+            for index, (length, h) in chunks.one.items():
                 data = os.pread(fd, length, index * size)
                 if len(data) != length or (digest(data) != h if h else data.count(0) != length):
                     return False
+            end = os.fstat(fd).st_size
+            for lo, hi in chunks.zero_spans(end):  # (the size is compared apart)
+                pos = lo
+                while pos < hi:  # (reads only what holds data there now)
+                    found = B.next_data(fd, pos, hi)
+                    if found is None:
+                        break
+                    for off in range(found[0], found[1], 1 << 20):
+                        if os.pread(fd, min(1 << 20, found[1] - off), off).count(0) != min(
+                            1 << 20, found[1] - off
+                        ):
+                            return False
+                    pos = found[1]
             return True
         finally:
             os.close(fd)

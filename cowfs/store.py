@@ -463,6 +463,9 @@ class Writer:
                 created_below[ino] = (
                     txn.get(S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
                 )
+            if kind == S.IDX_ZEROS and chunk is not None and not created_below[ino]:
+                self._merge_zeros(lower, ino, chunk, seq)
+                continue
             below = S.index_key(lower, ino, kind, chunk)
             lower_has = txn.get(below, db=st.db_index) is not None
             if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_has):
@@ -475,6 +478,53 @@ class Writer:
                 lower_key = S.with_layer(key, lower)
                 if txn.get(lower_key, db=st.db_who) is None:
                     txn.put(lower_key, writer, db=st.db_who)
+
+    def _merge_zeros(self, lower: int, ino: int, chunk: int, seq: int) -> None:
+        """A range of zeros the upper layer recorded (record *seq*, from
+        *chunk*) becomes layer *lower*'s.  Where it overlaps what the lower
+        layer recorded, the lower record (older) holds the state at its
+        start and wins: a rollback applies it after this one, a reading of
+        the journal keeps it (so the range is not split).  Only a range the
+        lower layer begins at the same chunk takes the index entry: this
+        one is cut to begin past it (rewritten in place), or deleted when
+        it covers no more -- a step for each such lower range."""
+        txn, st = self.txn, self.store
+        C = st.chunk_size
+        raw = txn.get(S.u64(seq), db=st.db_journal)
+        rec = S.decode_or_damaged(raw) if raw is not None else None
+        if not isinstance(rec, S.Chunk) or rec.digest:  # (not one: as any entry)
+            key = S.index_key(lower, ino, S.IDX_ZEROS, chunk)
+            if txn.get(key, db=st.db_index) is None:
+                txn.put(key, S.index_value(key, seq), db=st.db_index)
+            elif raw is not None:
+                self.delete_record(seq)
+            return
+        end = rec.chunk * C + rec.length
+        k = rec.chunk
+        while True:
+            key = S.index_key(lower, ino, S.IDX_ZEROS, k)
+            got = txn.get(key, db=st.db_index)
+            if got is None:
+                break
+            lseq = S.index_seq(key, got)
+            lraw = txn.get(S.u64(lseq), db=st.db_journal) if lseq is not None else None
+            lrec = S.decode_or_damaged(lraw) if lraw is not None else None
+            if isinstance(lrec, S.Chunk) and not lrec.digest:
+                reach = lrec.chunk * C + lrec.length
+            else:  # (damaged: it holds the one chunk, at least)
+                reach = (k + 1) * C
+            if reach >= end:
+                self.delete_record(seq)
+                return
+            k = max(k + 1, -(-reach // C))
+            if k * C >= end:
+                self.delete_record(seq)
+                return
+        if k != rec.chunk:
+            self.rewrites()
+            cut = rec._replace(chunk=k, length=end - k * C)
+            txn.put(S.u64(seq), S.encode_record(cut), db=st.db_journal)
+        txn.put(key, S.index_value(key, seq), db=st.db_index)
 
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is

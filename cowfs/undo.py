@@ -281,6 +281,10 @@ class Undoer:
         self.touched.objects.add(ino)
 
     def _chunk(self, loc: bytes, ino: int, index: int, length: int, h: bytes) -> None:
+        C = self.store.chunk_size
+        problem = S.chunk_problem(S.Chunk(loc, ino, index, length, h), C)
+        if problem is not None:
+            raise UndoError(f"{_show(loc)}: its pre-image record is invalid ({problem})")
         data = None
         if h:
             data = self.store.chunk(h)
@@ -293,9 +297,13 @@ class Undoer:
                 raise UndoError(f"{_show(loc)}: not a regular file")
             fd = os.open(B.proc(pfd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
-                off = index * self.store.chunk_size
+                off = index * C
                 size = os.fstat(fd).st_size
-                if data is None:
+                if data is None and length > C:
+                    # a range of zeros (of TiBs, maybe): only what holds data
+                    # now is punched out (the size is the META record's)
+                    zero_data(fd, off, min(off + length, size))
+                elif data is None:
                     B.punch_hole(fd, off, min(length, max(0, size - off)))
                 else:
                     write_sparse(fd, data, off, size)
@@ -306,6 +314,18 @@ class Undoer:
 
 PAGE = 4096
 _ZERO_PAGE = bytes(PAGE)
+
+
+def zero_data(fd: int, lo: int, hi: int) -> None:
+    """Make [lo, hi) read as zeros by punching out the ranges that hold
+    data (SEEK_DATA): what it costs follows what the file holds there."""
+    pos = lo
+    while pos < hi:
+        found = B.next_data(fd, pos, hi)
+        if found is None:
+            return
+        B.punch_hole(fd, found[0], found[1] - found[0])
+        pos = found[1]
 
 
 def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:

@@ -107,13 +107,13 @@ def test_a_reading_fed_in_parts_and_queried_between_says_what_one_reading_says(
     records, cuts, asked
 ):
     numbered = list(enumerate(records))
-    kept = Reading(())
+    kept = Reading((), 1 << 16)
     last = 0
     for cut in sorted(c for c in cuts if c <= len(numbered)) + [len(numbered)]:
         assert kept.feed(numbered[last:cut]) == cut - last
         last = cut
         query(kept, asked)
-    assert said(kept) == said(Reading(numbered))
+    assert said(kept) == said(Reading(numbered, 1 << 16))
 
 
 # -- kept for a store ------------------------------------------------------------------
@@ -142,14 +142,14 @@ def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(t
         j = kept.get(start)
         write(store, S.Create(b"d"), S.Rename(b"a", b"d/a", 7))
         assert kept.get(start) is j  # (fed as the transaction committed)
-        assert said(j) == said(Reading(store.records(start, store.next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq), store.chunk_size))
         assert said(j)["created"] == [b"d/a", b"d"]
 
         with store.write() as w:  # (a rollback's or commit's kind of write)
             w.delete_record(start + 3)
         fresh = kept.get(start)
         assert fresh is not j
-        assert said(fresh) == said(Reading(store.records(start, store.next_seq)))
+        assert said(fresh) == said(Reading(store.records(start, store.next_seq), store.chunk_size))
         assert said(fresh)["created"] == [b"a", b"d"]  # (the move is gone)
     finally:
         store.close()
@@ -165,7 +165,7 @@ def test_a_reading_not_kept_when_appends_came_past_it_catches_up(tmp_path):
         store.on_append = None  # (nobody told of this one)
         write(store, S.Rename(b"x", b"y", 3))
         assert kept.get(start) is j  # (read on demand from where it got to)
-        assert said(j) == said(Reading(store.records(start, store.next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq), store.chunk_size))
         assert j.names.where(j.created[0]) == b"y"
     finally:
         store.close()
@@ -183,12 +183,14 @@ def test_a_reading_past_the_limit_is_not_kept_yet_says_the_same(tmp_path):
         j = kept.get(start)
         # (not kept: handed out again only while someone holds it)
         assert kept.get(start) is j
-        assert said(j) == said(Reading(store.records(start, store.next_seq)))
+        assert said(j) == said(Reading(store.records(start, store.next_seq), store.chunk_size))
         held = weakref.ref(j)
         del j
         gc.collect()  # (a reading is a tree of slots: garbage in cycles)
         assert held() is None
-        assert said(kept.get(start)) == said(Reading(store.records(start, store.next_seq)))
+        assert said(kept.get(start)) == said(
+            Reading(store.records(start, store.next_seq), store.chunk_size)
+        )
         # the newest readings are the ones kept
         kept.LIMIT = 1000
         others = [store.next_seq]

@@ -7,6 +7,7 @@ returned, holes included), never how long anything took."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -314,3 +315,272 @@ def test_truncating_a_sparse_file_records_and_rolls_back_what_it_holds(workspace
         assert datahash.of_file(fd) == digest
     finally:
         os.close(fd)
+
+
+# -- files written through passthrough: captured whole, by what they hold --------------
+
+FEW = 40  # records a whole capture of these files may take (the old capture: ~80 million)
+
+
+def tree(ws) -> dict:
+    """The tree as these tests compare it, at a cost that follows what the
+    files hold: every entry's kind, mode, owner, size, mtime, xattrs and
+    links (treesnap, without content), and each regular file's digest of
+    what it holds (``datahash``: data-aware, holes read as zeros) and
+    whether it is still sparse (allocated: under 64 MiB)."""
+    out = {}
+    for rel, e in ws.snapshot(content=False).items():
+        side: tuple = (e,)
+        if e.kind == "file":
+            fd = os.open(os.path.join(ws.path, os.fsdecode(rel)), os.O_RDONLY)
+            try:
+                side += (datahash.of_file(fd), os.fstat(fd).st_blocks * 512 < 64 << 20)
+            finally:
+                os.close(fd)
+        out[rel] = side
+    return out
+
+
+def mount_with_sparse(ws, *names: str) -> int:
+    """Make a sparse file of 5 TiB holding PIECES under each of *names*,
+    mount (the kernel engine: passthrough) and return the daemon's pid."""
+    for name in names:
+        make_sparse(ws / name, PIECES)
+    ws.mount("--engine", "kernel")
+    pid = ws.daemon_pid()
+    assert pid is not None
+    return pid
+
+
+def write_after_reader(ws, name: str, writes: dict[int, bytes]) -> None:
+    """Open *name* for reading (passthrough), then for writing (passthrough
+    too: captured whole first), write *writes* (offset -> bytes), close."""
+    reader = os.open(ws / name, os.O_RDONLY)
+    try:
+        writer = os.open(ws / name, os.O_RDWR)
+        try:
+            for off, data in writes.items():
+                os.pwrite(writer, data, off)
+        finally:
+            os.close(writer)
+    finally:
+        os.close(reader)
+
+
+def written(ws) -> int:
+    """WRITE requests the daemon has served (none reach it through passthrough)."""
+    return ws.json("status")["engine"]["requests"].get("write", 0)
+
+
+def test_a_far_sparse_file_open_through_passthrough_across_a_checkpoint_costs_what_it_holds(
+    workspace,
+):
+    """A file made in a layer, written at 5 TiB through passthrough and
+    kept open across a checkpoint, is captured whole by the checkpoint in a
+    few records (a record per chunk that holds data, one per run of
+    holes), reading what it holds.  The agent then writes into the holes,
+    over its data and past its end: a rollback puts the tree back exactly
+    (still sparse), a redo brings the writes back exactly, `diff` and
+    `show` of it read what it holds, and `check` finds the store sound."""
+    ws = workspace
+    ws.mount("--engine", "kernel")
+    pid = ws.daemon_pid()
+    assert pid is not None
+    ws.checkpoint("made")
+    fd = os.open(ws / "far", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"head of the file\n", 0)
+        os.pwrite(fd, b"in the middle", 3 * TIB + 12345)
+        os.pwrite(fd, b"at 5 TiB", FAR)
+        before = tree(ws)
+        base, start = records(ws), rchar(pid)
+        layer = ws.checkpoint("across")
+        assert records(ws) - base < FEW
+        assert rchar(pid) - start < BOUND
+        sent = written(ws)
+        os.pwrite(fd, b"into a hole", 2 * TIB)
+        os.pwrite(fd, b"x" * 200_000, 10)  # over the head, across chunks
+        os.pwrite(fd, b"over", 3 * TIB + 12340)
+        os.pwrite(fd, b"past the end", FAR + 100_000)
+        assert written(ws) == sent  # (all through passthrough: the daemon saw none)
+    finally:
+        os.close(fd)
+    after = tree(ws)
+    assert after != before
+
+    start = rchar(pid)
+    changes = ws.json("diff", "--", "far")
+    assert [c["path"] for c in changes["changes"]] == ["far"]
+    res = control_show(ws, layer, "far", 2 * TIB)
+    assert res["size"] == FAR + 8 and not base64.b64decode(res["data"]).strip(b"\0")
+    res = control_show(ws, layer, "far", 3 * TIB + 12288)
+    assert base64.b64decode(res["data"])[57:70] == b"in the middle"
+    assert rchar(pid) - start < BOUND
+    code, res = check(ws)
+    assert code == 0 and res["ok"], res
+
+    start = rchar(pid)
+    ws.rollback()
+    assert tree(ws) == before
+    ws.json("redo")
+    assert tree(ws) == after
+    assert rchar(pid) - start < BOUND
+    code, res = check(ws)
+    assert code == 0 and res["ok"], res
+    ws.rollback(to=layer)
+    assert tree(ws) == before
+
+
+def control_show(ws, layer: int, path: str, offset: int) -> dict:
+    """One page of `show` LAYER:PATH at *offset* (as the CLI asks for each)."""
+    from cowfs.api import Workspace
+
+    return Workspace.attach(ws.path)._call("show", layer=layer, path=path, offset=offset)
+
+
+def test_a_writer_after_a_passthrough_reader_captures_a_sparse_file_by_what_it_holds(workspace):
+    """A sparse file of 5 TiB that was there before the layer, opened for
+    reading (passthrough: it is large) and then for writing: the writer
+    gets passthrough too, the file captured whole first -- in a few
+    records.  The writes roll back exactly and redo exactly."""
+    ws = workspace
+    pid = mount_with_sparse(ws, "big")
+    ws.checkpoint("read, then write")
+    before = tree(ws)
+    base, start = records(ws), rchar(pid)
+    reader = os.open(ws / "big", os.O_RDONLY)
+    writer = -1
+    try:
+        writer = os.open(ws / "big", os.O_RDWR)
+        assert records(ws) - base < FEW
+        assert rchar(pid) - start < BOUND
+        sent = written(ws)
+        os.pwrite(writer, b"into a hole", TIB)
+        os.pwrite(writer, b"over the head", 5)
+        os.pwrite(writer, b"past the end", FAR + 1000)
+        assert written(ws) == sent
+    finally:
+        os.close(reader)
+        if writer >= 0:
+            os.close(writer)
+    after = tree(ws)
+    ws.rollback()
+    assert tree(ws) == before
+    ws.json("redo")
+    assert tree(ws) == after
+    code, res = check(ws)
+    assert code == 0 and res["ok"], res
+
+
+def test_a_commit_merges_ranges_of_zeros_over_what_the_layer_below_recorded(workspace):
+    """Two sparse files of 5 TiB: the first layer records some of their
+    chunks (one through the daemon's own writes, one captured whole for a
+    writer after a reader, then written), the second captures both whole
+    (held open through passthrough across the checkpoint) and is written
+    into.  The commit merging the second into the first costs the
+    records, and a rollback of the merged layer puts back what the first
+    layer started with, exactly; `check` finds the store sound."""
+    ws = workspace
+    pid = mount_with_sparse(ws, "some", "whole")
+    first = ws.checkpoint("record some chunks")
+    before = tree(ws)
+    with open(ws / "some", "r+b") as f:  # (through the daemon: chunk by chunk)
+        for off in (TIB, 3 * TIB + 12345 - 10, 2):
+            f.seek(off)
+            f.write(b"first layer")
+    reader = os.open(ws / "some", os.O_RDONLY)
+    readers = [reader, os.open(ws / "whole", os.O_RDONLY)]
+    writers = []
+    try:
+        writers.append(os.open(ws / "whole", os.O_RDWR))  # (captured whole here)
+        os.pwrite(writers[0], b"first layer", 4 * TIB + 3)
+        # (its data at 3 TiB punched out: the second layer's range of
+        # zeros from its head runs past the first one's)
+        B.punch_hole(writers[0], 3 * TIB, 1 << 20)
+        writers.append(os.open(ws / "some", os.O_RDWR))  # (captured whole: the rest)
+        base = records(ws)
+        ws.checkpoint("captured whole again")
+        assert records(ws) - base < 2 * FEW
+        for w in writers:
+            os.pwrite(w, b"second layer", TIB + 70_000)
+            os.pwrite(w, b"second layer", 4 * TIB)
+            os.pwrite(w, b"second layer", 2 * TIB + 5)
+            os.pwrite(w, b"second layer", 0)
+    finally:
+        for fd in readers + writers:
+            os.close(fd)
+    after = tree(ws)
+    base, start = records(ws), rchar(pid)
+    ws.commit()
+    assert records(ws) <= base
+    assert rchar(pid) - start < BOUND
+    assert [layer["id"] for layer in ws.log()][-1] == first
+    code, res = check(ws)
+    assert code == 0 and res["ok"], res
+    assert tree(ws) == after
+    ws.rollback()
+    assert tree(ws) == before
+
+
+def test_check_finds_a_forged_range_of_zeros(workspace):
+    """`check` names a CHUNK record whose range of zeros ends past any
+    file's end (or that claims bytes longer than a chunk), and a rollback
+    leaves that file as it is, reporting it, while it puts back the rest."""
+    ws = workspace
+    (ws / "small").write_bytes(b"small\n")
+    mount_with_sparse(ws, "big")
+    layer = ws.checkpoint("capture whole")
+    write_after_reader(ws, "big", {TIB: b"written"})
+    (ws / "small").write_bytes(b"changed\n")
+    code, res = check(ws)
+    assert code == 0 and res["ok"], res
+    ws.unmount()
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
+    try:
+        C = store.chunk_size
+        ranges = [
+            (seq, rec)
+            for seq, rec in store.records(0, store.next_seq)
+            if isinstance(rec, S.Chunk) and not rec.digest and rec.length > C
+        ]
+        assert ranges
+        seq, rec = ranges[0]
+        with store.write() as w:
+            forged = rec._replace(length=(1 << 63) - rec.chunk * C + 1)
+            w.txn.put(S.u64(seq), S.encode_record(forged), db=store.db_journal)
+    finally:
+        store.close()
+    code, res = check(ws)
+    assert code == STORE_ERROR and not res["ok"]
+    [p] = res["problems"]
+    assert f"record {seq} (chunk of big) is invalid" in p["problem"]
+    assert p["layers"] == [layer] and p["paths"] == ["big"]
+    ws.mount("--engine", "kernel")
+    r = ws.cowfs("rollback", check=False)
+    assert r.returncode == PARTIAL
+    assert "big: not restored: its pre-image record is invalid" in r.stderr
+    assert (ws / "small").read_bytes() == b"small\n"
+
+
+def test_restore_puts_back_a_file_captured_whole_by_what_it_holds(workspace):
+    """`cowfs restore` of a sparse file of 5 TiB captured whole (a writer
+    after a passthrough reader) and written into its holes punches out
+    what was written there and writes back what it held, reading and
+    writing what it holds; the restore itself rolls back exactly."""
+    ws = workspace
+    pid = mount_with_sparse(ws, "big")
+    layer = ws.checkpoint("write into the holes")
+    before = tree(ws)
+    write_after_reader(
+        ws, "big", {TIB: b"into a hole", 3: b"over the head", 4 * TIB + 99: b"into another"}
+    )
+    after = tree(ws)
+    start = rchar(pid)
+    ws.cowfs("restore", "--from", str(layer), "big")
+    assert rchar(pid) - start < BOUND
+    restored = tree(ws)
+    assert restored[b"big"][1:] == before[b"big"][1:] != after[b"big"][1:]  # (its mtime: now)
+    ws.rollback()
+    assert tree(ws) == before
+    ws.json("redo")
+    assert tree(ws) == restored
