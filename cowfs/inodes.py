@@ -38,9 +38,6 @@ class Node:
         "nocap",
         "noxattr",
         "pt",
-        "pt_writers",
-        "cached",
-        "backing",
     )
     cache: FdCache
 
@@ -58,12 +55,13 @@ class Node:
         self.nocap = False  # known to have no security.capability
         # known to have no xattrs at all (True), to have some (False), or not
         self.noxattr: bool | None = None
-        # open files: served by the kernel from the backing file (passthrough;
-        # of which writable), or through the daemon; the engine's id for the
-        # backing file all passthrough opens share (the kernel holds the
-        # file itself from then on: no fd of ours stays open for it)
-        self.pt = self.pt_writers = self.cached = 0
-        self.backing: int | None = None
+        # open files served by the kernel from the backing file (passthrough:
+        # how many) or, as a negative count, through the daemon -- never
+        # both (the kernel refuses a mix).  (Rarer state is held apart, not
+        # in a node each: the writable passthrough opens, in
+        # ``Ops.pt_writers``; the engine's id for the backing file, in its
+        # table.)
+        self.pt = 0
 
     @property
     def fd(self) -> int:
