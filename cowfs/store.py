@@ -15,7 +15,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -1221,15 +1221,18 @@ class Store:
         the operation)."""
         self.audit_many([{"event": event, **fields}])
 
-    def audit_many(self, events: list[dict]) -> None:
-        if not events or self.db_audit is None or self.low_on_space():
+    def audit_many(self, events: Iterable[dict]) -> None:
+        """Write *events* (in one transaction)."""
+        it = iter(events)
+        first = next(it, None)
+        if first is None or self.db_audit is None or self.low_on_space():
             return
         now = time.time()
         try:
             with self.write() as w:
                 cur = w.txn.cursor(db=self.db_audit)
                 n = S.from_u64(cur.key()) + 1 if cur.last() else 1
-                for e in events:
+                for e in itertools.chain([first], it):
                     w.txn.put(S.u64(n), S.to_json({"n": n, "time": now, **e}), db=self.db_audit)
                     n += 1
         except OSError:

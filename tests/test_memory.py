@@ -6,9 +6,9 @@ file.
 
 Measured on the way (200,000 new files in 200 directories, one layer): the
 daemon held 216 MiB after making them and peaked at 512 MiB through
-`status --json` and 801 MiB through `diff --stat` (now 144, 217 and 310);
-what is left per file is mostly the inode table, which follows the
-kernel's own cache of the files' entries."""
+`status --json` and 801 MiB through `diff --stat` (then 151, 214 and 288;
+now see README.md); what is left per file is mostly the inode table, which
+follows the kernel's own cache of the files' entries."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ from .helpers import managed_workspace
 FILES = 20_000  # in directories of 1,000 (about ten seconds through the mount)
 # The peak's growth per file made, through the listings and through a diff
 # (measured: 2,500 and 4,000 bytes before the journal reading, the capture
-# state and the answers were made compact; 1,160 and 1,610 after).
-PER_FILE = 1600
-PER_FILE_DIFF = 2200
+# state and the answers were made compact; 1,160 and 1,640 after; 930 and
+# 1,350 with one inode mapping, smaller nodes, new files held as names in a
+# reading, changes in columns and the journal read a batch at a time).
+PER_FILE = 1080
+PER_FILE_DIFF = 1520
 
 
 def memory(pid: int) -> dict[str, int]:
