@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 ROOT = 1  # the root's inode number in every FUSE protocol
+DEAD = -(1 << 62)  # the lookup count of a node dropped from the table
 
 
 # the modes nodes have, each held once (a table of many files holds few)
@@ -28,12 +29,10 @@ class Node:
         "ino",
         "bino",
         "_fd",
-        "live",
         "nopen",
         "nlookup",
         "parent",
         "name",
-        "extra",
         "mode",
         "nocap",
         "noxattr",
@@ -45,13 +44,11 @@ class Node:
         self.ino = ino
         self.bino = bino
         self._fd = fd
-        self.live = True
         self.nopen = 0
         self.mode = _MODES.setdefault(mode, mode)  # (one int object per mode)
         self.nlookup = 0
         self.parent: Node | None = None
-        self.name = b""
-        self.extra: set[tuple[Node, bytes]] | None = None
+        self.name = b""  # (its other names, if it has hard links: ``Ops.links``)
         self.nocap = False  # known to have no security.capability
         # known to have no xattrs at all (True), to have some (False), or not
         self.noxattr: bool | None = None
@@ -72,6 +69,11 @@ class Node:
                 lru.move_to_end(self)
             return self._fd
         return self.cache.reopen(self)
+
+    @property
+    def live(self) -> bool:
+        """Still in the table (``Ops._drop`` marks it DEAD)."""
+        return self.nlookup >= 0
 
     @property
     def isdir(self) -> bool:

@@ -189,10 +189,17 @@ class Names:
     def made(self) -> Iterator[bytes]:
         """The paths now of what was made after T and is still in the tree
         (each once; in no particular order)."""
+        for head, name in self.made_in():
+            yield name if head is None else head + b"/" + name if head else name
+
+    def made_in(self) -> Iterator[tuple[bytes | None, bytes]]:
+        """``made`` as (the directory's path now, the name in it) -- a name
+        this reading holds, the same object for every path of a directory
+        -- or (None, the path)."""
         for s in self.made_slots:
             where = self.where(s)
             if where is not None:
-                yield where
+                yield None, where
         for p in self.leaf_dirs:
             children = p.children
             if not children:
@@ -200,10 +207,9 @@ class Names:
             where = self.where(p)
             if where is None:
                 continue
-            head = where + b"/" if where else b""
             for name, c in children.items():
                 if c is LEAF:
-                    yield head + name
+                    yield where, name
 
     def now(self, path: bytes) -> bytes | None:
         """Where the object that was at *path* at T is now (None: it left

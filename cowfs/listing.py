@@ -9,6 +9,7 @@ Changes are dicts as the daemon gives them: "path", "kind", and "from",
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from array import array
@@ -29,17 +30,31 @@ KINDS = {
 
 class Changes(Sequence[dict]):
     """Changes as the daemon gives them, held in columns -- a row each of
-    path (bytes), kind, whether a directory, object (ino), where it came
-    from (R, held apart) and who first made it (an index into the dicts of
-    the few writers) -- and made into dicts as they are read: a layer of
-    200,000 new files is some 70 bytes a change, not a tuple of 170 or a
-    dict of 350.  JSON encoders take it as a list, some rows at a time
-    (control.encode_pieces)."""
+    path, kind, whether a directory, object (ino), where it came from (R,
+    held apart) and who first made it (an index into the dicts of the few
+    writers) -- and made into dicts as they are read: a layer of 200,000 new
+    files is some 30 bytes a change, not a tuple of 170 or a dict of 350.
+    A path is held whole, or as a name (the object a journal reading holds
+    already) in a directory of a table (``append_in``).  JSON encoders take
+    it as a list, some rows at a time (control.encode_pieces)."""
 
-    __slots__ = ("paths", "kinds", "dirs", "inos", "was", "who", "whos", "_who_index")
+    __slots__ = (
+        "names",
+        "heads",
+        "parents",
+        "kinds",
+        "dirs",
+        "inos",
+        "was",
+        "who",
+        "whos",
+        "_who_index",
+    )
 
     def __init__(self, rows: Iterable[tuple] = ()):
-        self.paths: list[bytes] = []
+        self.names: list[bytes] = []  # the path, or the name in its parent
+        self.heads = array("i")  # the parent in ``parents`` (-1: the path is whole)
+        self.parents: list[bytes] = []
         self.kinds = bytearray()  # (the kind's letter)
         self.dirs = bytearray()
         self.inos = array("Q")  # (0: none)
@@ -54,8 +69,28 @@ class Changes(Sequence[dict]):
         self, path: bytes, kind: str, was: bytes | None, is_dir: bool, ino: int | None, who=None
     ) -> None:
         """A change at the end: (path, kind, from, is a directory, ino, who)."""
-        i = len(self.paths)
-        self.paths.append(path)
+        self.append_in(-1, path, kind, was, is_dir, ino, who)
+
+    def parent(self, path: bytes) -> int:
+        """The index of directory *path* for ``append_in``."""
+        self.parents.append(path)
+        return len(self.parents) - 1
+
+    def append_in(
+        self,
+        head: int,
+        name: bytes,
+        kind: str,
+        was: bytes | None,
+        is_dir: bool,
+        ino: int | None,
+        who=None,
+    ) -> None:
+        """A change at the end, at *name* in directory *head* (``parent``;
+        -1: *name* is the whole path)."""
+        i = len(self.names)
+        self.names.append(name)
+        self.heads.append(head)
         self.kinds.append(ord(kind))
         self.dirs.append(is_dir)
         self.inos.append(ino or 0)
@@ -64,6 +99,13 @@ class Changes(Sequence[dict]):
             self.was[i] = was
         if who is not None:
             self.set_who(i, who)
+
+    def path(self, i: int) -> bytes:
+        h = self.heads[i]
+        if h < 0:
+            return self.names[i]
+        p = self.parents[h]
+        return p + b"/" + self.names[i] if p else self.names[i]
 
     def set_who(self, i: int, who: dict) -> None:
         """Row *i* was first made by *who* (a dict held once per writer)."""
@@ -80,7 +122,7 @@ class Changes(Sequence[dict]):
         """Row *i* as (path, kind, from, is a directory, ino, who)."""
         k = self.who[i]
         return (
-            self.paths[i],
+            self.path(i),
             chr(self.kinds[i]),
             self.was.get(i),
             bool(self.dirs[i]),
@@ -88,23 +130,48 @@ class Changes(Sequence[dict]):
             self.whos[k] if k >= 0 else None,
         )
 
+    def _key(self, i: int) -> bytes:
+        return self.path(i) or b"."  # (the root is listed as ".")
+
     def sort(self) -> None:
-        """In the order of the paths (the root's, b"", as "."); stable."""
-        old = self.paths
-        order = sorted(range(len(old)), key=lambda i: old[i] or b".")
+        """In the order of the paths (the root's, b"", as "."); stable.
+        Each run of rows in one directory (or of whole paths) is sorted in
+        place, then the runs are merged: no path is made but those the
+        merge compares, no list of every row's index."""
+        heads, names, n = self.heads, self.names, len(self.names)
+        runs = []
+        start = 0
+        while start < n:
+            h, end = heads[start], start + 1
+            while end < n and heads[end] == h:
+                end += 1
+            key = self._key if h < 0 else names.__getitem__
+            self._permute(start, end, sorted(range(start, end), key=key))
+            runs.append(range(start, end))
+            start = end
+        if len(runs) < 2:
+            return
+        order = array("I", heapq.merge(*runs, key=self._key))
         if all(i == j for i, j in enumerate(order)):
             return
-        self.paths = [old[i] for i in order]
-        self.kinds = bytearray(self.kinds[i] for i in order)
-        self.dirs = bytearray(self.dirs[i] for i in order)
-        self.inos = array("Q", (self.inos[i] for i in order))
-        self.who = array("i", (self.who[i] for i in order))
+        self._permute(0, n, order)
+
+    def _permute(self, start: int, end: int, order) -> None:
+        """Rows start..end-1 in *order* (their indices)."""
+        if all(i == j for i, j in enumerate(order, start)):
+            return
+        self.names[start:end] = [self.names[i] for i in order]
+        self.heads[start:end] = array("i", (self.heads[i] for i in order))
+        self.kinds[start:end] = bytes(self.kinds[i] for i in order)
+        self.dirs[start:end] = bytes(self.dirs[i] for i in order)
+        self.inos[start:end] = array("Q", (self.inos[i] for i in order))
+        self.who[start:end] = array("i", (self.who[i] for i in order))
         if self.was:
-            at = {i: j for j, i in enumerate(order) if i in self.was}
-            self.was = {at[i]: p for i, p in self.was.items()}
+            at = {i: j for j, i in enumerate(order, start) if i in self.was}
+            self.was = {at.get(i, i): p for i, p in self.was.items()}
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.names)
 
     @overload
     def __getitem__(self, i: int) -> dict: ...
@@ -114,18 +181,18 @@ class Changes(Sequence[dict]):
 
     def __getitem__(self, i: int | slice) -> dict | list[dict]:
         if isinstance(i, slice):
-            return [self._as_dict(k) for k in range(*i.indices(len(self.paths)))]
+            return [self._as_dict(k) for k in range(*i.indices(len(self.names)))]
         if i < 0:
-            i += len(self.paths)
-        if not 0 <= i < len(self.paths):
+            i += len(self.names)
+        if not 0 <= i < len(self.names):
             raise IndexError("change index out of range")
         return self._as_dict(i)
 
     def __iter__(self) -> Iterator[dict]:
-        return map(self._as_dict, range(len(self.paths)))
+        return map(self._as_dict, range(len(self.names)))
 
     def _as_dict(self, i: int) -> dict:
-        c: dict[str, Any] = {"path": _path(self.paths[i]), "kind": chr(self.kinds[i])}
+        c: dict[str, Any] = {"path": _path(self.path(i)), "kind": chr(self.kinds[i])}
         was = self.was.get(i) if self.was else None
         if was is not None:
             c["from"] = os.fsdecode(was)
@@ -139,9 +206,9 @@ class Changes(Sequence[dict]):
     def where(self, wanted: Callable[[str, str | None], bool]) -> Changes:
         """The changes whose path (or the path they came from) is *wanted*."""
         out = Changes()
-        for i, p in enumerate(self.paths):
+        for i in range(len(self.names)):
             was = self.was.get(i)
-            if wanted(_path(p), os.fsdecode(was) if was is not None else None):
+            if wanted(_path(self.path(i)), os.fsdecode(was) if was is not None else None):
                 out.append(*self.row(i))
         return out
 

@@ -27,7 +27,7 @@ from . import backing as B
 from . import schema as S
 from .capture import Recorder
 from .gravesum import Hasher
-from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
+from .inodes import DEAD, ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
 from .store import LimitReached, Store, Writer
 from .undo import Touched
 
@@ -193,6 +193,9 @@ class Ops:
         # number] is a node whose object is gone (``_orphan``) -- one
         # mapping for the table, not two (some 50 bytes a node).
         self.moved: dict[int, Node | None] = {}
+        # the other names (parent, name) of nodes known by more than one
+        # (hard links: few), kept apart from the nodes
+        self.links: dict[Node, set[tuple[Node, bytes]]] = {}
         self._map(self.root)
         self.spare_ino = SPARE_INO
         self.handles: dict[int, Handle | DirHandle] = {}
@@ -312,7 +315,8 @@ class Ops:
                 del moved[node.ino]  # (it said that this node was no object's)
             if current:
                 self._unmap(node.bino)
-        node.live = False
+        node.nlookup = DEAD  # (not live)
+        self.links.pop(node, None)
         self.fds.close(node)
 
     def _orphan(self, bino: int) -> None:
@@ -322,14 +326,15 @@ class Ops:
         node = self.by_bino(bino)
         if node is not None:
             self._unmap(bino)
-            node.parent, node.name, node.extra = None, b"", None
+            node.parent, node.name = None, b""
+            self.links.pop(node, None)
 
     def _reopen(self, node: Node) -> int:
         """Open an O_PATH fd on *node*'s object again, through a name that
         still leads to it."""
         if self.by_bino(node.bino) is not node:
             raise OSError(errno.ESTALE, "the object is gone")
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live:
                 continue
             try:
@@ -354,20 +359,24 @@ class Ops:
         if node.isdir or node.parent is None:
             node.parent, node.name = parent, name
             return
-        if node.extra is None:
-            node.extra = set()
-        node.extra.add((node.parent, node.name))
-        node.extra.discard((parent, name))
+        extra = self.links.get(node)
+        if extra is None:
+            extra = self.links[node] = set()
+        extra.add((node.parent, node.name))
+        extra.discard((parent, name))
         node.parent, node.name = parent, name
 
     def _remove_link(self, node: Node, parent: Node, name: bytes) -> None:
+        extra = self.links.get(node)
         if node.parent is parent and node.name == name:
-            if node.extra:
-                node.parent, node.name = node.extra.pop()
+            if extra:
+                node.parent, node.name = extra.pop()
             else:
                 node.parent, node.name = None, b""
-        elif node.extra:
-            node.extra.discard((parent, name))
+        elif extra:
+            extra.discard((parent, name))
+        if extra is not None and not extra:
+            del self.links[node]
 
     def _path(self, node: Node) -> bytes:
         """The location of *node* now (workspace path or grave entry)."""
@@ -390,7 +399,7 @@ class Ops:
         (names of hard-linked files can go stale)."""
         if node is self.root:
             return b""
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live:
                 continue
             st = B.lstat_at(parent.fd, name)
@@ -1579,7 +1588,7 @@ class Ops:
             node = self.by_bino(bino)
             if node is None:
                 continue
-            for link in [(node.parent, node.name), *(node.extra or ())]:
+            for link in [(node.parent, node.name), *self.links.get(node, ())]:
                 if link[0] is self.grave:
                     self._remove_link(node, *link)
             if not self._named(node):
@@ -1591,7 +1600,7 @@ class Ops:
         object would give its other names a second inode number.)"""
         if node._fd >= 0:
             return os.fstat(node._fd).st_nlink > 0
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live or parent is self.grave:
                 continue
             try:

@@ -913,12 +913,21 @@ class Stack:
         # (no two slots are at one path: what was made is listed, not looked up)
         rows = Changes([*deleted.values(), *out.values()])
         del deleted
-        for cur in j.created():
+        # (a new file's row holds the reading's name, in its directory's)
+        last: bytes | None = None
+        head = -1
+        for where, name in names.made_in():
+            cur = name if where is None else where + b"/" + name if where else name
             if cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                rows.append(cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino)
+                if where is None:
+                    rows.append(cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino)
+                    continue
+                if where is not last:
+                    head, last = rows.parent(where), where
+                rows.append_in(head, name, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino)
         return rows
 
 

@@ -13,6 +13,7 @@ follows the kernel's own cache of the files' entries."""
 from __future__ import annotations
 
 import os
+import random
 import tracemalloc
 
 from cowfs import schema as S
@@ -155,20 +156,50 @@ def test_a_reading_of_a_layer_of_new_files_holds_little_per_file():
 
 
 def test_changes_are_held_in_columns():
-    """A listed change is some 70 bytes (a tuple of 170 before)."""
+    """A listed new file is some 30 bytes and its name, held once by the
+    reading and the listing (a tuple of 170 bytes and its path before)."""
     n = DIRS * PER_DIR
     who = {"pid": 1, "uid": 0, "cmd": "touch"}
+    names = [b"f%04d" % i for i in range(PER_DIR)]  # (a reading's)
 
     def make() -> Changes:
         c = Changes()
-        for i in range(n):
-            c.append(b"d%03d/f%04d" % (i // 1000, i % 1000), "A", None, False, 10_000 + i, who)
+        for d in range(DIRS):
+            head = c.parent(b"d%03d" % d)
+            for i, name in enumerate(names):
+                c.append_in(head, name, "A", None, False, 10_000 + d * PER_DIR + i, who)
         return c
 
     changes, held, _ = traced(make)
-    assert held <= 90 * n, f"the changes hold {held / n:,.0f} bytes a change"
+    assert held <= 45 * n, f"the changes hold {held / n:,.0f} bytes a change"
     assert changes[5] == {"path": "d000/f0005", "kind": "A", "who": who}
     assert changes.row(5) == (b"d000/f0005", "A", None, False, 10_005, who)
+
+
+def test_changes_are_sorted_by_path_as_one_list_of_paths_would_be():
+    """Sorted a directory's run at a time, then merged: the order of the
+    whole paths ('a-c/d' before 'a/b'; the root as '.'), stable."""
+    rnd = random.Random(0)
+    paths = [b"", b"a", b"a-c", b"a.b", b"a/b", b"a/b/c", b"a-c/d", b"a/z", b"b", b"z"]
+    for _ in range(500):
+        c, want = Changes(), []
+        for _ in range(rnd.randint(0, 5)):
+            if rnd.random() < 0.4:  # (whole paths: deletions, renames, ...)
+                for _ in range(rnd.randint(1, 4)):
+                    p, kind = rnd.choice(paths), rnd.choice("ADMR")
+                    was = b"old/" + p if kind == "R" else None
+                    c.append(p, kind, was, False, rnd.randint(1, 9))
+                    want.append((p, kind, was))
+            else:  # (new files in a directory)
+                d = rnd.choice([b"", b"a", b"a-c", b"a/b", b"b"])
+                head = c.parent(d)
+                for _ in range(rnd.randint(1, 4)):
+                    name = rnd.choice([b"a", b"b", b"c", b"z", b"a-c"])
+                    c.append_in(head, name, "A", None, False, 5)
+                    want.append((d + b"/" + name if d else name, "A", None))
+        want.sort(key=lambda r: r[0] or b".")
+        c.sort()
+        assert [c.row(i)[:3] for i in range(len(c))] == want
 
 
 def test_the_journal_is_read_a_batch_at_a_time(tmp_path):
