@@ -14,6 +14,7 @@ from collections.abc import Callable
 from . import backing as B
 
 ROOT = 1  # the root's inode number in every FUSE protocol
+DEAD = -(1 << 62)  # the lookup count of a node dropped from the table
 
 
 # the modes nodes have, each held once (a table of many files holds few)
@@ -30,19 +31,14 @@ class Node:
         "ino",
         "bino",
         "_fd",
-        "live",
         "nopen",
         "nlookup",
         "parent",
         "name",
-        "extra",
         "mode",
         "nocap",
         "noxattr",
         "pt",
-        "pt_writers",
-        "cached",
-        "backing",
     )
     cache: FdCache
 
@@ -50,22 +46,21 @@ class Node:
         self.ino = ino
         self.bino = bino
         self._fd = fd
-        self.live = True
         self.nopen = 0
         self.mode = _MODES.setdefault(mode, mode)  # (one int object per mode)
         self.nlookup = 0
         self.parent: Node | None = None
-        self.name = b""
-        self.extra: set[tuple[Node, bytes]] | None = None
+        self.name = b""  # (its other names, if it has hard links: ``Ops.links``)
         self.nocap = False  # known to have no security.capability
         # known to have no xattrs at all (True), to have some (False), or not
         self.noxattr: bool | None = None
-        # open files: served by the kernel from the backing file (passthrough;
-        # of which writable), or through the daemon; the engine's id for the
-        # backing file all passthrough opens share (the kernel holds the
-        # file itself from then on: no fd of ours stays open for it)
-        self.pt = self.pt_writers = self.cached = 0
-        self.backing: int | None = None
+        # open files served by the kernel from the backing file (passthrough:
+        # how many) or, as a negative count, through the daemon -- never
+        # both (the kernel refuses a mix).  (Rarer state is held apart, not
+        # in a node each: the writable passthrough opens, in
+        # ``Ops.pt_writers``; the engine's id for the backing file, in its
+        # table.)
+        self.pt = 0
 
     @property
     def fd(self) -> int:
@@ -76,6 +71,11 @@ class Node:
                 lru.move_to_end(self)
             return self._fd
         return self.cache.reopen(self)
+
+    @property
+    def live(self) -> bool:
+        """Still in the table (``Ops._drop`` marks it DEAD)."""
+        return self.nlookup >= 0
 
     @property
     def isdir(self) -> bool:

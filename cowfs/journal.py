@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import schema as S
@@ -30,7 +30,11 @@ _GRAVE = S.GRAVE_PREFIX
 
 
 class Slot:
-    """A place in the tree (see ``Names``)."""
+    """A place in the tree (see ``Names``).  Where an object was made after
+    T and nothing else is known of its place (a new file, or a directory
+    no record has named anything in yet), its parent's ``children`` hold
+    LEAF for it instead of a slot of its own (some 90 bytes less a new
+    file): it is made into one when its path is looked up."""
 
     __slots__ = ("name", "parent", "children", "origin", "vacated", "made")
 
@@ -41,6 +45,10 @@ class Slot:
         self.children: dict[bytes, Slot] | None = None  # (made with the first)
         self.vacated: set[bytes] | None = None  # names whose holder at T has left
         self.made = False  # listed in a reading's ``created``
+
+
+# a slot made after T, with nothing known of it but its name (see ``Slot``)
+LEAF: Any = object()
 
 
 class Names:
@@ -64,6 +72,10 @@ class Names:
         # per file): a move of a slot that has slots below it empties it,
         # any other move drops one entry
         self._at: dict[bytes, Slot] = {b"": self.root}
+        # what was made after T: slots, and the slots whose children
+        # include LEAFs (``made``)
+        self.made_slots: list[Slot] = []
+        self.leaf_dirs: dict[Slot, None] = {}
 
     def slot(self, path: bytes) -> Slot:
         at = self._at
@@ -78,7 +90,11 @@ class Names:
         if children is None:
             children = p.children = {}
         s = children.get(name)
-        if s is None:
+        if s is LEAF:  # (made into a slot, made after T)
+            s = children[name] = Slot(name, p, None)
+            s.made = True
+            self.made_slots.append(s)
+        elif s is None:
             origin = p.origin
             if origin is not None:
                 if p.vacated and name in p.vacated:
@@ -123,7 +139,9 @@ class Names:
         if p.children is None:
             p.children = {}
         old = p.children.get(name)
-        if old is not None:
+        if old is LEAF:
+            self._at.pop(path, None)
+        elif old is not None:
             self._moved(old, path)
             old.parent = None
         elif p.origin is not None:
@@ -150,7 +168,8 @@ class Names:
         s = self.slot(path)
         self._moved(s, path)
         for child in (s.children or {}).values():
-            child.parent = None
+            if child is not LEAF:
+                child.parent = None
         s.children = None
         self._at[path] = s
 
@@ -167,6 +186,31 @@ class Names:
         if s is not self.root:  # it, or a directory above it, was taken out
             return None
         return b"/".join(reversed(parts))
+
+    def made(self) -> Iterator[bytes]:
+        """The paths now of what was made after T and is still in the tree
+        (each once; in no particular order)."""
+        for head, name in self.made_in():
+            yield name if head is None else head + b"/" + name if head else name
+
+    def made_in(self) -> Iterator[tuple[bytes | None, bytes]]:
+        """``made`` as (the directory's path now, the name in it) -- a name
+        this reading holds, the same object for every path of a directory
+        -- or (None, the path)."""
+        for s in self.made_slots:
+            where = self.where(s)
+            if where is not None:
+                yield None, where
+        for p in self.leaf_dirs:
+            children = p.children
+            if not children:
+                continue
+            where = self.where(p)
+            if where is None:
+                continue
+            for name, c in children.items():
+                if c is LEAF:
+                    yield where, name
 
     def now(self, path: bytes) -> bytes | None:
         """Where the object that was at *path* at T is now (None: it left
@@ -195,8 +239,7 @@ class Reading:
 
     * ``start``: path at T -> the object (backing inode) there at T, or None
       where the records show nothing was;
-    * ``created``: slots where objects were made after T (follow them with
-      ``names.where``);
+    * ``created()``: the paths now of what was made after T;
     * ``linked``: slots where hard links were made after T;
     * ``meta`` (ino -> its META record and that record's seq), ``chunks`` (ino -> a
       ``ChunkMap``: chunk index -> (length, digest), and the ranges of
@@ -212,7 +255,6 @@ class Reading:
         self.C = chunk_size
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
-        self.created: list[Slot] = []  # (in order; each once: Slot.made)
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
         self.chunks: dict[int, ChunkMap] = {}
@@ -245,8 +287,33 @@ class Reading:
             self.start[s.origin] = ino
         return s
 
+    def created(self) -> Iterator[bytes]:
+        """The paths now of what was made after T (``Names.made``)."""
+        return self.names.made()
+
     def _create(self, seq: int, rec: S.Create | S.Link) -> None:
-        s = self._seen(rec.path, None)
+        path = rec.path
+        if type(rec) is S.Create and not path.startswith(_GRAVE):
+            # A name nothing was recorded at yet: the parent holds a LEAF
+            # for what was made there (nothing was there at T: ``start``
+            # says so where the parent is from T).
+            names = self.names
+            head, _, name = path.rpartition(b"/")
+            p = names.slot(head)
+            children = p.children
+            if children is None:
+                children = p.children = {}
+            if name not in children:
+                origin = p.origin
+                if origin is not None and not (p.vacated and name in p.vacated):
+                    origin = origin + b"/" + name if origin else name
+                    if origin not in self.start:
+                        self.start[origin] = None
+                children[name] = LEAF
+                if p not in names.leaf_dirs:
+                    names.leaf_dirs[p] = None
+                return
+        s = self._seen(path, None)
         if s is not None:
             self._made(s)
             if type(rec) is S.Link:
@@ -257,10 +324,17 @@ class Reading:
                 # was anything that will be named below it: such slots need
                 # no origin, and a layer of many new files keeps no path at T
                 # for each.
+                # (Slots a query named below it before it was made -- the
+                # path of a file asked about -- lose theirs too.)
                 by_origin = self.names.by_origin
-                if by_origin.get(origin) is s:
-                    del by_origin[origin]
-                s.origin = None
+                todo = [s]
+                while todo:
+                    t = todo.pop()
+                    if t.origin is not None and by_origin.get(t.origin) is t:
+                        del by_origin[t.origin]
+                    t.origin = None
+                    if t.children:
+                        todo.extend(c for c in t.children.values() if c is not LEAF)
 
     def _grave(self, seq: int, rec: S.Grave) -> None:
         s = self._seen(rec.path, rec.ino)
@@ -279,7 +353,7 @@ class Reading:
     def _made(self, s: Slot) -> None:
         if not s.made:
             s.made = True
-            self.created.append(s)
+            self.names.made_slots.append(s)
 
     def _exchange(self, seq: int, rec: S.Exchange) -> None:
         self._seen(rec.a, rec.ino_a)
@@ -323,10 +397,7 @@ class Reading:
                 now = self.names.now(path)
                 if now is not None:
                     out.add(now)
-        for slot in self.created:
-            where = self.names.where(slot)
-            if where is not None:
-                out.add(where)
+        out.update(self.created())
         out.discard(b"")
         return out
 
@@ -408,6 +479,11 @@ class Kept:
             self._kept[start] = e
             self._trim()
             return e.reading
+
+    def holds(self, reading: Reading) -> bool:
+        """Whether *reading* is kept (else it goes with the request)."""
+        with self._lock:
+            return any(e.reading is reading for e in self._kept.values())
 
     def _still_held(self, start: int) -> _Entry | None:
         """The reading from *start* trimmed while a request held it, if one

@@ -210,6 +210,8 @@ class Engine:
         self.running = False
         self.ended = False  # the kernel let go of the connection: not mounted
         self.counts: dict[int, int] = {}
+        # the id of each passthrough file the kernel holds, by node
+        self.backing_ids: dict[Node, int] = {}
         self.use_passthrough = can_pass_through()
         self.passthrough = False  # negotiated
         self._handlers = self._table()
@@ -834,9 +836,10 @@ class Engine:
     ) -> None:
         h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
         node = h.node
-        if h.passthrough and not node.pt and node.backing is not None:
-            self._backing_close(node.backing)
-            node.backing = None
+        if h.passthrough and not node.pt:
+            bid = self.backing_ids.pop(node, None)
+            if bid is not None:
+                self._backing_close(bid)
         self._reply(unique)
 
     def _open_out(self, fh: int, keep: bool) -> bytes:
@@ -845,12 +848,13 @@ class Engine:
             bfd = self.ops.passthrough(fh)
             if bfd is not None:
                 node = self.ops.handles[fh].node
-                if node.backing is None:
+                bid = self.backing_ids.get(node)
+                if bid is None:
                     # (the kernel takes a reference to the file behind *bfd*,
                     # the node's O_PATH fd, and keeps it until the id is
                     # closed: the fd itself may be closed or evicted later)
-                    node.backing = self._backing_open(bfd)
-                return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, node.backing)
+                    bid = self.backing_ids[node] = self._backing_open(bfd)
+                return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, bid)
         return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)
 
     def _backing_open(self, fd: int) -> int:

@@ -9,10 +9,12 @@ Changes are dicts as the daemon gives them: "path", "kind", and "from",
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import overload
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, overload
 
 from .text import count, quote
 
@@ -27,19 +29,149 @@ KINDS = {
 
 
 class Changes(Sequence[dict]):
-    """Changes as the daemon gives them, held as a row each -- (path, kind,
-    from, dir, ino, who), paths as bytes -- and made into dicts as they are
-    read: a layer of 200,000 new files is 200,000 rows of some 150 bytes,
-    not as many dicts of 350.  JSON encoders take it as a list, some rows at
-    a time (control.encode_pieces)."""
+    """Changes as the daemon gives them, held in columns -- a row each of
+    path, kind, whether a directory, object (ino), where it came from (R,
+    held apart) and who first made it (an index into the dicts of the few
+    writers) -- and made into dicts as they are read: a layer of 200,000 new
+    files is some 30 bytes a change, not a tuple of 170 or a dict of 350.
+    A path is held whole, or as a name (the object a journal reading holds
+    already) in a directory of a table (``append_in``).  JSON encoders take
+    it as a list, some rows at a time (control.encode_pieces)."""
 
-    __slots__ = ("rows",)
+    __slots__ = (
+        "names",
+        "heads",
+        "parents",
+        "kinds",
+        "dirs",
+        "inos",
+        "was",
+        "who",
+        "whos",
+        "_who_index",
+    )
 
-    def __init__(self, rows: list[tuple]):
-        self.rows = rows
+    def __init__(self, rows: Iterable[tuple] = ()):
+        self.names: list[bytes] = []  # the path, or the name in its parent
+        self.heads = array("i")  # the parent in ``parents`` (-1: the path is whole)
+        self.parents: list[bytes] = []
+        self.kinds = bytearray()  # (the kind's letter)
+        self.dirs = bytearray()
+        self.inos = array("Q")  # (0: none)
+        self.was: dict[int, bytes] = {}  # row -> the path it came from
+        self.who = array("i")  # row -> its writer in ``whos`` (-1: none)
+        self.whos: list[dict] = []
+        self._who_index: dict[int, int] = {}  # id(a writer's dict) -> its index
+        for r in rows:
+            self.append(*r)
+
+    def append(
+        self, path: bytes, kind: str, was: bytes | None, is_dir: bool, ino: int | None, who=None
+    ) -> None:
+        """A change at the end: (path, kind, from, is a directory, ino, who)."""
+        self.append_in(-1, path, kind, was, is_dir, ino, who)
+
+    def parent(self, path: bytes) -> int:
+        """The index of directory *path* for ``append_in``."""
+        self.parents.append(path)
+        return len(self.parents) - 1
+
+    def append_in(
+        self,
+        head: int,
+        name: bytes,
+        kind: str,
+        was: bytes | None,
+        is_dir: bool,
+        ino: int | None,
+        who=None,
+    ) -> None:
+        """A change at the end, at *name* in directory *head* (``parent``;
+        -1: *name* is the whole path)."""
+        i = len(self.names)
+        self.names.append(name)
+        self.heads.append(head)
+        self.kinds.append(ord(kind))
+        self.dirs.append(is_dir)
+        self.inos.append(ino or 0)
+        self.who.append(-1)
+        if was is not None:
+            self.was[i] = was
+        if who is not None:
+            self.set_who(i, who)
+
+    def path(self, i: int) -> bytes:
+        h = self.heads[i]
+        if h < 0:
+            return self.names[i]
+        p = self.parents[h]
+        return p + b"/" + self.names[i] if p else self.names[i]
+
+    def set_who(self, i: int, who: dict) -> None:
+        """Row *i* was first made by *who* (a dict held once per writer)."""
+        k = self._who_index.get(id(who))
+        if k is None or self.whos[k] is not who:
+            k = self._who_index[id(who)] = len(self.whos)
+            self.whos.append(who)
+        self.who[i] = k
+
+    def ino(self, i: int) -> int | None:
+        return self.inos[i] or None
+
+    def row(self, i: int) -> tuple:
+        """Row *i* as (path, kind, from, is a directory, ino, who)."""
+        k = self.who[i]
+        return (
+            self.path(i),
+            chr(self.kinds[i]),
+            self.was.get(i),
+            bool(self.dirs[i]),
+            self.ino(i),
+            self.whos[k] if k >= 0 else None,
+        )
+
+    def _key(self, i: int) -> bytes:
+        return self.path(i) or b"."  # (the root is listed as ".")
+
+    def sort(self) -> None:
+        """In the order of the paths (the root's, b"", as "."); stable.
+        Each run of rows in one directory (or of whole paths) is sorted in
+        place, then the runs are merged: no path is made but those the
+        merge compares, no list of every row's index."""
+        heads, names, n = self.heads, self.names, len(self.names)
+        runs = []
+        start = 0
+        while start < n:
+            h, end = heads[start], start + 1
+            while end < n and heads[end] == h:
+                end += 1
+            key = self._key if h < 0 else names.__getitem__
+            self._permute(start, end, sorted(range(start, end), key=key))
+            runs.append(range(start, end))
+            start = end
+        if len(runs) < 2:
+            return
+        order = array("I", heapq.merge(*runs, key=self._key))
+        if all(i == j for i, j in enumerate(order)):
+            return
+        self._permute(0, n, order)
+
+    def _permute(self, start: int, end: int, order) -> None:
+        """Rows start..end-1 in *order* (their indices)."""
+        if all(i == j for i, j in enumerate(order, start)):
+            return
+        self.names[start:end] = [self.names[i] for i in order]
+        self.heads[start:end] = array("i", (self.heads[i] for i in order))
+        self.kinds[start:end] = bytes(self.kinds[i] for i in order)
+        self.dirs[start:end] = bytes(self.dirs[i] for i in order)
+        self.inos[start:end] = array("Q", (self.inos[i] for i in order))
+        self.who[start:end] = array("i", (self.who[i] for i in order))
+        if self.was:
+            at = {i: j for j, i in enumerate(order, start) if i in self.was}
+            self.was = {at.get(i, i): p for i, p in self.was.items()}
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.names)
 
     @overload
     def __getitem__(self, i: int) -> dict: ...
@@ -49,21 +181,36 @@ class Changes(Sequence[dict]):
 
     def __getitem__(self, i: int | slice) -> dict | list[dict]:
         if isinstance(i, slice):
-            return [_as_dict(r) for r in self.rows[i]]
-        return _as_dict(self.rows[i])
+            return [self._as_dict(k) for k in range(*i.indices(len(self.names)))]
+        if i < 0:
+            i += len(self.names)
+        if not 0 <= i < len(self.names):
+            raise IndexError("change index out of range")
+        return self._as_dict(i)
 
     def __iter__(self) -> Iterator[dict]:
-        return map(_as_dict, self.rows)
+        return map(self._as_dict, range(len(self.names)))
+
+    def _as_dict(self, i: int) -> dict:
+        c: dict[str, Any] = {"path": _path(self.path(i)), "kind": chr(self.kinds[i])}
+        was = self.was.get(i) if self.was else None
+        if was is not None:
+            c["from"] = os.fsdecode(was)
+        if self.dirs[i]:
+            c["dir"] = True
+        k = self.who[i]
+        if k >= 0:
+            c["who"] = self.whos[k]
+        return c
 
     def where(self, wanted: Callable[[str, str | None], bool]) -> Changes:
         """The changes whose path (or the path they came from) is *wanted*."""
-        return Changes(
-            [
-                r
-                for r in self.rows
-                if wanted(_path(r[0]), os.fsdecode(r[2]) if r[2] is not None else None)
-            ]
-        )
+        out = Changes()
+        for i in range(len(self.names)):
+            was = self.was.get(i)
+            if wanted(_path(self.path(i)), os.fsdecode(was) if was is not None else None):
+                out.append(*self.row(i))
+        return out
 
 
 class Encoded(str):
@@ -85,18 +232,6 @@ def plain_list(items: Sequence) -> list:
 
 def _path(p: bytes) -> str:
     return os.fsdecode(p) if p else "."
-
-
-def _as_dict(row: tuple) -> dict:
-    path, kind, was, is_dir, _, who = row
-    c = {"path": _path(path), "kind": kind}
-    if was is not None:
-        c["from"] = os.fsdecode(was)
-    if is_dir:
-        c["dir"] = True
-    if who is not None:
-        c["who"] = who
-    return c
 
 
 WHOLE = ("A", "D")  # the kinds whose directories are taken as a whole

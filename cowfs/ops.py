@@ -27,7 +27,7 @@ from . import backing as B
 from . import schema as S
 from .capture import Recorder
 from .gravesum import Hasher
-from .inodes import ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
+from .inodes import DEAD, ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
 from .store import LimitReached, Store, Writer
 from .undo import Touched
 
@@ -186,14 +186,25 @@ class Ops:
         self.root.nlookup = 1
         self.grave = Node(0, 0, store.grave_fd, stat.S_IFDIR)
         self.nodes: dict[int, Node] = {self.root.ino: self.root}
-        self.by_bino: dict[int, Node] = {self.root.bino: self.root}
+        # The node of each backing object is nodes[its inode number] (a
+        # node's number is its object's: ``_new_ino``), but for these
+        # exceptions, few: an object whose node has another number (a
+        # spare one; the root's, 1), or None where nodes[the object's
+        # number] is a node whose object is gone (``_orphan``) -- one
+        # mapping for the table, not two (some 50 bytes a node).
+        self.moved: dict[int, Node | None] = {}
+        # the other names (parent, name) of nodes known by more than one
+        # (hard links: few), kept apart from the nodes
+        self.links: dict[Node, set[tuple[Node, bytes]]] = {}
+        self._map(self.root)
         self.spare_ino = SPARE_INO
         self.handles: dict[int, Handle | DirHandle] = {}
         self.next_fh = 1
         # Files open for writing: only they can have dirty pages (shared
         # mmaps) in the kernel that a layer switch must flush first.
         self.writers = 0
-        self.pt_writers: set[Node] = set()  # written through passthrough
+        # files written through passthrough: how many such opens
+        self.pt_writers: dict[Node, int] = {}
         self.grave_links = store.grave_counts()
         # told before the bytes of an object change
         self.sums: Hasher | None = None
@@ -226,13 +237,20 @@ class Ops:
     ) -> tuple[Node, os.stat_result]:
         """*made*: the stat of an object the daemon has just made there."""
         st = made if made is not None else os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
-        node = self.by_bino.get(st.st_ino)
+        bino = st.st_ino
+        moved = self.moved
+        if moved and bino in moved:  # (``by_bino``, inline: every lookup and create)
+            node = moved[bino]
+        else:
+            node = self.nodes.get(bino)
+            if node is not None and node.bino != bino:
+                node = None
         if node is None or (node._fd < 0 and node is not self.root):
             fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
             try:
                 if made is None or node is not None:
                     st = os.fstat(fd)
-                    node = self.by_bino.get(st.st_ino)
+                    node = self.by_bino(st.st_ino)
                 if node is not None and node._fd < 0 and node is not self.root:
                     # Its fd was evicted: the object may have gone since,
                     # and this be a later one given its inode number.
@@ -250,7 +268,7 @@ class Ops:
                 node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
                 node.parent, node.name = parent, name
                 self.nodes[node.ino] = node
-                self.by_bino[node.bino] = node
+                self._map(node)
                 self.fds.add(node)
             else:
                 if fd >= 0:  # (the name led to an object with a node of its fd)
@@ -283,29 +301,60 @@ class Ops:
         self.spare_ino -= 1
         return ino
 
+    def by_bino(self, bino: int) -> Node | None:
+        """The node of backing object *bino*, if the table has one."""
+        moved = self.moved
+        if moved and bino in moved:
+            return moved[bino]
+        node = self.nodes.get(bino)
+        return node if node is not None and node.bino == bino else None
+
+    def _map(self, node: Node) -> None:
+        """*node* (in ``nodes`` now) is its object's."""
+        if node.ino == node.bino:
+            self.moved.pop(node.bino, None)
+        else:
+            self.moved[node.bino] = node
+
+    def _unmap(self, bino: int) -> None:
+        """No node is object *bino*'s any more."""
+        moved = self.moved
+        moved.pop(bino, None)
+        stale = self.nodes.get(bino)
+        if stale is not None and stale.bino == bino:
+            moved[bino] = None
+
     def _drop(self, node: Node) -> None:
         if node is self.root or self.nodes.get(node.ino) is not node:
             return
+        current = self.by_bino(node.bino) is node
         del self.nodes[node.ino]
-        if self.by_bino.get(node.bino) is node:
-            del self.by_bino[node.bino]
-        node.live = False
+        moved = self.moved
+        if moved:
+            if node.ino in moved and moved[node.ino] is None:
+                del moved[node.ino]  # (it said that this node was no object's)
+            if current:
+                self._unmap(node.bino)
+        node.nlookup = DEAD  # (not live)
+        self.links.pop(node, None)
         self.fds.close(node)
 
     def _orphan(self, bino: int) -> None:
         """The object *bino* is gone for good: its inode number may be reused,
         so it must no longer lead to its node (which lives on for the kernel
         while it holds it, with the fd it has, if any)."""
-        node = self.by_bino.pop(bino, None)
+        node = self.by_bino(bino)
         if node is not None:
-            node.parent, node.name, node.extra = None, b"", None
+            self._unmap(bino)
+            node.parent, node.name = None, b""
+            self.links.pop(node, None)
 
     def _reopen(self, node: Node) -> int:
         """Open an O_PATH fd on *node*'s object again, through a name that
         still leads to it."""
-        if self.by_bino.get(node.bino) is not node:
+        if self.by_bino(node.bino) is not node:
             raise OSError(errno.ESTALE, "the object is gone")
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live:
                 continue
             try:
@@ -331,20 +380,24 @@ class Ops:
         if node.isdir or node.parent is None:
             node.parent, node.name = parent, name
             return
-        if node.extra is None:
-            node.extra = set()
-        node.extra.add((node.parent, node.name))
-        node.extra.discard((parent, name))
+        extra = self.links.get(node)
+        if extra is None:
+            extra = self.links[node] = set()
+        extra.add((node.parent, node.name))
+        extra.discard((parent, name))
         node.parent, node.name = parent, name
 
     def _remove_link(self, node: Node, parent: Node, name: bytes) -> None:
+        extra = self.links.get(node)
         if node.parent is parent and node.name == name:
-            if node.extra:
-                node.parent, node.name = node.extra.pop()
+            if extra:
+                node.parent, node.name = extra.pop()
             else:
                 node.parent, node.name = None, b""
-        elif node.extra:
-            node.extra.discard((parent, name))
+        elif extra:
+            extra.discard((parent, name))
+        if extra is not None and not extra:
+            del self.links[node]
 
     def _path(self, node: Node) -> bytes:
         """The location of *node* now (workspace path or grave entry)."""
@@ -367,7 +420,7 @@ class Ops:
         (names of hard-linked files can go stale)."""
         if node is self.root:
             return b""
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live:
                 continue
             st = B.lstat_at(parent.fd, name)
@@ -811,11 +864,11 @@ class Ops:
         gname = str(gid).encode()
         B.renameat2(parent.fd, name, self.grave.fd, gname, B.RENAME_NOREPLACE)
         self.grave_links[bino] = self.grave_links.get(bino, 0) + 1
-        node = self.by_bino.get(bino)
+        node = self.by_bino(bino)
         if node is not None:
             self._remove_link(node, parent, name)
             self._add_link(node, self.grave, gname)
-            if node.pt_writers:  # (written on unseen: no hash of it can hold)
+            if node in self.pt_writers:  # (written on unseen: no hash of it can hold)
                 self._rewriting(node)
 
     def _remove(self, parent: Node, name: bytes, want_dir: bool) -> None:
@@ -834,7 +887,7 @@ class Ops:
                 os.rmdir(name, dir_fd=parent.fd)
             else:
                 os.unlink(name, dir_fd=parent.fd)
-            node = self.by_bino.get(st.st_ino)
+            node = self.by_bino(st.st_ino)
             if node is not None:
                 self._remove_link(node, parent, name)
             if isdir or st.st_nlink == 1:
@@ -848,7 +901,7 @@ class Ops:
             with self.rec.txn() as w:
                 self._dir_changes(w, parent)
             os.unlink(name, dir_fd=parent.fd)
-            node = self.by_bino.get(st.st_ino)
+            node = self.by_bino(st.st_ino)
             if node is not None:
                 self._remove_link(node, parent, name)
             if st.st_nlink == 1:
@@ -870,7 +923,7 @@ class Ops:
         the requester -- EMFILE, before anything changes, for one who holds
         its share of such files already."""
         if st.st_nlink == 1 and not stat.S_ISDIR(st.st_mode):
-            node = self.by_bino.get(st.st_ino)
+            node = self.by_bino(st.st_ino)
             if node is not None and node.nopen:
                 who = self.rec.who
                 self.fds.pin(node, who[1] if who is not None else -1)
@@ -974,7 +1027,7 @@ class Ops:
             self._own(sp, name_old, ctx, stat.S_IFCHR)
             self.rec.note_created(os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False).st_ino)
         if dst is not None and gid is None:
-            node = self.by_bino.get(dst.st_ino)
+            node = self.by_bino(dst.st_ino)
             if node is not None:
                 self._remove_link(node, dp, name_new)
             if dst.st_nlink == 1:
@@ -987,13 +1040,13 @@ class Ops:
         gname = str(gid).encode()
         B.renameat2(self.grave.fd, gname, parent.fd, name, B.RENAME_NOREPLACE)
         self.grave_links[bino] -= 1
-        node = self.by_bino.get(bino)
+        node = self.by_bino(bino)
         if node is not None:
             self._remove_link(node, self.grave, gname)
             self._add_link(node, parent, name)
 
     def _moved(self, bino: int, sp: Node, sname: bytes, dp: Node, dname: bytes) -> None:
-        node = self.by_bino.get(bino)
+        node = self.by_bino(bino)
         if node is not None:
             self._remove_link(node, sp, sname)
             self._add_link(node, dp, dname)
@@ -1168,7 +1221,7 @@ class Ops:
         node.nlookup = 1
         node.nocap = True
         self.nodes[node.ino] = node
-        self.by_bino[node.bino] = node
+        self._map(node)
         self.rec.note_created(st.st_ino)
         fh, keep = self._new_handle(node, fd, flags, fl)
         self.fds.pin(node, ctx.uid)
@@ -1187,7 +1240,7 @@ class Ops:
 
     def is_open(self, bino: int) -> bool:
         """Whether a program has backing object *bino* open in the mount."""
-        node = self.by_bino.get(bino)
+        node = self.by_bino(bino)
         return node is not None and node.nopen > 0
 
     @op
@@ -1208,11 +1261,14 @@ class Ops:
         if h.counted:
             if h.passthrough:
                 node.pt -= 1
-                node.pt_writers -= h.writable
-                if not node.pt_writers:
-                    self.pt_writers.discard(node)
+                if h.writable:
+                    n = self.pt_writers[node] - 1
+                    if n:
+                        self.pt_writers[node] = n
+                    else:
+                        del self.pt_writers[node]
             else:
-                node.cached -= 1
+                node.pt += 1  # (one fewer served through the daemon)
         self.fds.closed(h)
         return h
 
@@ -1240,9 +1296,9 @@ class Ops:
         node = h.node
         ok = (
             stat.S_ISREG(node.mode)
-            and not node.cached
+            and node.pt >= 0  # (none served through the daemon)
             and (
-                node.pt
+                node.pt > 0
                 or (
                     self.rec.obj(node.bino).created
                     if h.writable
@@ -1256,13 +1312,12 @@ class Ops:
             except OSError:
                 ok = False
         if not ok:
-            node.cached += 1
+            node.pt -= 1  # (one more served through the daemon)
             h.counted = True
             return None
         if h.writable:
             self._capture_whole(node, h.fd)
-            node.pt_writers += 1
-            self.pt_writers.add(node)
+            self.pt_writers[node] = self.pt_writers.get(node, 0) + 1
         node.pt += 1
         h.counted = h.passthrough = True
         return node.fd
@@ -1505,7 +1560,7 @@ class Ops:
         for bino in touched.removed:
             self._orphan(bino)
         for bino, loc in touched.moves:
-            node = self.by_bino.get(bino)
+            node = self.by_bino(bino)
             if node is None:
                 continue
             gid = S.grave_id(loc)
@@ -1526,7 +1581,7 @@ class Ops:
                 entries.append((parent.ino, name))
                 inodes.append(parent.ino)  # its mtime and link count changed back
         for bino in touched.objects:
-            node = self.by_bino.get(bino)
+            node = self.by_bino(bino)
             if node is not None:
                 try:
                     node.mode = os.stat(node.fd).st_mode
@@ -1540,7 +1595,7 @@ class Ops:
         the O_PATH fds held on them close now, not when the kernel forgets
         them, so that their blocks are freed (an open file keeps its own)."""
         for bino in binos:
-            node = self.by_bino.get(bino)
+            node = self.by_bino(bino)
             if node is not None and node.nopen == 0:
                 node.cache.close(node)
                 self._orphan(bino)
@@ -1551,10 +1606,10 @@ class Ops:
         if self.sums is not None:
             self.sums.reload()
         for bino in freed:
-            node = self.by_bino.get(bino)
+            node = self.by_bino(bino)
             if node is None:
                 continue
-            for link in [(node.parent, node.name), *(node.extra or ())]:
+            for link in [(node.parent, node.name), *self.links.get(node, ())]:
                 if link[0] is self.grave:
                     self._remove_link(node, *link)
             if not self._named(node):
@@ -1566,7 +1621,7 @@ class Ops:
         object would give its other names a second inode number.)"""
         if node._fd >= 0:
             return os.fstat(node._fd).st_nlink > 0
-        for parent, name in [(node.parent, node.name), *(node.extra or ())]:
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
             if parent is None or not parent.live or parent is self.grave:
                 continue
             try:
@@ -1582,6 +1637,6 @@ class Ops:
         except OSError:
             return None
         try:
-            return self.by_bino.get(os.fstat(fd).st_ino)
+            return self.by_bino(os.fstat(fd).st_ino)
         finally:
             os.close(fd)

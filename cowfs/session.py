@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -641,16 +642,15 @@ class Session:
             self.store.open_layer().id, hashes=self._audit_level() == "hashes"
         )
         info = self.stack.commit()
-        self.store.audit_many(
-            [
-                {
-                    "event": "commit",
-                    "layer": info["committed"],
-                    "into": info["into"],
-                    "changes": len(kept),
-                }
-            ]
-            + [c | {"layer": info["committed"]} for c in kept]
+        self._audit_events(
+            {
+                "event": "commit",
+                "layer": info["committed"],
+                "into": info["into"],
+                "changes": len(kept),
+            },
+            kept,
+            layer=info["committed"],
         )
         self._switched(fresh=info["into"] is None)
         self.hooks.after_commit(info.pop("freed", []))
@@ -697,17 +697,16 @@ class Session:
         # (kept with the layer the workspace is back at)
         result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
         failures = report.failures + step_failures(record)
-        self.store.audit_many(
-            [
-                {
-                    "event": "rollback",
-                    "layer": result["top"],
-                    "dropped": result["dropped"],
-                    "failures": failures,
-                }
-                | ({"stopped": report.stopped} if report.stopped else {})
-            ]
-            + [c | {"undone": True} for c in undone]
+        self._audit_events(
+            {
+                "event": "rollback",
+                "layer": result["top"],
+                "dropped": result["dropped"],
+                "failures": failures,
+            }
+            | ({"stopped": report.stopped} if report.stopped else {}),
+            undone,
+            undone=True,
         )
         if report.stopped:
             raise errors.PartialFailure(
@@ -729,16 +728,15 @@ class Session:
         assert report is not None  # (planned just now, with its file part still to do)
         result = report.to_dict()
         redone = self._audit_changes(st["to"], hashes=False)
-        self.store.audit_many(
-            [
-                {
-                    "event": "redo",
-                    "layer": result["top"],
-                    "restored": result["restored"],
-                    "failures": report.failures,
-                }
-            ]
-            + [c | {"redone": True} for c in redone]
+        self._audit_events(
+            {
+                "event": "redo",
+                "layer": result["top"],
+                "restored": result["restored"],
+                "failures": report.failures,
+            },
+            redone,
+            redone=True,
         )
         if report.failures:
             raise errors.PartialFailure(
@@ -996,7 +994,15 @@ class Session:
     def _audit_level(self) -> str:
         return self.store.limits().get("audit") or "hashes"
 
-    def _audit_changes(self, since: int, hashes: bool, planned: bool = False) -> list[dict]:
+    def _audit_events(self, event: dict, changes: Sequence[dict], **fields: Any) -> None:
+        """Write *event* and a change event for each of *changes* (with
+        *fields*) to the audit log, made as they are written (a rollback of
+        200,000 changes held two lists of as many dicts)."""
+        self.store.audit_many(
+            itertools.chain([event], ({"event": "change", **c, **fields} for c in changes))
+        )
+
+    def _audit_changes(self, since: int, hashes: bool, planned: bool = False) -> Sequence[dict]:
         """Change events for what changed since layer *since* opened: path,
         kind, writer and, with *hashes*, both sides' sizes and xxh3 (files
         up to AUDIT_HASH_LIMIT; larger ones get sizes only; a sparse file
@@ -1008,9 +1014,8 @@ class Session:
         if self._audit_level() == "events":
             return []
         try:
-            if not hashes:
-                changes = self.stack.undone() if planned else self.stack.changes_since(since)
-                return [{"event": "change", **c} for c in changes]
+            if not hashes:  # (each made into a dict as it is written: ``_audit_events``)
+                return self.stack.undone() if planned else self.stack.changes_since(since)
             h = History(
                 self.store,
                 self.stack.resolver,

@@ -301,16 +301,13 @@ class Stack:
         seg = redo.segment(self.store)  # (changes since the last rollback)
         if seg is not None:
             layers.append(seg)
-        rows = changes.rows
-        for i in range(0, len(rows), self.WHO_BATCH):
-            found = self.store.who(
-                layers, [r[4] for r in rows[i : i + self.WHO_BATCH] if r[4] is not None]
-            )
-            for j in range(i, min(i + self.WHO_BATCH, len(rows))):
-                path, kind, was, is_dir, ino, _ = rows[j]
-                who = found.get(ino) if ino is not None else None
+        inos = changes.inos
+        for i in range(0, len(inos), self.WHO_BATCH):
+            found = self.store.who(layers, [n for n in inos[i : i + self.WHO_BATCH] if n])
+            for j in range(i, min(i + self.WHO_BATCH, len(inos))):
+                who = found.get(inos[j]) if inos[j] else None
                 if who is not None:  # (one dict per writer, shared: read, never changed)
-                    rows[j] = (path, kind, was, is_dir, ino, who)
+                    changes.set_who(j, who)
         return changes
 
     def sweep_graves(self) -> int:
@@ -832,10 +829,18 @@ class Stack:
         maps them to the layer's start and to now, in one pass."""
         j = self.reading(layer_id, since, collect)
         with self.resolver.reading():
-            return self._net(j)
+            changes = self._net(j)
+        if len(changes) > self.WHO_BATCH and not self.kept.holds(j):
+            # (a reading not kept is garbage in cycles -- a tree of slots --
+            # now: collected before the changes are sorted and sent, not
+            # after, at the peak of the request)
+            del j
+            gc.collect()
+        changes.sort()  # (stable: a deletion before what stands there now)
+        return changes
 
     def _net(self, j: Reading) -> Changes:
-        """The net changes *j* describes, compared with the tree now.  An
+        """The net changes *j* describes (unsorted), compared with the tree now.  An
         object counts as renamed (R) when its own name or directory changed,
         not when it moved only with a directory above it; one that is gone
         is deleted (D, at its path then) unless another object stands where
@@ -863,7 +868,7 @@ class Stack:
             here = names.now(head)
             return None if here is None else (here + b"/" + name if here else name)
 
-        # path -> (path, kind, from, is a directory, ino, who): see listing.Changes
+        # path -> (path, kind, from, is a directory, ino): see listing.Changes
         out: dict[bytes, tuple] = {}
         deleted: dict[bytes, tuple] = {}  # (at their paths then: kept apart)
         present: set[int] = set()
@@ -878,13 +883,13 @@ class Stack:
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = (cur, "R", sp, stat.S_ISDIR(st.st_mode), was, None)
+                out[cur] = (cur, "R", sp, stat.S_ISDIR(st.st_mode), was)
             elif cur:
                 kind = self.same.modified(
                     cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was)
                 )
                 if kind:
-                    out[cur] = (cur, kind, None, stat.S_ISDIR(st.st_mode), was, None)
+                    out[cur] = (cur, kind, None, stat.S_ISDIR(st.st_mode), was)
         stands_in: set[bytes] = set()  # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
@@ -892,7 +897,7 @@ class Stack:
             if at is None or st is None or at in out:  # (no path, no object)
                 if st is None or st.st_ino not in present:
                     if sp not in deleted:
-                        deleted[sp] = (sp, "D", None, was_dir(was), was, None)
+                        deleted[sp] = (sp, "D", None, was_dir(was), was)
                 continue  # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
@@ -905,26 +910,26 @@ class Stack:
             )
             stands_in.add(at)
             if kind:
-                out[at] = (at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino, None)
+                out[at] = (at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino)
         # (no two slots are at one path: what was made is listed, not looked up)
-        added = []
-        for slot in j.created:
-            cur = names.where(slot)
-            if cur is None or cur in out or cur in stands_in:
+        rows = Changes([*deleted.values(), *out.values()])
+        del deleted
+        # (a new file's row holds the reading's name, in its directory's)
+        last: bytes | None = None
+        head = -1
+        for where, name in names.made_in():
+            cur = name if where is None else where + b"/" + name if where else name
+            if cur in out or cur in stands_in:
                 continue
             st = now(cur)
             if st is not None and st.st_ino not in present:
-                added.append((cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino, None))
-        rows = [*deleted.values(), *out.values()]
-        del deleted, out
-        rows += added
-        del added
-        rows.sort(key=_by_path)  # (stable: a deletion before what stands there now)
-        return Changes(rows)
-
-
-def _by_path(row: tuple) -> bytes:
-    return row[0] or b"."  # (the root is listed as ".")
+                if where is None:
+                    rows.append(cur, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino)
+                    continue
+                if where is not last:
+                    head, last = rows.parent(where), where
+                rows.append_in(head, name, "A", None, stat.S_ISDIR(st.st_mode), st.st_ino)
+        return rows
 
 
 def _as_recorded(fp: list | None, was: list | None) -> list | None:

@@ -6,22 +6,31 @@ file.
 
 Measured on the way (200,000 new files in 200 directories, one layer): the
 daemon held 216 MiB after making them and peaked at 512 MiB through
-`status --json` and 801 MiB through `diff --stat` (now 144, 217 and 310);
-what is left per file is mostly the inode table, which follows the
-kernel's own cache of the files' entries."""
+`status --json` and 801 MiB through `diff --stat` (then 151, 214 and 288;
+now see README.md); what is left per file is mostly the inode table, which
+follows the kernel's own cache of the files' entries."""
 
 from __future__ import annotations
 
 import os
+import random
+import tracemalloc
+
+from cowfs import schema as S
+from cowfs.journal import Reading
+from cowfs.listing import Changes
+from cowfs.store import Store
 
 from .helpers import managed_workspace
 
 FILES = 20_000  # in directories of 1,000 (about ten seconds through the mount)
 # The peak's growth per file made, through the listings and through a diff
 # (measured: 2,500 and 4,000 bytes before the journal reading, the capture
-# state and the answers were made compact; 1,160 and 1,610 after).
-PER_FILE = 1600
-PER_FILE_DIFF = 2200
+# state and the answers were made compact; 1,160 and 1,640 after; 930 and
+# 1,350 with one inode mapping, smaller nodes, new files held as names in a
+# reading, changes in columns and the journal read a batch at a time).
+PER_FILE = 1080
+PER_FILE_DIFF = 1520
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -102,3 +111,119 @@ def test_capture_state_forgotten_is_read_back_and_nothing_is_captured_twice(work
     assert records() == first + files
     workspace.rollback()
     assert workspace.snapshot() == before
+
+
+# -- the daemon's pieces, measured in-process (tracemalloc: the bytes Python
+# allocated, the same on every run) -----------------------------------------------
+
+DIRS, PER_DIR = 20, 1000
+
+
+def new_files() -> list[tuple[int, S.Record]]:
+    """The records of DIRS directories of PER_DIR new files each, in order."""
+    records: list[S.Record] = []
+    for d in range(DIRS):
+        records.append(S.Create(b"d%03d" % d))
+        records += [S.Create(b"d%03d/f%04d" % (d, i)) for i in range(PER_DIR)]
+    return list(enumerate(records))
+
+
+def traced(make):
+    """What *make*() returns, the bytes it holds and the peak on the way."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = make()
+        now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, now - before, peak - before
+
+
+def test_a_reading_of_a_layer_of_new_files_holds_little_per_file():
+    """A new file is a name in its directory's table of the reading (not an
+    object of its own: 170 bytes a file before, some 75 now)."""
+    records = new_files()
+    j, held, _ = traced(lambda: Reading(records, 1 << 16))
+    n = len(records)
+    assert held <= 110 * n, f"the reading holds {held / n:,.0f} bytes a new file"
+    assert sorted(j.created()) == sorted(rec.path for _, rec in records)
+    j.names.move(b"d001", b"e")  # (a directory of them moved: followed)
+    j.names.remove(b"d002/f0007")
+    assert b"e/f0003" in set(j.created()) and b"d002/f0007" not in set(j.created())
+    assert len(list(j.created())) == n - 1
+
+
+def test_changes_are_held_in_columns():
+    """A listed new file is some 30 bytes and its name, held once by the
+    reading and the listing (a tuple of 170 bytes and its path before)."""
+    n = DIRS * PER_DIR
+    who = {"pid": 1, "uid": 0, "cmd": "touch"}
+    names = [b"f%04d" % i for i in range(PER_DIR)]  # (a reading's)
+
+    def make() -> Changes:
+        c = Changes()
+        for d in range(DIRS):
+            head = c.parent(b"d%03d" % d)
+            for i, name in enumerate(names):
+                c.append_in(head, name, "A", None, False, 10_000 + d * PER_DIR + i, who)
+        return c
+
+    changes, held, _ = traced(make)
+    assert held <= 45 * n, f"the changes hold {held / n:,.0f} bytes a change"
+    assert changes[5] == {"path": "d000/f0005", "kind": "A", "who": who}
+    assert changes.row(5) == (b"d000/f0005", "A", None, False, 10_005, who)
+
+
+def test_changes_are_sorted_by_path_as_one_list_of_paths_would_be():
+    """Sorted a directory's run at a time, then merged: the order of the
+    whole paths ('a-c/d' before 'a/b'; the root as '.'), stable."""
+    rnd = random.Random(0)
+    paths = [b"", b"a", b"a-c", b"a.b", b"a/b", b"a/b/c", b"a-c/d", b"a/z", b"b", b"z"]
+    for _ in range(500):
+        c, want = Changes(), []
+        for _ in range(rnd.randint(0, 5)):
+            if rnd.random() < 0.4:  # (whole paths: deletions, renames, ...)
+                for _ in range(rnd.randint(1, 4)):
+                    p, kind = rnd.choice(paths), rnd.choice("ADMR")
+                    was = b"old/" + p if kind == "R" else None
+                    c.append(p, kind, was, False, rnd.randint(1, 9))
+                    want.append((p, kind, was))
+            else:  # (new files in a directory)
+                d = rnd.choice([b"", b"a", b"a-c", b"a/b", b"b"])
+                head = c.parent(d)
+                for _ in range(rnd.randint(1, 4)):
+                    name = rnd.choice([b"a", b"b", b"c", b"z", b"a-c"])
+                    c.append_in(head, name, "A", None, False, 5)
+                    want.append((d + b"/" + name if d else name, "A", None))
+        want.sort(key=lambda r: r[0] or b".")
+        c.sort()
+        assert [c.row(i)[:3] for i in range(len(c))] == want
+
+
+def test_the_journal_is_read_a_batch_at_a_time(tmp_path):
+    """Reading a layer's records never holds them all decoded at once (it
+    held some 190 bytes a record)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    store = Store.open(str(tmp_path / "store"), str(ws))
+    try:
+        start = store.next_seq
+        with store.write() as w:
+            for _, rec in new_files():
+                w.record(rec)
+        end = store.next_seq
+
+        def read() -> int:
+            return sum(1 for _ in store.records(start, end))
+
+        count, _, peak = traced(read)
+        assert count == end - start
+        assert peak <= 80 * count, (
+            f"reading the journal peaked at {peak / count:,.0f} bytes a record"
+        )
+        back = [seq for seq, _ in store.records(start, end, reverse=True)]
+        assert back == list(range(end - 1, start - 1, -1))
+    finally:
+        store.close()
