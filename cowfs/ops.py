@@ -531,10 +531,21 @@ class Ops:
 
     def _xpath(self, node: Node) -> tuple[bytes, bool]:
         if node.islnk:
-            if node.parent is None:
-                raise OSError(errno.ESTALE, "symlink has no known name")
-            return B.proc_at(node.parent.fd, node.name), False
+            parent, name = self._symlink_name(node)
+            return B.proc_at(parent.fd, name), False
         return B.proc(node.fd), True
+
+    def _symlink_name(self, node: Node) -> tuple[Node, bytes]:
+        """A name that leads to symlink *node* now (checked: the calls that
+        take a symlink itself take it by name -- a stale name of ours must
+        never lead them to whatever is there now)."""
+        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
+            if parent is None or not parent.live:
+                continue
+            st = B.lstat_at(parent.fd, name)
+            if st is not None and st.st_ino == node.bino and stat.S_ISLNK(st.st_mode):
+                return parent, name
+        raise OSError(errno.ESTALE, "the symlink has no known name left")
 
     def _capture_xattrs(self, node: Node) -> None:
         o = self.rec.obj(node.bino)
@@ -799,19 +810,13 @@ class Ops:
         if B.lstat_at(parent.fd, new_name) is not None:
             raise fail(errno.EEXIST)
         self.rec.obj(parent.bino)
+        at, name = self._symlink_name(node) if node.islnk else (node, b"")
         with self.rec.txn() as w:
             self._dir_changes(w, parent)
             self.rec.link(w, self._child(parent, new_name))
             self.rec.attribute(w, node.bino)
         if node.islnk:
-            assert node.parent is not None  # (a symlink has a name)
-            os.link(
-                node.name,
-                new_name,
-                src_dir_fd=node.parent.fd,
-                dst_dir_fd=parent.fd,
-                follow_symlinks=False,
-            )
+            os.link(name, new_name, src_dir_fd=at.fd, dst_dir_fd=parent.fd, follow_symlinks=False)
         else:
             os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
         return self._lookup(parent, new_name)
@@ -1559,6 +1564,13 @@ class Ops:
             self.sums.reload()
         for bino in touched.removed:
             self._orphan(bino)
+        for bino, loc in touched.unnamed:  # (a name taken from one that keeps others)
+            node = self.by_bino(bino)
+            if node is not None:
+                parent_path, name = B.split(loc)
+                parent = self._dir_node(parent_path)
+                if parent is not None:
+                    self._remove_link(node, parent, name)
         for bino, loc in touched.moves:
             node = self.by_bino(bino)
             if node is None:

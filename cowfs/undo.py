@@ -33,6 +33,8 @@ class Touched:
     objects: set[int] = field(default_factory=set)  # backing inodes
     moves: list[tuple[int, bytes]] = field(default_factory=list)  # (ino, new loc)
     removed: list[int] = field(default_factory=list)  # inodes freed
+    # names taken from objects that keep others: (ino, the name's loc)
+    unnamed: list[tuple[int, bytes]] = field(default_factory=list)
 
     def entry(self, loc: bytes) -> None:
         if S.grave_id(loc) is None and loc:
@@ -43,6 +45,7 @@ class Touched:
         self.objects |= other.objects
         self.moves += other.moves
         self.removed += other.removed
+        self.unnamed += other.unnamed
 
 
 class Undoer:
@@ -99,15 +102,16 @@ class Undoer:
         if keep is not None:
             self._buried(ino, keep[0])
         else:
-            self._unlinked(st)
+            self._unlinked(st, dst)
         return True
 
-    def _unlinked(self, st: os.stat_result) -> None:
-        """Object *st* lost a name: gone, or one link fewer."""
+    def _unlinked(self, st: os.stat_result, loc: bytes) -> None:
+        """Object *st* lost its name *loc*: gone, or one link fewer."""
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
         else:
             self.touched.objects.add(st.st_ino)  # its other names: one link fewer
+            self.touched.unnamed.append((st.st_ino, loc))
 
     def _buried(self, ino: int, gid: int) -> None:
         """Object *ino* was moved into grave entry *gid*."""
@@ -134,7 +138,7 @@ class Undoer:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
-        self._unlinked(st)
+        self._unlinked(st, path)
         self.touched.entry(path)
 
     def _keep(self, path: bytes, gid: int, ino: int) -> bool:

@@ -303,3 +303,56 @@ def test_an_agent_swapping_its_files_with_roots_during_an_offline_rollback_gains
                     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600), p.name
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_symlink_name_a_rollback_took_never_leads_the_daemon_to_what_is_there_next():
+    """The agent links its symlink to a second name in a shared directory
+    (its entry cached by the kernel), a rollback without a redo takes that
+    name away, and root makes a 0600 file with an xattr at it.  The agent's
+    calls on its own symlink -- which the daemon makes by name, as Linux
+    takes a symlink itself by name only -- must reach the symlink: its
+    xattrs, and a new link of it, not root's file."""
+    import pwd
+    import tempfile
+
+    from . import users
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="cowfs-symlink-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / "agent").mkdir()
+            os.chown(ws / "agent", agent.pw_uid, agent.pw_gid)
+            os.symlink("target", ws / "agent" / "s")
+            os.lchown(ws / "agent" / "s", agent.pw_uid, agent.pw_gid)
+            (ws / "shared").mkdir()
+            os.chmod(ws / "shared", 0o1777)
+            ws.mount()
+            ws.checkpoint()
+            s, q, x = ws / "agent" / "s", ws / "shared" / "q", ws / "agent" / "x"
+
+            def second_name() -> int:
+                os.lstat(s)
+                os.link(s, q, follow_symlinks=False)
+                return os.lstat(s).st_nlink
+
+            assert users.run_as(agent.pw_uid, agent.pw_gid, second_name) == 2
+            ws.cowfs("rollback", "--no-redo")
+            fd = os.open(q, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, b"root only\n")
+            os.close(fd)
+            os.setxattr(q, "user.secret", b"1")
+
+            def act() -> tuple[list[str], str]:
+                names = os.listxattr(s, follow_symlinks=False)
+                os.link(s, x, follow_symlinks=False)
+                return names, os.readlink(x)
+
+            names, target = users.run_as(agent.pw_uid, agent.pw_gid, act)
+            assert names == [] and target == "target"
+            assert os.stat(q).st_nlink == 1
+            assert os.lstat(x).st_ino == os.lstat(s).st_ino
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
