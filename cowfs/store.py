@@ -450,7 +450,16 @@ class Writer:
         layer *lower*'s, whose records lie before *upper*'s: an entry the
         lower layer already has wins (it is older), and the record of the
         upper one is deleted, as is the record of a change of an object the
-        lower layer created (nothing to restore of it there)."""
+        lower layer created (nothing to restore of it there).
+
+        Except the upper layer's META record of a regular file that was
+        smaller when the upper layer was opened than when the lower one
+        was: it stays (unindexed), so that a rollback still cuts the file
+        to that size before the lower layer's META record sets the older
+        size again.  A truncation in the lower layer records only the cut
+        chunks that held data (``Recorder.data``, *zeroing*): the holes it
+        cut read as zeros again only if what the upper layer wrote past its
+        own size (uncaptured) is cut off first."""
         txn, st = self.txn, self.store
         created_below: dict[int, bool] = {}
         for key, val in list(scan(txn, st.db_index, S.index_prefix(upper))):
@@ -467,10 +476,16 @@ class Writer:
                 self._merge_zeros(lower, ino, chunk, seq)
                 continue
             below = S.index_key(lower, ino, kind, chunk)
-            lower_has = txn.get(below, db=st.db_index) is not None
-            if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_has):
-                self.delete_record(seq)
-            elif not lower_has:
+            lower_val = txn.get(below, db=st.db_index)
+            if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_val is not None):
+                if not (
+                    kind == S.IDX_META
+                    and lower_val is not None
+                    and not created_below[ino]
+                    and self._cuts_first(seq, S.index_seq(below, lower_val))
+                ):
+                    self.delete_record(seq)
+            elif lower_val is None:
                 txn.put(below, S.index_value(below, seq), db=st.db_index)
         if st.db_who is not None:
             for key, writer in list(scan(txn, st.db_who, S.index_prefix(upper))):
@@ -525,6 +540,18 @@ class Writer:
             cut = rec._replace(chunk=k, length=end - k * C)
             txn.put(S.u64(seq), S.encode_record(cut), db=st.db_journal)
         txn.put(key, S.index_value(key, seq), db=st.db_index)
+
+    def _cuts_first(self, upper_seq: int, lower_seq: int | None) -> bool:
+        """Whether META record *upper_seq* (the upper layer's, of a regular
+        file) says a smaller size than *lower_seq* (the lower layer's; None
+        or damaged: it may)."""
+        journal = self.store.db_journal
+        up = S.decode_or_damaged(self.txn.get(S.u64(upper_seq), db=journal) or b"")
+        if not isinstance(up, S.Meta) or not stat.S_ISREG(up.mode):
+            return False
+        raw = self.txn.get(S.u64(lower_seq), db=journal) if lower_seq is not None else None
+        low = S.decode_or_damaged(raw or b"")
+        return not isinstance(low, S.Meta) or up.size < low.size
 
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is

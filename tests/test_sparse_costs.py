@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 from cowfs import backing as B
-from cowfs import datahash, gravesum
+from cowfs import datahash, gravesum, treesnap
 from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
@@ -584,3 +584,49 @@ def test_restore_puts_back_a_file_captured_whole_by_what_it_holds(workspace):
     assert tree(ws) == before
     ws.json("redo")
     assert tree(ws) == restored
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "two-layers"])
+def test_holes_a_truncation_cut_read_as_holes_again_across_layers(workspace, commit):
+    """A truncation in one layer records only the cut chunks that hold
+    data; the next layer writes where the cut holes were, at or past the
+    size it was opened with (so without capturing: its rollback cuts the
+    file to that size first).  Rolled back to the first layer -- the two
+    layers one after the other, or merged by a commit -- every file is as
+    it was, holes and all, and redone and rolled back again likewise.
+    (The merge kept only the lower layer's size record, so the upper
+    layer's writes in the holes stayed: the crash soak's "kill while
+    commit" trials that came out with a file's content changed.)"""
+    ws = workspace
+    C = 64 << 10  # (the store's chunk size)
+    make_sparse(ws / "cut", {0: b"a" * C, 2 * C: b"c" * C})  # chunk 1 a hole
+    make_sparse(ws / "through", {0: b"b" * 100, 3 * C: b"d" * 100})  # chunks 1, 2 holes
+    make_sparse(ws / "ragged", {0: b"e" * 10, 2 * C: b"f" * 10})  # chunk 1 a hole
+    ws.mount()
+    first = ws.checkpoint("truncations")
+    expected = ws.snapshot()
+    # (sizes the crash soak's writers truncate to: 10, CHUNK - 1, ...)
+    os.truncate(ws / "cut", 10)
+    os.truncate(ws / "through", C - 1)
+    os.truncate(ws / "ragged", C + 5)  # (the upper layer opens inside the hole)
+    ws.checkpoint("writes in the holes")
+    for name, off, data in (
+        ("cut", C + 100, b"X" * 100),
+        ("through", 2 * C - 3, b"Y" * (C + 7)),
+        ("ragged", C + 1, b"Z" * 3),  # (before its size then: captured)
+        ("ragged", C + 1000, b"W" * 100),
+    ):
+        fd = os.open(ws / name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, off)
+        finally:
+            os.close(fd)
+    changed = ws.snapshot()
+    if commit:
+        ws.commit()
+    ws.rollback(first)
+    assert treesnap.compare(expected, ws.snapshot()) == []
+    ws.json("redo")
+    assert treesnap.compare(changed, ws.snapshot()) == []
+    ws.rollback(first)
+    assert treesnap.compare(expected, ws.snapshot()) == []
