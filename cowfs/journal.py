@@ -13,6 +13,7 @@ of what it holds (its origin), or that it was made after T.
 from __future__ import annotations
 
 import logging
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -257,6 +258,10 @@ class Reading:
         self.start: dict[bytes, int | None] = {}
         self.linked: list[Slot] = []
         self.meta: dict[int, MetaAt] = {}
+        # the smallest size a regular file had at a META record since T: its
+        # bytes at T past it that no record holds were holes (a truncation
+        # records only the cut chunks that hold data), whatever is there now
+        self.low: dict[int, int] = {}
         self.chunks: dict[int, ChunkMap] = {}
         self.xattrs: dict[int, bytes] = {}
         self.graves: dict[int, list[int]] = {}
@@ -364,6 +369,10 @@ class Reading:
         self._seen(rec.loc, rec.ino)
         if rec.ino not in self.meta:
             self.meta[rec.ino] = MetaAt(seq, rec)
+        if stat.S_ISREG(rec.mode):
+            low = self.low.get(rec.ino)
+            if low is None or rec.size < low:
+                self.low[rec.ino] = rec.size
 
     def _chunk(self, seq: int, rec: S.Chunk) -> None:
         m = self.chunks.get(rec.ino)

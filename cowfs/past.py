@@ -62,6 +62,7 @@ class Past:
     meta: S.Meta | None = None  # the META record holding its state at T, if any
     chunks: ChunkMap = field(default_factory=lambda: ChunkMap(1))  # (no records: any size)
     xattrs_blob: bytes | None = None
+    low: int | None = None  # its smallest size since T (``Reading.low``)
 
     # each from the META record when there is one (the state at T), else now
     mode = _at_t("mode")
@@ -135,6 +136,7 @@ class History:
             meta.rec if meta is not None else None,
             self.j.chunks.get(ino) or ChunkMap(self.store.chunk_size),
             self.j.xattrs.get(ino),
+            self.j.low.get(ino),
         )
 
     def object_at(self, path: bytes) -> Past | None:
@@ -288,6 +290,9 @@ class History:
         finally:
             os.close(fd)
         out = bytearray(live.ljust(end - offset, b"\0"))
+        if obj.low is not None and obj.low < end:
+            cut = max(offset, obj.low)  # (holes then: what is there now came later)
+            out[cut - offset :] = bytes(end - cut)
         C = self.store.chunk_size
         for k in range(offset // C, (end - 1) // C + 1):
             rec = obj.chunks.get(k)
@@ -486,7 +491,8 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
     with h.r.at(obj.loc) as (d, n):
         fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
     try:
-        return _ranges_within(heapq.merge(spans, B.iter_data(fd, obj.size)), obj.size, limit)
+        live = obj.size if obj.low is None else min(obj.size, obj.low)
+        return _ranges_within(heapq.merge(spans, B.iter_data(fd, live)), obj.size, limit)
     finally:
         os.close(fd)
 

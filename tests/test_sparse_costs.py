@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
 from cowfs.store import Store
 
+from .helpers import COWFS
 from .test_gravehash import bitrot, check, ext4_workspace, graves
 
 TIB = 1 << 40
@@ -605,6 +607,7 @@ def test_holes_a_truncation_cut_read_as_holes_again_across_layers(workspace, com
     ws.mount()
     first = ws.checkpoint("truncations")
     expected = ws.snapshot()
+    was = {name: (ws / name).read_bytes() for name in ("cut", "through", "ragged")}
     # (sizes the crash soak's writers truncate to: 10, CHUNK - 1, ...)
     os.truncate(ws / "cut", 10)
     os.truncate(ws / "through", C - 1)
@@ -624,6 +627,14 @@ def test_holes_a_truncation_cut_read_as_holes_again_across_layers(workspace, com
     changed = ws.snapshot()
     if commit:
         ws.commit()
+    # reading the past says the same: the holes held zeros then
+    for name, data in was.items():
+        shown = subprocess.run(
+            [*COWFS, "-C", str(ws.path), "show", f"{first}:{name}"], capture_output=True, check=True
+        ).stdout
+        assert shown == data, name
+        (old,) = ws.json("diff", str(first), "--", name)["changes"]
+        assert old["old"]["xxh3"] == xxhash.xxh3_128_hexdigest(data), name
     ws.rollback(first)
     assert treesnap.compare(expected, ws.snapshot()) == []
     ws.json("redo")
