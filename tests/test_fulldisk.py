@@ -194,10 +194,17 @@ def test_a_rollback_on_a_full_disk_first_removes_what_the_layer_made(small_ext4)
         assert ws.json("check")["ok"]
 
 
-@pytest.mark.parametrize("redo", [True, False], ids=["keeping redo", "no redo"])
+@pytest.mark.parametrize(
+    "redo, killed",
+    [(True, False), (False, False), (False, True)],
+    ids=["keeping redo", "no redo", "no redo, daemon killed after"],
+)
 def test_a_rollback_on_a_full_disk_stops_keeps_everything_and_the_same_command_finishes(
-    small_ext4, redo
+    small_ext4, redo, killed
 ):
+    """*killed*: what the stopped rollback kept is in the store for good --
+    the daemon is killed (no clean unmount) right after it stopped and the
+    workspace mounted again before the same command finishes the job."""
     with managed_workspace(small_ext4 / "ws") as ws:
         (ws / "big").write_bytes(os.urandom(12 << 20))
         (ws / "keep.txt").write_text("kept\n")
@@ -218,41 +225,15 @@ def test_a_rollback_on_a_full_disk_stops_keeps_everything_and_the_same_command_f
         assert [entry["id"] for entry in ws.json("log")][-1] == layer
         assert ws.json("check")["ok"]
         assert ws.json("status")["redo"]["available"] is False
+        if killed:
+            ws.kill()
+            ws.mount()
+            assert [entry["id"] for entry in ws.json("log")][-1] == layer
+            assert ws.json("check")["ok"]
         # the agent goes on meanwhile: what it changes is undone too
         (ws / "keep.txt").write_text("meanwhile\n")
         for f in small_ext4.glob("filler-*"):  # room again
             f.unlink()
-        ws.cowfs(*command)
-        treesnap.assert_same(before, ws.snapshot())
-        assert ws.json("check")["ok"]
-        assert layer not in [entry["id"] for entry in ws.json("log")]
-
-
-def test_a_rollback_stopped_by_a_full_disk_survives_kill_9_and_finishes_after_the_remount(
-    small_ext4,
-):
-    """What a stopped rollback kept is in the store for good: the daemon is
-    killed (no clean unmount) right after it stopped, the disk gets room,
-    the workspace is mounted again, and the same command finishes exactly."""
-    with managed_workspace(small_ext4 / "ws") as ws:
-        (ws / "big").write_bytes(os.urandom(12 << 20))
-        (ws / "keep.txt").write_text("kept\n")
-        ws.mount()
-        before = ws.snapshot()
-        layer = ws.checkpoint()
-        (ws / "keep.txt").write_text("changed\n")
-        (ws / "new.txt").write_text("new\n")
-        punch(ws / "big")
-        fill(small_ext4)
-        command = ["rollback", "--to", str(layer), "--no-redo"]
-        r = ws.cowfs(*command, check=False)
-        assert r.returncode == 10, r.stderr
-        ws.kill()
-        for f in small_ext4.glob("filler-*"):
-            f.unlink()
-        ws.mount()
-        assert [entry["id"] for entry in ws.json("log")][-1] == layer
-        assert ws.json("check")["ok"]
         ws.cowfs(*command)
         treesnap.assert_same(before, ws.snapshot())
         assert ws.json("check")["ok"]
