@@ -29,9 +29,9 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
-from . import redo
-from . import schema as S
+from . import redo, schema
 from .ignore import IgnoreRules
 from .store import Store, Writer, scan
 from .zeros import Zeros
@@ -55,6 +55,46 @@ class Obj:
         self.zeros: Zeros | None = None  # ranges of zeros captured (bytes; made on the first)
 
 
+class Saved(NamedTuple):
+    """An object's capture state before the transaction under way changed
+    it: put back if the transaction fails (``Recorder.txn``)."""
+
+    created: bool
+    meta: bool
+    s0: int
+    xattrs: bool
+    chunks: set[int] | None
+    zeros: Zeros | None
+    attributed: bool
+    pinned: bool
+
+    @classmethod
+    def of(cls, o: Obj) -> Saved:
+        return cls(
+            o.created,
+            o.meta,
+            o.s0,
+            o.xattrs,
+            set(o.chunks) if o.chunks is not None else None,
+            o.zeros.copy() if o.zeros is not None else None,
+            o.attributed,
+            o.pinned,
+        )
+
+    def put_back(self, o: Obj) -> None:
+        o.created, o.meta, o.s0, o.xattrs = self.created, self.meta, self.s0, self.xattrs
+        o.chunks, o.zeros = self.chunks, self.zeros
+        o.attributed, o.pinned = self.attributed, self.pinned
+
+
+class Process(NamedTuple):
+    """A process that changed something: (pid, start time), which tells it
+    from a later one given its pid, and what the store keeps of it."""
+
+    key: tuple[int, int]
+    info: dict[str, Any]  # {"pid": int, "uid": int, "cmd": [str, ...]}
+
+
 class Recorder:
     # Objects whose state is kept in memory (some 170 bytes each): past
     # that, the half changed first is forgotten after a transaction, when
@@ -76,13 +116,14 @@ class Recorder:
         # objects treated as new because first changed at an ignored path
         # (memory only: kept apart from ``objs``, which forgets)
         self.skipped: set[int] = set()
-        self._pending_created: list[tuple[int, tuple | None]] = []
-        self._saved: dict[int, tuple] = {}
+        self._pending_created: list[tuple[int, Process | None]] = []
+        self._saved: dict[int, Saved] = {}
         self.who: tuple[int, int] | None = None  # (pid, uid) of the request
         self.ignore: IgnoreRules | None = None  # when there are any
-        self._writers: dict[tuple, int] = {}  # (pid, start time) -> writer id
-        self._procs: dict[tuple, dict] = {}  # (pid, start time) -> pid, uid, cmd
-        self._recent: dict[int, tuple] = {}  # pid -> (until, its _process answer)
+        self._writers: dict[tuple[int, int], int] = {}  # (pid, start time) -> writer id
+        self._procs: dict[tuple[int, int], dict[str, Any]] = {}  # Process.key -> its info
+        # pid -> (until when it is taken as it is, its ``_process`` answer)
+        self._recent: dict[int, tuple[float, Process]] = {}
         if follow:
             self.reset(fresh=False)
 
@@ -112,7 +153,10 @@ class Recorder:
             if self.below is not None and not o.pinned:
                 with self.store.read() as txn:
                     o.pinned = (
-                        txn.get(S.index_key(self.below, ino, S.IDX_PINNED), db=self.store.db_index)
+                        txn.get(
+                            schema.index_key(self.below, ino, schema.IDX_PINNED),
+                            db=self.store.db_index,
+                        )
                         is not None
                     )
             self.objs[ino] = o
@@ -123,31 +167,31 @@ class Recorder:
             o.created = True
             return
         with self.store.read() as txn:
-            for key, value in scan(txn, self.store.db_index, S.index_prefix(self.layer, ino)):
-                _, _, kind, chunk = S.split_index_key(key)
-                seq = S.index_seq(key, value)
+            for key, value in scan(txn, self.store.db_index, schema.index_prefix(self.layer, ino)):
+                _, _, kind, chunk = schema.split_index_key(key)
+                seq = schema.index_seq(key, value)
                 if seq is None:
                     continue  # (damaged: not trusted, the object is captured again)
-                if kind == S.IDX_CREATED:
+                if kind == schema.IDX_CREATED:
                     o.created = o.attributed = True  # (as note_created left it)
-                elif kind == S.IDX_PINNED:
+                elif kind == schema.IDX_PINNED:
                     o.pinned = True
-                elif kind == S.IDX_META:
-                    raw = txn.get(S.u64(seq), db=self.store.db_journal)
-                    rec = S.decode_or_damaged(raw or b"")
+                elif kind == schema.IDX_META:
+                    raw = txn.get(schema.u64(seq), db=self.store.db_journal)
+                    rec = schema.decode_or_damaged(raw or b"")
                     o.meta = True
                     # a damaged record: the object cannot be restored anyway
-                    o.s0 = rec.size if isinstance(rec, S.Meta) else 0
-                elif kind == S.IDX_XATTRS:
+                    o.s0 = rec.size if isinstance(rec, schema.Meta) else 0
+                elif kind == schema.IDX_XATTRS:
                     o.xattrs = True
-                elif kind == S.IDX_CHUNK and chunk is not None:
+                elif kind == schema.IDX_CHUNK and chunk is not None:
                     if o.chunks is None:
                         o.chunks = set()
                     o.chunks.add(chunk)
-                elif kind == S.IDX_ZEROS:
-                    raw = txn.get(S.u64(seq), db=self.store.db_journal)
-                    rec = S.decode_or_damaged(raw or b"")
-                    if isinstance(rec, S.Chunk) and not rec.digest:
+                elif kind == schema.IDX_ZEROS:
+                    raw = txn.get(schema.u64(seq), db=self.store.db_journal)
+                    rec = schema.decode_or_damaged(raw or b"")
+                    if isinstance(rec, schema.Chunk) and not rec.digest:
                         if o.zeros is None:
                             o.zeros = Zeros()
                         o.zeros.add(rec.chunk * self.C, rec.chunk * self.C + rec.length)
@@ -186,16 +230,13 @@ class Recorder:
             with self.store.write() as w:
                 if self._pending_created:
                     for ino, who in self._pending_created:
-                        w.index_put(self.layer, ino, S.IDX_CREATED, 0)
+                        w.index_put(self.layer, ino, schema.IDX_CREATED, 0)
                         if who is not None:
                             w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
         except BaseException:
             for ino, saved in self._saved.items():
-                o = self.objs[ino]
-                (o.meta, o.s0, o.xattrs, o.chunks, o.zeros, o.attributed, o.pinned, o.created) = (
-                    saved
-                )
+                saved.put_back(self.objs[ino])
             raise
         finally:
             self._saved = {}
@@ -214,16 +255,7 @@ class Recorder:
 
     def _changing(self, ino: int, o: Obj) -> None:
         if ino not in self._saved:
-            self._saved[ino] = (
-                o.meta,
-                o.s0,
-                o.xattrs,
-                set(o.chunks) if o.chunks is not None else None,
-                o.zeros.copy() if o.zeros is not None else None,
-                o.attributed,
-                o.pinned,
-                o.created,
-            )
+            self._saved[ino] = Saved.of(o)
 
     def flush(self) -> None:
         """Write index entries still held in memory (before a layer switch).
@@ -273,7 +305,7 @@ class Recorder:
         o = self.obj(ino)
         if not o.pinned and self.ignore is not None:
             self._changing(ino, o)
-            w.index_put(self.layer, ino, S.IDX_PINNED, 0)
+            w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
             o.pinned = True
 
     # -- attribution ----------------------------------------------------------------
@@ -288,7 +320,7 @@ class Recorder:
         w.who_put(self.layer, ino, self._writer(w, self._process(self.who)))
         o.attributed = True
 
-    def _process(self, who: tuple[int, int]) -> tuple[tuple, dict]:
+    def _process(self, who: tuple[int, int]) -> Process:
         """(pid, start time) and {pid, uid, cmd} of the requesting process,
         read from /proc while its request is being served (once per
         process: a short-lived one is gone soon after)."""
@@ -310,43 +342,43 @@ class Recorder:
             except OSError:
                 cmd = []
             info = self._procs[key] = {"pid": pid, "uid": uid, "cmd": cmd}
-        self._recent[pid] = (now + 1.0, (key, info))
-        return key, info
+        found = Process(key, info)
+        self._recent[pid] = (now + 1.0, found)
+        return found
 
-    def _writer(self, w: Writer, process: tuple[tuple, dict]) -> int:
+    def _writer(self, w: Writer, process: Process) -> int:
         """The writer id of a process, registered in the store on first use."""
-        key, info = process
-        wid = self._writers.get(key)
+        wid = self._writers.get(process.key)
         if wid is None:
-            wid = self._writers[key] = w.new_writer(info)
+            wid = self._writers[process.key] = w.new_writer(process.info)
         return wid
 
     # -- name records -------------------------------------------------------------
 
     def create(self, w: Writer, path: bytes) -> None:
-        w.record(S.Create(path))
+        w.record(schema.Create(path))
 
     def link(self, w: Writer, path: bytes) -> None:
-        w.record(S.Link(path))
+        w.record(schema.Link(path))
 
     def grave(self, w: Writer, path: bytes, st: os.stat_result) -> int:
         """*path* (the object *st* describes) goes to the grave: record it."""
         ino = st.st_ino
         self.attribute(w, ino)
         gid = w.new_grave(ino, st)
-        w.record(S.Grave(path, gid, ino))
+        w.record(schema.Grave(path, gid, ino))
         return gid
 
     def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
         self.attribute(w, ino)
         if not self.obj(ino).created:
             self.pin(w, ino)  # captured here: wherever it goes now, it stays so
-        w.record(S.Rename(src, dst, ino))
+        w.record(schema.Rename(src, dst, ino))
 
     def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
         self.attribute(w, ino_a)
         self.attribute(w, ino_b)
-        w.record(S.Exchange(a, b, ino_a, ino_b))
+        w.record(schema.Exchange(a, b, ino_a, ino_b))
 
     # -- object records -------------------------------------------------------------
 
@@ -359,8 +391,8 @@ class Recorder:
             return o
         self._changing(ino, o)
         self.attribute(w, ino)
-        seq = w.record(S.meta_record(loc(), st))
-        w.index_put(self.layer, ino, S.IDX_META, seq)
+        seq = w.record(schema.meta_record(loc(), st))
+        w.index_put(self.layer, ino, schema.IDX_META, seq)
         o.meta = True
         o.s0 = st.st_size
         return o
@@ -378,8 +410,8 @@ class Recorder:
             return
         self._changing(ino, o)
         self.attribute(w, ino)
-        seq = w.record(S.Xattrs(loc(), ino, S.encode_xattrs(pairs())))
-        w.index_put(self.layer, ino, S.IDX_XATTRS, seq)
+        seq = w.record(schema.Xattrs(loc(), ino, schema.encode_xattrs(pairs())))
+        w.index_put(self.layer, ino, schema.IDX_XATTRS, seq)
         o.xattrs = True
 
     def data(
@@ -452,8 +484,8 @@ class Recorder:
                         stop = min(stop, nxt // C)
                 if stop - k > 1:
                     hi = min(stop * C, s0)
-                    seq = w.record(S.Chunk(where, ino, k, hi - k * C, b""))
-                    w.index_put(self.layer, ino, S.IDX_ZEROS, seq, k)
+                    seq = w.record(schema.Chunk(where, ino, k, hi - k * C, b""))
+                    w.index_put(self.layer, ino, schema.IDX_ZEROS, seq, k)
                     if o.zeros is None:
                         o.zeros = Zeros()
                     o.zeros.add(k * C, hi)
@@ -468,8 +500,8 @@ class Recorder:
                     data += bytes(length - len(data))
                 zero = data == self._zero if length == C else data == bytes(length)
             h = b"" if zero else w.put_chunk(data)
-            seq = w.record(S.Chunk(where, ino, k, length, h))
-            w.index_put(self.layer, ino, S.IDX_CHUNK, seq, k)
+            seq = w.record(schema.Chunk(where, ino, k, length, h))
+            w.index_put(self.layer, ino, schema.IDX_CHUNK, seq, k)
             chunks.add(k)
             k += 1
 

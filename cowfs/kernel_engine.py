@@ -29,7 +29,7 @@ from typing import TypeVar, TypeVarTuple
 
 import trio
 
-from . import fuse_abi as F
+from . import fuse_abi
 from .inodes import Node
 from .mounts import unmount
 from .ops import TIMEOUT, Ctx, Ops
@@ -51,7 +51,7 @@ SPIN_NS = (int(_spin) if _spin.isdigit() else 50) * 1000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 _ENTRY_TIMEOUT = int(TIMEOUT)
-_NEGATIVE = F.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(F.ATTR.size)
+_NEGATIVE = fuse_abi.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(fuse_abi.ATTR.size)
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -173,7 +173,7 @@ class FsLock:
 
 def _attr(node: Node, st: os.stat_result, nlink: int) -> bytes:
     a, m, c = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
-    return F.ATTR.pack(
+    return fuse_abi.ATTR.pack(
         node.ino,
         st.st_size,
         st.st_blocks,
@@ -219,12 +219,12 @@ class Engine:
     def features(self) -> dict:
         """What INIT agreed on, by name."""
         names = {
-            F.HANDLE_KILLPRIV_V2: "killpriv_v2",
-            F.PASSTHROUGH: "passthrough",
-            F.DO_READDIRPLUS: "readdirplus",
-            F.PARALLEL_DIROPS: "parallel_dirops",
-            F.ATOMIC_O_TRUNC: "atomic_o_trunc",
-            F.MAX_PAGES: "max_pages",
+            fuse_abi.HANDLE_KILLPRIV_V2: "killpriv_v2",
+            fuse_abi.PASSTHROUGH: "passthrough",
+            fuse_abi.DO_READDIRPLUS: "readdirplus",
+            fuse_abi.PARALLEL_DIROPS: "parallel_dirops",
+            fuse_abi.ATOMIC_O_TRUNC: "atomic_o_trunc",
+            fuse_abi.MAX_PAGES: "max_pages",
         }
         return {
             "protocol": f"7.{self.minor}",
@@ -232,7 +232,7 @@ class Engine:
             "features": sorted(n for bit, n in names.items() if self.flags & bit)
             + ["negative_entries", "cache_readdir"],
             "requests": {
-                F.OPCODE_NAMES.get(op, str(op)): n for op, n in sorted(self.counts.items())
+                fuse_abi.OPCODE_NAMES.get(op, str(op)): n for op, n in sorted(self.counts.items())
             },
         }
 
@@ -325,15 +325,17 @@ class Engine:
         thread that holds no lock the loop might wait for)."""
         for pino, name in entries:
             self._notify(
-                F.NOTIFY_INVAL_ENTRY,
-                F.NOTIFY_INVAL_ENTRY_OUT.pack(pino, len(name), 0) + name + b"\0",
+                fuse_abi.NOTIFY_INVAL_ENTRY,
+                fuse_abi.NOTIFY_INVAL_ENTRY_OUT.pack(pino, len(name), 0) + name + b"\0",
             )
         for ino in inodes:
-            self._notify(F.NOTIFY_INVAL_INODE, F.NOTIFY_INVAL_INODE_OUT.pack(ino, 0, 0))
+            self._notify(
+                fuse_abi.NOTIFY_INVAL_INODE, fuse_abi.NOTIFY_INVAL_INODE_OUT.pack(ino, 0, 0)
+            )
 
     def _notify(self, code: int, body: bytes) -> None:
         try:
-            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), code, 0) + body)
+            os.write(self.fd, fuse_abi.OUT_HEADER.pack(16 + len(body), code, 0) + body)
         except OSError as e:
             if e.errno not in (errno.ENOENT, errno.ENOTCONN, errno.EBADF, errno.ENODEV):
                 log.warning("notification %d failed: %s", code, e)
@@ -346,7 +348,7 @@ class Engine:
         view = memoryview(buf)
         bufs = [buf]
         fd = self.fd
-        unpack_hdr = F.IN_HEADER.unpack_from
+        unpack_hdr = fuse_abi.IN_HEADER.unpack_from
         handlers = self._handlers
         lock = self.lock
         counts = self.counts
@@ -408,32 +410,32 @@ class Engine:
 
     def _reply(self, unique: int, body: bytes = b"") -> None:
         try:
-            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
+            os.write(self.fd, fuse_abi.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
         except OSError as e:
             if e.errno != errno.ENOENT:  # (the request was interrupted)
                 raise
 
     def _reply_data(self, unique: int, data: bytes) -> None:
         try:
-            os.writev(self.fd, [F.OUT_HEADER.pack(16 + len(data), 0, unique), data])
+            os.writev(self.fd, [fuse_abi.OUT_HEADER.pack(16 + len(data), 0, unique), data])
         except OSError as e:
             if e.errno != errno.ENOENT:
                 raise
 
     def _error(self, unique: int, err: int) -> None:
         try:
-            os.write(self.fd, F.OUT_HEADER.pack(16, -err, unique))
+            os.write(self.fd, fuse_abi.OUT_HEADER.pack(16, -err, unique))
         except OSError:
             pass
 
     def _entry(self, unique: int, node: Node, st: os.stat_result, extra: bytes = b"") -> None:
         body = (
-            F.ENTRY_OUT.pack(node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0)
+            fuse_abi.ENTRY_OUT.pack(node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0)
             + _attr(node, st, self.ops.nlink(node, st))
             + extra
         )
         try:
-            os.write(self.fd, F.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
+            os.write(self.fd, fuse_abi.OUT_HEADER.pack(16 + len(body), 0, unique) + body)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 raise
@@ -442,91 +444,94 @@ class Engine:
     def _attr_reply(self, unique: int, node: Node, st: os.stat_result) -> None:
         self._reply(
             unique,
-            F.ATTR_OUT.pack(_ENTRY_TIMEOUT, 0, 0) + _attr(node, st, self.ops.nlink(node, st)),
+            fuse_abi.ATTR_OUT.pack(_ENTRY_TIMEOUT, 0, 0)
+            + _attr(node, st, self.ops.nlink(node, st)),
         )
 
     # -- the requests --------------------------------------------------------------------
 
     def _table(self) -> dict[int, Handler]:
         return {
-            F.INIT: self._init,
-            F.DESTROY: self._destroy,
-            F.LOOKUP: self._lookup,
-            F.FORGET: self._forget,
-            F.BATCH_FORGET: self._batch_forget,
-            F.GETATTR: self._getattr,
-            F.SETATTR: self._setattr,
-            F.READLINK: self._readlink,
-            F.SYMLINK: self._symlink,
-            F.MKNOD: self._mknod,
-            F.MKDIR: self._mkdir,
-            F.UNLINK: self._unlink,
-            F.RMDIR: self._rmdir,
-            F.RENAME: self._rename,
-            F.RENAME2: self._rename2,
-            F.LINK: self._link,
-            F.OPEN: self._open,
-            F.READ: self._read,
-            F.WRITE: self._write,
-            F.STATFS: self._statfs,
-            F.RELEASE: self._release,
-            F.FSYNC: self._fsync,
-            F.FLUSH: self._flush,
-            F.SETXATTR: self._setxattr,
-            F.GETXATTR: self._getxattr,
-            F.LISTXATTR: self._listxattr,
-            F.REMOVEXATTR: self._removexattr,
-            F.OPENDIR: self._opendir,
-            F.READDIRPLUS: self._readdirplus,
-            F.READDIR: self._readdir,
-            F.RELEASEDIR: self._releasedir,
-            F.FSYNCDIR: self._fsyncdir,
-            F.ACCESS: self._access,
-            F.CREATE: self._create,
-            F.INTERRUPT: self._interrupt,
-            F.SYNCFS: self._syncfs,
-            F.FALLOCATE: self._fallocate,
-            F.LSEEK: self._lseek,
-            F.COPY_FILE_RANGE: self._copy_file_range,
-            F.COPY_FILE_RANGE_64: self._copy_file_range_64,
-            F.TMPFILE: self._tmpfile,
+            fuse_abi.INIT: self._init,
+            fuse_abi.DESTROY: self._destroy,
+            fuse_abi.LOOKUP: self._lookup,
+            fuse_abi.FORGET: self._forget,
+            fuse_abi.BATCH_FORGET: self._batch_forget,
+            fuse_abi.GETATTR: self._getattr,
+            fuse_abi.SETATTR: self._setattr,
+            fuse_abi.READLINK: self._readlink,
+            fuse_abi.SYMLINK: self._symlink,
+            fuse_abi.MKNOD: self._mknod,
+            fuse_abi.MKDIR: self._mkdir,
+            fuse_abi.UNLINK: self._unlink,
+            fuse_abi.RMDIR: self._rmdir,
+            fuse_abi.RENAME: self._rename,
+            fuse_abi.RENAME2: self._rename2,
+            fuse_abi.LINK: self._link,
+            fuse_abi.OPEN: self._open,
+            fuse_abi.READ: self._read,
+            fuse_abi.WRITE: self._write,
+            fuse_abi.STATFS: self._statfs,
+            fuse_abi.RELEASE: self._release,
+            fuse_abi.FSYNC: self._fsync,
+            fuse_abi.FLUSH: self._flush,
+            fuse_abi.SETXATTR: self._setxattr,
+            fuse_abi.GETXATTR: self._getxattr,
+            fuse_abi.LISTXATTR: self._listxattr,
+            fuse_abi.REMOVEXATTR: self._removexattr,
+            fuse_abi.OPENDIR: self._opendir,
+            fuse_abi.READDIRPLUS: self._readdirplus,
+            fuse_abi.READDIR: self._readdir,
+            fuse_abi.RELEASEDIR: self._releasedir,
+            fuse_abi.FSYNCDIR: self._fsyncdir,
+            fuse_abi.ACCESS: self._access,
+            fuse_abi.CREATE: self._create,
+            fuse_abi.INTERRUPT: self._interrupt,
+            fuse_abi.SYNCFS: self._syncfs,
+            fuse_abi.FALLOCATE: self._fallocate,
+            fuse_abi.LSEEK: self._lseek,
+            fuse_abi.COPY_FILE_RANGE: self._copy_file_range,
+            fuse_abi.COPY_FILE_RANGE_64: self._copy_file_range_64,
+            fuse_abi.TMPFILE: self._tmpfile,
         }
 
     def _init(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        major, minor, max_readahead, flags, flags2 = F.INIT_IN.unpack_from(body)
-        if major != F.KERNEL_VERSION:
+        major, minor, max_readahead, flags, flags2 = fuse_abi.INIT_IN.unpack_from(body)
+        if major != fuse_abi.KERNEL_VERSION:
             # an older or newer major: say ours, the kernel sends INIT again
             self._reply(
                 unique,
-                F.INIT_OUT.pack(F.KERNEL_VERSION, F.KERNEL_MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                fuse_abi.INIT_OUT.pack(
+                    fuse_abi.KERNEL_VERSION, fuse_abi.KERNEL_MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                ),
             )
             return
-        kernel = flags | (flags2 << 32 if flags & F.INIT_EXT else 0)
-        want = (F.PASSTHROUGH if self.use_passthrough else 0) | (
-            F.ASYNC_READ
-            | F.ATOMIC_O_TRUNC
-            | F.EXPORT_SUPPORT
-            | F.BIG_WRITES
-            | F.DO_READDIRPLUS
-            | F.PARALLEL_DIROPS
-            | F.MAX_PAGES
-            | F.INIT_EXT
+        kernel = flags | (flags2 << 32 if flags & fuse_abi.INIT_EXT else 0)
+        want = (fuse_abi.PASSTHROUGH if self.use_passthrough else 0) | (
+            fuse_abi.ASYNC_READ
+            | fuse_abi.ATOMIC_O_TRUNC
+            | fuse_abi.EXPORT_SUPPORT
+            | fuse_abi.BIG_WRITES
+            | fuse_abi.DO_READDIRPLUS
+            | fuse_abi.PARALLEL_DIROPS
+            | fuse_abi.MAX_PAGES
+            | fuse_abi.INIT_EXT
             # no GETXATTR security.capability before every write, truncation
             # and chown: the daemon clears privileges itself (ops._kill_privs)
-            | F.HANDLE_KILLPRIV_V2
+            | fuse_abi.HANDLE_KILLPRIV_V2
         )
         # (not CACHE_SYMLINKS: a readlink the kernel answers from its cache
         # never updates the symlink's atime, as a native one would)
         agreed = kernel & want
-        self.minor = min(minor, F.KERNEL_MINOR)
+        self.minor = min(minor, fuse_abi.KERNEL_MINOR)
         self.flags = agreed
-        self.passthrough = bool(agreed & F.PASSTHROUGH)
+        self.passthrough = bool(agreed & fuse_abi.PASSTHROUGH)
         self._reply(
             unique,
-            F.INIT_OUT.pack(
-                F.KERNEL_VERSION,
+            fuse_abi.INIT_OUT.pack(
+                fuse_abi.KERNEL_VERSION,
                 self.minor,
                 max_readahead,
                 agreed & 0xFFFFFFFF,
@@ -573,13 +578,13 @@ class Engine:
     def _forget(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        self.ops.forget([(nodeid, F.FORGET_IN.unpack_from(body)[0])])
+        self.ops.forget([(nodeid, fuse_abi.FORGET_IN.unpack_from(body)[0])])
 
     def _batch_forget(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        count = F.BATCH_FORGET_IN.unpack_from(body)[0]
-        one = F.FORGET_ONE
+        count = fuse_abi.BATCH_FORGET_IN.unpack_from(body)[0]
+        one = fuse_abi.FORGET_ONE
         self.ops.forget([one.unpack_from(body, 8 + i * 16) for i in range(count)])
 
     def _getattr(
@@ -608,33 +613,33 @@ class Engine:
             auid,
             agid,
             _,
-        ) = F.SETATTR_IN.unpack_from(body)
+        ) = fuse_abi.SETATTR_IN.unpack_from(body)
         kw: dict[str, int] = {}
-        if valid & F.FATTR_SIZE:
+        if valid & fuse_abi.FATTR_SIZE:
             kw["size"] = size
-        if valid & F.FATTR_MODE:
+        if valid & fuse_abi.FATTR_MODE:
             kw["mode"] = mode
-        if valid & F.FATTR_UID:
+        if valid & fuse_abi.FATTR_UID:
             kw["uid"] = auid
-        if valid & F.FATTR_GID:
+        if valid & fuse_abi.FATTR_GID:
             kw["gid"] = agid
         now = None
-        if valid & F.FATTR_ATIME:
-            if valid & F.FATTR_ATIME_NOW:
+        if valid & fuse_abi.FATTR_ATIME:
+            if valid & fuse_abi.FATTR_ATIME_NOW:
                 now = time.time_ns()
                 kw["atime_ns"] = now
             else:
                 kw["atime_ns"] = atime * 1_000_000_000 + atimensec
-        if valid & F.FATTR_MTIME:
-            if valid & F.FATTR_MTIME_NOW:
+        if valid & fuse_abi.FATTR_MTIME:
+            if valid & fuse_abi.FATTR_MTIME_NOW:
                 kw["mtime_ns"] = now if now is not None else time.time_ns()
             else:
                 kw["mtime_ns"] = mtime * 1_000_000_000 + mtimensec
         node, st = self.ops.setattr(
             nodeid,
-            fh if valid & F.FATTR_FH else None,
+            fh if valid & fuse_abi.FATTR_FH else None,
             ctx=Ctx(pid, uid, gid, 0),
-            kill_suidgid=bool(valid & F.FATTR_KILL_SUIDGID),
+            kill_suidgid=bool(valid & fuse_abi.FATTR_KILL_SUIDGID),
             **kw,
         )
         self._attr_reply(unique, node, st)
@@ -656,7 +661,7 @@ class Engine:
     def _mknod(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        mode, rdev, umask, _ = F.MKNOD_IN.unpack_from(body)
+        mode, rdev, umask, _ = fuse_abi.MKNOD_IN.unpack_from(body)
         name = bytes(body[16:-1])
         node, st = self.ops.mknod(nodeid, name, mode, rdev, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st)
@@ -664,7 +669,7 @@ class Engine:
     def _mkdir(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        mode, umask = F.MKDIR_IN.unpack_from(body)
+        mode, umask = fuse_abi.MKDIR_IN.unpack_from(body)
         name = bytes(body[8:-1])
         node, st = self.ops.mkdir(nodeid, name, mode, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st)
@@ -701,74 +706,83 @@ class Engine:
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
         self._do_rename(
-            unique, nodeid, uid, gid, pid, F.RENAME_IN.unpack_from(body)[0], 0, bytes(body[8:])
+            unique,
+            nodeid,
+            uid,
+            gid,
+            pid,
+            fuse_abi.RENAME_IN.unpack_from(body)[0],
+            0,
+            bytes(body[8:]),
         )
 
     def _rename2(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        newdir, flags, _ = F.RENAME2_IN.unpack_from(body)
+        newdir, flags, _ = fuse_abi.RENAME2_IN.unpack_from(body)
         self._do_rename(unique, nodeid, uid, gid, pid, newdir, flags, bytes(body[16:]))
 
     def _link(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        old = F.LINK_IN.unpack_from(body)[0]
+        old = fuse_abi.LINK_IN.unpack_from(body)[0]
         node, st = self.ops.link(old, nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._entry(unique, node, st)
 
     def _open(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        flags, open_flags = F.OPEN_IN.unpack_from(body)
+        flags, open_flags = fuse_abi.OPEN_IN.unpack_from(body)
         fh, keep = self.ops.open(
             nodeid,
             flags,
             ctx=Ctx(pid, uid, gid, 0),
-            kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID),
+            kill_suidgid=bool(open_flags & fuse_abi.OPEN_KILL_SUIDGID),
         )
         self._reply(unique, self._open_out(fh, keep))
 
     def _create(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        flags, mode, umask, open_flags = F.CREATE_IN.unpack_from(body)
+        flags, mode, umask, open_flags = fuse_abi.CREATE_IN.unpack_from(body)
         fh, keep, node, st = self.ops.create(
             nodeid,
             bytes(body[16:-1]),
             mode,
             flags,
             ctx=Ctx(pid, uid, gid, umask),
-            kill_suidgid=bool(open_flags & F.OPEN_KILL_SUIDGID),
+            kill_suidgid=bool(open_flags & fuse_abi.OPEN_KILL_SUIDGID),
         )
         self._entry(unique, node, st, self._open_out(fh, keep))
 
     def _tmpfile(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        flags, mode, umask, _ = F.CREATE_IN.unpack_from(body)
+        flags, mode, umask, _ = fuse_abi.CREATE_IN.unpack_from(body)
         fh, keep, node, st = self.ops.tmpfile(nodeid, mode, flags, ctx=Ctx(pid, uid, gid, umask))
         self._entry(unique, node, st, self._open_out(fh, keep))
 
     def _fallocate(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, length, mode, _ = F.FALLOCATE_IN.unpack_from(body)
+        fh, off, length, mode, _ = fuse_abi.FALLOCATE_IN.unpack_from(body)
         self.ops.fallocate(fh, off, length, mode)
         self._reply(unique)
 
     def _lseek(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, whence, _ = F.LSEEK_IN.unpack_from(body)
-        self._reply(unique, F.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
+        fh, off, whence, _ = fuse_abi.LSEEK_IN.unpack_from(body)
+        self._reply(unique, fuse_abi.LSEEK_OUT.pack(self.ops.lseek(fh, off, whence)))
 
     def _copy(self, nodeid: int, body: memoryview, most: int) -> int:
         """The copy a COPY_FILE_RANGE(_64) request asks for, of at most
         *most* bytes (what its answer can carry: a short copy is one
         copy_file_range(2) may make); offsets past what a file offset can
         be (loff_t) and flags are EINVAL, as the system call says."""
-        fh_in, off_in, _, fh_out, off_out, length, flags = F.COPY_FILE_RANGE_IN.unpack_from(body)
+        fh_in, off_in, _, fh_out, off_out, length, flags = fuse_abi.COPY_FILE_RANGE_IN.unpack_from(
+            body
+        )
         if off_in > OFF_MAX or off_out > OFF_MAX or flags:
             raise OSError(errno.EINVAL, "copy_file_range: offset out of range, or flags")
         n = self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, min(length, most))
@@ -776,7 +790,9 @@ class Engine:
         # source's atime, which reading it underneath changed (as natively):
         # drop its cached attributes (only those: offset -1 leaves the page
         # cache, and no page lock is waited for in the loop).
-        self._notify(F.NOTIFY_INVAL_INODE, F.NOTIFY_INVAL_INODE_OUT.pack(nodeid, -1, 0))
+        self._notify(
+            fuse_abi.NOTIFY_INVAL_INODE, fuse_abi.NOTIFY_INVAL_INODE_OUT.pack(nodeid, -1, 0)
+        )
         return n
 
     def _copy_file_range(
@@ -784,7 +800,7 @@ class Engine:
     ) -> None:
         """The count answered in 32 bits (fuse_write_out): the kernel asks
         for at most UINT_MAX & PAGE_MASK here, and so does this."""
-        self._reply(unique, F.WRITE_OUT.pack(self._copy(nodeid, body, 0xFFFFF000), 0))
+        self._reply(unique, fuse_abi.WRITE_OUT.pack(self._copy(nodeid, body, 0xFFFFF000), 0))
 
     def _copy_file_range_64(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
@@ -792,25 +808,25 @@ class Engine:
         """The same copy, its count answered in 64 bits (Linux 6.18 sends
         it first, whatever the protocol minor, and falls back to
         COPY_FILE_RANGE for good when it is answered ENOSYS)."""
-        self._reply(unique, F.COPY_FILE_RANGE_OUT.pack(self._copy(nodeid, body, OFF_MAX)))
+        self._reply(unique, fuse_abi.COPY_FILE_RANGE_OUT.pack(self._copy(nodeid, body, OFF_MAX)))
 
     def _read(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        fh, off, size, _, _, _, _ = fuse_abi.READ_IN.unpack_from(body)
         self._reply_data(unique, self.ops.read(fh, off, size))
 
     def _write(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, size, write_flags, _, _, _ = F.WRITE_IN.unpack_from(body)
-        if write_flags & F.WRITE_KILL_SUIDGID:
+        fh, off, size, write_flags, _, _, _ = fuse_abi.WRITE_IN.unpack_from(body)
+        if write_flags & fuse_abi.WRITE_KILL_SUIDGID:
             n = self.ops.write(
                 fh, off, body[40 : 40 + size], kill_suidgid=True, ctx=Ctx(pid, uid, gid, 0)
             )
         else:
             n = self.ops.write(fh, off, body[40 : 40 + size])
-        self._reply(unique, F.WRITE_OUT.pack(n, 0))
+        self._reply(unique, fuse_abi.WRITE_OUT.pack(n, 0))
 
     def _statfs(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
@@ -818,7 +834,7 @@ class Engine:
         sv = self.ops.statfs()
         self._reply(
             unique,
-            F.KSTATFS.pack(
+            fuse_abi.KSTATFS.pack(
                 sv.f_blocks,
                 sv.f_bfree,
                 sv.f_bavail,
@@ -834,7 +850,7 @@ class Engine:
     def _release(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        h = self.ops.release(F.RELEASE_IN.unpack_from(body)[0])
+        h = self.ops.release(fuse_abi.RELEASE_IN.unpack_from(body)[0])
         node = h.node
         if h.passthrough and not node.pt:
             bid = self.backing_ids.pop(node, None)
@@ -854,12 +870,14 @@ class Engine:
                     # the node's O_PATH fd, and keeps it until the id is
                     # closed: the fd itself may be closed or evicted later)
                     bid = self.backing_ids[node] = self._backing_open(bfd)
-                return F.OPEN_OUT.pack(fh, F.FOPEN_PASSTHROUGH, bid)
-        return F.OPEN_OUT.pack(fh, F.FOPEN_KEEP_CACHE if keep else 0, 0)
+                return fuse_abi.OPEN_OUT.pack(fh, fuse_abi.FOPEN_PASSTHROUGH, bid)
+        return fuse_abi.OPEN_OUT.pack(fh, fuse_abi.FOPEN_KEEP_CACHE if keep else 0, 0)
 
     def _backing_open(self, fd: int) -> int:
-        arg = ctypes.create_string_buffer(F.BACKING_MAP.pack(fd, 0, 0), F.BACKING_MAP.size)
-        bid = _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_OPEN), arg)
+        arg = ctypes.create_string_buffer(
+            fuse_abi.BACKING_MAP.pack(fd, 0, 0), fuse_abi.BACKING_MAP.size
+        )
+        bid = _libc.ioctl(self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_OPEN), arg)
         if bid < 0:
             e = ctypes.get_errno()
             raise OSError(e, f"FUSE_DEV_IOC_BACKING_OPEN: {os.strerror(e)}")
@@ -867,7 +885,10 @@ class Engine:
 
     def _backing_close(self, bid: int) -> None:
         arg = ctypes.c_uint32(bid)
-        if _libc.ioctl(self.fd, ctypes.c_ulong(F.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)) < 0:
+        if (
+            _libc.ioctl(self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg))
+            < 0
+        ):
             log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid, os.strerror(ctypes.get_errno()))
 
     def _flush(
@@ -880,8 +901,8 @@ class Engine:
     def _fsync(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, flags, _ = F.FSYNC_IN.unpack_from(body)
-        self.ops.fsync(fh, bool(flags & F.FSYNC_FDATASYNC))
+        fh, flags, _ = fuse_abi.FSYNC_IN.unpack_from(body)
+        self.ops.fsync(fh, bool(flags & fuse_abi.FSYNC_FDATASYNC))
         self._reply(unique)
 
     def _syncfs(
@@ -893,7 +914,7 @@ class Engine:
     def _setxattr(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        size, flags = F.SETXATTR_IN.unpack_from(body)
+        size, flags = fuse_abi.SETXATTR_IN.unpack_from(body)
         rest = bytes(body[8:])
         end = rest.index(0)
         self.ops.setxattr(
@@ -908,21 +929,21 @@ class Engine:
     def _getxattr(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        size, _ = F.GETXATTR_IN.unpack_from(body)
+        size, _ = fuse_abi.GETXATTR_IN.unpack_from(body)
         value = self.ops.getxattr(nodeid, bytes(body[8:-1]), ctx=Ctx(pid, uid, gid, 0))
         self._sized(unique, size, value)
 
     def _listxattr(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        size, _ = F.GETXATTR_IN.unpack_from(body)
+        size, _ = fuse_abi.GETXATTR_IN.unpack_from(body)
         names = self.ops.listxattr(nodeid, ctx=Ctx(pid, uid, gid, 0))
         self._sized(unique, size, b"".join(n + b"\0" for n in names))
 
     def _sized(self, unique: int, size: int, value: bytes) -> None:
         """An xattr reply: its size when asked with size 0, else the value."""
         if size == 0:
-            self._reply(unique, F.GETXATTR_OUT.pack(len(value), 0))
+            self._reply(unique, fuse_abi.GETXATTR_OUT.pack(len(value), 0))
         elif len(value) > size:
             self._error(unique, errno.ERANGE)
         else:
@@ -940,21 +961,24 @@ class Engine:
         fh = self.ops.opendir(nodeid, ctx=Ctx(pid, uid, gid, 0))
         # the kernel may keep the entries it read until the directory changes
         # (through the mount, or an undo, which invalidates it)
-        self._reply(unique, F.OPEN_OUT.pack(fh, F.FOPEN_CACHE_DIR | F.FOPEN_KEEP_CACHE, 0))
+        self._reply(
+            unique,
+            fuse_abi.OPEN_OUT.pack(fh, fuse_abi.FOPEN_CACHE_DIR | fuse_abi.FOPEN_KEEP_CACHE, 0),
+        )
 
     def _readdirplus(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        fh, off, size, _, _, _, _ = fuse_abi.READ_IN.unpack_from(body)
         out = bytearray()
         nlink = self.ops.nlink
-        entry = F.ENTRY_OUT.pack
-        dirent = F.DIRENT.pack
+        entry = fuse_abi.ENTRY_OUT.pack
+        dirent = fuse_abi.DIRENT.pack
 
         def take(name: bytes, node: Node, st: os.stat_result, nxt: int) -> bool:
-            rec = 152 + len(name)
-            pad = -rec % 8
-            if len(out) + rec + pad > size:
+            reclen = 152 + len(name)  # (an entry's length, before its padding)
+            pad = -reclen % 8
+            if len(out) + reclen + pad > size:
                 return False
             dot = name == b"." or name == b".."  # (the kernel takes no reference)
             out.extend(entry(0 if dot else node.ino, 0, _ENTRY_TIMEOUT, _ENTRY_TIMEOUT, 0, 0))
@@ -970,16 +994,18 @@ class Engine:
     def _readdir(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, off, size, _, _, _, _ = F.READ_IN.unpack_from(body)
+        fh, off, size, _, _, _, _ = fuse_abi.READ_IN.unpack_from(body)
         out = bytearray()
         taken: list[Node] = []
 
         def take(name: bytes, node: Node, st: os.stat_result, nxt: int) -> bool:
-            rec = 24 + len(name)
-            pad = -rec % 8
-            if len(out) + rec + pad > size:
+            reclen = 24 + len(name)  # (an entry's length, before its padding)
+            pad = -reclen % 8
+            if len(out) + reclen + pad > size:
                 return False
-            out.extend(F.DIRENT.pack(node.ino, nxt, len(name), stat.S_IFMT(st.st_mode) >> 12))
+            out.extend(
+                fuse_abi.DIRENT.pack(node.ino, nxt, len(name), stat.S_IFMT(st.st_mode) >> 12)
+            )
             out.extend(name)
             out.extend(bytes(pad))
             if name != b"." and name != b"..":
@@ -994,14 +1020,14 @@ class Engine:
     def _releasedir(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        self.ops.releasedir(F.RELEASE_IN.unpack_from(body)[0])
+        self.ops.releasedir(fuse_abi.RELEASE_IN.unpack_from(body)[0])
         self._reply(unique)
 
     def _fsyncdir(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview
     ) -> None:
-        fh, flags, _ = F.FSYNC_IN.unpack_from(body)
-        self.ops.fsyncdir(fh, bool(flags & F.FSYNC_FDATASYNC))
+        fh, flags, _ = fuse_abi.FSYNC_IN.unpack_from(body)
+        self.ops.fsyncdir(fh, bool(flags & fuse_abi.FSYNC_FDATASYNC))
         self._reply(unique)
 
     def _access(

@@ -23,11 +23,10 @@ from time import monotonic
 from types import TracebackType
 from typing import Any, NoReturn, Protocol, TypeVar
 
-from . import backing as B
-from . import schema as S
+from . import backing, schema
 from .capture import Recorder
 from .gravesum import Hasher
-from .inodes import DEAD, ROOT, DirHandle, FdCache, Handle, Node, fd_cache_size
+from .inodes import DirHandle, Handle, InodeTable, Node
 from .store import LimitReached, Store, Writer
 from .undo import Touched
 
@@ -44,10 +43,6 @@ CAPABILITY = b"security.capability"
 # 3,000 files of the stdlib tree, daemon + client CPU: a cold cat the same,
 # a warm one 21-40 % less, a stat of them all 65 % less.
 PASSTHROUGH_READ_MIN = 256 << 10
-# Inode numbers for the nodes that cannot have their object's own (see
-# ``Ops._new_ino``): counted down from here, within 32 bits (a program
-# built without large-file support fails a stat(2) of anything higher).
-SPARE_INO = 0xFFFF_FFFF
 
 R = TypeVar("R")
 
@@ -136,10 +131,10 @@ def op(fn: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(fn)
     def wrapper(self: Ops, *args: object, ctx: Caller | None = None, **kw: object) -> R:
         self.last_request = monotonic()  # (background work waits for a pause)
-        rec = self.rec
-        rec.who = (ctx.pid, ctx.uid) if ctx is not None else None
-        if rec.ignore is not None:  # .cowfsignore may have changed
-            rec.ignore.stale = True
+        recorder = self.recorder
+        recorder.who = (ctx.pid, ctx.uid) if ctx is not None else None
+        if recorder.ignore is not None:  # .cowfsignore may have changed
+            recorder.ignore.stale = True
         if takes_ctx:
             kw["ctx"] = ctx
         with guard:
@@ -166,38 +161,35 @@ HANDLE_OPS = ("write", "fallocate", "copy_file_range", "flush", "release", "fsyn
 
 
 class Ops:
+    """The filesystem's operations on the backing directory *rootfd*, each
+    captured in the open layer of *store* through *recorder* before it
+    changes anything; the nodes the kernel knows are in ``table`` (an
+    ``InodeTable``), the open files and directories in ``handles``.
+    *hidden*: the store's name in the root, when it is inside the
+    workspace (not shown, not to be made)."""
+
     def __init__(
         self, rootfd: int, store: Store, recorder: Recorder, *, hidden: bytes | None = None
     ):
         self.store = store
-        self.rec = recorder
+        self.recorder = recorder
         self.hidden = hidden
-        hst = B.lstat_at(rootfd, hidden) if hidden is not None else None
+        hst = backing.lstat_at(rootfd, hidden) if hidden is not None else None
         self.hidden_dir = hst is not None and stat.S_ISDIR(hst.st_mode)
         # called when a request fails with ENOSPC: True when it gave room back
         self.on_full: Callable[[], bool] | None = None
         self.is_root = os.geteuid() == 0
         self.euid, self.egid = os.geteuid(), os.getegid()
         self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
-        self.fds = FdCache(fd_cache_size(), self._reopen)
-        Node.cache = self.fds
-        st = os.stat(rootfd)
-        self.root = Node(ROOT, st.st_ino, rootfd, st.st_mode)
-        self.root.nlookup = 1
-        self.grave = Node(0, 0, store.grave_fd, stat.S_IFDIR)
-        self.nodes: dict[int, Node] = {self.root.ino: self.root}
-        # The node of each backing object is nodes[its inode number] (a
-        # node's number is its object's: ``_new_ino``), but for these
-        # exceptions, few: an object whose node has another number (a
-        # spare one; the root's, 1), or None where nodes[the object's
-        # number] is a node whose object is gone (``_orphan``) -- one
-        # mapping for the table, not two (some 50 bytes a node).
-        self.moved: dict[int, Node | None] = {}
-        # the other names (parent, name) of nodes known by more than one
-        # (hard links: few), kept apart from the nodes
-        self.links: dict[Node, set[tuple[Node, bytes]]] = {}
-        self._map(self.root)
-        self.spare_ino = SPARE_INO
+        self.table = table = InodeTable(rootfd, store.grave_fd, hidden)
+        self.fds = table.fds
+        self.root = table.root
+        self.grave = table.grave
+        # (the table's, bound here: what every request calls, called as
+        # directly as when they were methods of this class)
+        self._node = table.node
+        self._lookup = table.lookup
+        self._path = table.path
         self.handles: dict[int, Handle | DirHandle] = {}
         self.next_fh = 1
         # Files open for writing: only they can have dirty pages (shared
@@ -213,13 +205,7 @@ class Ops:
         # many since the mount, and the last one's path and time
         self.refused: dict[str, Any] = {"count": 0, "path": None, "time": None}
 
-    # -- the inode table ---------------------------------------------------------
-
-    def _node(self, ino: int) -> Node:
-        try:
-            return self.nodes[ino]
-        except KeyError:
-            raise fail(errno.ESTALE) from None
+    # -- names -------------------------------------------------------------------------
 
     def nlink(self, node: Node, st: os.stat_result) -> int:
         """The link count as the view has it: names in the grave are gone,
@@ -232,247 +218,8 @@ class Ops:
             return 0
         return st.st_nlink - (node is self.root and self.hidden_dir)
 
-    def _lookup(
-        self, parent: Node, name: bytes, count: bool = True, made: os.stat_result | None = None
-    ) -> tuple[Node, os.stat_result]:
-        """*made*: the stat of an object the daemon has just made there."""
-        st = made if made is not None else os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
-        bino = st.st_ino
-        moved = self.moved
-        if moved and bino in moved:  # (``by_bino``, inline: every lookup and create)
-            node = moved[bino]
-        else:
-            node = self.nodes.get(bino)
-            if node is not None and node.bino != bino:
-                node = None
-        if node is None or (node._fd < 0 and node is not self.root):
-            fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
-            try:
-                if made is None or node is not None:
-                    st = os.fstat(fd)
-                    node = self.by_bino(st.st_ino)
-                if node is not None and node._fd < 0 and node is not self.root:
-                    # Its fd was evicted: the object may have gone since,
-                    # and this be a later one given its inode number.
-                    if self.fds.same(node, fd):
-                        self.fds.found(node, fd)
-                        fd = -1
-                    else:
-                        self._orphan(node.bino)
-                        node = None
-            except BaseException:
-                if fd >= 0:
-                    os.close(fd)
-                raise
-            if node is None:
-                node = Node(self._new_ino(st.st_ino), st.st_ino, fd, st.st_mode)
-                node.parent, node.name = parent, name
-                self.nodes[node.ino] = node
-                self._map(node)
-                self.fds.add(node)
-            else:
-                if fd >= 0:  # (the name led to an object with a node of its fd)
-                    os.close(fd)
-                self._add_link(node, parent, name)
-        else:
-            self._add_link(node, parent, name)
-        if count:
-            node.nlookup += 1
-        return node, st
-
-    def _new_ino(self, bino: int) -> int:
-        """The inode number (the kernel's node id, and the st_ino programs
-        see) of a new node for backing object *bino*: the object's own, as
-        the filesystem underneath has it.  So an object keeps its number
-        however often the kernel forgets it (under memory pressure, or when
-        a rollback or redo drops the names it cached) and looks it up again
-        -- a number of our own, new at each lookup, made two names of one
-        file that were looked up either side of that seem two files to
-        whatever counts hard links by it (tar, rsync -H, du, cp -a, find
-        -samefile), and git's index took every file for touched.  Unless a
-        node the kernel still holds has that number (the object removed
-        since, its number given to a new one; or the root's, 1): then a
-        spare one."""
-        if bino > ROOT and bino not in self.nodes:
-            return bino
-        while self.spare_ino in self.nodes or self.spare_ino <= ROOT:
-            self.spare_ino = self.spare_ino - 1 if self.spare_ino > ROOT + 1 else SPARE_INO
-        ino = self.spare_ino
-        self.spare_ino -= 1
-        return ino
-
-    def by_bino(self, bino: int) -> Node | None:
-        """The node of backing object *bino*, if the table has one."""
-        moved = self.moved
-        if moved and bino in moved:
-            return moved[bino]
-        node = self.nodes.get(bino)
-        return node if node is not None and node.bino == bino else None
-
-    def _map(self, node: Node) -> None:
-        """*node* (in ``nodes`` now) is its object's."""
-        if node.ino == node.bino:
-            self.moved.pop(node.bino, None)
-        else:
-            self.moved[node.bino] = node
-
-    def _unmap(self, bino: int) -> None:
-        """No node is object *bino*'s any more."""
-        moved = self.moved
-        moved.pop(bino, None)
-        stale = self.nodes.get(bino)
-        if stale is not None and stale.bino == bino:
-            moved[bino] = None
-
-    def _drop(self, node: Node) -> None:
-        if node is self.root or self.nodes.get(node.ino) is not node:
-            return
-        current = self.by_bino(node.bino) is node
-        del self.nodes[node.ino]
-        moved = self.moved
-        if moved:
-            if node.ino in moved and moved[node.ino] is None:
-                del moved[node.ino]  # (it said that this node was no object's)
-            if current:
-                self._unmap(node.bino)
-        node.nlookup = DEAD  # (not live)
-        self.links.pop(node, None)
-        self.fds.close(node)
-
-    def _orphan(self, bino: int) -> None:
-        """The object *bino* is gone for good: its inode number may be reused,
-        so it must no longer lead to its node (which lives on for the kernel
-        while it holds it, with the fd it has, if any)."""
-        node = self.by_bino(bino)
-        if node is not None:
-            self._unmap(bino)
-            node.parent, node.name = None, b""
-            self.links.pop(node, None)
-
-    def _reopen(self, node: Node) -> int:
-        """Open an O_PATH fd on *node*'s object again, through a name that
-        still leads to it."""
-        if self.by_bino(node.bino) is not node:
-            raise OSError(errno.ESTALE, "the object is gone")
-        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
-            if parent is None or not parent.live:
-                continue
-            try:
-                fd = self.fds.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
-            except OSError:
-                continue
-            if os.fstat(fd).st_ino == node.bino and self.fds.same(node, fd):
-                return fd
-            os.close(fd)
-        path = self._search(node.bino)
-        if path is not None:
-            with B.Resolver(self.root.fd, self.grave.fd).at(path) as (d, n):
-                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
-            if os.fstat(fd).st_ino == node.bino and self.fds.same(node, fd):
-                return fd
-            os.close(fd)
-        # (gone: its inode number may be another object's by now)
-        raise OSError(errno.ESTALE, "the object has no name left")
-
-    def _add_link(self, node: Node, parent: Node, name: bytes) -> None:
-        if node.parent is parent and node.name == name:
-            return
-        if node.isdir or node.parent is None:
-            node.parent, node.name = parent, name
-            return
-        extra = self.links.get(node)
-        if extra is None:
-            extra = self.links[node] = set()
-        extra.add((node.parent, node.name))
-        extra.discard((parent, name))
-        node.parent, node.name = parent, name
-
-    def _remove_link(self, node: Node, parent: Node, name: bytes) -> None:
-        extra = self.links.get(node)
-        if node.parent is parent and node.name == name:
-            if extra:
-                node.parent, node.name = extra.pop()
-            else:
-                node.parent, node.name = None, b""
-        elif extra:
-            extra.discard((parent, name))
-        if extra is not None and not extra:
-            del self.links[node]
-
-    def _path(self, node: Node) -> bytes:
-        """The location of *node* now (workspace path or grave entry)."""
-        parts: list[bytes] = []
-        n = node
-        while n is not self.root:
-            p = n.parent
-            if p is None or not p.live:
-                raise OSError(errno.ESTALE, "object has no known name")
-            if p is self.grave:
-                if parts:
-                    raise OSError(errno.ESTALE, "object inside a removed directory")
-                return S.GRAVE_PREFIX + n.name
-            parts.append(n.name)
-            n = p
-        return b"/".join(reversed(parts))
-
-    def _loc(self, node: Node) -> bytes:
-        """Like _path, but first make sure the name still leads to the object
-        (names of hard-linked files can go stale)."""
-        if node is self.root:
-            return b""
-        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
-            if parent is None or not parent.live:
-                continue
-            st = B.lstat_at(parent.fd, name)
-            if st is not None and st.st_ino == node.bino:
-                if (parent, name) != (node.parent, node.name):
-                    self._add_link(node, parent, name)
-                try:
-                    return self._path(node)
-                except OSError:
-                    continue
-        path = self._search(node.bino)
-        if path is None:
-            raise OSError(errno.EIO, "cannot locate the object to capture it")
-        return path
-
-    def _search(self, bino: int) -> bytes | None:
-        """Find a name of backing inode *bino* by walking the tree (a last
-        resort when every name we knew has gone stale)."""
-        gfd = os.open(B.proc(self.grave.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            with os.scandir(gfd) as it:
-                for e in it:
-                    if e.inode() == bino:
-                        return S.GRAVE_PREFIX + os.fsencode(e.name)
-        finally:
-            os.close(gfd)
-        pending = [b""]
-        while pending:
-            rel = pending.pop()
-            try:
-                fd = B.open_dir(self.root.fd, rel)
-                rfd = B.open_noatime(B.proc(fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                os.close(fd)
-            except OSError:
-                continue
-            try:
-                with os.scandir(rfd) as it:
-                    for e in it:
-                        name = os.fsencode(e.name)
-                        if not rel and name == self.hidden:
-                            continue
-                        path = B.join(rel, name)
-                        if e.inode() == bino:
-                            return path
-                        if e.is_dir(follow_symlinks=False):
-                            pending.append(path)
-            finally:
-                os.close(rfd)
-        return None
-
     def _child(self, parent: Node, name: bytes) -> bytes:
-        return B.join(self._path(parent), name)
+        return backing.join(self._path(parent), name)
 
     def _check_name(self, parent: Node, name: bytes) -> None:
         if parent is self.root and self.hidden is not None and name == self.hidden:
@@ -483,27 +230,27 @@ class Ops:
     def _dir_changes(self, w: Writer, *dirs: Node) -> None:
         """Capture directories' attributes (mtimes!) before their entries change."""
         for d in dirs:
-            o = self.rec.obj(d.bino)
+            o = self.recorder.obj(d.bino)
             if not (o.created or o.meta):
-                self.rec.meta(w, d.bino, functools.partial(self._loc, d), os.stat(d.fd))
+                self.recorder.meta(w, d.bino, functools.partial(self.table.loc, d), os.stat(d.fd))
 
     def _unreachable(self, node: Node, st: os.stat_result) -> bool:
         """An object with no name left (open, unlinked, its grave entry freed
         by a commit) cannot be put back anywhere: nothing to capture."""
         if st.st_nlink == 0:
-            self.rec.note_created(node.bino)
+            self.recorder.note_created(node.bino)
             return True
         return False
 
     def _capture_meta(self, node: Node) -> None:
-        o = self.rec.obj(node.bino)
+        o = self.recorder.obj(node.bino)
         if o.created or o.meta:
             return
         st = os.stat(node.fd)
         if self._unreachable(node, st):
             return
-        with self.rec.txn() as w:
-            self.rec.meta(w, node.bino, functools.partial(self._loc, node), st)
+        with self.recorder.txn() as w:
+            self.recorder.meta(w, node.bino, functools.partial(self.table.loc, node), st)
 
     def _capture_data(
         self, node: Node, fd: int | None, start: int, end: int, zeroing: bool = False
@@ -511,19 +258,26 @@ class Ops:
         """Capture [start, end) of a regular file before it changes; *fd*: a
         readable fd on it, or None to open one.  *zeroing*: the change only
         makes those bytes zeros or cuts them off (see ``Recorder.data``)."""
-        o = self.rec.obj(node.bino)
+        o = self.recorder.obj(node.bino)
         if o.created:
             return
         own = fd is None
         if fd is None:
-            fd = B.open_noatime(B.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
+            fd = backing.open_noatime(backing.proc(node.fd), os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
             if self._unreachable(node, st):
                 return
-            with self.rec.txn() as w, B.noatime(fd):
-                self.rec.data(
-                    w, node.bino, functools.partial(self._loc, node), fd, st, start, end, zeroing
+            with self.recorder.txn() as w, backing.noatime(fd):
+                self.recorder.data(
+                    w,
+                    node.bino,
+                    functools.partial(self.table.loc, node),
+                    fd,
+                    st,
+                    start,
+                    end,
+                    zeroing,
                 )
         finally:
             if own:
@@ -531,32 +285,20 @@ class Ops:
 
     def _xpath(self, node: Node) -> tuple[bytes, bool]:
         if node.islnk:
-            parent, name = self._symlink_name(node)
-            return B.proc_at(parent.fd, name), False
-        return B.proc(node.fd), True
-
-    def _symlink_name(self, node: Node) -> tuple[Node, bytes]:
-        """A name that leads to symlink *node* now (checked: the calls that
-        take a symlink itself take it by name -- a stale name of ours must
-        never lead them to whatever is there now)."""
-        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
-            if parent is None or not parent.live:
-                continue
-            st = B.lstat_at(parent.fd, name)
-            if st is not None and st.st_ino == node.bino and stat.S_ISLNK(st.st_mode):
-                return parent, name
-        raise OSError(errno.ESTALE, "the symlink has no known name left")
+            parent, name = self.table.symlink_name(node)
+            return backing.proc_at(parent.fd, name), False
+        return backing.proc(node.fd), True
 
     def _capture_xattrs(self, node: Node) -> None:
-        o = self.rec.obj(node.bino)
+        o = self.recorder.obj(node.bino)
         if o.created or o.xattrs or self._unreachable(node, os.stat(node.fd)):
             return
-        with self.rec.txn() as w:
-            self.rec.xattrs(
+        with self.recorder.txn() as w:
+            self.recorder.xattrs(
                 w,
                 node.bino,
-                functools.partial(self._loc, node),
-                lambda: B.list_xattrs(*self._xpath(node)),
+                functools.partial(self.table.loc, node),
+                lambda: backing.list_xattrs(*self._xpath(node)),
                 stat.S_ISDIR(node.mode),
             )
 
@@ -581,9 +323,9 @@ class Ops:
         else:
             os.chown(name, ctx.uid, gid, dir_fd=parent.fd, follow_symlinks=False)
             if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
-                fd2 = os.open(name, B.PATH_FLAGS, dir_fd=parent.fd)
+                fd2 = os.open(name, backing.PATH_FLAGS, dir_fd=parent.fd)
                 try:
-                    B.chmod_fd(fd2, stat.S_IMODE(mode))
+                    backing.chmod_fd(fd2, stat.S_IMODE(mode))
                 finally:
                     os.close(fd2)
 
@@ -592,17 +334,19 @@ class Ops:
     ) -> tuple[Node, os.stat_result]:
         """Record the creation, make the object, own it, look it up."""
         self._check_name(parent, name)
-        if B.lstat_at(parent.fd, name) is not None:
+        if backing.lstat_at(parent.fd, name) is not None:
             raise fail(errno.EEXIST)
-        self.rec.obj(parent.bino)
-        if not self.rec.ignored(functools.partial(self._child, parent, name), stat.S_ISDIR(mode)):
-            with self.rec.txn() as w:
+        self.recorder.obj(parent.bino)
+        if not self.recorder.ignored(
+            functools.partial(self._child, parent, name), stat.S_ISDIR(mode)
+        ):
+            with self.recorder.txn() as w:
                 self._dir_changes(w, parent)
-                self.rec.create(w, self._child(parent, name))
+                self.recorder.create(w, self._child(parent, name))
         make()
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
-        self.rec.note_created(st.st_ino)
+        self.recorder.note_created(st.st_ino)
         node.nocap = True  # (a new object has no capabilities)
         return node, st
 
@@ -623,13 +367,7 @@ class Ops:
 
     @op
     def forget(self, inode_list: Iterable[tuple[int, int]]) -> None:
-        for ino, n in inode_list:
-            node = self.nodes.get(ino)
-            if node is None or node is self.root:
-                continue
-            node.nlookup -= n
-            if node.nlookup <= 0:
-                self._drop(node)
+        self.table.forget(inode_list)
 
     @op
     def getattr(self, inode: int) -> tuple[Node, os.stat_result]:
@@ -669,7 +407,7 @@ class Ops:
             if fd is not None:
                 os.ftruncate(fd, size)
             else:
-                wfd = os.open(B.proc(node.fd), os.O_WRONLY | os.O_CLOEXEC)
+                wfd = os.open(backing.proc(node.fd), os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     os.ftruncate(wfd, size)
                 finally:
@@ -679,9 +417,9 @@ class Ops:
             if uid is not None or gid is not None:
                 self._chown(node, -1 if uid is None else uid, -1 if gid is None else gid)
             if mode is not None and not node.islnk:
-                B.chmod_fd(node.fd, stat.S_IMODE(mode))
+                backing.chmod_fd(node.fd, stat.S_IMODE(mode))
             if atime_ns is not None or mtime_ns is not None:
-                B.utime_fd(node.fd, atime_ns, mtime_ns)  # (a symlink itself)
+                backing.utime_fd(node.fd, atime_ns, mtime_ns)  # (a symlink itself)
         elif size is None:
             # A change of nothing but the ctime (chown(f, -1, -1)), or what
             # the kernel asks of us to drop setuid/setgid before an
@@ -708,7 +446,7 @@ class Ops:
             return
         if not node.nocap:
             try:
-                os.getxattr(B.proc(node.fd), CAPABILITY)
+                os.getxattr(backing.proc(node.fd), CAPABILITY)
                 self._capture_xattrs(node)
             except OSError as e:
                 if e.errno != errno.ENODATA:
@@ -724,11 +462,11 @@ class Ops:
                 kept &= ~stat.S_ISGID
             if kept != mode:
                 self._capture_meta(node)
-                B.chmod_fd(node.fd, stat.S_IMODE(kept))
+                backing.chmod_fd(node.fd, stat.S_IMODE(kept))
                 node.mode = kept
 
     def _chown(self, node: Node, uid: int, gid: int) -> None:
-        B.chown_fd(node.fd, uid, gid)  # (a symlink itself)
+        backing.chown_fd(node.fd, uid, gid)  # (a symlink itself)
 
     @op
     def readlink(self, inode: int, ctx: Caller) -> bytes:
@@ -807,18 +545,18 @@ class Ops:
         node = self._node(inode)
         parent = self._node(new_parent_inode)
         self._check_name(parent, new_name)
-        if B.lstat_at(parent.fd, new_name) is not None:
+        if backing.lstat_at(parent.fd, new_name) is not None:
             raise fail(errno.EEXIST)
-        self.rec.obj(parent.bino)
-        at, name = self._symlink_name(node) if node.islnk else (node, b"")
-        with self.rec.txn() as w:
+        self.recorder.obj(parent.bino)
+        at, name = self.table.symlink_name(node) if node.islnk else (node, b"")
+        with self.recorder.txn() as w:
             self._dir_changes(w, parent)
-            self.rec.link(w, self._child(parent, new_name))
-            self.rec.attribute(w, node.bino)
+            self.recorder.link(w, self._child(parent, new_name))
+            self.recorder.attribute(w, node.bino)
         if node.islnk:
             os.link(name, new_name, src_dir_fd=at.fd, dst_dir_fd=parent.fd, follow_symlinks=False)
         else:
-            os.link(B.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
+            os.link(backing.proc(node.fd), new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
         return self._lookup(parent, new_name)
 
     @op
@@ -833,18 +571,18 @@ class Ops:
     ) -> tuple[int, bool, Node, os.stat_result]:
         parent = self._node(parent_inode)
         self._check_name(parent, name)
-        if B.lstat_at(parent.fd, name) is not None:
+        if backing.lstat_at(parent.fd, name) is not None:
             if flags & os.O_EXCL:
                 raise fail(errno.EEXIST)
             node, st = self._lookup(parent, name)
             fh, keep = self._open(node, flags & ~os.O_CREAT, ctx, kill_suidgid)
             return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
-        self.rec.obj(parent.bino)
-        if not self.rec.ignored(functools.partial(self._child, parent, name), False):
-            with self.rec.txn() as w:
+        self.recorder.obj(parent.bino)
+        if not self.recorder.ignored(functools.partial(self._child, parent, name), False):
+            with self.recorder.txn() as w:
                 self._dir_changes(w, parent)
-                self.rec.create(w, self._child(parent, name))
+                self.recorder.create(w, self._child(parent, name))
         fl = self._open_flags(flags)
         fd = self.fds.open(
             name, fl | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, stat.S_IMODE(mode), parent.fd
@@ -855,7 +593,7 @@ class Ops:
         except BaseException:
             os.close(fd)
             raise
-        self.rec.note_created(st.st_ino)
+        self.recorder.note_created(st.st_ino)
         node.nocap = True
         return (*self._new_handle(node, fd, flags, fl), node, st)
 
@@ -863,16 +601,16 @@ class Ops:
 
     def _bury(self, w: Writer, parent: Node, name: bytes, st: os.stat_result) -> int:
         """Record that *name* goes to the grave; the caller moves it."""
-        return self.rec.grave(w, self._child(parent, name), st)
+        return self.recorder.grave(w, self._child(parent, name), st)
 
     def _to_grave(self, parent: Node, name: bytes, gid: int, bino: int) -> None:
         gname = str(gid).encode()
-        B.renameat2(parent.fd, name, self.grave.fd, gname, B.RENAME_NOREPLACE)
+        backing.renameat2(parent.fd, name, self.grave.fd, gname, backing.RENAME_NOREPLACE)
         self.grave_links[bino] = self.grave_links.get(bino, 0) + 1
-        node = self.by_bino(bino)
+        node = self.table.by_bino(bino)
         if node is not None:
-            self._remove_link(node, parent, name)
-            self._add_link(node, self.grave, gname)
+            self.table.remove_link(node, parent, name)
+            self.table.add_link(node, self.grave, gname)
             if node in self.pt_writers:  # (written on unseen: no hash of it can hold)
                 self._rewriting(node)
 
@@ -884,38 +622,38 @@ class Ops:
             raise fail(errno.ENOTDIR)
         if not want_dir and isdir:
             raise fail(errno.EISDIR)
-        self.rec.obj(parent.bino)
-        if self.rec.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
+        self.recorder.obj(parent.bino)
+        if self.recorder.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
             # Not captured: removed for real, the parent's times are left.
             self._last_name(st)
             if isdir:
                 os.rmdir(name, dir_fd=parent.fd)
             else:
                 os.unlink(name, dir_fd=parent.fd)
-            node = self.by_bino(st.st_ino)
+            node = self.table.by_bino(st.st_ino)
             if node is not None:
-                self._remove_link(node, parent, name)
+                self.table.remove_link(node, parent, name)
             if isdir or st.st_nlink == 1:
-                self._orphan(st.st_ino)
+                self.table.orphan(st.st_ino)
             return
-        if not isdir and self.rec.obj(st.st_ino).created:
+        if not isdir and self.recorder.obj(st.st_ino).created:
             # Nothing to keep.  (Directories always go to the grave, even
             # new ones: earlier records may name paths inside them, and those
             # must resolve while a rollback replays them.)
             self._last_name(st)
-            with self.rec.txn() as w:
+            with self.recorder.txn() as w:
                 self._dir_changes(w, parent)
             os.unlink(name, dir_fd=parent.fd)
-            node = self.by_bino(st.st_ino)
+            node = self.table.by_bino(st.st_ino)
             if node is not None:
-                self._remove_link(node, parent, name)
+                self.table.remove_link(node, parent, name)
             if st.st_nlink == 1:
-                self._orphan(st.st_ino)
+                self.table.orphan(st.st_ino)
             return
         if isdir and not self._is_empty(parent, name):
             raise fail(errno.ENOTEMPTY)
         self._last_name(st)  # (the grave's name goes at a base commit)
-        with self.rec.txn() as w:
+        with self.recorder.txn() as w:
             self._dir_changes(w, parent)
             gid = self._bury(w, parent, name, st)
         self._to_grave(parent, name, gid, st.st_ino)
@@ -928,13 +666,13 @@ class Ops:
         the requester -- EMFILE, before anything changes, for one who holds
         its share of such files already."""
         if st.st_nlink == 1 and not stat.S_ISDIR(st.st_mode):
-            node = self.by_bino(st.st_ino)
+            node = self.table.by_bino(st.st_ino)
             if node is not None and node.nopen:
-                who = self.rec.who
+                who = self.recorder.who
                 self.fds.pin(node, who[1] if who is not None else -1)
 
     def _is_empty(self, parent: Node, name: bytes) -> bool:
-        fd = B.open_noatime(
+        fd = backing.open_noatime(
             name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent.fd
         )
         try:
@@ -966,21 +704,21 @@ class Ops:
         self._check_name(sp, name_old)
         self._check_name(dp, name_new)
         sst = os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False)
-        dst = B.lstat_at(dp.fd, name_new)
+        dst = backing.lstat_at(dp.fd, name_new)
         src_path, dst_path = self._child(sp, name_old), self._child(dp, name_new)
-        self.rec.obj(sp.bino), self.rec.obj(dp.bino)
-        if flags & B.RENAME_EXCHANGE:
+        self.recorder.obj(sp.bino), self.recorder.obj(dp.bino)
+        if flags & backing.RENAME_EXCHANGE:
             if dst is None:
                 raise fail(errno.ENOENT)
-            with self.rec.txn() as w:
+            with self.recorder.txn() as w:
                 self._dir_changes(w, sp, dp)
-                self.rec.exchange(w, src_path, dst_path, sst.st_ino, dst.st_ino)
-            B.renameat2(sp.fd, name_old, dp.fd, name_new, B.RENAME_EXCHANGE)
-            self._moved(sst.st_ino, sp, name_old, dp, name_new)
-            self._moved(dst.st_ino, dp, name_new, sp, name_old)
+                self.recorder.exchange(w, src_path, dst_path, sst.st_ino, dst.st_ino)
+            backing.renameat2(sp.fd, name_old, dp.fd, name_new, backing.RENAME_EXCHANGE)
+            self.table.relink(sst.st_ino, sp, name_old, dp, name_new)
+            self.table.relink(dst.st_ino, dp, name_new, sp, name_old)
             return
         if dst is not None:
-            if flags & B.RENAME_NOREPLACE:
+            if flags & backing.RENAME_NOREPLACE:
                 raise fail(errno.EEXIST)
             if dst.st_ino == sst.st_ino:
                 return
@@ -992,37 +730,37 @@ class Ops:
             elif stat.S_ISDIR(sst.st_mode):
                 raise fail(errno.ENOTDIR)
         isdir = stat.S_ISDIR(sst.st_mode)
-        dst_ignored = dst is not None and self.rec.ignored(dst_path, isdir, dst.st_ino)
+        dst_ignored = dst is not None and self.recorder.ignored(dst_path, isdir, dst.st_ino)
         # Within ignored paths nothing is recorded, unless the object replaced
         # was seen at a captured path (it is kept, as any captured object).
         quiet = (
-            not flags & B.RENAME_WHITEOUT
-            and self.rec.ignored(src_path, isdir, sst.st_ino)
-            and (dst_ignored if dst is not None else self.rec.ignored(dst_path, isdir))
+            not flags & backing.RENAME_WHITEOUT
+            and self.recorder.ignored(src_path, isdir, sst.st_ino)
+            and (dst_ignored if dst is not None else self.recorder.ignored(dst_path, isdir))
         )
         bury = (
             dst is not None
             and not dst_ignored
-            and (stat.S_ISDIR(dst.st_mode) or not self.rec.obj(dst.st_ino).created)
+            and (stat.S_ISDIR(dst.st_mode) or not self.recorder.obj(dst.st_ino).created)
         )
-        whiteout = flags & B.RENAME_WHITEOUT
+        whiteout = flags & backing.RENAME_WHITEOUT
         if dst is not None:
             self._last_name(dst)  # (the object replaced may be open)
         gid = None
-        with self.rec.txn() as w:
+        with self.recorder.txn() as w:
             if not quiet:  # (within ignored paths: nothing is recorded)
                 self._dir_changes(w, sp, dp)
                 if bury:
                     assert dst is not None  # (only a name there can be buried)
                     gid = self._bury(w, dp, name_new, dst)
-                self.rec.rename(w, src_path, dst_path, sst.st_ino)
+                self.recorder.rename(w, src_path, dst_path, sst.st_ino)
                 if whiteout:  # undone first: the whiteout leaves the name free
-                    self.rec.create(w, src_path)
+                    self.recorder.create(w, src_path)
         if gid is not None:
             assert dst is not None  # (buried: the name replaced)
             self._to_grave(dp, name_new, gid, dst.st_ino)
         try:
-            B.renameat2(sp.fd, name_old, dp.fd, name_new, whiteout)
+            backing.renameat2(sp.fd, name_old, dp.fd, name_new, whiteout)
         except OSError:
             if gid is not None:
                 assert dst is not None
@@ -1030,31 +768,27 @@ class Ops:
             raise
         if whiteout:
             self._own(sp, name_old, ctx, stat.S_IFCHR)
-            self.rec.note_created(os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False).st_ino)
+            self.recorder.note_created(
+                os.stat(name_old, dir_fd=sp.fd, follow_symlinks=False).st_ino
+            )
         if dst is not None and gid is None:
-            node = self.by_bino(dst.st_ino)
+            node = self.table.by_bino(dst.st_ino)
             if node is not None:
-                self._remove_link(node, dp, name_new)
+                self.table.remove_link(node, dp, name_new)
             if dst.st_nlink == 1:
-                self._orphan(dst.st_ino)
-        self._moved(sst.st_ino, sp, name_old, dp, name_new)
+                self.table.orphan(dst.st_ino)
+        self.table.relink(sst.st_ino, sp, name_old, dp, name_new)
 
     def _from_grave(self, gid: int, parent: Node, name: bytes, bino: int) -> None:
         """Undo _to_grave after a failed rename (the records stay; their undo
         steps find nothing to do)."""
         gname = str(gid).encode()
-        B.renameat2(self.grave.fd, gname, parent.fd, name, B.RENAME_NOREPLACE)
+        backing.renameat2(self.grave.fd, gname, parent.fd, name, backing.RENAME_NOREPLACE)
         self.grave_links[bino] -= 1
-        node = self.by_bino(bino)
+        node = self.table.by_bino(bino)
         if node is not None:
-            self._remove_link(node, self.grave, gname)
-            self._add_link(node, parent, name)
-
-    def _moved(self, bino: int, sp: Node, sname: bytes, dp: Node, dname: bytes) -> None:
-        node = self.by_bino(bino)
-        if node is not None:
-            self._remove_link(node, sp, sname)
-            self._add_link(node, dp, dname)
+            self.table.remove_link(node, self.grave, gname)
+            self.table.add_link(node, parent, name)
 
     # -- files ------------------------------------------------------------------------
 
@@ -1085,7 +819,7 @@ class Ops:
         self.next_fh += 1
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         self.writers += writable
-        h = self.handles[fh] = Handle(node, fd, fd_flags, writable, self.rec.who)
+        h = self.handles[fh] = Handle(node, fd, fd_flags, writable, self.recorder.who)
         self.fds.opened(node, h)
         return fh, self._keep_cache(fd, flags)
 
@@ -1118,10 +852,10 @@ class Ops:
             self._rewriting(node)
         fl = self._open_flags(flags)
         try:
-            fd = self.fds.open(B.proc(node.fd), fl)
+            fd = self.fds.open(backing.proc(node.fd), fl)
         except PermissionError:
             fl = (fl & ~os.O_ACCMODE) | (flags & os.O_ACCMODE)
-            fd = self.fds.open(B.proc(node.fd), fl)
+            fd = self.fds.open(backing.proc(node.fd), fl)
         return self._new_handle(node, fd, flags, fl)
 
     def _file(self, fh: int) -> Handle:
@@ -1162,8 +896,8 @@ class Ops:
         node = h.node
         if kill_suidgid or not node.nocap:
             self._kill_privs(node, kill_suidgid, ctx)
-        if not self.rec.write_is_captured(node.bino, off, len(buf)):
-            self.rec.who = h.who
+        if not self.recorder.write_is_captured(node.bino, off, len(buf)):
+            self.recorder.who = h.who
             self._capture_data(node, h.fd, off, off + len(buf))
         self._rewriting(node)
         return os.pwrite(h.fd, buf, off)
@@ -1175,14 +909,14 @@ class Ops:
         when a collapse or insert shifts them) is captured first."""
         h = self._file(fh)
         node = h.node
-        if mode & (B.FALLOC_FL_COLLAPSE_RANGE | B.FALLOC_FL_INSERT_RANGE):
+        if mode & (backing.FALLOC_FL_COLLAPSE_RANGE | backing.FALLOC_FL_INSERT_RANGE):
             self._capture_data(node, h.fd, off, 1 << 63)
-        elif mode & (B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_ZERO_RANGE):
+        elif mode & (backing.FALLOC_FL_PUNCH_HOLE | backing.FALLOC_FL_ZERO_RANGE):
             self._capture_data(node, h.fd, off, off + length, zeroing=True)
-        if not mode & B.FALLOC_FL_KEEP_SIZE:
+        if not mode & backing.FALLOC_FL_KEEP_SIZE:
             self._capture_meta(node)  # (the size it may grow from)
         self._rewriting(node)
-        B.fallocate(h.fd, mode, off, length)
+        backing.fallocate(h.fd, mode, off, length)
 
     @op
     def lseek(self, fh: int, off: int, whence: int) -> int:
@@ -1196,7 +930,7 @@ class Ops:
         """copy_file_range(2) between backing files (reflinked where the
         filesystem can), the range it overwrites captured first."""
         src, dst = self._file(fh_in), self._file(fh_out)
-        self.rec.who = dst.who
+        self.recorder.who = dst.who
         self._capture_data(dst.node, dst.fd, off_out, off_out + length)
         self._capture_meta(dst.node)
         self._rewriting(dst.node)
@@ -1212,22 +946,21 @@ class Ops:
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.fds.may_pin(ctx.uid)  # (it has no name: its fd stays while open)
         fl = self._open_flags(flags) & ~os.O_TMPFILE
-        fd = self.fds.open(B.proc(parent.fd), fl | os.O_TMPFILE, stat.S_IMODE(mode))
+        fd = self.fds.open(backing.proc(parent.fd), fl | os.O_TMPFILE, stat.S_IMODE(mode))
         try:
             self._own(parent, b"", ctx, mode, fd)
             st = os.fstat(fd)
             # (an O_PATH fd on the file itself: through our own fd's magic
             # link, which O_NOFOLLOW would open instead)
-            path_fd = os.open(B.proc(fd), os.O_PATH | os.O_CLOEXEC)
-            node = Node(self._new_ino(st.st_ino), st.st_ino, path_fd, st.st_mode)
+            path_fd = os.open(backing.proc(fd), os.O_PATH | os.O_CLOEXEC)
+            node = Node(self.table.new_ino(st.st_ino), st.st_ino, path_fd, st.st_mode, self.fds)
         except BaseException:
             os.close(fd)
             raise
         node.nlookup = 1
         node.nocap = True
-        self.nodes[node.ino] = node
-        self._map(node)
-        self.rec.note_created(st.st_ino)
+        self.table.add(node)
+        self.recorder.note_created(st.st_ino)
         fh, keep = self._new_handle(node, fd, flags, fl)
         self.fds.pin(node, ctx.uid)
         return fh, keep, node, st
@@ -1245,7 +978,7 @@ class Ops:
 
     def is_open(self, bino: int) -> bool:
         """Whether a program has backing object *bino* open in the mount."""
-        node = self.by_bino(bino)
+        node = self.table.by_bino(bino)
         return node is not None and node.nopen > 0
 
     @op
@@ -1305,7 +1038,7 @@ class Ops:
             and (
                 node.pt > 0
                 or (
-                    self.rec.obj(node.bino).created
+                    self.recorder.obj(node.bino).created
                     if h.writable
                     else os.fstat(h.fd).st_size >= PASSTHROUGH_READ_MIN
                 )
@@ -1356,7 +1089,7 @@ class Ops:
             found = writing.get(node)
             if found is not None and node.live:
                 self.fds.using(found)
-                if after_undo and S.grave_id(self._loc(node)) is not None:
+                if after_undo and schema.grave_id(self.table.loc(node)) is not None:
                     continue
                 try:
                     self._capture_whole(node, found.fd)
@@ -1387,7 +1120,7 @@ class Ops:
         return fh
 
     def _list(self, node: Node) -> list[bytes]:
-        fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(backing.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             names = [os.fsencode(n) for n in os.listdir(fd)]
         finally:
@@ -1433,7 +1166,7 @@ class Ops:
                 continue
             if not take(name, node, st, i + 1):
                 if node.nlookup == 0:
-                    self._drop(node)
+                    self.table.drop(node)
                 return
             node.nlookup += 1
 
@@ -1445,7 +1178,7 @@ class Ops:
     def fsyncdir(self, fh: int, datasync: bool) -> None:
         self.store.sync()
         node = self.handles[fh].node
-        fd = os.open(B.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(backing.proc(node.fd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
@@ -1550,50 +1283,50 @@ class Ops:
             "count": self.refused["count"] + 1,
             "time": time.time(),
             "path": None
-            if path is None or S.grave_id(path) is not None
+            if path is None or schema.grave_id(path) is not None
             else os.fsdecode(path) or ".",
         }
 
     def after_undo(self, touched: Touched) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Bring the inode table in line with what an undo run did; return
         the kernel entries and inodes to invalidate."""
-        for known in self.nodes.values():  # (it may have put xattrs back)
+        for known in self.table.nodes.values():  # (it may have put xattrs back)
             known.nocap, known.noxattr = False, None
         self.grave_links = self.store.grave_counts()
         if self.sums is not None:
             self.sums.reload()
         for bino in touched.removed:
-            self._orphan(bino)
+            self.table.orphan(bino)
         for bino, loc in touched.unnamed:  # (a name taken from one that keeps others)
-            node = self.by_bino(bino)
+            node = self.table.by_bino(bino)
             if node is not None:
-                parent_path, name = B.split(loc)
-                parent = self._dir_node(parent_path)
+                parent_path, name = backing.split(loc)
+                parent = self.table.dir_node(parent_path)
                 if parent is not None:
-                    self._remove_link(node, parent, name)
+                    self.table.remove_link(node, parent, name)
         for bino, loc in touched.moves:
-            node = self.by_bino(bino)
+            node = self.table.by_bino(bino)
             if node is None:
                 continue
-            gid = S.grave_id(loc)
+            gid = schema.grave_id(loc)
             if gid is not None:  # kept for a redo
-                self._add_link(node, self.grave, str(gid).encode())
+                self.table.add_link(node, self.grave, str(gid).encode())
                 continue
-            parent_path, name = B.split(loc)
-            parent = self._dir_node(parent_path)
+            parent_path, name = backing.split(loc)
+            parent = self.table.dir_node(parent_path)
             if parent is not None:
-                self._add_link(node, parent, name)
+                self.table.add_link(node, parent, name)
         entries, inodes = [], []
         parents: dict[bytes, Node | None] = {}
         for parent_path, name in touched.entries:
             if parent_path not in parents:
-                parents[parent_path] = self._dir_node(parent_path)
+                parents[parent_path] = self.table.dir_node(parent_path)
             parent = parents[parent_path]
             if parent is not None:
                 entries.append((parent.ino, name))
                 inodes.append(parent.ino)  # its mtime and link count changed back
         for bino in touched.objects:
-            node = self.by_bino(bino)
+            node = self.table.by_bino(bino)
             if node is not None:
                 try:
                     node.mode = os.stat(node.fd).st_mode
@@ -1607,10 +1340,7 @@ class Ops:
         the O_PATH fds held on them close now, not when the kernel forgets
         them, so that their blocks are freed (an open file keeps its own)."""
         for bino in binos:
-            node = self.by_bino(bino)
-            if node is not None and node.nopen == 0:
-                node.cache.close(node)
-                self._orphan(bino)
+            self.table.let_go(bino)
 
     def after_commit(self, freed: list[int]) -> None:
         """A base commit deleted these objects' grave entries."""
@@ -1618,37 +1348,11 @@ class Ops:
         if self.sums is not None:
             self.sums.reload()
         for bino in freed:
-            node = self.by_bino(bino)
+            node = self.table.by_bino(bino)
             if node is None:
                 continue
-            for link in [(node.parent, node.name), *self.links.get(node, ())]:
-                if link[0] is self.grave:
-                    self._remove_link(node, *link)
-            if not self._named(node):
-                self._orphan(bino)
-
-    def _named(self, node: Node) -> bool:
-        """Whether *node*'s object still has a name the kernel may know it
-        by.  (An fd evicted from the cache says nothing: orphaning a live
-        object would give its other names a second inode number.)"""
-        if node._fd >= 0:
-            return os.fstat(node._fd).st_nlink > 0
-        for parent, name in [(node.parent, node.name), *self.links.get(node, ())]:
-            if parent is None or not parent.live or parent is self.grave:
-                continue
-            try:
-                if os.stat(name, dir_fd=parent.fd, follow_symlinks=False).st_ino == node.bino:
-                    return True
-            except OSError:
-                continue
-        return False
-
-    def _dir_node(self, path: bytes) -> Node | None:
-        try:
-            fd = B.open_dir(self.root.fd, path)
-        except OSError:
-            return None
-        try:
-            return self.by_bino(os.fstat(fd).st_ino)
-        finally:
-            os.close(fd)
+            for parent, name in self.table.names(node):
+                if parent is self.grave:
+                    self.table.remove_link(node, self.grave, name)
+            if not self.table.named(node):
+                self.table.orphan(bino)

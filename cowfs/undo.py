@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from . import backing as B
-from . import schema as S
+from . import backing, schema
 from .store import Store, digest
 from .text import quote
 
@@ -37,8 +36,8 @@ class Touched:
     unnamed: list[tuple[int, bytes]] = field(default_factory=list)
 
     def entry(self, loc: bytes) -> None:
-        if S.grave_id(loc) is None and loc:
-            self.entries.add(B.split(loc))
+        if schema.grave_id(loc) is None and loc:
+            self.entries.add(backing.split(loc))
 
     def merge(self, other: Touched) -> None:
         self.entries |= other.entries
@@ -50,28 +49,28 @@ class Touched:
 
 class Undoer:
     def __init__(
-        self, store: Store, resolver: B.Resolver, touched: Touched | None = None, ignored=None
+        self, store: Store, resolver: backing.Resolver, touched: Touched | None = None, ignored=None
     ):
         self.store = store
         self.r = resolver
         self.touched = touched if touched is not None else Touched()
         self.ignored = ignored  # (path, is_dir) -> bool: the capture filter, if any
 
-    def apply(self, rec: S.Record, keep: tuple[int, int] | None = None) -> bool:
+    def apply(self, rec: schema.Record, keep: tuple[int, int] | None = None) -> bool:
         """Apply one undo record.  *keep*: (grave id, inode): move the object
         a CREATE or LINK step removes into that grave entry instead (kept for
         a redo), if it is that object.  Returns whether the step moved an
         object into the grave (keeping it) or out of it (a GRAVE record)."""
-        if keep is not None and isinstance(rec, S.Create | S.Link):
+        if keep is not None and isinstance(rec, schema.Create | schema.Link):
             return self._keep(rec.path, *keep)
-        if isinstance(rec, S.Grave):
+        if isinstance(rec, schema.Grave):
             return self._grave(*rec)
         handler = _HANDLERS[rec.kind]
         handler(self, *rec)  # (the handlers take the record's fields in order)
         return False
 
     def put_back_and_remove(
-        self, ren: S.Rename, keep: tuple[int, int] | None, seen: os.stat_result | None = None
+        self, ren: schema.Rename, keep: tuple[int, int] | None, seen: os.stat_result | None = None
     ) -> bool:
         """The undo steps of a file written under a temporary name and
         renamed into place -- RENAME src -> dst, and before it the CREATE of
@@ -90,11 +89,13 @@ class Undoer:
         if seen is None and self.r.lstat(src) is not None:
             return False
         with self.r.at(dst) as (d, n):
-            st = B.lstat_at(d, n) if seen is None else seen
+            st = backing.lstat_at(d, n) if seen is None else seen
             if st is None or st.st_ino != ino or stat.S_ISDIR(st.st_mode):
                 return False
             if keep is not None:
-                B.renameat2(d, n, self.store.grave_fd, str(keep[0]).encode(), B.RENAME_NOREPLACE)
+                backing.renameat2(
+                    d, n, self.store.grave_fd, str(keep[0]).encode(), backing.RENAME_NOREPLACE
+                )
             else:
                 os.unlink(n, dir_fd=d)
         self.touched.entry(src)
@@ -115,14 +116,14 @@ class Undoer:
 
     def _buried(self, ino: int, gid: int) -> None:
         """Object *ino* was moved into grave entry *gid*."""
-        self.touched.moves.append((ino, S.grave_loc(gid)))
+        self.touched.moves.append((ino, schema.grave_loc(gid)))
         self.touched.objects.add(ino)  # (names in the grave are not counted)
 
     # -- names -------------------------------------------------------------------
 
     def _remove(self, path: bytes) -> None:
         with self.r.at(path) as (d, n):
-            st = B.lstat_at(d, n)
+            st = backing.lstat_at(d, n)
             if st is None:
                 return
             if stat.S_ISDIR(st.st_mode):
@@ -133,7 +134,7 @@ class Undoer:
                     # in it at ignored paths (never captured), and only that.
                     if e.errno != errno.ENOTEMPTY or not self._only_ignored(d, n, path):
                         raise
-                    B.remove_tree_at(d, n)
+                    backing.remove_tree_at(d, n)
             else:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode):
@@ -146,14 +147,16 @@ class Undoer:
         grave: a directory only when it holds nothing but ignored paths, as
         `_remove` would."""
         with self.r.at(path) as (d, n):
-            st = B.lstat_at(d, n)
+            st = backing.lstat_at(d, n)
             if st is None:
                 return False
             if st.st_ino != ino:
                 raise UndoError(f"{_show(path)}: a different object is there")
             if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
                 raise OSError(errno.ENOTEMPTY, "directory not empty")
-            B.renameat2(d, n, self.store.grave_fd, str(gid).encode(), B.RENAME_NOREPLACE)
+            backing.renameat2(
+                d, n, self.store.grave_fd, str(gid).encode(), backing.RENAME_NOREPLACE
+            )
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
         self.touched.entry(path)
@@ -187,9 +190,9 @@ class Undoer:
 
     def _grave(self, path: bytes, gid: int, ino: int) -> bool:
         g = str(gid).encode()
-        if B.lstat_at(self.store.grave_fd, g) is None:
+        if backing.lstat_at(self.store.grave_fd, g) is None:
             with self.r.at(path) as (d, n):
-                st = B.lstat_at(d, n)
+                st = backing.lstat_at(d, n)
             if st is not None and st.st_ino == ino:
                 return False  # put back already (a resumed rollback)
             raise UndoError(
@@ -197,7 +200,7 @@ class Undoer:
                 f"(grave {gid}) is missing from the store"
             )
         with self.r.at(path) as (d, n):
-            B.renameat2(self.store.grave_fd, g, d, n, B.RENAME_NOREPLACE)
+            backing.renameat2(self.store.grave_fd, g, d, n, backing.RENAME_NOREPLACE)
         self.touched.entry(path)
         self.touched.moves.append((ino, path))
         self.touched.objects.add(ino)  # (names in the grave are not counted)
@@ -205,30 +208,30 @@ class Undoer:
 
     def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
         with self.r.at(dst) as (dd, dn):
-            st = B.lstat_at(dd, dn)
+            st = backing.lstat_at(dd, dn)
             if st is None or st.st_ino != ino:
                 return
             with self.r.at(src) as (sd, sn):
-                B.renameat2(dd, dn, sd, sn, B.RENAME_NOREPLACE)
+                backing.renameat2(dd, dn, sd, sn, backing.RENAME_NOREPLACE)
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
         self.touched.entry(src)
         self.touched.entry(dst)
         self.touched.moves.append((ino, src))
-        if S.grave_id(src) is not None or S.grave_id(dst) is not None:
+        if schema.grave_id(src) is not None or schema.grave_id(dst) is not None:
             self.touched.objects.add(ino)  # (names in the grave are not counted)
 
     def _exchange(self, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
         with self.r.at(a) as (ad, an), self.r.at(b) as (bd, bn):
-            sa, sb = B.lstat_at(ad, an), B.lstat_at(bd, bn)
+            sa, sb = backing.lstat_at(ad, an), backing.lstat_at(bd, bn)
             if sa is not None and sb is not None:
                 if sa.st_ino != ino_b or sb.st_ino != ino_a:
                     return
-                B.renameat2(ad, an, bd, bn, B.RENAME_EXCHANGE)
+                backing.renameat2(ad, an, bd, bn, backing.RENAME_EXCHANGE)
             elif sa is not None and sa.st_ino == ino_b:
-                B.renameat2(ad, an, bd, bn, B.RENAME_NOREPLACE)
+                backing.renameat2(ad, an, bd, bn, backing.RENAME_NOREPLACE)
             elif sb is not None and sb.st_ino == ino_a:
-                B.renameat2(bd, bn, ad, an, B.RENAME_NOREPLACE)
+                backing.renameat2(bd, bn, ad, an, backing.RENAME_NOREPLACE)
             else:
                 return
         if any(x is not None and stat.S_ISDIR(x.st_mode) for x in (sa, sb)):
@@ -248,7 +251,7 @@ class Undoer:
         agent may swap names between a check and a call)."""
         with self.r.at(loc) as (d, n):
             try:
-                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+                fd = os.open(n, backing.PATH_FLAGS, dir_fd=d)
             except FileNotFoundError:
                 raise UndoError(f"{_show(loc)}: object missing") from None
             try:
@@ -264,29 +267,31 @@ class Undoer:
     ) -> None:
         with self._held(loc, ino) as (fd, st, _, _):
             if stat.S_ISREG(st.st_mode) and st.st_size != size:
-                wfd = os.open(B.proc(fd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                wfd = os.open(backing.proc(fd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
                     os.ftruncate(wfd, size)
                 finally:
                     os.close(wfd)
             if (st.st_uid, st.st_gid) != (uid, gid):
-                B.chown_fd(fd, uid, gid)
+                backing.chown_fd(fd, uid, gid)
             if not stat.S_ISLNK(st.st_mode):
-                B.chmod_fd(fd, stat.S_IMODE(mode))
-            B.utime_fd(fd, atime, mtime)
+                backing.chmod_fd(fd, stat.S_IMODE(mode))
+            backing.utime_fd(fd, atime, mtime)
         self.touched.objects.add(ino)
 
     def _xattrs(self, loc: bytes, ino: int, blob: bytes) -> None:
         with self._held(loc, ino) as (fd, st, d, n):
             # (a symlink's by its name, as the daemon's own calls: xattr
             # calls have no form that takes an fd on a symlink)
-            target = B.xattr_target(d, n) if stat.S_ISLNK(st.st_mode) else (B.proc(fd), True)
-            B.set_all_xattrs(*target, S.decode_xattrs(blob))
+            target = (
+                backing.xattr_target(d, n) if stat.S_ISLNK(st.st_mode) else (backing.proc(fd), True)
+            )
+            backing.set_all_xattrs(*target, schema.decode_xattrs(blob))
         self.touched.objects.add(ino)
 
     def _chunk(self, loc: bytes, ino: int, index: int, length: int, h: bytes) -> None:
         C = self.store.chunk_size
-        problem = S.chunk_problem(S.Chunk(loc, ino, index, length, h), C)
+        problem = schema.chunk_problem(schema.Chunk(loc, ino, index, length, h), C)
         if problem is not None:
             raise UndoError(f"{_show(loc)}: its pre-image record is invalid ({problem})")
         data = None
@@ -299,7 +304,7 @@ class Undoer:
         with self._held(loc, ino) as (pfd, st, _, _):
             if not stat.S_ISREG(st.st_mode):
                 raise UndoError(f"{_show(loc)}: not a regular file")
-            fd = os.open(B.proc(pfd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(backing.proc(pfd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 off = index * C
                 size = os.fstat(fd).st_size
@@ -308,7 +313,7 @@ class Undoer:
                     # now is punched out (the size is the META record's)
                     zero_data(fd, off, min(off + length, size))
                 elif data is None:
-                    B.punch_hole(fd, off, min(length, max(0, size - off)))
+                    backing.punch_hole(fd, off, min(length, max(0, size - off)))
                 else:
                     write_sparse(fd, data, off, size)
             finally:
@@ -325,10 +330,10 @@ def zero_data(fd: int, lo: int, hi: int) -> None:
     data (SEEK_DATA): what it costs follows what the file holds there."""
     pos = lo
     while pos < hi:
-        found = B.next_data(fd, pos, hi)
+        found = backing.next_data(fd, pos, hi)
         if found is None:
             return
-        B.punch_hole(fd, found[0], found[1] - found[0])
+        backing.punch_hole(fd, found[0], found[1] - found[0])
         pos = found[1]
 
 
@@ -349,31 +354,31 @@ def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
         if not zero:
             os.pwrite(fd, view[pos:run_end], off + pos)
         elif off + pos < size:
-            B.punch_hole(fd, off + pos, min(run_end, size - off) - pos)
+            backing.punch_hole(fd, off + pos, min(run_end, size - off) - pos)
         pos = run_end
 
 
 _HANDLERS: dict[int, Callable[..., object]] = {
-    S.CREATE: Undoer._create,
-    S.LINK: Undoer._link,
-    S.GRAVE: Undoer._grave,
-    S.RENAME: Undoer._rename,
-    S.EXCHANGE: Undoer._exchange,
-    S.META: Undoer._meta,
-    S.XATTRS: Undoer._xattrs,
-    S.CHUNK: Undoer._chunk,
+    schema.CREATE: Undoer._create,
+    schema.LINK: Undoer._link,
+    schema.GRAVE: Undoer._grave,
+    schema.RENAME: Undoer._rename,
+    schema.EXCHANGE: Undoer._exchange,
+    schema.META: Undoer._meta,
+    schema.XATTRS: Undoer._xattrs,
+    schema.CHUNK: Undoer._chunk,
 }
 
 
 def _show(loc: bytes) -> str:
-    gid = S.grave_id(loc)
+    gid = schema.grave_id(loc)
     if gid is not None:
         return f"<removed object {gid}>"
     return quote(loc) if loc else "."
 
 
-def describe(rec: S.Record) -> str:
+def describe(rec: schema.Record) -> str:
     """A short human description of a record, for error reports."""
-    if isinstance(rec, S.Damaged):
-        return S.record_name(rec)
-    return f"{S.record_name(rec)} {_show(S.record_loc(rec))}"
+    if isinstance(rec, schema.Damaged):
+        return schema.record_name(rec)
+    return f"{schema.record_name(rec)} {_show(schema.record_loc(rec))}"
