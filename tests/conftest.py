@@ -48,23 +48,16 @@ settings.load_profile(
 )
 
 
-# Modules that run on both FUSE engines (the rest on the default one).
-BOTH_ENGINES = (
-    "test_core",
-    "test_posix",
-    "test_crash",
-    "test_engines_compared",
-    "test_descriptors",
-)
 ENGINES = ("kernel", "pyfuse3")
 
 
 def pytest_generate_tests(metafunc):
+    """The FUSE engine a test's mounts use: each of them, for a test that
+    uses ``each_engine`` (itself, through a fixture, or as its module's
+    ``usefixtures``); else the default."""
     if "engine" in metafunc.fixturenames:
-        module = metafunc.module.__name__.rpartition(".")[2]
-        metafunc.parametrize(
-            "engine", ENGINES if module in BOTH_ENGINES else ["auto"], indirect=True, scope="module"
-        )
+        both = "each_engine" in metafunc.fixturenames
+        metafunc.parametrize("engine", ENGINES if both else ["auto"], indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,27 +79,33 @@ def engine(request):
             os.environ["COWFS_ENGINE"] = old
 
 
-# The tiers (markers registered in pyproject.toml; README, "Tests"): `fuse`
-# for tests that mount, `engines` for those run on each FUSE engine, `slow`
-# for the crash, scale and model tests and those that need dockerd or libvirtd.
-WITHOUT_FUSE = ("test_store", "test_treesnap", "test_engines")
-SLOW = (
-    "test_crash",
-    "test_scale",
-    "test_model",
-    "test_engines",
-    "test_docker_provider",
-    "test_libvirt_provider",
-)
+@pytest.fixture(scope="session")
+def each_engine():
+    """The test runs once on each FUSE engine (see ``engine``)."""
+
+
+@pytest.fixture(scope="session")
+def fuse():
+    """The test mounts a FUSE filesystem (a workspace or a view, through
+    the `cowfs` command): every fixture that mounts asks for this one, and
+    every test that mounts without such a fixture.  It sets nothing up:
+    asking for it puts the test in the `fuse` tier."""
+
+
+# The tiers (markers registered in pyproject.toml; README, "Development"),
+# chosen by the fixtures a test uses: `fuse` for those that use ``fuse``
+# (tests that mount), `engines` for those run on each FUSE engine
+# (``each_engine``), `slow` for those that need dockerd or libvirtd (these
+# fixtures) and the modules marked so (crash, scale and model tests).
 CONTAINER_FIXTURES = {"docker_client", "busybox", "libvirt_conn", "tiny_vm"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        if module not in WITHOUT_FUSE:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "fuse" in fixtures:
             item.add_marker(pytest.mark.fuse)
-        if module in SLOW or CONTAINER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if CONTAINER_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("engine") in ENGINES:
@@ -121,7 +120,7 @@ def pytest_configure(config):
 
 
 @pytest.fixture
-def workspace(tmp_path):
+def workspace(tmp_path, fuse):
     """An empty, unmounted workspace; populate it, then call .mount()."""
     with managed_workspace(tmp_path / "ws") as ws:
         yield ws
@@ -138,7 +137,7 @@ def mounted(workspace):
 
 
 @pytest.fixture
-def view_dir(tmp_path):
+def view_dir(tmp_path, fuse):
     """An empty directory for `cowfs view`; afterwards no view process
     started for it is left (killed) and nothing is mounted there."""
     where = tmp_path / "view"

@@ -765,7 +765,7 @@ def cli_as_other_user(cwd: Path, args: list[str], uid: int = OTHER_UID) -> tuple
 
 
 @pytest.fixture
-def reachable():
+def reachable(fuse):
     """A workspace in a directory other users can reach (tmp_path's are not)."""
     base = Path(tempfile.mkdtemp(prefix="cowfs-test-"))
     os.chmod(base, 0o755)

@@ -26,6 +26,8 @@ from cowfs.errors import (
 from .helpers import backing_dir, run
 from .users import run_as
 
+pytestmark = pytest.mark.usefixtures("each_engine")
+
 
 def write(path, data: bytes, offset: int | None = None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -720,7 +722,7 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mp)], check=False)
 
 
-def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs):
+def test_full_disk_fails_the_write_with_enospc_and_leaves_the_file(small_fs, fuse):
     from .helpers import Workspace
     from .test_fulldisk import fill_file
 

@@ -11,6 +11,8 @@ import pytest
 
 from . import crashsoak
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fuse", "each_engine")]
+
 
 @pytest.mark.parametrize("moment", crashsoak.MOMENTS)
 def test_kill_9_then_rollback_is_exact(tmp_path, moment):

@@ -37,6 +37,8 @@ from cowfs import treesnap
 from . import users
 from .helpers import COWFS, Workspace, managed_workspace
 
+pytestmark = pytest.mark.usefixtures("fuse", "each_engine")
+
 AGENT = pwd.getpwnam("nobody")
 OTHER = 1234  # another user, who only reads
 DIRS, PER_DIR = 100, 1000  # 100,000 files

@@ -92,7 +92,7 @@ def write_at(path: str, off: int, data: bytes) -> None:
         os.close(fd)
 
 
-def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(small_ext4):
+def test_a_full_disk_fails_each_change_with_enospc_before_it_touches_anything(small_ext4, fuse):
     with managed_workspace(small_ext4 / "ws") as ws:
         (ws / "a.txt").write_text("alpha\n")
         (ws / "x.txt").write_text("x\n")
@@ -176,7 +176,7 @@ def fill_file(path: Path) -> None:
             assert e.errno == errno.ENOSPC
 
 
-def test_a_rollback_on_a_full_disk_first_removes_what_the_layer_made(small_ext4):
+def test_a_rollback_on_a_full_disk_first_removes_what_the_layer_made(small_ext4, fuse):
     """The disk is full of a file the layer created (before the pre-images
     of a file it emptied): the rollback removes it first, then restores."""
     with managed_workspace(small_ext4 / "ws") as ws:
@@ -200,7 +200,7 @@ def test_a_rollback_on_a_full_disk_first_removes_what_the_layer_made(small_ext4)
     ids=["keeping redo", "no redo", "no redo, daemon killed after"],
 )
 def test_a_rollback_on_a_full_disk_stops_keeps_everything_and_the_same_command_finishes(
-    small_ext4, redo, killed
+    small_ext4, redo, killed, fuse
 ):
     """*killed*: what the stopped rollback kept is in the store for good --
     the daemon is killed (no clean unmount) right after it stopped and the

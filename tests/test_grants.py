@@ -34,7 +34,7 @@ SECRET = "root's secret\n"
 
 
 @pytest.fixture
-def granted():
+def granted(fuse):
     """A workspace mounted by root in a directory other users can reach,
     granting the agent `step` and group 1235 `read`; a root-only secret and
     a directory of the agent's own in its base layer."""

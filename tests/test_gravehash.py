@@ -62,7 +62,7 @@ def ext4_workspace(tmp_path, *mkfs: str) -> Iterator[Workspace]:
 
 
 @pytest.fixture
-def on_ext4(tmp_path):
+def on_ext4(tmp_path, fuse):
     """An empty, unmounted workspace on an ext4 of its own (see
     ``ext4_workspace``)."""
     with ext4_workspace(tmp_path) as ws:

@@ -52,7 +52,7 @@ class Split:
 
 
 @pytest.fixture
-def split(tmp_path):
+def split(tmp_path, fuse):
     backing = tmp_path / "backing"
     backing.mkdir()
     with managed_workspace(tmp_path / "mnt") as ws:
@@ -227,7 +227,7 @@ def test_tar_with_hostile_member_paths_stays_inside(split, victim, tmp_path):
     shutil.rmtree(src)
 
 
-def test_an_agent_swapping_its_files_with_roots_during_an_offline_rollback_gains_nothing():
+def test_an_agent_swapping_its_files_with_roots_during_an_offline_rollback_gains_nothing(fuse):
     """Unmounted, the agent (nobody) reaches the backing directory itself.
     Its directory holds its own files, which the layer chmodded, beside
     root's 0600 files; while root rolls the layer back, it keeps exchanging
@@ -305,7 +305,7 @@ def test_an_agent_swapping_its_files_with_roots_during_an_offline_rollback_gains
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 
-def test_a_symlink_name_a_rollback_took_never_leads_the_daemon_to_what_is_there_next():
+def test_a_symlink_name_a_rollback_took_never_leads_the_daemon_to_what_is_there_next(fuse):
     """The agent links its symlink to a second name in a shared directory
     (its entry cached by the kernel), a rollback without a redo takes that
     name away, and root makes a 0600 file with an xattr at it.  The agent's

@@ -44,7 +44,7 @@ def memory(pid: int) -> dict[str, int]:
     return out
 
 
-def test_listing_a_layer_of_many_new_files_costs_bounded_memory_per_file(tmp_path):
+def test_listing_a_layer_of_many_new_files_costs_bounded_memory_per_file(tmp_path, fuse):
     with managed_workspace(tmp_path / "ws") as ws:
         ws.mount()
         pid = ws.daemon_pid()

@@ -57,6 +57,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -68,6 +69,8 @@ from cowfs.errors import NOTHING_TO_DO, REFUSED
 from cowfs.mounts import MountRecord, mount_table
 
 from .helpers import Workspace
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fuse")]
 
 CHUNK = 64 * 1024
 MAX_FILE = 300 * 1024

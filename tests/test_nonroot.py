@@ -81,7 +81,7 @@ def shell(script: str, cwd: str) -> None:
 
 
 @pytest.fixture
-def fuse_for_users():
+def fuse_for_users(fuse):
     mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
     if mode & 0o006 != 0o006:
         os.chmod("/dev/fuse", mode | 0o666)

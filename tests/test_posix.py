@@ -48,6 +48,8 @@ from cowfs import treesnap
 
 from .helpers import Workspace, backing_dir, managed_workspace
 
+pytestmark = pytest.mark.usefixtures("each_engine")
+
 T0 = 1_600_000_000 * 10**9  # an old atime/mtime given to everything before an operation
 USER = 1234  # an unprivileged uid (and gid)
 GROUP = 555  # a group USER is not in
@@ -63,7 +65,7 @@ class Roots:
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory, engine):
+def roots(tmp_path_factory, engine, fuse):
     """A mounted workspace and a native sibling directory on the same
     filesystem, both holding every case's starting tree under ``old/``
     (made before the mount: objects the open layer has to capture)."""

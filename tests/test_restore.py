@@ -168,7 +168,9 @@ def _act(root, action: str, p: str, q: str, data: bytes) -> None:
 
 @settings(max_examples=12)
 @given(setup=ACTIONS, work=ACTIONS, chosen=st.lists(st.sampled_from(["a", "b", "c", "d"])))
-def test_restore_of_any_paths_after_any_changes_is_exact(tmp_path_factory, setup, work, chosen):
+def test_restore_of_any_paths_after_any_changes_is_exact(
+    tmp_path_factory, setup, work, chosen, fuse
+):
     with managed_workspace(tmp_path_factory.mktemp("prop") / "ws") as ws:
         (ws / "d").mkdir()
         for name in NAMES:

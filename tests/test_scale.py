@@ -13,12 +13,15 @@ import random
 import stat
 import subprocess
 
+import pytest
 import xxhash
 
 from cowfs import backing as B
 from cowfs import treesnap
 
 from .helpers import COWFS, backing_dir, managed_workspace
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fuse")]
 
 TOP, SUB, FILES = 12, 8, 24  # a base tree of 12 * 8 * 24 = 2,304 files
 RENAMES = 24_000  # operations in all, over two layers

@@ -58,7 +58,7 @@ def agent_racing(step: Callable[[], None], seconds: float = 120.0) -> Iterator[N
 
 
 @pytest.fixture
-def reachable():
+def reachable(fuse):
     """A mounted workspace in a directory the agent can reach (tmp_path's
     are not), with a little content."""
     base = Path(tempfile.mkdtemp(prefix="cowfs-agent-"))

@@ -71,7 +71,7 @@ def base() -> Iterator[Path]:
 
 
 @pytest.fixture
-def ws(base) -> Iterator[Workspace]:
+def ws(base, fuse) -> Iterator[Workspace]:
     with managed_workspace(base / "ws") as w:
         yield w
 
@@ -257,7 +257,7 @@ def test_an_unsafe_store_is_refused_offline_and_by_mount(workspace, spoil, said)
     assert (workspace / "f").exists()
 
 
-def test_sticky_directories_above_a_store(base):
+def test_sticky_directories_above_a_store(base, fuse):
     """A world-writable sticky directory above the store (/tmp-like) is
     safe when what lies in it on the store's path is root's: nobody else
     can rename it.  Without the sticky bit, or with the agent's directory
@@ -342,7 +342,7 @@ def test_a_store_inside_a_mounted_workspace_is_refused(ws, tmp_path):
 
 
 @pytest.mark.usefixtures("fuse_for_users")
-def test_a_users_own_store_serves_them_and_is_refused_to_root(base):
+def test_a_users_own_store_serves_them_and_is_refused_to_root(base, fuse):
     """A user who mounts their own workspace owns its store: their offline
     commands use it; root's refuse it (the user could have written it)."""
     preload()

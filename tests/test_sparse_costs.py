@@ -31,7 +31,7 @@ BOUND = 64 << 20  # what any of these steps may read: a fraction of a TiB's zero
 
 
 @pytest.fixture
-def on_ext4_4k(tmp_path):
+def on_ext4_4k(tmp_path, fuse):
     """An empty, unmounted workspace on an ext4 of its own with 4 KiB
     blocks (files up to 16 TiB), on a loop device, so that a test can flip
     bytes on the device beneath a file."""
