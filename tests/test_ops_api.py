@@ -532,6 +532,22 @@ def test_files_made_in_the_open_layer_are_not_captured_and_roll_back_to_nothing(
     assert_same_tree(before, ws)
 
 
+def test_a_base_commit_frees_removed_files_and_the_table_forgets_them(ws):
+    gone = ws.node("a.txt")
+    held = ws.node("dir/b.txt")
+    fh, _ = ws.ops.open(held.ino, os.O_RDONLY, ctx=CTX)
+    ws.unlink("a.txt")
+    ws.unlink("dir/b.txt")
+    assert schema.grave_id(ws.ops.table.path(gone)) is not None  # (kept for a rollback)
+    ws.commit()  # (of the base layer: its changes are for good, the grave's names go)
+    for node in (gone, held):
+        assert ws.ops.table.by_bino(node.bino) is None and node.parent is None
+        assert ws.ops.getattr(node.ino)[0] is node  # (the kernel still holds it)
+    assert ws.ops.read(fh, 0, 100) == b"beta\n"  # (open: still read, by its fd)
+    ws.ops.release(fh)
+    assert sorted(os.listdir(ws.path)) == [".cowfs", "dir"] and not os.listdir(ws.path / "dir")
+
+
 # -- a property: any sequence of changes rolls back exactly -----------------------------
 
 NAMES = st.sampled_from(["a.txt", "dir/b.txt", "dir/c", "d", "d/e", "f"])
