@@ -944,7 +944,7 @@ def _modes(d: Path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("daemon_umask", [0o022, 0o077], ids=["daemon022", "daemon077"])
-def test_creation_modes_follow_the_callers_umask(tmp_path, daemon_umask):
+def test_creation_modes_follow_the_callers_umask(tmp_path, daemon_umask, fuse):
     """Objects get exactly the mode asked for minus the caller's umask,
     whatever umask the daemon was started under; native ext4 agrees."""
     native = tmp_path / "native"
