@@ -654,14 +654,7 @@ class Workspace(Client):
         plan = self.plan(cmd, scope, cwd, providers, containers, vms, policy)
         line = command_line(cmd)
         started = time.time()
-        if plan.checkpoint:
-            layer = self.checkpoint(
-                message or f"run: {line}", plan.providers, plan.containers, plan.vms
-            )
-            before: set[tuple] = set()
-        else:
-            layer = self.top()
-            before = {_key(c) for c in self.status().changes}
+        layer, before = self._open_step(plan, message or f"run: {line}")
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
         ran = execute(cmd, cwd, capture_output, timeout, output_limit)
@@ -699,15 +692,7 @@ class Workspace(Client):
             checked.stdout,
             checked.stderr,
         )
-        for name, lines in result.uncaptured.items():
-            shown = ", ".join(map(printable, lines[:5])) + (
-                f" and {len(lines) - 5} more" if len(lines) > 5 else ""
-            )
-            result.warnings.append(
-                f"container {name} changed outside the workspace and this "
-                f"was not captured (run with --scope container to "
-                f"snapshot it): {shown}"
-            )
+        result.warnings += uncaptured_warnings(result.uncaptured)
         if not plan.checkpoint:
             result.outcome = "no checkpoint"
             self.call("annotate", layer=layer, run=result.record())
@@ -716,6 +701,14 @@ class Workspace(Client):
         result.layer, result.outcome, into = self._conclude(layer, action)
         self.call("annotate", layer=into, run=result.record())
         return result
+
+    def _open_step(self, plan: Plan, message: str) -> tuple[int, set[tuple]]:
+        """The layer a step runs in: a new one (with *plan*'s snapshots), or
+        the open one when the plan takes no checkpoint, with the changes
+        it holds before the step."""
+        if plan.checkpoint:
+            return self.checkpoint(message, plan.providers, plan.containers, plan.vms), set()
+        return self.top(), {_key(c) for c in self.status().changes}
 
     def _conclude(self, layer: int, action: str) -> tuple[int | None, str, int]:
         """Roll back, commit or keep the step in *layer*: returns the layer
@@ -807,6 +800,21 @@ class Workspace(Client):
                 "duration": round(time.monotonic() - t0, 3),
             },
         )
+
+
+def uncaptured_warnings(uncaptured: dict[str, list[str]]) -> list[str]:
+    """What a run says of the containers that changed without a snapshot."""
+    warnings = []
+    for name, lines in uncaptured.items():
+        shown = ", ".join(map(printable, lines[:5])) + (
+            f" and {len(lines) - 5} more" if len(lines) > 5 else ""
+        )
+        warnings.append(
+            f"container {name} changed outside the workspace and this "
+            f"was not captured (run with --scope container to "
+            f"snapshot it): {shown}"
+        )
+    return warnings
 
 
 def _key(c: Change) -> tuple:

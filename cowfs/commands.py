@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from . import __version__, errors, listing
@@ -850,7 +851,6 @@ class Run(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from .api import Workspace
         from .store import Store
 
         cmd = command_argv(args)
@@ -858,50 +858,16 @@ class Run(Command):
 
         policy = Policy.load(args.policy)
         scope = args.scope or policy.settings["run_scope"]
-        ephemeral = None
-        if args.workspace:
-            ws_path = os.path.realpath(args.workspace)
-            if not os.path.isdir(ws_path):
-                raise BadWorkspace(
-                    f"workspace {args.workspace} does not exist or is not a directory"
-                )
-            if is_cowfs_mount(ws_path):
-                ws = Workspace.attach(ws_path)
-            else:
-                created_store = not os.path.exists(default_store(ws_path))
-                ws = Workspace.mount(ws_path)
-                ephemeral = (ws_path, created_store)
-        else:
-            ws = Workspace.attach(args.path)
-        shown = False
+        ws, ephemeral = self.workspace(args)
+        shown: list[bool] = []  # (the changes were shown when deciding)
         try:
-            decide = None
-            if ephemeral is not None:
-
-                def decide(result):
-                    nonlocal shown
-                    shown = True
-                    print(summary(result.changes), file=sys.stderr)
-                    if args.yes or args.no:
-                        return "commit" if args.yes else "rollback"
-                    answer = ask("cowfs: keep these changes? [y/N] ", "yn", args.timeout)
-                    if answer is None:
-                        print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
-                    return "commit" if answer == "y" else "rollback"
-            elif args.approve:
-
-                def decide(result):
-                    nonlocal shown
-                    shown = True
-                    return approve(result, args.timeout, args.on_success)
-
             result = ws.run(
                 cmd,
                 verify=args.verify,
                 on_fail=args.on_fail,
                 on_success=args.on_success,
                 message=args.message,
-                decide=decide,
+                decide=self.decider(args, ephemeral is not None, shown),
                 providers=args.provider,
                 containers=args.container,
                 vms=args.vm,
@@ -912,32 +878,7 @@ class Run(Command):
                 print(f"cowfs: warning: {warning}", file=sys.stderr)
             if ephemeral is not None and result.outcome == "committed":
                 ws.commit_down_to(ws.log()[0].id)  # the base too: now permanent
-            if result.outcome == "no checkpoint":
-                print(
-                    f"cowfs: read-only ({'; '.join(result.reasons)}): no checkpoint taken",
-                    file=sys.stderr,
-                )
-            elif not shown:
-                print(summary(result.changes), file=sys.stderr)
-            why = (
-                ""
-                if result.ok
-                else f" ({result.error})"
-                if result.error
-                else f" (the command exited {result.exit_status})"
-                if result.exit_status
-                else f" (the verifier exited {result.verify_status})"
-            )
-            where = (
-                f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)"
-                if result.outcome == "kept" and ephemeral is None
-                else ""
-            )
-            print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
-            if args.json:
-                print(
-                    json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]})
-                )
+            self.report(args, result, ephemeral is not None, bool(shown))
         finally:
             if ephemeral is not None:
                 ws.unmount()
@@ -945,6 +886,77 @@ class Run(Command):
                 if created_store and ephemeral_store_is_empty(ws_path):
                     Store.destroy(default_store(ws_path))
         return result.status
+
+    @staticmethod
+    def workspace(args: argparse.Namespace) -> tuple[Workspace, tuple[str, bool] | None]:
+        """The workspace to run in and, when --workspace mounted it just for
+        this command, its path and whether its store was made for it."""
+        from .api import Workspace
+
+        if not args.workspace:
+            return Workspace.attach(args.path), None
+        ws_path = os.path.realpath(args.workspace)
+        if not os.path.isdir(ws_path):
+            raise BadWorkspace(f"workspace {args.workspace} does not exist or is not a directory")
+        if is_cowfs_mount(ws_path):
+            return Workspace.attach(ws_path), None
+        created_store = not os.path.exists(default_store(ws_path))
+        return Workspace.mount(ws_path), (ws_path, created_store)
+
+    @staticmethod
+    def decider(
+        args: argparse.Namespace, ephemeral: bool, shown: list[bool]
+    ) -> Callable[[Any], str] | None:
+        """How a successful step is decided on: asked (--workspace, or
+        --approve), or None (--on-success)."""
+        if ephemeral:
+
+            def decide(result: Any) -> str:
+                shown.append(True)
+                print(summary(result.changes), file=sys.stderr)
+                if args.yes or args.no:
+                    return "commit" if args.yes else "rollback"
+                answer = ask("cowfs: keep these changes? [y/N] ", "yn", args.timeout)
+                if answer is None:
+                    print("cowfs: no answer (or no terminal): discarding", file=sys.stderr)
+                return "commit" if answer == "y" else "rollback"
+
+            return decide
+        if args.approve:
+
+            def approved(result: Any) -> str:
+                shown.append(True)
+                return approve(result, args.timeout, args.on_success)
+
+            return approved
+        return None
+
+    @staticmethod
+    def report(args: argparse.Namespace, result: Any, ephemeral: bool, shown: bool) -> None:
+        if result.outcome == "no checkpoint":
+            print(
+                f"cowfs: read-only ({'; '.join(result.reasons)}): no checkpoint taken",
+                file=sys.stderr,
+            )
+        elif not shown:
+            print(summary(result.changes), file=sys.stderr)
+        why = (
+            ""
+            if result.ok
+            else f" ({result.error})"
+            if result.error
+            else f" (the command exited {result.exit_status})"
+            if result.exit_status
+            else f" (the verifier exited {result.verify_status})"
+        )
+        where = (
+            f" as layer {result.layer} ('cowfs rollback --to {result.layer}' undoes it)"
+            if result.outcome == "kept" and not ephemeral
+            else ""
+        )
+        print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
 
     def tool(
         self,
