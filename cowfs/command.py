@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from . import control, errors, operations
 from .client import Client
@@ -137,6 +137,11 @@ class Arg:
     def __init__(self, description: str | None = None, **constraints: Any):
         self.description = description
         self.constraints = constraints
+
+
+# the MCP tools' common arguments
+Layer = Annotated[int | None, Arg("a layer id (from checkpoint or log)")]
+Limit = Annotated[int, Arg("most bytes of text to return; the rest is cut", ge=256, le=4 << 20)]
 
 
 class Command:

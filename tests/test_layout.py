@@ -90,3 +90,9 @@ def test_the_operations_are_declared_once():
 def test_the_run_scopes_are_the_policys():
     # (command keeps its own copy: the policy module is too slow to load at every start)
     assert typing.get_args(command.RunScope) == typing.get_args(policy.RunScope)
+
+
+def test_a_command_works_offline_when_its_operations_do():
+    named = commands.COMMANDS
+    assert all(named[c].offline() for c in ("status", "log", "rollback", "diff", "restore"))
+    assert not any(named[c].offline() for c in ("checkpoint", "mount", "provider", "run"))
