@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Literal, overload
 
 from .client import Client
 from .errors import USAGE, CowfsError, NotAnswering
-from .mounts import MountRecord, find_mount
+from .mounts import MountRecord
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 from .text import printable, quote
 
@@ -340,10 +340,7 @@ class Workspace(Client):
     """A mounted cowfs workspace (the control channel's client, with the
     harness's steps on top)."""
 
-    record: MountRecord
-
-    def __init__(self, record: MountRecord):
-        super().__init__(record)
+    record: MountRecord  # (attached or mounted: always)
 
     # -- getting one ------------------------------------------------------------
 
@@ -372,11 +369,6 @@ class Workspace(Client):
             allow=list(allow) if allow is not None else None,
         )
         return cls.attach(msg["mountpoint"])
-
-    @classmethod
-    def attach(cls, path: str | os.PathLike) -> Workspace:
-        """The mounted workspace containing *path*."""
-        return cls(find_mount(os.fspath(path)))
 
     # -- the stack ----------------------------------------------------------------
 

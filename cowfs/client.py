@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from . import control, operations, progress
 from .errors import NotMounted
@@ -30,12 +30,12 @@ class Client:
         self._unmounted = unmounted
 
     @classmethod
-    def attach(cls, path: str | os.PathLike) -> Any:
+    def attach(cls, path: str | os.PathLike) -> Self:
         """The mounted workspace containing *path* (NotMounted if none)."""
         return cls(find_mount(os.fspath(path)))
 
     @classmethod
-    def find(cls, path: str, store: str | None = None) -> Any:
+    def find(cls, path: str, store: str | None = None) -> Self:
         """The workspace containing *path*, mounted or not; *store*: the
         store of an unmounted one (default: the outermost trusted
         WORKSPACE/.cowfs above *path*)."""

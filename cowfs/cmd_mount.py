@@ -20,6 +20,7 @@ from .command import (
 from .errors import BadWorkspace, CowfsError
 from .mounts import (
     check_answering,
+    find_mount,
     is_cowfs_mount,
     mount_table,
     processes,
@@ -212,9 +213,8 @@ class Unmount(Command):
         if unmount_view(target):
             out(args, f"unmounted the view at {target}", {"unmounted": target})
             return 0
-        ws = Client.attach(args.target or args.path)
-        rec = ws.record
-        users = ws.unmount(lazy=args.lazy)
+        rec = find_mount(args.target or args.path)
+        users = Client(rec).unmount(lazy=args.lazy)
         if not users:
             out(args, f"unmounted {rec.mountpoint}", {"unmounted": rec.mountpoint})
             return 0

@@ -3,9 +3,12 @@ speaks the Model Context Protocol, over stdio, on the official ``mcp`` SDK
 (an optional dependency: ``pip install 'cowfs[mcp]'``; only this module
 imports it).
 
-Every tool talks to the workspace's daemon through the Python API and the
-control channel (never the cowfs command); a failure comes back as a tool
-error carrying the cowfs message and exit code, and the server goes on.  The
+The tools are derived from the commands' declarations (``commands.TOOLS``:
+a command's ``tool`` method is its tool, its docstring the description, its
+parameters the arguments).  Every tool talks to the workspace's daemon
+through the Python API's ``Workspace`` (never the cowfs command); a failure
+comes back as a tool error carrying the cowfs message and exit code, and
+the server goes on.  The
 stdio transport is this module's own (``run_stdio``): it answers a line that
 is no message to serve with its JSON-RPC error, where the SDK's drops it.
 """
@@ -26,8 +29,6 @@ from .command import Arg, Command
 from .errors import CowfsError
 from .mounts import find_mount
 from .text import quote
-
-TEXT_LIMIT = 20_000  # default byte limit of diff, show and run output
 
 INSTRUCTIONS = """\
 cowfs makes the workspace at {root} undoable: every change any program makes \
