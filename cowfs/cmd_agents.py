@@ -13,6 +13,7 @@ from .command import (
     Parser,
     ask,
     call,
+    json_option,
     out,
     parse_count,
     workspace_option,
@@ -70,12 +71,7 @@ class Hooks(Command):
                 help=f"one of {', '.join(agent_names)}",
             )
             workspace_option(h)
-            h.add_argument(
-                "--json",
-                action="store_true",
-                default=argparse.SUPPRESS,
-                help="machine-readable output",
-            )
+            json_option(h)
             if action == "install":
                 h.add_argument(
                     "--per-tool",

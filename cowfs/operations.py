@@ -20,13 +20,14 @@ class Operation(NamedTuple):
     offline: bool = False  # also on the store of an unmounted workspace (session.offline)
     long: str | None = None  # cannot stop half-way: what the messages call it
     doing: str | None = None  # what its progress says (a spinner on a terminal)
+    tree: bool = False  # puts the tree as the layers say: refused offline after drift
 
 
 OPERATIONS = (
     Operation("checkpoint"),
-    Operation("commit", offline=True, long="commit", doing="committing"),
-    Operation("rollback", offline=True, long="rollback", doing="rolling back"),
-    Operation("redo", offline=True, long="redo", doing="redoing the rollback"),
+    Operation("commit", offline=True, long="commit", doing="committing", tree=True),
+    Operation("rollback", offline=True, long="rollback", doing="rolling back", tree=True),
+    Operation("redo", offline=True, long="redo", doing="redoing the rollback", tree=True),
     Operation("provider_add"),
     Operation("provider_remove"),
     Operation("provider_list"),
@@ -51,3 +52,4 @@ SESSION_OPS = frozenset(BY_NAME)  # what the daemon hands to its session
 OFFLINE_OPS = frozenset(op.name for op in OPERATIONS if op.offline)
 LONG_OPS = {op.name: op.long for op in OPERATIONS if op.long}
 DOING = {op.name: op.doing for op in OPERATIONS if op.doing}
+TREE_OPS = tuple(op.name for op in OPERATIONS if op.tree)

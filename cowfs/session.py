@@ -67,7 +67,7 @@ log = logging.getLogger("cowfs.session")
 
 # the control operations a session carries out (methods of these names)
 OPS = operations.SESSION_OPS
-TREE_OPS = ("rollback", "commit", "redo")  # refused on drift; the drift record follows them
+TREE_OPS = operations.TREE_OPS  # refused on drift; the drift record follows them
 
 
 def raise_fd_limit() -> None:
