@@ -491,7 +491,7 @@ def handle(
     """Take the checkpoint an agent's hook event asks for.  Returns what to
     say (one line) and the layer id, or raises CowfsError (the caller says
     it and still exits 0)."""
-    from .mounts import find_mount
+    from .client import Client
 
     a = agent(agent_name)
     kind = a.kind(event)
@@ -505,9 +505,9 @@ def handle(
     where = (
         path or (payload.get("cwd") if isinstance(payload.get("cwd"), str) else None) or os.getcwd()
     )
-    rec = find_mount(where)
-    message, record = checkpoint_for(a, event, payload, rec.mountpoint)
-    res = control.call(rec, "checkpoint", timeout=CONTROL_TIMEOUT, message=message, agent=record)
+    ws = Client.attach(where)
+    message, record = checkpoint_for(a, event, payload, ws.root)
+    res = ws.call("checkpoint", timeout=CONTROL_TIMEOUT, message=message, agent=record)
     return f"checkpoint {res['id']}: {message}", res["id"]
 
 

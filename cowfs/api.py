@@ -28,9 +28,9 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Literal, overload
 
-from . import control
+from .client import Client
 from .errors import USAGE, CowfsError, NotAnswering
-from .mounts import MountRecord, find_mount, finish_unmount
+from .mounts import MountRecord
 from .policy import RUN_SCOPES, ContainerWatch, Policy, Verdict, Where
 from .text import printable, quote
 
@@ -336,11 +336,11 @@ def show_pages(first: dict, more: Callable[[int], dict]) -> Iterator[bytes]:
         res = more(offset)
 
 
-class Workspace:
-    """A mounted cowfs workspace."""
+class Workspace(Client):
+    """A mounted cowfs workspace (the control channel's client, with the
+    harness's steps on top)."""
 
-    def __init__(self, record: MountRecord):
-        self.record = record
+    record: MountRecord  # (attached or mounted: always)
 
     # -- getting one ------------------------------------------------------------
 
@@ -370,19 +370,6 @@ class Workspace:
         )
         return cls.attach(msg["mountpoint"])
 
-    @classmethod
-    def attach(cls, path: str | os.PathLike) -> Workspace:
-        """The mounted workspace containing *path*."""
-        return cls(find_mount(os.fspath(path)))
-
-    @property
-    def root(self) -> str:
-        """Where the workspace is mounted."""
-        return self.record.mountpoint
-
-    def _call(self, op: str, **args: Any) -> dict:
-        return control.call(self.record, op, **args)
-
     # -- the stack ----------------------------------------------------------------
 
     def checkpoint(
@@ -397,8 +384,8 @@ class Workspace:
         containers and libvirt domains; return its id.  *agent*: the agent
         event the layer stands for ({"agent", "event", ...}; `cowfs.agents`),
         kept on the layer (`log`, `rewind`)."""
-        extra = {"agent": agent} if agent is not None else {}
-        return self._call(
+        extra: dict[str, Any] = {"agent": agent} if agent is not None else {}
+        return self.call(
             "checkpoint",
             message=message,
             providers=list(providers),
@@ -467,28 +454,28 @@ class Workspace:
         the rollback (the same call finishes it once there is room)."""
         if dry_run:
             return self.changes(since=to)
-        extra = {"skip_damaged": True} if skip_damaged else {}
-        r = self._call("rollback", to=to, keep_redo=keep_redo, yes=yes, **extra)
+        extra: dict[str, Any] = {"skip_damaged": True} if skip_damaged else {}
+        r = self.call("rollback", to=to, keep_redo=keep_redo, yes=yes, **extra)
         return RollbackResult(r["dropped"], r["applied"], r["failures"], r["top"])
 
     def redo(self) -> RedoResult:
         """Undo the last rollback, exactly, if nothing changed since; else
         raise (exit code 12: why not; 1: there was none) changing nothing."""
-        r = self._call("redo")
+        r = self.call("redo")
         return RedoResult(r["restored"], r["applied"], r["top"])
 
     def commit(self) -> CommitResult:
         """Merge the top layer into the one below (the base: make permanent)."""
-        r = self._call("commit")
+        r = self.call("commit")
         return CommitResult(r["committed"], r["into"], r["top"])
 
     def status(self) -> Status:
-        r = self._call("status")
+        r = self.call("status")
         return Status(r["id"], [Change.from_dict(c) for c in r["changes"]])
 
     def changes(self, since: int | None = None) -> list[Change]:
         """Net changes since layer *since* was opened (default: the top)."""
-        return [Change.from_dict(c) for c in self._call("changes", since=since)["changes"]]
+        return [Change.from_dict(c) for c in self.call("changes", since=since)["changes"]]
 
     def log(self) -> list[LayerInfo]:
         return [
@@ -502,7 +489,7 @@ class Workspace:
                 d.get("agent"),
                 d.get("turns", []),
             )
-            for d in self._call("log")["layers"]
+            for d in self.call("log")["layers"]
         ]
 
     def show(self, path: str, layer: int | None = None) -> bytes:
@@ -511,11 +498,11 @@ class Workspace:
         return b"".join(self._pages(layer, path))
 
     def _pages(self, layer: int | None, path: str, first: dict | None = None) -> Iterator[bytes]:
-        res = first or self._call("show", layer=layer, path=path)
+        res = first or self.call("show", layer=layer, path=path)
         if res["kind"] != "file":
             raise CowfsError(f"{quote(path)} was a {res['kind']}, not a file, then", USAGE)
         return show_pages(
-            res, lambda offset: self._call("show", layer=layer, path=path, offset=offset)
+            res, lambda offset: self.call("show", layer=layer, path=path, offset=offset)
         )
 
     def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
@@ -526,27 +513,12 @@ class Workspace:
         Returns the paths it changed.  Names that were one object then (hard
         links) within what is restored are linked again; a name is never
         written through to others it shares its object with now."""
-        return self._call("restore", paths=list(paths), layer=layer)["restored"]
+        return self.call("restore", paths=list(paths), layer=layer)["restored"]
 
     def top(self) -> int:
-        return self._call("status")["id"]
-
-    def unmount(self, lazy: bool = False) -> list[int]:
-        """Unmount, once the daemon has exited (CowfsError if it is still
-        finishing after a minute).  *lazy*: detach even while in use and
-        return at once with the pids still using it, if any (the daemon
-        serves them and exits after the last)."""
-        return finish_unmount(self.record, self._call("unmount", lazy=lazy))
+        return self.call("status")["id"]
 
     # -- steps ---------------------------------------------------------------------
-
-    def _commit_down_to(self, layer: int) -> int:
-        """Merge every layer above *layer* and *layer* itself into the layer
-        below it; return the layer that now holds the changes."""
-        while True:
-            r = self._call("commit")
-            if r["committed"] <= layer:
-                return r["top"]
 
     def _default_cwd(self) -> str:
         cwd = os.getcwd()
@@ -571,7 +543,7 @@ class Workspace:
         cwd = os.path.realpath(cwd or self._default_cwd())
         roots = sorted({self.root, self.record.workspace})
         verdict = policy.classify(cmd, Where(cwd, roots))
-        registered = self._call("provider_list")["providers"]
+        registered = self.call("provider_list")["providers"]
         docker = {p["container"]: p["name"] for p in registered if p["type"] == "docker"}
         libvirt = {p["domain"]: p["name"] for p in registered if p["type"] == "libvirt"}
         plan = Plan(scope, verdict, checkpoint=True, providers=list(providers))
@@ -674,14 +646,7 @@ class Workspace:
         plan = self.plan(cmd, scope, cwd, providers, containers, vms, policy)
         line = command_line(cmd)
         started = time.time()
-        if plan.checkpoint:
-            layer = self.checkpoint(
-                message or f"run: {line}", plan.providers, plan.containers, plan.vms
-            )
-            before: set[tuple] = set()
-        else:
-            layer = self.top()
-            before = {_key(c) for c in self.status().changes}
+        layer, before = self._open_step(plan, message or f"run: {line}")
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
         ran = execute(cmd, cwd, capture_output, timeout, output_limit)
@@ -719,23 +684,23 @@ class Workspace:
             checked.stdout,
             checked.stderr,
         )
-        for name, lines in result.uncaptured.items():
-            shown = ", ".join(map(printable, lines[:5])) + (
-                f" and {len(lines) - 5} more" if len(lines) > 5 else ""
-            )
-            result.warnings.append(
-                f"container {name} changed outside the workspace and this "
-                f"was not captured (run with --scope container to "
-                f"snapshot it): {shown}"
-            )
+        result.warnings += uncaptured_warnings(result.uncaptured)
         if not plan.checkpoint:
             result.outcome = "no checkpoint"
-            self._call("annotate", layer=layer, run=result.record())
+            self.call("annotate", layer=layer, run=result.record())
             return result
         action = (decide(result) if decide else on_success) if result.ok else on_fail
         result.layer, result.outcome, into = self._conclude(layer, action)
-        self._call("annotate", layer=into, run=result.record())
+        self.call("annotate", layer=into, run=result.record())
         return result
+
+    def _open_step(self, plan: Plan, message: str) -> tuple[int, set[tuple]]:
+        """The layer a step runs in: a new one (with *plan*'s snapshots), or
+        the open one when the plan takes no checkpoint, with the changes
+        it holds before the step."""
+        if plan.checkpoint:
+            return self.checkpoint(message, plan.providers, plan.containers, plan.vms), set()
+        return self.top(), {_key(c) for c in self.status().changes}
 
     def _conclude(self, layer: int, action: str) -> tuple[int | None, str, int]:
         """Roll back, commit or keep the step in *layer*: returns the layer
@@ -744,7 +709,7 @@ class Workspace:
         if action == "rollback":
             return None, "rolled back", self.rollback(to=layer).top
         if action == "commit":
-            into = self._commit_down_to(layer)
+            into = self.commit_down_to(layer)
             return into, "committed", into
         return layer, "kept", layer
 
@@ -816,7 +781,7 @@ class Workspace:
         self._note_step(into, step, record, t0)
 
     def _note_step(self, layer: int, step: Step, record: dict, t0: float) -> None:
-        self._call(
+        self.call(
             "annotate",
             layer=layer,
             run=record
@@ -827,6 +792,21 @@ class Workspace:
                 "duration": round(time.monotonic() - t0, 3),
             },
         )
+
+
+def uncaptured_warnings(uncaptured: dict[str, list[str]]) -> list[str]:
+    """What a run says of the containers that changed without a snapshot."""
+    warnings = []
+    for name, lines in uncaptured.items():
+        shown = ", ".join(map(printable, lines[:5])) + (
+            f" and {len(lines) - 5} more" if len(lines) > 5 else ""
+        )
+        warnings.append(
+            f"container {name} changed outside the workspace and this "
+            f"was not captured (run with --scope container to "
+            f"snapshot it): {shown}"
+        )
+    return warnings
 
 
 def _key(c: Change) -> tuple:

@@ -29,11 +29,11 @@ from typing import Any, Protocol
 
 from . import errors
 from .access import Requester
+from .deadlines import DEADLINE, deadline  # noqa: F401  (the client's deadline)
 from .listing import Encoded
 from .mounts import MountRecord, not_answering, not_owner
 
 MAX_REQUEST = 1 << 20
-DEADLINE = 30.0  # seconds a client waits for a sign of life from a daemon
 MAX_CONNECTIONS = 32  # control connections open at once per user (not root)
 BEAT = 0.5  # seconds between the signs of life a daemon sends a waiting client
 
@@ -96,23 +96,6 @@ def wait_readable(fd: int, timeout: float) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(max(0.0, timeout) * 1000))
-
-
-def deadline() -> float:
-    """How long a client waits for a sign of life from a daemon (seconds):
-    $COWFS_DEADLINE, else DEADLINE."""
-    text = os.environ.get("COWFS_DEADLINE")
-    if not text:
-        return DEADLINE
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise errors.CowfsError(
-            f"COWFS_DEADLINE is {text!r}; it takes a number of seconds above 0", errors.USAGE
-        )
-    return value
 
 
 def call(

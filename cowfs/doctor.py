@@ -351,14 +351,15 @@ def _summary(layers: list[dict]) -> str:
 
 
 def check_live(rec) -> list[Check]:
-    from . import control
+    from .client import Client
 
+    ws = Client(rec)
     out = [
         Check("mount", True, f"{rec.mountpoint} is mounted by cowfs (workspace {rec.workspace})")
     ]
     t0 = time.perf_counter()
     try:
-        pong = control.call(rec, "ping", timeout=PING_TIMEOUT)
+        pong = ws.call("ping", timeout=PING_TIMEOUT)
     except Exception as e:
         out.append(
             Check(
@@ -387,8 +388,8 @@ def check_live(rec) -> list[Check]:
         )
         out.append(Check("engine", True, f"{engine['name']} ({engine['why']}){extra}", info=True))
     try:
-        layers = control.call(rec, "log", timeout=LOG_TIMEOUT)["layers"]
-        problems = control.call(rec, "check", timeout=LOG_TIMEOUT)["problems"]
+        layers = ws.call("log", timeout=LOG_TIMEOUT)["layers"]
+        problems = ws.call("check", timeout=LOG_TIMEOUT)["problems"]
         if problems:
             out.append(
                 Check(

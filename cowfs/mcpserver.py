@@ -3,14 +3,16 @@ speaks the Model Context Protocol, over stdio, on the official ``mcp`` SDK
 (an optional dependency: ``pip install 'cowfs[mcp]'``; only this module
 imports it).
 
-Every tool talks to the workspace's daemon through the Python API and the
-control channel (never the cowfs command); a failure comes back as a tool
-error carrying the cowfs message and exit code, and the server goes on.  The
+The tools are derived from the commands' declarations (``commands.TOOLS``:
+a command's ``tool`` method is its tool, its docstring the description, its
+parameters the arguments).  Every tool talks to the workspace's daemon
+through the Python API's ``Workspace`` (never the cowfs command); a failure
+comes back as a tool error carrying the cowfs message and exit code, and
+the server goes on.  The
 stdio transport is this module's own (``run_stdio``): it answers a line that
 is no message to serve with its JSON-RPC error, where the SDK's drops it.
 """
 
-import base64
 import fcntl
 import functools
 import inspect
@@ -18,17 +20,15 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
-from typing import Annotated, Any, BinaryIO, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Annotated, Any, BinaryIO, get_args, get_origin
 
 from . import control, errors
 from .api import Workspace
+from .command import Arg, Command
 from .errors import CowfsError
 from .mounts import find_mount
-from .policy import RunScope
 from .text import quote
-
-TEXT_LIMIT = 20_000  # default byte limit of diff, show and run output
 
 INSTRUCTIONS = """\
 cowfs makes the workspace at {root} undoable: every change any program makes \
@@ -38,350 +38,91 @@ run executes a command as its own step: rolled back if it (or its verify \
 command) fails. Layer ids come from checkpoint and log."""
 
 
-def _text(data: Any) -> str:
-    return data if isinstance(data, str) else json.dumps(data, indent=1, ensure_ascii=False)
-
-
-NOISE = {"daemon_ms", "engine", "who", "start", "records"}
-
-
-def clean(data: Any, keep: frozenset = frozenset()) -> Any:
-    """*data* without what a model need not read: timings, engine
-    statistics, writers (unless in *keep*), empty lists and nulls."""
-    if isinstance(data, dict):
-        return {
-            k: clean(v, keep)
-            for k, v in data.items()
-            if (k not in NOISE or k in keep) and v is not None and (v != [] or k == "changes")
-        }
-    if isinstance(data, list):
-        return [clean(v, keep) for v in data]
-    return data
-
-
-def cut(text: str, limit: int, hint: str) -> tuple[str, bool]:
-    """*text*, or its first *limit* bytes (at a line end where there is
-    one) and a line saying what was left out."""
-    data = text.encode()
-    if len(data) <= limit:
-        return text, False
-    head = data[: max(0, limit)]
-    nl = head.rfind(b"\n")
-    if nl > 0:
-        head = head[: nl + 1]
-    return (
-        head.decode(errors="ignore") + f"[... cut at {len(head)} of {len(data)} bytes; {hint}]\n"
-    ), True
-
-
-def utf8(data: bytes) -> str | None:
-    """*data* as text, or None for binary (a character cut at the end is
-    left out)."""
-    try:
-        return data.decode()
-    except UnicodeDecodeError as e:
-        if e.start < len(data) - 3:
-            return None
-        return data[: e.start].decode()
-
-
-def build(root: str):
-    """The MCP server for the workspace mounted at *root*."""
-    from mcp.server.mcpserver import MCPServer
+def answer(root: str, work: Callable[[Workspace], Any], text: Callable[[Any], str]) -> Any:
+    """Run *work* on the workspace at *root* (attached afresh: the mount
+    may have come and gone); a CowfsError becomes a tool error with its
+    code."""
     from mcp_types import CallToolResult, TextContent
+
+    try:
+        result = work(Workspace.attach(root))
+        return CallToolResult(
+            content=[TextContent(type="text", text=text(result))],
+            structured_content=result if isinstance(result, dict) else {"result": result},
+        )
+    except CowfsError as e:
+        code, message = e.code, str(e)
+    except OSError as e:
+        code = errors.DAEMON_ERROR
+        message = (f"{os.fsdecode(e.filename)}: " if e.filename else "") + (e.strerror or str(e))
+    except Exception as e:  # a bug: still one line for the model to read
+        code, message = errors.DAEMON_ERROR, f"internal error: {type(e).__name__}: {e}"
+    return CallToolResult(
+        content=[TextContent(type="text", text=f"cowfs: {message} (exit code {code})")],
+        structured_content={"error": message, "code": code},
+        is_error=True,
+    )
+
+
+def arguments(command: Command) -> list[inspect.Parameter]:
+    """The arguments of *command*'s tool as the SDK reads them: the
+    parameters of its ``tool`` method after the workspace, each ``Arg``
+    turned into a pydantic ``Field``."""
     from pydantic import Field
 
-    server = MCPServer("cowfs", instructions=INSTRUCTIONS.format(root=root))
-
-    def answer(
-        work: Callable[[Workspace], Any], text: Callable[[Any], str] = _text
-    ) -> CallToolResult:
-        """Run *work* on the workspace (attached afresh: the mount may have
-        come and gone); a CowfsError becomes a tool error with its code."""
-        try:
-            result = work(Workspace.attach(root))
-            return CallToolResult(
-                content=[TextContent(type="text", text=text(result))],
-                structured_content=result if isinstance(result, dict) else {"result": result},
-            )
-        except CowfsError as e:
-            code, message = e.code, str(e)
-        except OSError as e:
-            code = errors.DAEMON_ERROR
-            message = (f"{os.fsdecode(e.filename)}: " if e.filename else "") + (
-                e.strerror or str(e)
-            )
-        except Exception as e:  # a bug: still one line for the model to read
-            code, message = errors.DAEMON_ERROR, f"internal error: {type(e).__name__}: {e}"
-        return CallToolResult(
-            content=[TextContent(type="text", text=f"cowfs: {message} (exit code {code})")],
-            structured_content={"error": message, "code": code},
-            is_error=True,
-        )
-
-    def tool(fn: Callable) -> Callable:
-        """Register *fn* (its docstring is the description); parameters with
-        an alias (``from``) reach it under their Python names."""
-        sig = inspect.signature(fn)
-        names = {
-            m.alias: p.name
-            for p in sig.parameters.values()
-            for m in getattr(p.annotation, "__metadata__", ())
-            if getattr(m, "alias", None)
-        }
-
-        @functools.wraps(fn)
-        def call(**kw):
-            return fn(**{names.get(k, k): v for k, v in kw.items()})
-
-        call.__signature__ = sig  # type: ignore[attr-defined]  # (what FastMCP reads)
-        server.add_tool(call, name=fn.__name__)
-        return fn
-
-    Layer = Annotated[int | None, Field(description="a layer id (from checkpoint or log)")]
-    Limit = Annotated[
-        int, Field(ge=256, le=4 << 20, description="most bytes of text to return; the rest is cut")
-    ]
-
-    @tool
-    def status(
-        who: Annotated[
-            bool, Field(description="with the process that first made each change")
-        ] = False,
-    ) -> CallToolResult:
-        """What changed in the open layer (since the last checkpoint): each
-        change's path and kind (A added, D deleted, M modified, T type changed,
-        R renamed, m attributes only), the layer stack's size, and whether the
-        last rollback can still be redone."""
-        return answer(
-            lambda ws: clean(ws._call("status"), frozenset({"who"}) if who else frozenset())
-        )
-
-    # (B006: the default list is never changed; the tool's schema is its signature)
-    @tool
-    def diff(
-        layer: Layer = None,
-        paths: Annotated[
-            list[str], Field(description="only these paths (relative to the workspace root)")
-        ] = [],  # noqa: B006
-        stat: Annotated[
-            bool, Field(description="lines added and removed per file instead of the diff")
-        ] = False,
-        name_status: Annotated[
-            bool, Field(description="only the kind and path of each change")
-        ] = False,
-        max_bytes: Limit = TEXT_LIMIT,
-    ) -> CallToolResult:
-        """Changes since a layer was opened (default: the open layer, i.e. since
-        the last checkpoint) with their content: a unified diff for text files,
-        sizes and hashes for binary ones. Large output is cut at max_bytes:
-        narrow it with paths, or use stat or name_status."""
-        from .cli import diff_rows
-
-        def work(ws: Workspace) -> dict:
-            res = ws._call("diff", since=layer, paths=list(paths))
-            text = "\n".join(diff_rows(res["changes"], name_status, stat, False))
-            text, cut_ = cut(
-                text or "no changes", max_bytes, "ask for fewer paths, or use stat or name_status"
-            )
-            names = [
-                {k: c.get(k) for k in ("path", "kind", "from") if c.get(k) is not None}
-                for c in res["changes"]
+    assert command.tool is not None
+    fn = command.tool
+    params = list(inspect.signature(fn).parameters.values())[1:]  # (after ws)
+    out = []
+    for p in params:
+        hint = eval(p.annotation, fn.__globals__) if isinstance(p.annotation, str) else p.annotation
+        if get_origin(hint) is Annotated:
+            base, *meta = get_args(hint)
+            meta = [
+                Field(description=m.description, **m.constraints) if isinstance(m, Arg) else m
+                for m in meta
             ]
-            return {"since": res["since"], "changes": names, "text": text, "cut": cut_}
+            hint = Annotated[(base, *meta)] if meta else base
+        out.append(p.replace(annotation=hint))
+    return out
 
-        return answer(work, lambda r: r["text"])
 
-    @tool
-    def show(
-        layer: Annotated[
-            int, Field(description="the layer: PATH as it was when this layer was opened")
-        ],
-        path: Annotated[str, Field(description="relative to the workspace root")],
-        max_bytes: Limit = TEXT_LIMIT,
-    ) -> CallToolResult:
-        """A file, directory or symlink as it was when a layer was opened,
-        changing nothing: a file's text (binary files: size only), a
-        directory's names, a symlink's target."""
+def tool_function(root: str, command: Command) -> Callable[..., Any]:
+    """What the SDK calls for *command*'s tool: its description the tool
+    method's docstring, its schema the arguments' (parameters with an
+    alias, ``from``, reach the method under their Python names)."""
+    from mcp_types import CallToolResult
 
-        def work(ws: Workspace) -> dict:
-            res = ws._call("show", layer=layer, path=path, size=max_bytes + 1)
-            out = {k: res.get(k) for k in ("path", "kind", "layer", "mode", "size")}
-            if res["kind"] == "file":
-                text = utf8(base64.b64decode(res["data"])[:max_bytes])
-                out["binary"] = text is None or "\0" in text
-                out["cut"] = res["size"] > max_bytes
-                out["text"] = (
-                    f"(binary, {res['size']} bytes)"
-                    if out["binary"]
-                    else (text or "")
-                    + (f"\n[... cut at {max_bytes} of {res['size']} bytes]" if out["cut"] else "")
-                )
-            elif res["kind"] == "dir":
-                out["entries"] = res["entries"]
-                out["text"] = "\n".join(res["entries"]) or "(empty directory)"
-            elif res["kind"] == "symlink":
-                out["target"] = out["text"] = res["target"]
-            else:
-                out["text"] = f"{res['kind']} mode {res['mode']:o}"
-            return out
+    tool = command.tool
+    assert tool is not None
+    params = arguments(command)
+    names = {
+        m.alias: p.name
+        for p in params
+        for m in getattr(p.annotation, "__metadata__", ())
+        if getattr(m, "alias", None)
+    }
 
-        return answer(work, lambda r: r["text"])
+    @functools.wraps(tool)
+    def call(**kw: Any) -> Any:
+        args = {names.get(k, k): v for k, v in kw.items()}
+        return answer(root, lambda ws: tool(ws, **args), command.tool_text)
 
-    @tool
-    def log() -> CallToolResult:
-        """All layers, oldest first: id, creation time, message, number of
-        changes and bytes of undo data, the runs recorded on it and, for
-        layers an agent hook opened, the agent event (a conversation turn)."""
-        return answer(lambda ws: clean(ws._call("log")))
+    call.__name__ = call.__qualname__ = command.name
+    call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # (what the SDK reads)
+        params, return_annotation=CallToolResult
+    )
+    return call
 
-    @tool
-    def checkpoint(
-        message: Annotated[str, Field(description="what the layer is for")] = "",
-    ) -> CallToolResult:
-        """Open a new layer: everything changed from now on can be rolled back
-        to this point. Returns the new layer's id."""
-        return answer(lambda ws: clean(ws._call("checkpoint", message=message)))
 
-    @tool
-    def rollback(
-        to: Layer = None,
-        dry_run: Annotated[
-            bool, Field(description="only list what would be undone; change nothing")
-        ] = False,
-        no_redo: Annotated[bool, Field(description="keep nothing for redo (faster)")] = False,
-        skip_damaged: Annotated[
-            bool,
-            Field(
-                description="give up the steps whose undo data is damaged (their objects "
-                "stay as they are) and drop the layers; without it such layers stay"
-            ),
-        ] = False,
-        yes: Annotated[
-            bool,
-            Field(
-                description="confirm a rollback of the base "
-                "layer (everything since the "
-                "workspace was mounted)"
-            ),
-        ] = False,
-    ) -> CallToolResult:
-        """Undo the open layer (everything since the last checkpoint), or with
-        `to` every layer down to and including that one: the workspace is then
-        exactly as it was when that layer was opened. `redo` undoes a rollback
-        while nothing that it would put back has changed since. When the open
-        layer is the base layer, a rollback without `to` undoes the whole
-        session and is refused (exit code 14) unless `yes`."""
+def build(root: str, tools: Sequence[Command]) -> Any:
+    """The MCP server for the workspace mounted at *root*: a tool for each
+    of the commands *tools* (see commands.TOOLS)."""
+    from mcp.server.mcpserver import MCPServer
 
-        extra: dict[str, Any] = {"skip_damaged": True} if skip_damaged else {}
-
-        def work(ws: Workspace) -> dict:
-            if dry_run:
-                return clean(ws._call("changes", since=to))
-            return clean(ws._call("rollback", to=to, keep_redo=not no_redo, yes=yes, **extra))
-
-        return answer(work)
-
-    @tool
-    def commit() -> CallToolResult:
-        """Keep the open layer's changes: merge it into the layer below (the
-        base layer: make them permanent)."""
-        return answer(lambda ws: clean(ws._call("commit")))
-
-    @tool
-    def redo() -> CallToolResult:
-        """Undo the last rollback exactly, if nothing has changed since
-        (otherwise it says why not and changes nothing)."""
-        return answer(lambda ws: clean(ws._call("redo")))
-
-    @tool
-    def restore(
-        paths: Annotated[
-            list[str],
-            Field(min_length=1, description="files or directories, relative to the workspace root"),
-        ],
-        from_: Annotated[
-            int | None, Field(alias="from", description="the layer (default: the open layer)")
-        ] = None,
-    ) -> CallToolResult:
-        """Put some paths back as they were when a layer was opened (the rest
-        of the workspace stays as it is); the restore is itself a change of
-        the open layer."""
-        return answer(lambda ws: {"restored": ws.restore(paths, from_)})
-
-    @tool
-    def run(
-        command: Annotated[
-            str | list[str], Field(description="a shell command line, or an argument list")
-        ],
-        verify: Annotated[
-            str | None, Field(description="a shell command that must also succeed afterwards")
-        ] = None,
-        message: Annotated[str | None, Field(description="the step's layer message")] = None,
-        on_fail: Literal["rollback", "keep"] = "rollback",
-        on_success: Annotated[
-            Literal["keep", "commit"],
-            Field(
-                description="a successful step: keep its layer as an undo point of its own "
-                "(default), or merge it into the layer below"
-            ),
-        ] = "keep",
-        cwd: Annotated[
-            str | None, Field(description="working directory, relative to the workspace root")
-        ] = None,
-        scope: Annotated[RunScope, Field(description="what to snapshot (see cowfs run)")] = "files",
-        timeout: Annotated[
-            float | None, Field(gt=0, description="seconds before the command is killed")
-        ] = 600,
-        max_bytes: Limit = TEXT_LIMIT,
-    ) -> CallToolResult:
-        """Run a command in the workspace as one step in its own layer: if it
-        (or `verify`) fails, everything it changed is rolled back; otherwise
-        its layer stays (rollback with `to` that layer undoes it later).
-        Returns the exit statuses, what changed, the outcome, the layer and
-        the command's and the verifier's stdout and stderr (stdin is
-        empty)."""
-
-        def work(ws: Workspace) -> dict:
-            where = os.path.normpath(os.path.join(ws.root, cwd or "."))
-            if where != ws.root and not where.startswith(ws.root.rstrip("/") + "/"):
-                raise CowfsError(f"cwd {cwd!r} is outside the workspace", errors.USAGE)
-            r = ws.run(
-                command,
-                verify=verify,
-                on_fail=on_fail,
-                on_success=on_success,
-                message=message,
-                cwd=where,
-                scope=scope,
-                capture_output=True,
-                timeout=timeout,
-                output_limit=max_bytes,
-            )
-            return r.record() | {
-                "ok": r.ok,
-                "changes": [str(c) for c in r.changes],
-                "stdout": r.stdout,
-                "stderr": r.stderr,
-                "verify_stdout": r.verify_stdout,
-                "verify_stderr": r.verify_stderr,
-            }
-
-        def text(r: dict) -> str:
-            why = f" ({r['error']})" if r.get("error") else ""
-            head = (
-                f"{r['outcome']}{why}: exit {r['exit_status']}"
-                + (f", verify exit {r['verify_status']}" if r["verify_status"] is not None else "")
-                + f", {len(r['changes'])} change(s), layer {r['layer']}"
-            )
-            parts = [head, *r["warnings"], *r["changes"][:50]]
-            for key in ("stdout", "stderr", "verify_stdout", "verify_stderr"):
-                if r[key]:
-                    parts += [f"--- {key.replace('_', ' ')}", r[key].rstrip("\n")]
-            return "\n".join(parts)
-
-        return answer(work, text)
-
+    server = MCPServer("cowfs", instructions=INSTRUCTIONS.format(root=root))
+    for command in tools:
+        server.add_tool(tool_function(root, command), name=command.name)
     return server
 
 
@@ -705,7 +446,9 @@ def become(user: str) -> None:
     )
 
 
-def serve(path: str, mount: bool = False, as_user: str | None = None) -> int:
+def serve(
+    path: str, tools: Sequence[Command], mount: bool = False, as_user: str | None = None
+) -> int:
     """`cowfs mcp`: serve the workspace containing *path* until the client
     closes stdin; *as_user*: as that user (required when run as root: the
     agent would otherwise act as root, through run above all)."""
@@ -740,7 +483,7 @@ def serve(path: str, mount: bool = False, as_user: str | None = None) -> int:
         root = find_mount(path).mountpoint
     if as_user is not None:
         become(as_user)
-    server = build(root)
+    server = build(root, tools)
     try:
         anyio.run(run_stdio, server)
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ from .errors import (
     PlantedLink,
     StoreError,
 )
+from .mountinfo import Mount, mounts  # noqa: F401  (the mount table, for its users)
 
 FSTYPE = "fuse.cowfs"
 VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/view.py)
@@ -109,64 +110,6 @@ def socket_path(mountpoint: str, shared: bool = False) -> str:
 
 def record_path(mountpoint: str) -> str:
     return os.path.join(runtime_dir(), _key(mountpoint) + ".json")
-
-
-def _unescape(field: str) -> str:
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-class Mount(NamedTuple):
-    """One line of /proc/self/mountinfo."""
-
-    id: int
-    dev: str  # "major:minor" of its superblock
-    mountpoint: str
-    fstype: str
-    source: str
-    options: str  # the superblock's options (user_id=... for FUSE)
-
-
-def mounts() -> list[Mount]:
-    """The mount table, in mount order."""
-    for _ in range(3):
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
-        out, whole = _parse_mountinfo(text)
-        if whole:
-            break
-        # (a line came out cut short while the table changed under the
-        # read -- seen while a killed daemon's mount was going: read again)
-    return out
-
-
-def _parse_mountinfo(text: str) -> tuple[list[Mount], bool]:
-    """The mounts *text* lists, and whether every line was whole."""
-    out, whole = [], True
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields, rest = left.split(" "), right.split(" ")
-        if len(fields) < 5 or len(rest) < 2 or not fields[0].isdigit():
-            whole = False
-            continue
-        out.append(
-            Mount(
-                int(fields[0]),
-                fields[2],
-                _unescape(fields[4]),
-                rest[0],
-                _unescape(rest[1]),
-                rest[2] if len(rest) > 2 else "",
-            )
-        )
-    return out, whole
 
 
 MNT_DETACH = 2
@@ -496,7 +439,7 @@ def wait_resumed(mountpoint: str) -> None:
         return  # (whose daemon it is is told where the workspace is looked for)
     if rec is None or rec.pid <= 0 or not stopped(rec.pid):
         return
-    from .control import deadline
+    from .deadlines import deadline
 
     waited = deadline()
     end = time.monotonic() + waited

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from . import backing as B
-from . import errors, fsck, redo
+from . import errors, fsck, operations, redo
 from . import pending as P
 from . import schema as S
 from .access import BadGrant, Requester, parse_grant
@@ -66,32 +66,8 @@ SMALL_TEXT = 4096
 log = logging.getLogger("cowfs.session")
 
 # the control operations a session carries out (methods of these names)
-OPS = frozenset(
-    {
-        "checkpoint",
-        "commit",
-        "rollback",
-        "redo",
-        "provider_add",
-        "provider_remove",
-        "provider_list",
-        "status",
-        "gc",
-        "changes",
-        "show",
-        "diff",
-        "view",
-        "audit",
-        "audit_prune",
-        "audit_note",
-        "annotate",
-        "check",
-        "repair",
-        "log",
-        "restore",
-    }
-)
-TREE_OPS = ("rollback", "commit", "redo")  # refused on drift; the drift record follows them
+OPS = operations.SESSION_OPS
+TREE_OPS = operations.TREE_OPS  # refused on drift; the drift record follows them
 
 
 def raise_fd_limit() -> None:

@@ -66,7 +66,7 @@ def _writable(mode: int) -> str | None:
 def _fuse_owners(devs: set[int]) -> dict[int, tuple[str, str, int | None]]:
     """For each of *devs* that is a FUSE filesystem: (fstype, mount point,
     the uid that mounted it)."""
-    from .mounts import mounts
+    from .mountinfo import mounts
 
     wanted = {f"{os.major(d)}:{os.minor(d)}": d for d in devs}
     out: dict[int, tuple[str, str, int | None]] = {}

@@ -326,7 +326,7 @@ def test_a_run_record_is_checked_and_printed_harmlessly(granted):
         from cowfs.errors import CowfsError
 
         try:
-            Workspace.attach(str(ws.path))._call("annotate", layer=layer, run=run)
+            Workspace.attach(str(ws.path)).call("annotate", layer=layer, run=run)
         except CowfsError as e:
             return e.code
         return 0

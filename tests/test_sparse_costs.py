@@ -437,7 +437,7 @@ def control_show(ws, layer: int, path: str, offset: int) -> dict:
     """One page of `show` LAYER:PATH at *offset* (as the CLI asks for each)."""
     from cowfs.api import Workspace
 
-    return Workspace.attach(ws.path)._call("show", layer=layer, path=path, offset=offset)
+    return Workspace.attach(ws.path).call("show", layer=layer, path=path, offset=offset)
 
 
 def test_a_writer_after_a_passthrough_reader_captures_a_sparse_file_by_what_it_holds(workspace):
