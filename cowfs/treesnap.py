@@ -4,7 +4,8 @@ Used by tests and the demo to prove that a tree is exactly back to an
 earlier state after a rollback.  Names are handled as bytes throughout and
 symlinks are never followed.  Directory sizes, atimes and ctimes are not
 recorded because they legitimately differ between filesystems or on every
-access.
+access.  ``KINDS``, the names of the kinds of file, is the one table of them
+(``past`` names kinds by it too).
 """
 
 from __future__ import annotations
