@@ -258,7 +258,7 @@ class Fsck:
     def run(self) -> Report:
         try:
             # (the store's own entries first: a damaged one names itself)
-            _check_sealed(self.store, self.rep)
+            self.check_sealed()
             self.layers = self.store.layers()
             self.segment = redo_segment(self.store)
         except StoreError as e:
@@ -290,7 +290,23 @@ class Fsck:
             Problem(what, [lid for lid in layers or [] if lid], paths or [], repairable)
         )
 
+    def check_sealed(self) -> None:
+        """The store's settings, counters and layer rows: each intact (a
+        damaged one raises StoreError naming it); those an older cowfs wrote
+        without a checksum are counted."""
+        store = self.store
+        with store.read() as txn:
+            for db, handle in (
+                (schema.DB_META, store.db_meta),
+                (schema.DB_LAYERS, store.db_layers),
+            ):
+                cur = txn.cursor(db=handle)
+                for key, raw in cur:
+                    schema.open_sealed(db, bytes(key), bytes(raw))
+                    self.rep.unsealed += not schema.is_sealed(raw)
+
     def check_layer_order(self) -> None:
+        """The layers begin in the order of their ids."""
         self.starts = [(layer.start, layer.id) for layer in self.layers]
         if [s for s, _ in self.starts] != sorted(s for s, _ in self.starts):
             self.rep.problems.append(
@@ -310,6 +326,7 @@ class Fsck:
     # -- the journal ---------------------------------------------------------------------
 
     def check_journal(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Every journal record, in order."""
         first = self.starts[0][0] if self.starts else self.store.next_seq
         cur = txn.cursor(db=self.store.db_journal)
         ok = cur.first()
@@ -348,6 +365,7 @@ class Fsck:
                 self.moving.add(rec.grave)  # (put back by the rollback, maybe)
 
     def check_chunk_record(self, seq: int, rec: schema.Chunk, loc: str, owner: int | None) -> None:
+        """CHUNK record *seq*: valid, and a user of its chunk."""
         why = schema.chunk_problem(rec, self.store.chunk_size)
         if why is not None:
             self.problem(
@@ -414,6 +432,8 @@ class Fsck:
     # -- chunks: hashes, reference counts, unused ones --------------------------------
 
     def check_chunks(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Every chunk in the store; then the chunks records use that are
+        missing."""
         cur = txn.cursor(db=self.store.db_chunks)
         ok = cur.first()
         while ok:
@@ -426,6 +446,7 @@ class Fsck:
                 )
 
     def check_chunk(self, txn: lmdb.Transaction[bytes], h: bytes, data: bytes) -> None:
+        """Chunk *h*: its hash (with *hashes*), its users, its reference count."""
         rep = self.rep
         self.present.add(h)
         rep.chunks += 1
@@ -465,6 +486,8 @@ class Fsck:
     # -- graves: entries, files, identity ---------------------------------------------
 
     def check_graves(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Grave entries and the files they name; entries records hold that
+        are missing; files no entry or record holds."""
         grave_files = set(grave_names(self.store))
         cur = txn.cursor(db=self.store.db_graves)
         ok = cur.first()
@@ -510,7 +533,31 @@ class Fsck:
                 [path],
             )
         else:
-            check_sum(self.store, txn, self.rep, gid, ino, owner, path, self.hashes)
+            self.check_grave_sum(txn, gid, ino, owner, path)
+
+    def check_grave_sum(
+        self, txn: lmdb.Transaction[bytes], gid: int, ino: int, owner: int | None, path: str
+    ) -> None:
+        """Grave object *gid* (object *ino*, which is there): its bytes against
+        the hash recorded of them, if any (with *hashes*)."""
+        rep = self.rep
+        s = gravesum.read_sum(self.store, gid, txn)
+        if s is None or s.ino != ino:
+            return  # (an entry of no use is reported with the others)
+        if s.state == schema.SUM_PENDING:
+            rep.graves_pending += 1
+        elif s.state == schema.SUM_CHANGED:
+            rep.graves_changed += 1
+        elif s.state == schema.SUM_HASHED:
+            rep.graves_hashed += 1
+            if not self.hashes:
+                return
+            rep.grave_bytes_checked += s.size
+            why = gravesum.verify(self.store, gid, txn)
+            if why is not None:
+                self.problem(
+                    f"the removed file {path} is corrupt in the store: {why}", [owner], [path]
+                )
 
     def check_grave_sums(self, txn: lmdb.Transaction[bytes]) -> None:
         """Hash entries of grave objects that no grave entry holds."""
@@ -546,6 +593,7 @@ class Fsck:
         return ids
 
     def check_index(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Index entries: intact, and each pointing at a record of its layer."""
         rep = self.rep
         ids = self.layer_ids()
         cur = txn.cursor(db=self.store.db_index)
@@ -590,6 +638,7 @@ class Fsck:
         return layer_of(self.starts, seq) != ids[lid] or lid == seg and seq < since
 
     def check_attributions(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Attributions (who wrote what) of layers that are gone."""
         store, rep = self.store, self.rep
         if store.db_who is None:
             return
@@ -604,18 +653,6 @@ class Fsck:
             self.problem(f"{len(rep.drop_who)} attributions belong to no layer", repairable=True)
 
 
-def _check_sealed(store: Store, rep: Report) -> None:
-    """The store's settings, counters and layer rows: each intact (a
-    damaged one raises StoreError naming it); those an older cowfs wrote
-    without a checksum are counted."""
-    with store.read() as txn:
-        for db, handle in ((schema.DB_META, store.db_meta), (schema.DB_LAYERS, store.db_layers)):
-            cur = txn.cursor(db=handle)
-            for key, raw in cur:
-                schema.open_sealed(db, bytes(key), bytes(raw))
-                rep.unsealed += not schema.is_sealed(raw)
-
-
 def redo_segment(store: Store) -> tuple[int | None, int]:
     """The segment of the last rollback (see redo), if any, and the first
     seq recorded since that rollback."""
@@ -623,34 +660,6 @@ def redo_segment(store: Store) -> tuple[int | None, int]:
     if st is None or st.get("segment") is None:
         return None, 0
     return st["segment"], st["seq"]
-
-
-def check_sum(
-    store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None, path: str, hashes: bool
-) -> None:
-    """Grave object *gid* (object *ino*, which is there): its bytes against
-    the hash recorded of them, if any (with *hashes*)."""
-    s = gravesum.read_sum(store, gid, txn)
-    if s is None or s.ino != ino:
-        return  # (an entry of no use is reported with the others)
-    if s.state == schema.SUM_PENDING:
-        rep.graves_pending += 1
-    elif s.state == schema.SUM_CHANGED:
-        rep.graves_changed += 1
-    elif s.state == schema.SUM_HASHED:
-        rep.graves_hashed += 1
-        if not hashes:
-            return
-        rep.grave_bytes_checked += s.size
-        why = gravesum.verify(store, gid, txn)
-        if why is not None:
-            rep.problems.append(
-                Problem(
-                    f"the removed file {path} is corrupt in the store: {why}",
-                    [owner] if owner else [],
-                    [path],
-                )
-            )
 
 
 def grave_names(store: Store) -> list[str]:
