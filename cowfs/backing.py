@@ -16,17 +16,21 @@ import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from . import schema as S
+from . import schema
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.renameat2.argtypes = [
+# The one handle on the C library in cowfs, for the system calls Python's os
+# module lacks; ``checked`` turns a failed call into the OSError os would
+# raise.
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.renameat2.argtypes = [
     ctypes.c_int,
     ctypes.c_char_p,
     ctypes.c_int,
     ctypes.c_char_p,
     ctypes.c_uint,
 ]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -65,20 +69,24 @@ def user_umask() -> int:
 DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _failed(*names: bytes | None) -> OSError:
-    """The OSError a libc call just failed with."""
+def checked(result: int, *filenames: bytes | str | None, call: str = "") -> int:
+    """*result*, what a call through ``libc`` returned, unless it says the
+    call failed (it is negative): then the OSError the call failed with --
+    its errno, the message (after "*call*: " where given) and *filenames*
+    as OSError takes them (one, or the two of a rename with None between)."""
+    if result >= 0:
+        return result
     e = ctypes.get_errno()
-    return OSError(e, os.strerror(e), *names)
+    message = os.strerror(e)
+    raise OSError(e, f"{call}: {message}" if call else message, *filenames)
 
 
 def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int = 0) -> None:
-    if _libc.renameat2(olddirfd, old, newdirfd, new, flags) != 0:
-        raise _failed(old, None, new)
+    checked(libc.renameat2(olddirfd, old, newdirfd, new, flags), old, None, new)
 
 
 def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, mode, offset, length) != 0:
-        raise _failed()
+    checked(libc.fallocate(fd, mode, offset, length))
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -86,11 +94,12 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     zeros where the filesystem cannot punch holes."""
     if length <= 0:
         return
-    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+    try:
+        checked(libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length))
         return
-    e = ctypes.get_errno()
-    if e not in (errno.EOPNOTSUPP, errno.ENOSYS):
-        raise OSError(e, os.strerror(e))
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
     os.pwrite(fd, bytes(length), offset)
 
 
@@ -140,14 +149,14 @@ def proc_at(dirfd: int, name: bytes) -> bytes:
 AT_EMPTY_PATH = 0x1000
 UTIME_OMIT = (1 << 30) - 2
 SYS_FCHMODAT2 = 452  # (Linux 6.6; x86_64 and aarch64 alike)
-_libc.fchownat.argtypes = [
+libc.fchownat.argtypes = [
     ctypes.c_int,
     ctypes.c_char_p,
     ctypes.c_uint,
     ctypes.c_uint,
     ctypes.c_int,
 ]
-_libc.utimensat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]
+libc.utimensat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]
 _fchmodat2 = [True]  # until the kernel says it has no fchmodat2
 _Times = ctypes.c_long * 4
 
@@ -155,8 +164,7 @@ _Times = ctypes.c_long * 4
 def chown_fd(fd: int, uid: int, gid: int) -> None:
     """chown the object behind *fd* (O_PATH is enough; a symlink itself);
     -1 leaves an id as it is."""
-    if _libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH) != 0:
-        raise _failed()
+    checked(libc.fchownat(fd, b"", uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, AT_EMPTY_PATH))
 
 
 def utime_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
@@ -164,18 +172,18 @@ def utime_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
     itself); None leaves a time as it is."""
     a = (0, UTIME_OMIT) if atime_ns is None else divmod(atime_ns, 1_000_000_000)
     m = (0, UTIME_OMIT) if mtime_ns is None else divmod(mtime_ns, 1_000_000_000)
-    if _libc.utimensat(fd, b"", _Times(a[0], a[1], m[0], m[1]), AT_EMPTY_PATH) != 0:
-        raise _failed()
+    checked(libc.utimensat(fd, b"", _Times(a[0], a[1], m[0], m[1]), AT_EMPTY_PATH))
 
 
 def chmod_fd(fd: int, mode: int) -> None:
     """chmod the object behind *fd* (O_PATH is enough; not a symlink)."""
     if _fchmodat2[0]:
-        if _libc.syscall(SYS_FCHMODAT2, fd, b"", mode, AT_EMPTY_PATH) == 0:
+        try:
+            checked(libc.syscall(SYS_FCHMODAT2, fd, b"", mode, AT_EMPTY_PATH))
             return
-        e = ctypes.get_errno()
-        if e not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(e, os.strerror(e))
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EINVAL):
+                raise
         _fchmodat2[0] = False  # an older kernel: through /proc
     os.chmod(proc(fd), mode)
 
@@ -239,7 +247,6 @@ class _OpenHow(ctypes.Structure):
 SYS_OPENAT2 = 437  # (x86_64 and aarch64 alike)
 RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x02, 0x04, 0x08
 _HOW = _OpenHow(DIR_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-_libc.syscall.restype = ctypes.c_long
 _openat2 = [True]  # until the kernel says it has no openat2
 
 
@@ -256,14 +263,16 @@ def open_dir(rootfd: int, path: bytes) -> int:
             or (b"." in path and any(c in (b".", b"..") for c in path.split(b"/")))
         ):
             raise OSError(errno.EINVAL, "bad path component", path)
-        fd = _libc.syscall(SYS_OPENAT2, rootfd, path, ctypes.byref(_HOW), ctypes.sizeof(_HOW))
-        if fd >= 0:
-            return fd
-        e = ctypes.get_errno()
-        if e == errno.ENOSYS:
-            _openat2[0] = False
-        elif e != errno.ENAMETOOLONG:  # (deeper than PATH_MAX: walk it)
-            raise OSError(e, os.strerror(e), path)
+        try:
+            return checked(
+                libc.syscall(SYS_OPENAT2, rootfd, path, ctypes.byref(_HOW), ctypes.sizeof(_HOW)),
+                path,
+            )
+        except OSError as e:
+            if e.errno == errno.ENOSYS:
+                _openat2[0] = False
+            elif e.errno != errno.ENAMETOOLONG:  # (deeper than PATH_MAX: walk it)
+                raise
     fd = os.dup(rootfd)
     try:
         for comp in path.split(b"/") if path else ():
@@ -361,7 +370,7 @@ class Resolver:
     @contextmanager
     def at(self, loc: bytes) -> Iterator[tuple[int, bytes]]:
         """(dirfd, name) for *loc*; the root itself is ('root fd', b'.')."""
-        gid = S.grave_id(loc)
+        gid = schema.grave_id(loc)
         if gid is not None:
             yield self.grave_fd, str(gid).encode()
             return
@@ -398,7 +407,7 @@ class Resolver:
     def lstat_strict(self, loc: bytes) -> os.stat_result | None:
         """What is at *loc*; None when nothing is; OSError when a directory
         of its path is gone (or is no directory)."""
-        if self._dirs is not None and loc and not loc.startswith(S.GRAVE_PREFIX):
+        if self._dirs is not None and loc and not loc.startswith(schema.GRAVE_PREFIX):
             parent, name = split(loc)
             return lstat_at(self._dir(parent), name)
         with self.at(loc) as (d, n):
@@ -423,7 +432,7 @@ class _FileHandle(ctypes.Structure):
     ]
 
 
-_libc.name_to_handle_at.argtypes = [
+libc.name_to_handle_at.argtypes = [
     ctypes.c_int,
     ctypes.c_char_p,
     ctypes.POINTER(_FileHandle),
@@ -440,20 +449,20 @@ def object_id(fd: int) -> bytes | None:
     mount_id = ctypes.c_int()
     while True:
         fh.handle_bytes = MAX_HANDLE_SZ
-        if (
-            _libc.name_to_handle_at(
-                fd, b"", ctypes.byref(fh), ctypes.byref(mount_id), _handle_flags[0]
+        try:
+            checked(
+                libc.name_to_handle_at(
+                    fd, b"", ctypes.byref(fh), ctypes.byref(mount_id), _handle_flags[0]
+                )
             )
-            == 0
-        ):
             break
-        e = ctypes.get_errno()
-        if e == errno.EINVAL and _handle_flags[0] & AT_HANDLE_FID:
-            _handle_flags[0] = AT_EMPTY_PATH  # (a kernel before 6.5)
-            continue
-        if e in (errno.EOPNOTSUPP, errno.EOVERFLOW, errno.ENOSYS):
-            return None
-        raise OSError(e, os.strerror(e))
+        except OSError as e:
+            if e.errno == errno.EINVAL and _handle_flags[0] & AT_HANDLE_FID:
+                _handle_flags[0] = AT_EMPTY_PATH  # (a kernel before 6.5)
+                continue
+            if e.errno in (errno.EOPNOTSUPP, errno.EOVERFLOW, errno.ENOSYS):
+                return None
+            raise
     n = fh.handle_bytes
     head = mount_id.value.to_bytes(4, "little", signed=True)
     return head + fh.handle_type.to_bytes(4, "little", signed=True) + bytes(fh.f_handle[:n])
@@ -554,8 +563,8 @@ def fingerprints(resolver: Resolver, locs: Iterable[bytes]) -> list[tuple[bytes,
         if not loc:
             out.append((loc, fingerprint(resolver, loc)))
             continue
-        if loc.startswith(S.GRAVE_PREFIX):
-            parent, fd, name = None, resolver.grave_fd, loc[len(S.GRAVE_PREFIX) :]
+        if loc.startswith(schema.GRAVE_PREFIX):
+            parent, fd, name = None, resolver.grave_fd, loc[len(schema.GRAVE_PREFIX) :]
         else:
             head, _, name = loc.rpartition(b"/")
             if head != parent:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import errno
 import gc
 import logging
@@ -28,6 +27,7 @@ from . import backing as B
 from . import control, errors, gravesum, progress, steps
 from . import schema as S
 from .access import Requester, granted
+from .backing import checked, libc
 from .errors import AlreadyMounted, CowfsError, NoFuse, NotOwner
 from .launch import clear_view, detach, reap, start_and_wait
 from .mounts import (
@@ -53,7 +53,6 @@ if TYPE_CHECKING:  # (imported when the engine is made: pyfuse3 may be missing)
 
 log = logging.getLogger("cowfs.daemon")
 
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 SYNC_INTERVAL = 2.0
 LONG_REQUEST = 0.25  # seconds: a control request after which garbage is collected
 
@@ -75,7 +74,7 @@ def _let_go(seconds: float) -> None:
     held 219, 253, then 284 MiB."""
     if seconds > LONG_REQUEST:
         gc.collect()
-    trim = getattr(_libc, "malloc_trim", None)  # (glibc's)
+    trim = getattr(libc, "malloc_trim", None)  # (glibc's)
     if trim is not None:
         trim(0)
 
@@ -140,9 +139,7 @@ class Mounted(MountHooks):
         def syncfs() -> None:
             fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                if _libc.syncfs(fd) != 0:
-                    e = ctypes.get_errno()
-                    raise OSError(e, os.strerror(e))
+                checked(libc.syncfs(fd))
             finally:
                 os.close(fd)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import xxhash
 
-from . import backing as B
+from . import backing
 
 FORM = b"cowfs-data-1\0"
 BLOCK = 4096
@@ -175,7 +175,7 @@ def of_file(fd: int, stop: Callable[[], bool] | None = None) -> bytes | None:
     """The digest of the regular file open at *fd* (its size now); None
     when *stop* said so midway."""
     size = os.fstat(fd).st_size
-    return of_ranges(lambda off, n: os.pread(fd, n, off), size, B.iter_data(fd, size), stop)
+    return of_ranges(lambda off, n: os.pread(fd, n, off), size, backing.iter_data(fd, size), stop)
 
 
 def of_bytes(data: bytes) -> bytes:

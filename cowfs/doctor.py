@@ -450,7 +450,7 @@ def check_dead(mountpoint: str, rec) -> list[Check]:
 
 
 def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
-    from . import backing as B
+    from . import backing
     from .errors import AlreadyMounted, CowfsError
     from .stack import Stack
     from .store import Store
@@ -497,9 +497,9 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
         )
         return out
     try:
-        rootfd = os.open(workspace, B.DIR_FLAGS)
+        rootfd = os.open(workspace, backing.DIR_FLAGS)
         try:
-            stack = Stack(store, B.Resolver(rootfd, store.grave_fd))
+            stack = Stack(store, backing.Resolver(rootfd, store.grave_fd))
             problems = stack.check()
             summary = _summary(stack.log())
             pending = store.pending()

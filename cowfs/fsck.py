@@ -30,12 +30,12 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from . import backing as B
-from . import gravesum, redo
-from . import pending as P
-from . import schema as S
+import lmdb
+
+from . import backing, gravesum, pending, redo, schema
+from . import schema as S  # (used by restores)
 from .errors import StoreError
-from .store import Store, digest
+from .store import Layer, Store, digest
 from .text import count
 
 
@@ -75,12 +75,12 @@ class Problem:
         }
 
 
-show = S.show_loc
+show = schema.show_loc
 
 
-def object_of(rec: S.Record) -> int | None:
+def object_of(rec: schema.Record) -> int | None:
     """The object (backing inode) a META, XATTRS or CHUNK record restores."""
-    return rec.ino if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else None
+    return rec.ino if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk) else None
 
 
 def restores(rec: S.Record) -> int | None:
@@ -99,16 +99,16 @@ def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
     ok = cur.first()
     while ok:
         key = bytes(cur.key())
-        _, ino, kind, _ = S.split_index_key(key)
-        seq = S.index_seq(key, cur.value())
-        if kind != S.IDX_CREATED and seq in seqs:
+        _, ino, kind, _ = schema.split_index_key(key)
+        seq = schema.index_seq(key, cur.value())
+        if kind != schema.IDX_CREATED and seq in seqs:
             found[seq] = ino
         ok = cur.next()
     return found
 
 
 def unrestorable(
-    store: Store, records: list[tuple[int, S.Record]]
+    store: Store, records: list[tuple[int, schema.Record]]
 ) -> tuple[dict[int, str], set[int]]:
     """Objects among *records* whose pre-image is missing or corrupt, or
     whose undo record is damaged: inode -> what to report (a rollback
@@ -116,9 +116,11 @@ def unrestorable(
     is known that way."""
     out: dict[int, str] = {}
     with store.read() as txn:
-        damaged = {seq for seq, rec in records if isinstance(rec, S.Damaged)}
+        damaged = {seq for seq, rec in records if isinstance(rec, schema.Damaged)}
         names = {
-            rec.ino: rec.loc for _, rec in records if isinstance(rec, S.Meta | S.Xattrs | S.Chunk)
+            rec.ino: rec.loc
+            for _, rec in records
+            if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk)
         }
         owners = owners_of(store, txn, damaged)
         for seq, ino in owners.items():
@@ -127,9 +129,9 @@ def unrestorable(
                 "is damaged; the object is left as it is now"
             )
         for _, rec in records:
-            if not isinstance(rec, S.Chunk) or rec.ino in out:
+            if not isinstance(rec, schema.Chunk) or rec.ino in out:
                 continue
-            problem = S.chunk_problem(rec, store.chunk_size)
+            problem = schema.chunk_problem(rec, store.chunk_size)
             if problem is not None:
                 out[rec.ino] = (
                     f"{show(rec.loc)}: not restored: its pre-image record is invalid "
@@ -151,7 +153,7 @@ def unrestorable(
                 "the file is left as it is now"
             )
         for _, rec in records:
-            if not isinstance(rec, S.Grave) or rec.ino in out:
+            if not isinstance(rec, schema.Grave) or rec.ino in out:
                 continue
             bad = gravesum.verify(store, rec.grave, txn)
             if bad is not None:
@@ -215,339 +217,440 @@ def layer_of(starts: list[tuple[int, int]], seq: int) -> int | None:
 
 def check(store: Store, hashes: bool = True) -> Report:
     """Read the whole store and report every inconsistency (writes nothing).
-    Without *hashes*, chunk contents are not verified (a quick check).
+    Without *hashes*, chunk contents are not verified (a quick check)."""
+    return Fsck(store, hashes).run()
+
+
+Users = list[tuple[int | None, str]]  # (the layer, what it is) of each record using a thing
+
+
+class Fsck:
+    """One reading of the whole store: a method per table or kind of record,
+    in the order the report lists what they find; what one learns for the
+    next (who uses each chunk, which records hold which grave entry) is kept
+    in the fields.
 
     A rollback or redo a crash interrupted (resumed by the next session)
     leaves objects on their way into or out of the grave: what its steps
     move may or may not have moved yet.  Those are not problems; the
     resumed steps check each object they move and report one that is
     truly missing."""
-    rep = Report()
-    try:
-        # (the store's own entries first: a damaged one names itself)
-        _check_sealed(store, rep)
-        layers = store.layers()
-        redo_segment(store)
-    except StoreError as e:
-        rep.problems.append(Problem(str(e)))
-        return rep
-    starts = [(layer.start, layer.id) for layer in layers]
-    if [s for s, _ in starts] != sorted(s for s, _ in starts):
-        rep.problems.append(
-            Problem("layer boundaries are out of order", [layer.id for layer in layers])
+
+    def __init__(self, store: Store, hashes: bool):
+        self.store = store
+        self.hashes = hashes
+        self.rep = Report()
+        self.layers: list[Layer] = []
+        self.starts: list[tuple[int, int]] = []  # (start, id) of each layer
+        self.segment: tuple[int | None, int] = (None, 0)  # see redo_segment
+        # what the interrupted rollback or redo is doing, if one is
+        self.under_way = self.redoing = False
+        self.dropping: int | None = None  # the rollback's last layer
+        self.seqs: set[int] = set()  # of the journal's records
+        self.uses: dict[bytes, Users] = {}  # chunk -> who uses it
+        self.damaged: dict[int, int | None] = {}  # seq -> layer
+        self.names: dict[int, str] = {}  # inode -> a path it had
+        self.graved: dict[int, tuple[int | None, str]] = {}  # grave entry -> who holds it
+        # grave entries the interrupted rollback or redo moves (see above)
+        self.moving: set[int] = set()
+        self.present: set[bytes] = set()  # chunks in the store
+
+    def run(self) -> Report:
+        try:
+            # (the store's own entries first: a damaged one names itself)
+            self.check_sealed()
+            self.layers = self.store.layers()
+            self.segment = redo_segment(self.store)
+        except StoreError as e:
+            self.rep.problems.append(Problem(str(e)))
+            return self.rep
+        self.check_layer_order()
+        with self.store.read() as txn:
+            self.read_pending(txn)
+            self.check_journal(txn)
+            self.check_redo_references(txn)
+            self.report_damaged(txn)
+            self.check_chunks(txn)
+            self.check_refcounts(txn)
+            self.check_graves(txn)
+            self.check_index(txn)
+            self.check_attributions(txn)
+        return self.rep
+
+    def problem(
+        self,
+        what: str,
+        layers: list[int | None] | None = None,
+        paths: list[str] | None = None,
+        repairable: bool = False,
+    ) -> None:
+        """Report a problem (of those of *layers* that are known: a record
+        outside every layer has none)."""
+        self.rep.problems.append(
+            Problem(what, [lid for lid in layers or [] if lid], paths or [], repairable)
         )
-    first = starts[0][0] if starts else store.next_seq
-    uses: dict[bytes, list[tuple[int | None, str]]] = {}
-    damaged: dict[int, int | None] = {}  # seq -> layer
-    names: dict[int, str] = {}  # inode -> a path it had
-    graved: dict[int, tuple[int | None, str]] = {}
-    seqs: set[int] = set()
-    # grave entries the interrupted rollback or redo moves (see above)
-    moving: set[int] = set()
-    with store.read() as txn:
-        pending = S.meta_json(S.DB_META, S.K_PENDING, txn.get(S.K_PENDING, db=store.db_meta))
-        op = pending["op"] if pending is not None and P.files_left(pending) else None
-        under_way, redoing = op is not None, op == "redo"
-        dropping = pending["to"] if pending is not None and op == "rollback" else None
-        cur = txn.cursor(db=store.db_journal)
+
+    def check_sealed(self) -> None:
+        """The store's settings, counters and layer rows: each intact (a
+        damaged one raises StoreError naming it); those an older cowfs wrote
+        without a checksum are counted."""
+        store = self.store
+        with store.read() as txn:
+            for db, handle in (
+                (schema.DB_META, store.db_meta),
+                (schema.DB_LAYERS, store.db_layers),
+            ):
+                cur = txn.cursor(db=handle)
+                for key, raw in cur:
+                    schema.open_sealed(db, bytes(key), bytes(raw))
+                    self.rep.unsealed += not schema.is_sealed(raw)
+
+    def check_layer_order(self) -> None:
+        """The layers begin in the order of their ids."""
+        self.starts = [(layer.start, layer.id) for layer in self.layers]
+        if [s for s, _ in self.starts] != sorted(s for s, _ in self.starts):
+            self.rep.problems.append(
+                Problem("layer boundaries are out of order", [layer.id for layer in self.layers])
+            )
+
+    def read_pending(self, txn: lmdb.Transaction[bytes]) -> None:
+        """The rollback or redo under way, if one is."""
+        store = self.store
+        intent = schema.meta_json(
+            schema.DB_META, schema.K_PENDING, txn.get(schema.K_PENDING, db=store.db_meta)
+        )
+        op = intent["op"] if intent is not None and pending.files_left(intent) else None
+        self.under_way, self.redoing = op is not None, op == "redo"
+        self.dropping = intent["to"] if intent is not None and op == "rollback" else None
+
+    # -- the journal ---------------------------------------------------------------------
+
+    def check_journal(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Every journal record, in order."""
+        first = self.starts[0][0] if self.starts else self.store.next_seq
+        cur = txn.cursor(db=self.store.db_journal)
         ok = cur.first()
         while ok:
-            seq = S.from_u64(cur.key())
-            seqs.add(seq)
-            rep.records += 1
-            owner = layer_of(starts, seq)
-            if seq >= store.next_seq:
-                rep.problems.append(
-                    Problem(
-                        f"record {seq} is beyond the journal's counter", [owner] if owner else []
-                    )
-                )
-            rec = S.decode_or_damaged(cur.value())
-            if isinstance(rec, S.Damaged):
-                damaged[seq] = owner
-                ok = cur.next()
-                continue
-            if not S.is_sealed(cur.value()):
-                rep.unsealed += 1
-            loc = S.record_loc(rec)
-            if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
-                names[rec.ino] = show(loc)
-            if seq < first:
-                rep.problems.append(
-                    Problem(
-                        f"record {seq} ({S.record_name(rec)} of {show(loc)}) belongs to no layer",
-                        repairable=True,
-                    )
-                )
-                rep.drop_records.append(seq)
-            elif isinstance(rec, S.Chunk):
-                problem = S.chunk_problem(rec, store.chunk_size)
-                if problem is not None:
-                    rep.problems.append(
-                        Problem(
-                            f"record {seq} (chunk of {show(loc)}) is invalid: {problem}; "
-                            "what it would undo is lost",
-                            [owner] if owner else [],
-                            [show(loc)],
-                        )
-                    )
-                if rec.digest:
-                    uses.setdefault(rec.digest, []).append(
-                        (owner, f"{show(loc)} (chunk {rec.chunk})")
-                    )
-            elif isinstance(rec, S.Grave):
-                graved[rec.grave] = (owner, show(loc))
-                if dropping is not None and owner is not None and owner >= dropping:
-                    moving.add(rec.grave)  # (put back by the rollback, maybe)
+            self.check_record(schema.from_u64(cur.key()), cur.value(), first)
             ok = cur.next()
 
-        # what the last rollback kept for a redo uses chunks and grave entries too
+    def check_record(self, seq: int, raw: bytes, first: int) -> None:
+        """Journal record *seq* (*first*: the first seq of the lowest layer)."""
+        rep = self.rep
+        self.seqs.add(seq)
+        rep.records += 1
+        owner = layer_of(self.starts, seq)
+        if seq >= self.store.next_seq:
+            self.problem(f"record {seq} is beyond the journal's counter", [owner])
+        rec = schema.decode_or_damaged(raw)
+        if isinstance(rec, schema.Damaged):
+            self.damaged[seq] = owner
+            return
+        if not schema.is_sealed(raw):
+            rep.unsealed += 1
+        loc = schema.record_loc(rec)
+        if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk):
+            self.names[rec.ino] = show(loc)
+        if seq < first:
+            self.problem(
+                f"record {seq} ({schema.record_name(rec)} of {show(loc)}) belongs to no layer",
+                repairable=True,
+            )
+            rep.drop_records.append(seq)
+        elif isinstance(rec, schema.Chunk):
+            self.check_chunk_record(seq, rec, show(loc), owner)
+        elif isinstance(rec, schema.Grave):
+            self.graved[rec.grave] = (owner, show(loc))
+            if self.dropping is not None and owner is not None and owner >= self.dropping:
+                self.moving.add(rec.grave)  # (put back by the rollback, maybe)
+
+    def check_chunk_record(self, seq: int, rec: schema.Chunk, loc: str, owner: int | None) -> None:
+        """CHUNK record *seq*: valid, and a user of its chunk."""
+        why = schema.chunk_problem(rec, self.store.chunk_size)
+        if why is not None:
+            self.problem(
+                f"record {seq} (chunk of {loc}) is invalid: {why}; what it would undo is lost",
+                [owner],
+                [loc],
+            )
+        if rec.digest:
+            self.uses.setdefault(rec.digest, []).append((owner, f"{loc} (chunk {rec.chunk})"))
+
+    def check_redo_references(self, txn: lmdb.Transaction[bytes]) -> None:
+        """What the last rollback kept for a redo uses chunks and grave
+        entries too."""
         redo_damaged = 0
-        for kind, rec in redo.references(store, txn):
-            if isinstance(rec, S.Damaged):
-                if kind == S.REDO_INVERSE:
+        for kind, rec in redo.references(self.store, txn):
+            if isinstance(rec, schema.Damaged):
+                if kind == schema.REDO_INVERSE:
                     redo_damaged += 1
                 else:  # as it was in its layer: a redo brings it back as it is
-                    rep.problems.append(
-                        Problem("a record of a rolled-back layer (kept for a redo) is damaged")
-                    )
+                    self.problem("a record of a rolled-back layer (kept for a redo) is damaged")
                 continue
-            what = f"{show(S.record_loc(rec))} (kept for a redo)"
-            if isinstance(rec, S.Chunk) and rec.digest:
-                uses.setdefault(rec.digest, []).append((None, what))
+            what = f"{show(schema.record_loc(rec))} (kept for a redo)"
+            if isinstance(rec, schema.Chunk) and rec.digest:
+                self.uses.setdefault(rec.digest, []).append((None, what))
             held = redo.held_grave(kind, rec)
-            if held is None:
-                continue
-            if kind == S.REDO_INVERSE:
-                graved[held[0]] = (None, what)
-                if under_way:  # (moved in by the rollback, or out by the redo, maybe)
-                    moving.add(held[0])
-            elif txn.get(S.u64(held[0]), db=store.db_graves) is not None:
-                graved[held[0]] = (None, what)
-            elif redoing:
-                # moved back into the grave by the redo, maybe: its end
-                # enters it again (redo.restore)
-                moving.add(held[0])
+            if held is not None:
+                self.hold_for_redo(txn, kind, held[0], what)
         if redo_damaged:
-            rep.problems.append(
-                Problem(
-                    f"{count(redo_damaged, 'record')} kept for a redo "
-                    f"{'is' if redo_damaged == 1 else 'are'} damaged "
-                    "(repair discards what was kept: no redo)",
-                    repairable=True,
-                )
+            self.problem(
+                f"{count(redo_damaged, 'record')} kept for a redo "
+                f"{'is' if redo_damaged == 1 else 'are'} damaged "
+                "(repair discards what was kept: no redo)",
+                repairable=True,
             )
-            rep.drop_redo = True
+            self.rep.drop_redo = True
 
-        owners = owners_of(store, txn, set(damaged))
-        for seq, owner in damaged.items():
+    def hold_for_redo(self, txn: lmdb.Transaction[bytes], kind: bytes, gid: int, what: str) -> None:
+        """Grave entry *gid*, which a record of *kind* kept for a redo holds."""
+        if kind == schema.REDO_INVERSE:
+            self.graved[gid] = (None, what)
+            if self.under_way:  # (moved in by the rollback, or out by the redo, maybe)
+                self.moving.add(gid)
+        elif txn.get(schema.u64(gid), db=self.store.db_graves) is not None:
+            self.graved[gid] = (None, what)
+        elif self.redoing:
+            # moved back into the grave by the redo, maybe: its end
+            # enters it again (redo.restore)
+            self.moving.add(gid)
+
+    def report_damaged(self, txn: lmdb.Transaction[bytes]) -> None:
+        """The damaged journal records, each with the path of its object
+        where an index entry still names it."""
+        owners = owners_of(self.store, txn, set(self.damaged))
+        for seq, owner in self.damaged.items():
             ino = owners.get(seq)
-            why = S.damage_of(S.Damaged(txn.get(S.u64(seq), db=store.db_journal) or b""))
-            rep.problems.append(
-                Problem(
-                    f"record {seq} is damaged: it {why}; what it would undo is lost",
-                    [owner] if owner else [],
-                    [names.get(ino, "?")] if ino is not None else [],
-                )
+            raw = txn.get(schema.u64(seq), db=self.store.db_journal) or b""
+            why = schema.damage_of(schema.Damaged(raw))
+            self.problem(
+                f"record {seq} is damaged: it {why}; what it would undo is lost",
+                [owner],
+                [self.names.get(ino, "?")] if ino is not None else [],
             )
 
-        # chunks: hashes, reference counts, unused ones
-        cur = txn.cursor(db=store.db_chunks)
+    # -- chunks: hashes, reference counts, unused ones --------------------------------
+
+    def check_chunks(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Every chunk in the store; then the chunks records use that are
+        missing."""
+        cur = txn.cursor(db=self.store.db_chunks)
         ok = cur.first()
-        present: set[bytes] = set()
         while ok:
-            h, data = bytes(cur.key()), cur.value()
-            present.add(h)
-            rep.chunks += 1
-            rep.bytes_checked += len(data)
-            users = uses.get(h, [])
-            if users and hashes and digest(data) != h:
-                rep.corrupt_chunks.add(h)
-                rep.problems.append(
-                    Problem(
-                        f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
-                        [u for u, _ in users if u],
-                        [p for _, p in users],
-                    )
-                )
-            refs = txn.get(h, db=store.db_refs)
-            refcount = S.from_u64(refs) if refs is not None else 0
-            if not users:
-                rep.problems.append(
-                    Problem(f"chunk {h.hex()} is used by no record", repairable=True)
-                )
-                rep.drop_chunks.add(h)
-            elif refcount != len(users):
-                rep.problems.append(
-                    Problem(
-                        f"chunk {h.hex()} has reference count {refcount}, but {len(users)} "
-                        "records use it",
-                        [u for u, _ in users if u],
-                        repairable=True,
-                    )
-                )
-                rep.fix_refs[h] = len(users)
+            self.check_chunk(txn, bytes(cur.key()), cur.value())
             ok = cur.next()
-        for h, users in uses.items():
-            if h not in present:
-                rep.problems.append(
-                    Problem(
-                        f"chunk {h.hex()} is missing",
-                        [u for u, _ in users if u],
-                        [p for _, p in users],
-                    )
+        for h, users in self.uses.items():
+            if h not in self.present:
+                self.problem(
+                    f"chunk {h.hex()} is missing", [u for u, _ in users], [p for _, p in users]
                 )
-        cur = txn.cursor(db=store.db_refs)
+
+    def check_chunk(self, txn: lmdb.Transaction[bytes], h: bytes, data: bytes) -> None:
+        """Chunk *h*: its hash (with *hashes*), its users, its reference count."""
+        rep = self.rep
+        self.present.add(h)
+        rep.chunks += 1
+        rep.bytes_checked += len(data)
+        users = self.uses.get(h, [])
+        if users and self.hashes and digest(data) != h:
+            rep.corrupt_chunks.add(h)
+            self.problem(
+                f"chunk {h.hex()} is corrupt: its bytes do not hash to its name",
+                [u for u, _ in users],
+                [p for _, p in users],
+            )
+        refs = txn.get(h, db=self.store.db_refs)
+        refcount = schema.from_u64(refs) if refs is not None else 0
+        if not users:
+            self.problem(f"chunk {h.hex()} is used by no record", repairable=True)
+            rep.drop_chunks.add(h)
+        elif refcount != len(users):
+            self.problem(
+                f"chunk {h.hex()} has reference count {refcount}, but {len(users)} records use it",
+                [u for u, _ in users],
+                repairable=True,
+            )
+            rep.fix_refs[h] = len(users)
+
+    def check_refcounts(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Reference counts of chunks that are neither there nor used."""
+        cur = txn.cursor(db=self.store.db_refs)
         ok = cur.first()
         while ok:
             h = bytes(cur.key())
-            if h not in present and h not in uses:
-                rep.problems.append(
-                    Problem(f"reference count of absent chunk {h.hex()}", repairable=True)
-                )
-                rep.fix_refs[h] = None
+            if h not in self.present and h not in self.uses:
+                self.problem(f"reference count of absent chunk {h.hex()}", repairable=True)
+                self.rep.fix_refs[h] = None
             ok = cur.next()
 
-        # graves: entries, files, identity
-        grave_files = set(grave_names(store))
-        cur = txn.cursor(db=store.db_graves)
+    # -- graves: entries, files, identity ---------------------------------------------
+
+    def check_graves(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Grave entries and the files they name; entries records hold that
+        are missing; files no entry or record holds."""
+        grave_files = set(grave_names(self.store))
+        cur = txn.cursor(db=self.store.db_graves)
         ok = cur.first()
         while ok:
-            gid, ino = S.from_u64(cur.key()), S.from_u64(cur.value())
-            rep.graves += 1
-            owner, path = graved.get(gid, (None, None))
-            st = B.lstat_at(store.grave_fd, str(gid).encode())
-            if path is None:
-                rep.problems.append(
-                    Problem(f"grave entry {gid} is held by no record", repairable=True)
-                )
-                rep.drop_graves.append(gid)
-            elif st is None:
-                if gid not in moving:
-                    rep.problems.append(
-                        Problem(
-                            f"the removed object {path} (grave {gid}) is missing from the store",
-                            [owner] if owner else [],
-                            [path],
-                        )
-                    )
-            elif st.st_ino != ino:
-                rep.problems.append(
-                    Problem(
-                        f"the removed object {path} (grave {gid}) was "
-                        f"replaced (inode {st.st_ino}, recorded {ino})",
-                        [owner] if owner else [],
-                        [path],
-                    )
-                )
-            else:
-                check_sum(store, txn, rep, gid, ino, owner, path, hashes)
+            gid = schema.from_u64(cur.key())
+            self.check_grave(txn, gid, schema.from_u64(cur.value()))
             grave_files.discard(str(gid))
             ok = cur.next()
-        if store.db_sums is not None:
-            cur = txn.cursor(db=store.db_sums)
-            ok = cur.first()
-            while ok:
-                gid = S.from_u64(cur.key())
-                held_ino = txn.get(cur.key(), db=store.db_graves)
-                s = S.decode_sum(cur.value())
-                if held_ino is None or s is None or s.ino != S.from_u64(held_ino):
-                    rep.drop_sums.append(gid)
-                ok = cur.next()
-            if rep.drop_sums:
-                rep.problems.append(
-                    Problem(
-                        f"{len(rep.drop_sums)} hash entries of removed "
-                        "files belong to no grave entry or do not fit it",
-                        repairable=True,
-                    )
-                )
-        for gid, (owner, path) in graved.items():
-            if txn.get(S.u64(gid), db=store.db_graves) is None:
-                rep.problems.append(
-                    Problem(
-                        f"the grave entry of removed object {path} (grave {gid}) is missing",
-                        [owner] if owner else [],
-                        [path],
-                    )
+        self.check_grave_sums(txn)
+        for gid, (owner, path) in self.graved.items():
+            if txn.get(schema.u64(gid), db=self.store.db_graves) is None:
+                self.problem(
+                    f"the grave entry of removed object {path} (grave {gid}) is missing",
+                    [owner],
+                    [path],
                 )
                 grave_files.discard(str(gid))
-        grave_files -= {str(gid) for gid in moving}
+        grave_files -= {str(gid) for gid in self.moving}
         for name in sorted(grave_files):
-            rep.problems.append(Problem(f"grave file {name} is held by no record", repairable=True))
-            rep.drop_grave_files.append(name)
+            self.problem(f"grave file {name} is held by no record", repairable=True)
+            self.rep.drop_grave_files.append(name)
 
-        # index entries (a segment's, see redo, are the open layer's records
-        # since the rollback)
-        ids = {layer.id: layer.id for layer in layers}
-        seg, since = redo_segment(store)
-        if seg is not None and layers:
-            ids[seg] = layers[-1].id
-        cur = txn.cursor(db=store.db_index)
+    def check_grave(self, txn: lmdb.Transaction[bytes], gid: int, ino: int) -> None:
+        """Grave entry *gid* of object *ino*: held, there, the same object."""
+        self.rep.graves += 1
+        owner, path = self.graved.get(gid, (None, None))
+        st = backing.lstat_at(self.store.grave_fd, str(gid).encode())
+        if path is None:
+            self.problem(f"grave entry {gid} is held by no record", repairable=True)
+            self.rep.drop_graves.append(gid)
+        elif st is None:
+            if gid not in self.moving:
+                self.problem(
+                    f"the removed object {path} (grave {gid}) is missing from the store",
+                    [owner],
+                    [path],
+                )
+        elif st.st_ino != ino:
+            self.problem(
+                f"the removed object {path} (grave {gid}) was "
+                f"replaced (inode {st.st_ino}, recorded {ino})",
+                [owner],
+                [path],
+            )
+        else:
+            self.check_grave_sum(txn, gid, ino, owner, path)
+
+    def check_grave_sum(
+        self, txn: lmdb.Transaction[bytes], gid: int, ino: int, owner: int | None, path: str
+    ) -> None:
+        """Grave object *gid* (object *ino*, which is there): its bytes against
+        the hash recorded of them, if any (with *hashes*)."""
+        rep = self.rep
+        s = gravesum.read_sum(self.store, gid, txn)
+        if s is None or s.ino != ino:
+            return  # (an entry of no use is reported with the others)
+        if s.state == schema.SUM_PENDING:
+            rep.graves_pending += 1
+        elif s.state == schema.SUM_CHANGED:
+            rep.graves_changed += 1
+        elif s.state == schema.SUM_HASHED:
+            rep.graves_hashed += 1
+            if not self.hashes:
+                return
+            rep.grave_bytes_checked += s.size
+            why = gravesum.verify(self.store, gid, txn)
+            if why is not None:
+                self.problem(
+                    f"the removed file {path} is corrupt in the store: {why}", [owner], [path]
+                )
+
+    def check_grave_sums(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Hash entries of grave objects that no grave entry holds."""
+        store, rep = self.store, self.rep
+        if store.db_sums is None:
+            return
+        cur = txn.cursor(db=store.db_sums)
+        ok = cur.first()
+        while ok:
+            gid = schema.from_u64(cur.key())
+            held_ino = txn.get(cur.key(), db=store.db_graves)
+            s = schema.decode_sum(cur.value())
+            if held_ino is None or s is None or s.ino != schema.from_u64(held_ino):
+                rep.drop_sums.append(gid)
+            ok = cur.next()
+        if rep.drop_sums:
+            self.problem(
+                f"{len(rep.drop_sums)} hash entries of removed "
+                "files belong to no grave entry or do not fit it",
+                repairable=True,
+            )
+
+    # -- the index and the attributions -----------------------------------------------
+
+    def layer_ids(self) -> dict[int, int]:
+        """The layer each layer id of an index entry stands for: its own, and
+        for the segment of the last rollback (see redo) the open layer,
+        whose records since the rollback it holds."""
+        ids = {layer.id: layer.id for layer in self.layers}
+        seg = self.segment[0]
+        if seg is not None and self.layers:
+            ids[seg] = self.layers[-1].id
+        return ids
+
+    def check_index(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Index entries: intact, and each pointing at a record of its layer."""
+        rep = self.rep
+        ids = self.layer_ids()
+        cur = txn.cursor(db=self.store.db_index)
         ok = cur.first()
         stale = bad = 0
         while ok:
             key = bytes(cur.key())
-            lid, _, kind, _ = S.split_index_key(key)
-            found = S.index_seq(key, cur.value())
-            if not S.is_sealed(cur.value()):
+            lid, _, kind, _ = schema.split_index_key(key)
+            found = schema.index_seq(key, cur.value())
+            if not schema.is_sealed(cur.value()):
                 rep.unsealed += 1
             if found is None:
                 rep.drop_index.append(key)
                 bad += 1
-                ok = cur.next()
-                continue
-            seq = found
-            if lid not in ids:
-                stale_entry = True
-            elif kind in S.INDEX_FLAGS:
-                stale_entry = False
-            elif seq not in seqs:
-                # (the interrupted rollback deleted or kept the record: the
-                # layer's entries go when it ends)
-                stale_entry = dropping is None or lid < dropping
-            else:
-                stale_entry = layer_of(starts, seq) != ids[lid] or lid == seg and seq < since
-            if stale_entry:
+            elif self.stale_index_entry(ids, lid, kind, found):
                 rep.drop_index.append(key)
                 stale += 1
             ok = cur.next()
         if stale:
-            rep.problems.append(
-                Problem(f"{stale} index entries point at no record of their layer", repairable=True)
+            self.problem(
+                f"{stale} index entries point at no record of their layer", repairable=True
             )
         if bad:
-            rep.problems.append(
-                Problem(
-                    f"{count(bad, 'index entry', 'index entries')} fail their checksum (repair "
-                    "drops them: what they said was captured is captured again when it changes)",
-                    repairable=True,
-                )
+            self.problem(
+                f"{count(bad, 'index entry', 'index entries')} fail their checksum (repair "
+                "drops them: what they said was captured is captured again when it changes)",
+                repairable=True,
             )
-        if store.db_who is not None:
-            cur = txn.cursor(db=store.db_who)
-            ok = cur.first()
-            while ok:
-                if S.key_layer(cur.key()) not in ids:
-                    rep.drop_who.append(bytes(cur.key()))
-                ok = cur.next()
-            if rep.drop_who:
-                rep.problems.append(
-                    Problem(f"{len(rep.drop_who)} attributions belong to no layer", repairable=True)
-                )
-    return rep
 
+    def stale_index_entry(self, ids: dict[int, int], lid: int, kind: bytes, seq: int) -> bool:
+        """Whether an index entry of layer *lid* that points at record *seq*
+        points at no record of its layer."""
+        seg, since = self.segment
+        if lid not in ids:
+            return True
+        if kind in schema.INDEX_FLAGS:
+            return False
+        if seq not in self.seqs:
+            # (the interrupted rollback deleted or kept the record: the
+            # layer's entries go when it ends)
+            return self.dropping is None or lid < self.dropping
+        return layer_of(self.starts, seq) != ids[lid] or lid == seg and seq < since
 
-def _check_sealed(store: Store, rep: Report) -> None:
-    """The store's settings, counters and layer rows: each intact (a
-    damaged one raises StoreError naming it); those an older cowfs wrote
-    without a checksum are counted."""
-    with store.read() as txn:
-        for db, handle in ((S.DB_META, store.db_meta), (S.DB_LAYERS, store.db_layers)):
-            cur = txn.cursor(db=handle)
-            for key, raw in cur:
-                S.open_sealed(db, bytes(key), bytes(raw))
-                rep.unsealed += not S.is_sealed(raw)
+    def check_attributions(self, txn: lmdb.Transaction[bytes]) -> None:
+        """Attributions (who wrote what) of layers that are gone."""
+        store, rep = self.store, self.rep
+        if store.db_who is None:
+            return
+        ids = self.layer_ids()
+        cur = txn.cursor(db=store.db_who)
+        ok = cur.first()
+        while ok:
+            if schema.key_layer(cur.key()) not in ids:
+                rep.drop_who.append(bytes(cur.key()))
+            ok = cur.next()
+        if rep.drop_who:
+            self.problem(f"{len(rep.drop_who)} attributions belong to no layer", repairable=True)
 
 
 def redo_segment(store: Store) -> tuple[int | None, int]:
@@ -559,36 +662,8 @@ def redo_segment(store: Store) -> tuple[int | None, int]:
     return st["segment"], st["seq"]
 
 
-def check_sum(
-    store: Store, txn, rep: Report, gid: int, ino: int, owner: int | None, path: str, hashes: bool
-) -> None:
-    """Grave object *gid* (object *ino*, which is there): its bytes against
-    the hash recorded of them, if any (with *hashes*)."""
-    s = gravesum.read_sum(store, gid, txn)
-    if s is None or s.ino != ino:
-        return  # (an entry of no use is reported with the others)
-    if s.state == S.SUM_PENDING:
-        rep.graves_pending += 1
-    elif s.state == S.SUM_CHANGED:
-        rep.graves_changed += 1
-    elif s.state == S.SUM_HASHED:
-        rep.graves_hashed += 1
-        if not hashes:
-            return
-        rep.grave_bytes_checked += s.size
-        why = gravesum.verify(store, gid, txn)
-        if why is not None:
-            rep.problems.append(
-                Problem(
-                    f"the removed file {path} is corrupt in the store: {why}",
-                    [owner] if owner else [],
-                    [path],
-                )
-            )
-
-
 def grave_names(store: Store) -> list[str]:
-    fd = os.open(B.proc(store.grave_fd), os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(backing.proc(store.grave_fd), os.O_RDONLY | os.O_DIRECTORY)
     try:
         return os.listdir(fd)
     finally:
@@ -634,7 +709,7 @@ def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
         rep.drop_grave_files.append(str(gid))
     for name in rep.drop_grave_files:
         try:
-            B.remove_tree_at(store.grave_fd, os.fsencode(name))
+            backing.remove_tree_at(store.grave_fd, os.fsencode(name))
         except FileNotFoundError:
             pass
     if rep.drop_graves or rep.drop_grave_files:

@@ -55,9 +55,7 @@ from contextlib import AbstractContextManager
 import trio
 import xxhash
 
-from . import backing as B
-from . import datahash
-from . import schema as S
+from . import backing, datahash, schema
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -72,19 +70,19 @@ PATIENCE_NS = 5_000_000_000  # ... or once it was removed this long ago
 UNMOUNT_BUDGET = 20.0  # seconds an unmount spends hashing what is left
 
 
-def read_sum(store: Store, gid: int, txn=None) -> S.GraveSum | None:
+def read_sum(store: Store, gid: int, txn=None) -> schema.GraveSum | None:
     if store.db_sums is None:
         return None
     if txn is None:
         with store.read() as t:
-            raw = t.get(S.u64(gid), db=store.db_sums)
+            raw = t.get(schema.u64(gid), db=store.db_sums)
     else:
-        raw = txn.get(S.u64(gid), db=store.db_sums)
-    return S.decode_sum(raw) if raw is not None else None
+        raw = txn.get(schema.u64(gid), db=store.db_sums)
+    return schema.decode_sum(raw) if raw is not None else None
 
 
 def _open(store: Store, gid: int) -> int:
-    return B.open_noatime(
+    return backing.open_noatime(
         str(gid).encode(),
         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
         dir_fd=store.grave_fd,
@@ -104,7 +102,7 @@ def digest_all(fd: int) -> bytes:
     h = xxhash.xxh3_128()
     size = os.fstat(fd).st_size
     at = 0
-    for lo, hi in B.iter_data(fd, size):
+    for lo, hi in backing.iter_data(fd, size):
         _zeros(h, lo - at)
         for off in range(lo, hi, READ_SIZE):
             data = os.pread(fd, min(READ_SIZE, hi - off), off)
@@ -130,7 +128,7 @@ def verify(store: Store, gid: int, txn=None) -> str | None:
     when its bytes hash as recorded (or no hash was recorded: verified by
     identity only, elsewhere)."""
     s = read_sum(store, gid, txn)
-    if s is None or s.state != S.SUM_HASHED:
+    if s is None or s.state != schema.SUM_HASHED:
         return None
     try:
         fd = _open(store, gid)
@@ -142,7 +140,7 @@ def verify(store: Store, gid: int, txn=None) -> str | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return f"grave {gid} is no longer a regular file"
-        found = digest_all(fd) if s.form == S.SUM_FORM_ALL else digest_of(fd)
+        found = digest_all(fd) if s.form == schema.SUM_FORM_ALL else digest_of(fd)
         if found == s.digest:
             return None  # (even if it is another inode now: the same bytes)
     finally:
@@ -158,7 +156,7 @@ def _key(st: os.stat_result) -> tuple:
 
 
 def hash_pending(
-    store: Store, gid: int, s: S.GraveSum, stop: Callable[[], bool]
+    store: Store, gid: int, s: schema.GraveSum, stop: Callable[[], bool]
 ) -> tuple[bool, bytes | None]:
     """Hash pending grave file *gid* (in a worker thread: no LMDB here).
     Returns (done, the entry to record instead of the pending one, if
@@ -168,7 +166,7 @@ def hash_pending(
     except FileNotFoundError:
         return True, None  # moved out meanwhile: its entry goes with it
     except OSError:  # (a symlink planted in the store, ...)
-        return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
+        return True, schema.encode_sum(s._replace(state=schema.SUM_CHANGED))
     try:
         st = os.fstat(fd)
         if not (
@@ -178,23 +176,25 @@ def hash_pending(
             and st.st_mtime_ns == s.mtime_ns
             and st.st_ctime_ns <= s.time_ns + SLACK_NS
         ):
-            return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
+            return True, schema.encode_sum(s._replace(state=schema.SUM_CHANGED))
         d = digest_of(fd, stop)
         if d is None:
             return False, None
         if _key(os.fstat(fd)) != _key(st):  # changed while it was read
-            return True, S.encode_sum(s._replace(state=S.SUM_CHANGED))
-        return True, S.encode_sum(
-            S.GraveSum(S.SUM_HASHED, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, d)
+            return True, schema.encode_sum(s._replace(state=schema.SUM_CHANGED))
+        return True, schema.encode_sum(
+            schema.GraveSum(
+                schema.SUM_HASHED, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, d
+            )
         )
     finally:
         os.close(fd)
 
 
-def _sound(raw: bytes) -> S.GraveSum:
+def _sound(raw: bytes) -> schema.GraveSum:
     """A hash entry known to decode (the Hasher takes in no other, and
     writes only what it encoded)."""
-    s = S.decode_sum(raw)
+    s = schema.decode_sum(raw)
     assert s is not None
     return s
 
@@ -245,13 +245,13 @@ class Hasher:
             return
         with self.store.read() as txn:
             cur = txn.cursor(db=db)
-            ok = cur.set_range(S.u64(start))
+            ok = cur.set_range(schema.u64(start))
             while ok:
-                gid, raw = S.from_u64(cur.key()), bytes(cur.value())
-                s = S.decode_sum(raw)
-                if s is not None and s.state != S.SUM_CHANGED:
+                gid, raw = schema.from_u64(cur.key()), bytes(cur.value())
+                s = schema.decode_sum(raw)
+                if s is not None and s.state != schema.SUM_CHANGED:
                     self.live.setdefault(s.ino, set()).add(gid)
-                    if s.state == S.SUM_PENDING:
+                    if s.state == schema.SUM_PENDING:
                         self.todo[gid] = raw
                 ok = cur.next()
 
@@ -269,9 +269,11 @@ class Hasher:
         with self.store.write() as w:
             for gid in gids:
                 raw = w.grave_sum(gid)
-                s = S.decode_sum(raw) if raw is not None else None
-                if s is not None and s.ino == ino and s.state != S.SUM_CHANGED:
-                    w.put_grave_sum(gid, S.encode_sum(s._replace(state=S.SUM_CHANGED, digest=b"")))
+                s = schema.decode_sum(raw) if raw is not None else None
+                if s is not None and s.ino == ino and s.state != schema.SUM_CHANGED:
+                    w.put_grave_sum(
+                        gid, schema.encode_sum(s._replace(state=schema.SUM_CHANGED, digest=b""))
+                    )
         for gid in gids:
             self.todo.pop(gid, None)
         del self.live[ino]
@@ -283,7 +285,7 @@ class Hasher:
             self.deadline is not None and time.monotonic() > self.deadline
         )
 
-    def _due(self, s: S.GraveSum) -> bool:
+    def _due(self, s: schema.GraveSum) -> bool:
         """Whether to hash *s* now rather than wait for a pause."""
         if self.operating():
             return False
@@ -341,7 +343,7 @@ class Hasher:
             if self.todo.get(gid) == raw:  # (not taken in again since)
                 del self.todo[gid]
         for gid, s in written:
-            if s.state == S.SUM_CHANGED:
+            if s.state == schema.SUM_CHANGED:
                 self.live.get(s.ino, set()).discard(gid)
 
     def _still(self, gid: int, raw: bytes, new: bytes) -> bytes:
@@ -351,9 +353,9 @@ class Hasher:
         thread: file requests, and so ``changing``, were held off) may have
         changed it through another name."""
         s = _sound(new)
-        if s.state != S.SUM_HASHED:
+        if s.state != schema.SUM_HASHED:
             return new
-        st = B.lstat_at(self.store.grave_fd, str(gid).encode())
+        st = backing.lstat_at(self.store.grave_fd, str(gid).encode())
         if st is not None and (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (
             s.ino,
             s.size,
@@ -361,7 +363,7 @@ class Hasher:
             s.time_ns,  # (the ctime, in a hashed entry)
         ):
             return new
-        return S.encode_sum(_sound(raw)._replace(state=S.SUM_CHANGED))
+        return schema.encode_sum(_sound(raw)._replace(state=schema.SUM_CHANGED))
 
     async def _step(self, everything: bool = False) -> bool:
         """Hash and record one batch; False when there was nothing to do."""

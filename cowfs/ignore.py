@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import pathspec
 
-from . import backing as B
+from . import backing
 
 NAME = b".cowfsignore"
 MAX_SIZE = 1 << 20
@@ -50,7 +50,7 @@ class IgnoreRules:
             return
         self._checked = now
         self.stale = False
-        st = B.lstat_at(self.rootfd, NAME)
+        st = backing.lstat_at(self.rootfd, NAME)
         seen = None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if seen == self._seen and not force:
             return

@@ -30,6 +30,7 @@ from typing import TypeVar, TypeVarTuple
 import trio
 
 from . import fuse_abi
+from .backing import checked, libc
 from .inodes import Node
 from .mounts import unmount
 from .ops import TIMEOUT, Ctx, Ops
@@ -48,7 +49,6 @@ READ_AHEAD_KB = 1024
 # $COWFS_SPIN_US (0: it sleeps at once), else 50.
 _spin = os.environ.get("COWFS_SPIN_US", "")
 SPIN_NS = (int(_spin) if _spin.isdigit() else 50) * 1000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 _ENTRY_TIMEOUT = int(TIMEOUT)
 _NEGATIVE = fuse_abi.ENTRY_OUT.pack(0, 0, _ENTRY_TIMEOUT, 0, 0, 0) + bytes(fuse_abi.ATTR.size)
@@ -256,20 +256,22 @@ class Engine:
             f"fd={self.fd},rootmode={stat.S_IFMT(st.st_mode):o},"
             f"user_id={os.geteuid()},group_id={os.getegid()},{common}"
         )
-        if (
-            _libc.mount(
-                os.fsencode(fsname),
-                os.fsencode(mountpoint),
-                f"fuse.{SUBTYPE}".encode(),
-                MS_NOSUID | MS_NODEV,
-                opts.encode(),
+        try:
+            checked(
+                libc.mount(
+                    os.fsencode(fsname),
+                    os.fsencode(mountpoint),
+                    f"fuse.{SUBTYPE}".encode(),
+                    MS_NOSUID | MS_NODEV,
+                    opts.encode(),
+                ),
+                mountpoint,
+                call="mount",
             )
-            != 0
-        ):
-            e = ctypes.get_errno()
+        except OSError:
             os.close(self.fd)
             self.fd = -1
-            raise OSError(e, f"mount: {os.strerror(e)}", mountpoint)
+            raise
 
     def _tune_bdi(self) -> None:
         """Read ahead 1 MiB on reads the daemon serves (the default 128 KiB
@@ -877,19 +879,21 @@ class Engine:
         arg = ctypes.create_string_buffer(
             fuse_abi.BACKING_MAP.pack(fd, 0, 0), fuse_abi.BACKING_MAP.size
         )
-        bid = _libc.ioctl(self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_OPEN), arg)
-        if bid < 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"FUSE_DEV_IOC_BACKING_OPEN: {os.strerror(e)}")
-        return bid
+        return checked(
+            libc.ioctl(self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_OPEN), arg),
+            call="FUSE_DEV_IOC_BACKING_OPEN",
+        )
 
     def _backing_close(self, bid: int) -> None:
         arg = ctypes.c_uint32(bid)
-        if (
-            _libc.ioctl(self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg))
-            < 0
-        ):
-            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid, os.strerror(ctypes.get_errno()))
+        try:
+            checked(
+                libc.ioctl(
+                    self.fd, ctypes.c_ulong(fuse_abi.DEV_IOC_BACKING_CLOSE), ctypes.byref(arg)
+                )
+            )
+        except OSError as e:
+            log.warning("FUSE_DEV_IOC_BACKING_CLOSE %d: %s", bid, e.strerror)
 
     def _flush(
         self, unique: int, nodeid: int, uid: int, gid: int, pid: int, body: memoryview

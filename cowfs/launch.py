@@ -19,8 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import backing as B
-from . import errors
+from . import backing, errors
 from .control import wait_readable
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, PlantedLink
 from .mounts import (
@@ -59,8 +58,8 @@ def start_view(
     dirfd = open_view_dir(mountpoint, rootfd, store_dirfd, invoker)
     try:
         mp = fd_path(dirfd)
-        root = os.open(B.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        store = os.open(B.proc(store_dirfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        root = os.open(backing.proc(rootfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        store = os.open(backing.proc(store_dirfd), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             args = ["--root-fd", str(root), "--store-fd", str(store), "--layer", str(layer)]
             args += ["--dir-fd", str(dirfd)]

@@ -119,12 +119,9 @@ def unmount(mountpoint: str, lazy: bool) -> None:
     """Unmount *mountpoint*: umount2(2) as root, fusermount3 -u otherwise;
     *lazy* detaches it at once, leaving it to the processes still inside."""
     if os.geteuid() == 0:
-        import ctypes
+        from .backing import checked, libc
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, os.strerror(e), mountpoint)
+        checked(libc.umount2(os.fsencode(mountpoint), MNT_DETACH if lazy else 0), mountpoint)
         return
     import errno
     import subprocess

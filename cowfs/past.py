@@ -33,6 +33,7 @@ from .journal import Reading
 from .listing import Changes
 from .store import Store
 from .text import quote
+from .treesnap import KINDS
 from .zeros import ChunkMap
 
 
@@ -360,15 +361,6 @@ class History:
 # -- for the control operations ----------------------------------------------------------
 
 SHOW_PAGE = 4 << 20
-KINDS = {
-    stat.S_IFREG: "file",
-    stat.S_IFDIR: "dir",
-    stat.S_IFLNK: "symlink",
-    stat.S_IFIFO: "fifo",
-    stat.S_IFSOCK: "socket",
-    stat.S_IFCHR: "chardev",
-    stat.S_IFBLK: "blockdev",
-}
 
 
 def wpath(path: str) -> bytes:

@@ -397,7 +397,7 @@ def program_inside(program: str, where: Where) -> bool:
 
 
 def docker_client():
-    """A docker client, or None when the SDK or the engine is unavailable."""
+    """A docker client, or None when the SDK or the docker daemon is unavailable."""
     try:
         import docker
 
@@ -410,7 +410,7 @@ def docker_client():
 
 def container_where(name: str, host: Where, workdir: str | None) -> Where:
     """Inside container *name*: the workspace is where the host's workspace
-    is bind-mounted; without the engine, nothing is known to be inside."""
+    is bind-mounted; without the docker daemon, nothing is known to be inside."""
     client = docker_client()
     roots: list[str] = []
     cwd = workdir or "/"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import tomli_w
 
-from . import backing as B
+from . import backing
 from .errors import USAGE, CowfsError
 
 CONFIG = "cowfs.toml"
@@ -118,7 +118,7 @@ def run_sh(
         capture_output=True,
         text=True,
         errors="replace",
-        umask=B.user_umask(),
+        umask=backing.user_umask(),
         start_new_session=True,
     )  # (not hit by a Ctrl-C)
     if not check:
@@ -365,7 +365,12 @@ class LibvirtProvider(Provider):
         return f"libvirt domain {self.config['domain']}"
 
 
-KINDS = {"command": CommandProvider, "docker": DockerProvider, "libvirt": LibvirtProvider}
+# the provider class for each value of a provider's `type`
+TYPES: dict[str, type[Provider]] = {
+    "command": CommandProvider,
+    "docker": DockerProvider,
+    "libvirt": LibvirtProvider,
+}
 
 
 class Registry:
@@ -404,20 +409,20 @@ class Registry:
         config = self.configs().get(name)
         if config is None:
             raise CowfsError(f"no provider {name!r} (see 'cowfs provider list')", USAGE)
-        kind = KINDS.get(config.get("type", ""))
-        if kind is None:
+        cls = TYPES.get(config.get("type", ""))
+        if cls is None:
             raise CowfsError(f"provider {name!r} has unknown type {config.get('type')!r}", USAGE)
-        return kind(name, config)
+        return cls(name, config)
 
     def add(self, name: str, config: dict) -> None:
         if not name or not name.replace("-", "").replace("_", "").isalnum():
             raise CowfsError(f"bad provider name {name!r} (letters, digits, - and _)", USAGE)
-        kind = KINDS.get(config.get("type", ""))
-        if kind is None:
+        cls = TYPES.get(config.get("type", ""))
+        if cls is None:
             raise CowfsError(
-                f"unknown provider type {config.get('type')!r} (known: {', '.join(KINDS)})", USAGE
+                f"unknown provider type {config.get('type')!r} (known: {', '.join(TYPES)})", USAGE
             )
-        kind.validate(config)
+        cls.validate(config)
         data = self._load()
         data.setdefault("provider", {})[name] = config
         self._save(data)

@@ -686,6 +686,56 @@ class Store:
         create = create and not readonly
         ws_st = os.stat(workspace)
         shown, path = path, path if checked else os.path.realpath(path)
+        st = cls._trusted_dir(path, shown, ws_st, create, readonly, checked)
+        # (a descriptor handed down is a /proc/self/fd link: followed)
+        dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY | (0 if checked else os.O_NOFOLLOW))
+        lock_fd = -1
+        try:
+            dst = os.fstat(dirfd)
+            if (dst.st_dev, dst.st_ino) != (st.st_dev, st.st_ino):
+                raise StoreError(f"store {shown} was replaced while it was opened")
+            data = os.path.join(path, "db", "data.mdb")
+            if not create and (not os.path.isfile(data) or os.path.getsize(data) == 0):
+                # (an empty directory, one with an empty db/, or an emptied
+                # database: nothing is made in it, nothing is written)
+                cls._not_lost(dirfd, shown)
+                raise StoreError(f"store {shown} is not initialised")
+            lock_fd = cls._lock(dirfd, path, exclusive=locked or not readonly)
+            used = False
+            if create:
+                used = cls._not_lost(dirfd, shown)
+            env = cls._open_env(path, shown, dirfd, readonly)
+            if not readonly:
+                cls._prepare(env, dirfd, shown, workspace, ws_st, chunk_size, create, used)
+            store = cls(path, dirfd, lock_fd, env, readonly=readonly)
+        except BaseException:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            os.close(dirfd)
+            raise
+        if readonly:
+            try:
+                store._check_readonly(shown, ws_st)
+            except BaseException:
+                store.close()  # (its descriptors with it)
+                raise
+        return store
+
+    def _check_readonly(self, shown: str, ws_st: os.stat_result) -> None:
+        """A store opened read-only (nothing in it made or moved on): its
+        settings are this workspace's and its database is the store's (see
+        ``check_identity``)."""
+        with self.env.begin(db=self.db_meta) as txn:
+            self._validate(txn, self.path, ws_st)
+            db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
+        check_identity(shown, read_identity(self.dirfd), db)
+
+    @staticmethod
+    def _trusted_dir(
+        path: str, shown: str, ws_st: os.stat_result, create: bool, readonly: bool, checked: bool
+    ) -> os.stat_result:
+        """The store directory *path* (made first where *create* allows),
+        once it is one cowfs may trust, on the workspace's filesystem."""
         if not os.path.isdir(path):
             if not create:
                 raise NoStore(f"no cowfs store at {shown}")
@@ -712,85 +762,84 @@ class Store:
                 f"store {shown} is not on the workspace's filesystem; whole-file "
                 "pre-images must move into it, so it has to be"
             )
-        # (a descriptor handed down is a /proc/self/fd link: followed)
-        dirfd = os.open(path, os.O_PATH | os.O_DIRECTORY | (0 if checked else os.O_NOFOLLOW))
-        lock_fd = -1
+        return st
+
+    @staticmethod
+    def _lock(dirfd: int, path: str, exclusive: bool) -> int:
+        """The store's lock file, open, and with *exclusive* locked by this
+        process (AlreadyMounted while another one holds it)."""
+        lock_fd = os.open(
+            "lock",
+            os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            0o600,
+            dir_fd=dirfd,
+        )
         try:
-            dst = os.fstat(dirfd)
-            if (dst.st_dev, dst.st_ino) != (st.st_dev, st.st_ino):
-                raise StoreError(f"store {shown} was replaced while it was opened")
-            data = os.path.join(path, "db", "data.mdb")
-            if not create and (not os.path.isfile(data) or os.path.getsize(data) == 0):
-                # (an empty directory, one with an empty db/, or an emptied
-                # database: nothing is made in it, nothing is written)
-                cls._not_lost(dirfd, shown)
-                raise StoreError(f"store {shown} is not initialised")
-            lock_fd = os.open(
-                "lock",
-                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                0o600,
-                dir_fd=dirfd,
-            )
-            try:
-                if locked or not readonly:
+            if exclusive:
+                try:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise AlreadyMounted(
-                    f"store {path} is in use by another cowfs process (is the workspace mounted?)"
-                ) from None
-            used = False
-            if create:
-                used = cls._not_lost(dirfd, shown)
-            if not readonly:
-                for sub in ("grave", "db"):  # (lmdb would make db with its files' 0600)
-                    try:
-                        os.mkdir(sub, 0o700, dir_fd=dirfd)
-                    except FileExistsError:
-                        pass
-            elif not os.path.isdir(os.path.join(path, "db")):
-                raise StoreError(f"no cowfs store at {path}")
-            env = lmdb.open(
-                os.path.join(path, "db"),
-                map_size=MAP_SIZE,
-                max_dbs=len(S.ALL_DBS) + 2,
-                sync=False,
-                metasync=False,
-                writemap=False,
-                readahead=False,
-                subdir=True,
-                mode=0o600,
-                readonly=readonly,
-            )
-            try:
-                check_map(env, path, shown)
-            except BaseException:
-                env.close()
-                raise
-            if not readonly:
-                env.reader_check()
-                try:
-                    cls._init_meta(env, shown, workspace, ws_st, chunk_size, create, used)
-                    cls._next_generation(env, dirfd, shown)
-                except BaseException:
-                    env.close()
-                    raise
-            store = cls(path, dirfd, lock_fd, env, readonly=readonly)
-            if readonly:
-                try:
-                    with env.begin(db=store.db_meta) as txn:
-                        cls._validate(txn, path, ws_st)
-                        db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
-                    check_identity(shown, read_identity(dirfd), db)
-                except BaseException:
-                    store.close()
-                    lock_fd = dirfd = -1  # (closed with it: a second close would hide why)
-                    raise
-            return store
+                except BlockingIOError:
+                    raise AlreadyMounted(
+                        f"store {path} is in use by another cowfs process "
+                        "(is the workspace mounted?)"
+                    ) from None
         except BaseException:
-            if lock_fd >= 0:
-                os.close(lock_fd)
-            if dirfd >= 0:
-                os.close(dirfd)
+            os.close(lock_fd)
+            raise
+        return lock_fd
+
+    @staticmethod
+    def _open_env(path: str, shown: str, dirfd: int, readonly: bool) -> lmdb.Environment:
+        """The store's database (its directories made first, unless
+        *readonly*)."""
+        if not readonly:
+            for sub in ("grave", "db"):  # (lmdb would make db with its files' 0600)
+                try:
+                    os.mkdir(sub, 0o700, dir_fd=dirfd)
+                except FileExistsError:
+                    pass
+        elif not os.path.isdir(os.path.join(path, "db")):
+            raise StoreError(f"no cowfs store at {path}")
+        env = lmdb.open(
+            os.path.join(path, "db"),
+            map_size=MAP_SIZE,
+            max_dbs=len(S.ALL_DBS) + 2,
+            sync=False,
+            metasync=False,
+            writemap=False,
+            readahead=False,
+            subdir=True,
+            mode=0o600,
+            readonly=readonly,
+        )
+        try:
+            check_map(env, path, shown)
+        except BaseException:
+            env.close()
+            raise
+        return env
+
+    @classmethod
+    def _prepare(
+        cls,
+        env: lmdb.Environment,
+        dirfd: int,
+        shown: str,
+        workspace: str,
+        ws_st: os.stat_result,
+        chunk_size: int,
+        create: bool,
+        used: bool,
+    ) -> None:
+        """Before a store is written: its settings are this workspace's
+        (made, for a new one), the database is the store's, and the
+        generation moves on (see ``_next_generation``)."""
+        env.reader_check()
+        try:
+            cls._init_meta(env, shown, workspace, ws_st, chunk_size, create, used)
+            cls._next_generation(env, dirfd, shown)
+        except BaseException:
+            env.close()
             raise
 
     @staticmethod

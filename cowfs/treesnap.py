@@ -4,7 +4,8 @@ Used by tests and the demo to prove that a tree is exactly back to an
 earlier state after a rollback.  Names are handled as bytes throughout and
 symlinks are never followed.  Directory sizes, atimes and ctimes are not
 recorded because they legitimately differ between filesystems or on every
-access.
+access.  ``KINDS``, the names of the kinds of file, is the one table of them
+(``past`` names kinds by it too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "compare",
     "assert_same",
     "fingerprint",
+    "KINDS",
 ]
 
 ROOT = b"."
@@ -37,7 +39,7 @@ ROOT = b"."
 _CHUNK = 1 << 20
 _MAX_REPORTED = 50
 _XATTR_UNAVAILABLE = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM})
-_KINDS = {
+KINDS = {  # the name of each kind of file (the part of st_mode stat.S_IFMT keeps)
     stat.S_IFREG: "file",
     stat.S_IFDIR: "dir",
     stat.S_IFLNK: "symlink",
@@ -140,7 +142,7 @@ def _entry(dir_fd: int, name: bytes | None, st: os.stat_result, content: bool) -
     """Build the :class:`Entry` for *name* in *dir_fd* (None: the directory
     itself); ``link`` is filled in later."""
     try:
-        kind = _KINDS[stat.S_IFMT(st.st_mode)]
+        kind = KINDS[stat.S_IFMT(st.st_mode)]
     except KeyError:
         raise ValueError(f"unsupported file type {st.st_mode:#o}: {name!r}") from None
     is_file = kind == "file"
