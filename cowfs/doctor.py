@@ -451,7 +451,7 @@ def check_dead(mountpoint: str, rec) -> list[Check]:
 def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     from . import backing as B
     from .errors import AlreadyMounted, CowfsError
-    from .stack import Stack
+    from .stackview import StackView
     from .store import Store
 
     out = [Check("mount", True, f"{workspace} is not mounted", "", info=True)]
@@ -498,9 +498,9 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     try:
         rootfd = os.open(workspace, B.DIR_FLAGS)
         try:
-            stack = Stack(store, B.Resolver(rootfd, store.grave_fd))
-            problems = stack.check()
-            summary = _summary(stack.log())
+            view = StackView(store, B.Resolver(rootfd, store.grave_fd))
+            problems = view.check()
+            summary = _summary(view.log())
             pending = store.pending()
         finally:
             os.close(rootfd)
@@ -523,8 +523,7 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
         )
     else:
         note = (
-            f"; an interrupted {pending.get('op', 'operation')} is pending (the next "
-            "mount finishes it)"
+            f"; an interrupted {pending.op or 'operation'} is pending (the next mount finishes it)"
             if pending
             else ""
         )

@@ -78,17 +78,6 @@ class Problem:
 show = S.show_loc
 
 
-def object_of(rec: S.Record) -> int | None:
-    """The object (backing inode) a META, XATTRS or CHUNK record restores."""
-    return rec.ino if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else None
-
-
-def restores(rec: S.Record) -> int | None:
-    """The object whose bytes or attributes a record puts back (a GRAVE
-    record: the removed object, from the grave)."""
-    return rec.ino if isinstance(rec, S.Grave) else object_of(rec)
-
-
 def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
     """Journal seq -> the object (inode) whose index entry points at it:
     how a damaged record's object is still known."""
@@ -553,10 +542,10 @@ def _check_sealed(store: Store, rep: Report) -> None:
 def redo_segment(store: Store) -> tuple[int | None, int]:
     """The segment of the last rollback (see redo), if any, and the first
     seq recorded since that rollback."""
-    st = redo.state(store)
-    if st is None or st.get("segment") is None:
+    note = redo.state(store)
+    if note is None or note.segment is None:
         return None, 0
-    return st["segment"], st["seq"]
+    return note.segment, note.seq
 
 
 def check_sum(
@@ -598,7 +587,7 @@ def grave_names(store: Store) -> list[str]:
 def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
     files are removed after it commits); return what was done.
-    *discard_redo*: how to drop a damaged redo (Stack.discard_redo, which
+    *discard_redo*: how to drop a damaged redo (LayerFiles.discard_redo, which
     tells the mount; default: directly)."""
     done = []
     if rep.drop_redo:
