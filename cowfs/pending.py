@@ -5,16 +5,19 @@ a crash.  Every change of it is made here, in this order:
 * planned (`plan`), in the transaction that starts the operation: a
   rollback (`rollback`: the provider restores of the dropped layers'
   snapshots, last taken first, then the files, then the snapshots'
-  discards) or a redo (`redo`: the files) by the stack; the discards of a
-  merged or committed layer's snapshots (`plan_discards`) by the stack, in the
-  merge's transaction; a checkpoint's captures (`checkpoint`) by the
-  session;
+  discards) or a redo (`redo`: the files) by the session, which drives
+  every group operation; the discards of a merged or committed layer's
+  snapshots (`plan_discards`) in the merge's transaction
+  (``LayerFiles``); a checkpoint's captures (`checkpoint`) by the session;
 * each provider step marked before it runs and after it (`mark_step`,
   durably), by the session, which runs them;
-* the file part marked done (`files_done`) in the transaction that ends
-  it, by the stack's rollback or redo;
-* closed (`close`): the restores' post-mortems move to the layer open
-  then.
+* the file part marked done (`files_done`) or stopped (`stopped`) in the
+  transaction that ends it (cowfs/rollback.py, ``LayerFiles`` for a redo);
+* closed (`close`) by the session: the restores' post-mortems move to the
+  layer open then.
+
+The record is a ``schema.PendingRecord``; its JSON is the one it always
+was (see cowfs/schema.py).
 
 A session opened on a store with a pending record finishes it first
 (``Session.open``): a checkpoint's captures are discarded and its layer

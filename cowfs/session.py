@@ -3,6 +3,12 @@ checkpoint, rollback, commit, redo, providers, audit, status, log, gc,
 check -- and the group operation a crash interrupted (the pending record),
 resumed when the session opens.
 
+The session is the one orchestrator of the layer lifecycle: it alone plans,
+carries out and closes a group operation (checkpoint, rollback, redo,
+commit) and its pending record (cowfs/pending.py), running the provider
+steps itself and the file part through ``layerfiles.LayerFiles``; what
+it shows of the layers comes from ``stackview.StackView``.
+
 A session is transport-neutral: the daemon serves its operations over the
 control socket while the workspace is mounted, and offline commands call
 them directly on an unmounted workspace.  The mount is a set of hooks the
