@@ -234,10 +234,11 @@ def check(store: Store, hashes: bool = True) -> Report:
     # grave entries the interrupted rollback or redo moves (see above)
     moving: set[int] = set()
     with store.read() as txn:
-        pending = S.meta_json(S.DB_META, S.K_PENDING, txn.get(S.K_PENDING, db=store.db_meta))
-        op = pending["op"] if pending is not None and P.files_left(pending) else None
+        raw = S.meta_json(S.DB_META, S.K_PENDING, txn.get(S.K_PENDING, db=store.db_meta))
+        pending = S.PendingRecord.from_json(raw) if raw is not None else None
+        op = pending.op if pending is not None and P.files_left(pending) else None
         under_way, redoing = op is not None, op == "redo"
-        dropping = pending["to"] if pending is not None and op == "rollback" else None
+        dropping = pending.to if pending is not None and op == "rollback" else None
         cur = txn.cursor(db=store.db_journal)
         ok = cur.first()
         while ok:

@@ -35,9 +35,10 @@ AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 FULL_MARGIN = 4 << 20  # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
-# The pending record (JSON; see cowfs/pending.py): {"op": "rollback", "redo",
-# "commit" or "checkpoint", "files": whether the file part is done, "steps":
-# [{"do", "provider", "layer", "data", "state", ...}], and the op's own fields}.
+# The pending record: schema.PendingRecord (see cowfs/pending.py), kept as JSON
+# {"op": "rollback", "redo", "commit" or "checkpoint", "files": whether the
+# file part is done, "steps": [{"do", "provider", "layer", "data", "state",
+# ...}], and the op's own fields}.
 
 
 @dataclass(frozen=True)
