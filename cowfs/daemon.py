@@ -188,32 +188,10 @@ class Mounted(MountHooks):
 class Daemon:
     """One mounted workspace: its session, its mount, its control socket."""
 
-    def __init__(
-        self,
-        workspace: str,
-        mountpoint: str | None = None,
-        store: str | None = None,
-        chunk_size: int | None = None,
-        max_store: int | None = None,
-        max_layers: int | None = None,
-        accept_drift: bool = False,
-        ignore: list[str] | None = None,
-        audit: str | None = None,
-        engine: str | None = None,
-        allow: list[str] | None = None,
-    ):
-        self.session = Session(
-            workspace,
-            mountpoint,
-            store,
-            chunk_size=chunk_size,
-            max_store=max_store,
-            max_layers=max_layers,
-            accept_drift=accept_drift,
-            ignore=ignore,
-            audit=audit,
-            allow=allow,
-        )
+    def __init__(self, session: Session, engine: str | None = None):
+        """*session*: the workspace's, not opened yet (`prepare` opens it);
+        *engine*: the FUSE engine asked for (default: chosen)."""
+        self.session = session
         self.workspace = self.session.workspace
         self.mountpoint = self.session.mountpoint
         self.store_dir = self.session.store_dir
@@ -254,7 +232,7 @@ class Daemon:
         s = self.session
         # (forked now, before the FUSE engine's and the control server's
         # threads start and before the inode table grows: little to share)
-        s.stack.helper = steps.Helper(s.store, s.stack.resolver)
+        s.helper = steps.Helper(s.store, s.stackview.resolver)
         fs = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
         self.engine = engine = make_engine(self.engine_choice, fs)
         s.attach(Mounted(fs, engine, self.mountpoint))
@@ -274,7 +252,7 @@ class Daemon:
             os.getpid(),
             socket_path(self.mountpoint, shared=bool(s.grants)),
         )
-        s.stack.board = progress.Board(progress.path_for(self.record.socket))
+        s.board = progress.Board(progress.path_for(self.record.socket))
         try:  # informational (a full disk must not keep the workspace from mounting)
             s.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
@@ -315,9 +293,9 @@ class Daemon:
                 store.close()
             finally:
                 self.record.remove()
-                self.session.stack.board.close()
-                if self.session.stack.helper is not None:
-                    self.session.stack.helper.close()
+                self.session.board.close()
+                if self.session.helper is not None:
+                    self.session.helper.close()
             log.info("unmounted %s", self.mountpoint)
 
     async def _main(self) -> None:
@@ -544,7 +522,8 @@ def serve(
         import tracemalloc
 
         tracemalloc.start(int(os.environ.get("COWFS_TRACEMALLOC_FRAMES") or 1))
-    daemon = Daemon(workspace, mountpoint, store, **options)
+    engine = options.pop("engine", None)
+    daemon = Daemon(Session(workspace, mountpoint, store, **options), engine)
     try:
         daemon.prepare()
         setup_logging(daemon.session.store.path, foreground)  # (the path checked and opened)

@@ -452,7 +452,7 @@ def check_dead(mountpoint: str, rec) -> list[Check]:
 def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     from . import backing
     from .errors import AlreadyMounted, CowfsError
-    from .stack import Stack
+    from .stackview import StackView
     from .store import Store
 
     out = [Check("mount", True, f"{workspace} is not mounted", "", info=True)]
@@ -499,9 +499,9 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
     try:
         rootfd = os.open(workspace, backing.DIR_FLAGS)
         try:
-            stack = Stack(store, backing.Resolver(rootfd, store.grave_fd))
-            problems = stack.check()
-            summary = _summary(stack.log())
+            view = StackView(store, backing.Resolver(rootfd, store.grave_fd))
+            problems = view.check()
+            summary = _summary(view.log())
             pending = store.pending()
         finally:
             os.close(rootfd)
@@ -524,8 +524,7 @@ def check_unmounted(workspace: str, store_dir: str | None) -> list[Check]:
         )
     else:
         note = (
-            f"; an interrupted {pending.get('op', 'operation')} is pending (the next "
-            "mount finishes it)"
+            f"; an interrupted {pending.op or 'operation'} is pending (the next mount finishes it)"
             if pending
             else ""
         )

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import lmdb
 
 from . import backing, gravesum, pending, redo, schema
-from . import schema as S  # (used by restores)
 from .errors import StoreError
 from .store import Layer, Store, digest
 from .text import count
@@ -76,17 +75,6 @@ class Problem:
 
 
 show = schema.show_loc
-
-
-def object_of(rec: schema.Record) -> int | None:
-    """The object (backing inode) a META, XATTRS or CHUNK record restores."""
-    return rec.ino if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk) else None
-
-
-def restores(rec: S.Record) -> int | None:
-    """The object whose bytes or attributes a record puts back (a GRAVE
-    record: the removed object, from the grave)."""
-    return rec.ino if isinstance(rec, S.Grave) else object_of(rec)
 
 
 def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
@@ -316,12 +304,13 @@ class Fsck:
     def read_pending(self, txn: lmdb.Transaction[bytes]) -> None:
         """The rollback or redo under way, if one is."""
         store = self.store
-        intent = schema.meta_json(
+        raw = schema.meta_json(
             schema.DB_META, schema.K_PENDING, txn.get(schema.K_PENDING, db=store.db_meta)
         )
-        op = intent["op"] if intent is not None and pending.files_left(intent) else None
+        intent = schema.PendingRecord.from_json(raw) if raw is not None else None
+        op = intent.op if intent is not None and pending.files_left(intent) else None
         self.under_way, self.redoing = op is not None, op == "redo"
-        self.dropping = intent["to"] if intent is not None and op == "rollback" else None
+        self.dropping = intent.to if intent is not None and op == "rollback" else None
 
     # -- the journal ---------------------------------------------------------------------
 
@@ -656,10 +645,10 @@ class Fsck:
 def redo_segment(store: Store) -> tuple[int | None, int]:
     """The segment of the last rollback (see redo), if any, and the first
     seq recorded since that rollback."""
-    st = redo.state(store)
-    if st is None or st.get("segment") is None:
+    note = redo.state(store)
+    if note is None or note.segment is None:
         return None, 0
-    return st["segment"], st["seq"]
+    return note.segment, note.seq
 
 
 def grave_names(store: Store) -> list[str]:
@@ -673,7 +662,7 @@ def grave_names(store: Store) -> list[str]:
 def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
     files are removed after it commits); return what was done.
-    *discard_redo*: how to drop a damaged redo (Stack.discard_redo, which
+    *discard_redo*: how to drop a damaged redo (LayerFiles.discard_redo, which
     tells the mount; default: directly)."""
     done = []
     if rep.drop_redo:

@@ -437,7 +437,7 @@ class _Entry:
             self.waiting = []
 
 
-class Kept:
+class Readings:
     """Readings of the journal from a layer's start up to now, kept between
     requests, so that status, diff, the audit of a rollback and the
     fingerprint at unmount do not read a large layer again each time.  A

@@ -91,7 +91,7 @@ class History:
         reading: Reading | None = None,
     ):
         """*reading*: of the records since the layer was opened, if the
-        caller keeps one (``Stack.reading``)."""
+        caller keeps one (``StackView.reading``)."""
         self.store = store
         self.r = resolver
         self.hidden = hidden  # the store's name in the root, when it is there
@@ -509,7 +509,7 @@ MAX_DIFF_WORK = 30_000_000
 def diff_entry(
     h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
 ) -> dict:
-    """One change (from Stack.changes_since) with both sides: kind, mode,
+    """One change (from StackView.changes_since) with both sides: kind, mode,
     size, mtime and xxh3 of regular files; for text no larger than
     *text_limit*, a unified diff and the lines added and removed."""
     out, finish = diff_sides(h, change, text_limit, hash_limit, data_limit)

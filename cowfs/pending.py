@@ -5,16 +5,19 @@ a crash.  Every change of it is made here, in this order:
 * planned (`plan`), in the transaction that starts the operation: a
   rollback (`rollback`: the provider restores of the dropped layers'
   snapshots, last taken first, then the files, then the snapshots'
-  discards) or a redo (`redo`: the files) by the stack; the discards of a
-  merged or committed layer's snapshots (`plan_discards`) by the stack, in the
-  merge's transaction; a checkpoint's captures (`checkpoint`) by the
-  session;
+  discards) or a redo (`redo`: the files) by the session, which drives
+  every group operation; the discards of a merged or committed layer's
+  snapshots (`plan_discards`) in the merge's transaction
+  (``LayerFiles``); a checkpoint's captures (`checkpoint`) by the session;
 * each provider step marked before it runs and after it (`mark_step`,
   durably), by the session, which runs them;
-* the file part marked done (`files_done`) in the transaction that ends
-  it, by the stack's rollback or redo;
-* closed (`close`): the restores' post-mortems move to the layer open
-  then.
+* the file part marked done (`files_done`) or stopped (`stopped`) in the
+  transaction that ends it (cowfs/rollback.py, ``LayerFiles`` for a redo);
+* closed (`close`) by the session: the restores' post-mortems move to the
+  layer open then.
+
+The record is a ``schema.PendingRecord``; its JSON is the one it always
+was (see cowfs/schema.py).
 
 A session opened on a store with a pending record finishes it first
 (``Session.open``): a checkpoint's captures are discarded and its layer
@@ -23,39 +26,38 @@ merged away; anything else is carried out from where it stands.
 
 from __future__ import annotations
 
-from .store import Layer, PendingRecord, Store, Writer
+from dataclasses import replace
+from typing import Any
+
+from .schema import PendingRecord, PendingStep
+from .store import Layer, Store, Writer
 
 FINISHED = ("done", "failed")
 
 
-def _steps(do: str, layers: list[Layer]) -> list[dict]:
+def _steps(do: str, layers: list[Layer]) -> tuple[PendingStep, ...]:
     """Provider steps for *layers* (in the order given), each layer's
     snapshots last taken first."""
-    return [
-        {
-            "do": do,
-            "provider": snap["provider"],
-            "layer": layer.id,
-            "data": snap["data"],
-            "state": "todo",
-        }
+    return tuple(
+        PendingStep(do, snap["provider"], layer.id, snap["data"], "todo")
         for layer in layers
         for snap in reversed(layer.snapshots)
-    ]
+    )
 
 
-def rollback(to: int, dropping: list[Layer]) -> PendingRecord:
+def rollback(to: int, dropping: list[Layer], skip_damaged: bool = False) -> PendingRecord:
     """A rollback down to layer *to*, of *dropping* (top layer first)."""
-    return {
-        "op": "rollback",
-        "to": to,
-        "files": False,
-        "steps": _steps("restore", dropping) + _steps("discard", dropping),
-    }
+    return PendingRecord(
+        "rollback",
+        to=to,
+        files=False,
+        steps=_steps("restore", dropping) + _steps("discard", dropping),
+        skip_damaged=skip_damaged,
+    )
 
 
 def redo() -> PendingRecord:
-    return {"op": "redo", "files": False, "steps": []}
+    return PendingRecord("redo", files=False, steps=())
 
 
 def plan_discards(w: Writer, layer: Layer) -> None:
@@ -63,13 +65,13 @@ def plan_discards(w: Writer, layer: Layer) -> None:
     of its snapshots, if it has any."""
     if layer.snapshots:
         steps = _steps("discard", [layer])
-        plan(w, {"op": "commit", "layer": layer.id, "files": True, "steps": steps})
+        plan(w, PendingRecord("commit", layer=layer.id, files=True, steps=steps))
 
 
 def checkpoint(layer_id: int, providers: list[str]) -> PendingRecord:
     """The captures of a checkpoint (a crash meanwhile: what they took is
     discarded and the layer merged into the one below)."""
-    return {"op": "checkpoint", "layer": layer_id, "providers": providers}
+    return PendingRecord("checkpoint", layer=layer_id, providers=providers)
 
 
 def plan(w: Writer, record: PendingRecord) -> None:
@@ -78,11 +80,11 @@ def plan(w: Writer, record: PendingRecord) -> None:
 
 def files_left(record: PendingRecord) -> bool:
     """Whether the record's file part is still to be done."""
-    return record.get("op") in ("rollback", "redo") and not record.get("files")
+    return record.op in ("rollback", "redo") and not record.files
 
 
-def steps_left(record: PendingRecord) -> list[dict]:
-    return [step for step in record.get("steps", ()) if step["state"] not in FINISHED]
+def steps_left(record: PendingRecord) -> list[PendingStep]:
+    return [step for step in record.all_steps if step.state not in FINISHED]
 
 
 def files_done(w: Writer) -> None:
@@ -97,11 +99,11 @@ def stopped(w: Writer) -> None:
     record = w.pending()
     if record is None:
         return
-    record["steps"] = [step for step in record.get("steps", ()) if step["do"] != "discard"]
-    w.set_pending(record | {"files": True})
+    steps = tuple(step for step in record.all_steps if step.do != "discard")
+    w.set_pending(replace(record, steps=steps, files=True))
 
 
-def mark_step(store: Store, index: int, **fields) -> None:
+def mark_step(store: Store, index: int, **fields: Any) -> None:
     """Update step *index*, durably (even against a power loss) before the
     step runs or anything follows it."""
     with store.write() as w:
@@ -116,7 +118,7 @@ def close(w: Writer, top: int) -> PendingRecord | None:
     record = w.pending()
     if record is None:
         return None
-    postmortems = [step["postmortem"] for step in record.get("steps", ()) if step.get("postmortem")]
+    postmortems = [step.postmortem for step in record.all_steps if step.postmortem]
     if postmortems:
         w.store.append_to_layer(top, "postmortems", postmortems, w)
     w.set_pending(None)

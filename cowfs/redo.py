@@ -10,7 +10,7 @@ what a redo needs in the ``redo`` database (layout in ``schema``):
   time the rollback changes them), the xattrs it replaces; an object the
   step removes (created in a dropped layer) is moved into the grave
   instead of being deleted, so it keeps its inode and content.  They are
-  taken for a batch of steps at a time, in one transaction (see Keeper);
+  taken for a batch of steps at a time, in one transaction (see RedoInverses);
 * the dropped layers themselves: rows, journal records, index entries and
   attributions are moved there instead of being deleted.
 
@@ -43,26 +43,35 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
+
+import lmdb
 
 from . import backing as B
 from . import gravesum
 from . import schema as S
 from .errors import NothingToDo, Refused, StoreError
 from .journal import Names, Slot
+from .schema import RedoState
 from .store import Store, Writer
+
+if TYPE_CHECKING:
+    from .undo import Undoer
+
+# whether the step of (seq, record) is skipped (a damaged record, ...)
+Skip = Callable[[int, S.Record], bool]
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 SEGMENT = 1 << 63  # + the rollback's first seq: the segment's index id (no layer has it)
 
-# The note the last rollback left (JSON, at K_REDO_STATE): {"state", "why", "to",
-# "dropped", "kept", "fresh", "seq", "time", and once sealed "moves", "segment"}.
-RedoState = dict[str, Any]
+# The note the last rollback left (JSON, at K_REDO_STATE): see schema.RedoState.
 
 
 def state(store: Store) -> RedoState | None:
-    return S.meta_json(S.DB_REDO, S.K_REDO_STATE, store.redo_get(S.K_REDO_STATE))
+    raw = S.meta_json(S.DB_REDO, S.K_REDO_STATE, store.redo_get(S.K_REDO_STATE))
+    return RedoState.from_json(raw) if raw is not None else None
 
 
 def _state_in(w: Writer) -> RedoState:
@@ -71,11 +80,11 @@ def _state_in(w: Writer) -> RedoState:
     raw = w.redo_get(S.K_REDO_STATE)
     if raw is None:
         raise StoreError("the store is damaged: it has no note of the last rollback")
-    return S.meta_json(S.DB_REDO, S.K_REDO_STATE, raw)
+    return RedoState.from_json(S.meta_json(S.DB_REDO, S.K_REDO_STATE, raw))
 
 
-def _put_state(w: Writer, st: RedoState) -> None:
-    w.redo_put(S.K_REDO_STATE, S.seal(S.DB_REDO, S.K_REDO_STATE, S.to_json(st)))
+def _put_state(w: Writer, note: RedoState) -> None:
+    w.redo_put(S.K_REDO_STATE, S.seal(S.DB_REDO, S.K_REDO_STATE, S.to_json(note.to_json())))
 
 
 def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
@@ -83,31 +92,30 @@ def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
     note, else {"available", "layers", "why"}.  With *resolver*, a redo
     that is still kept is checked as `redo` would check it (a stat of
     every location it touches)."""
-    st = state(store)
-    if st is None or st["state"] in (BUILDING, REDOING):
+    note = state(store)
+    if note is None or note.state in (BUILDING, REDOING):
         return None
-    why = st.get("why", "")
-    if st["state"] == READY and resolver is not None:
-        why = why_not(store, resolver, st) or ""
-    return {"available": st["state"] == READY and not why, "layers": st["dropped"], "why": why}
+    why = note.why
+    if note.state == READY and resolver is not None:
+        why = why_not(store, resolver, note) or ""
+    return {"available": note.state == READY and not why, "layers": note.dropped, "why": why}
 
 
 def segment(store: Store) -> int | None:
     """The index id under which changes made since the last rollback are
     captured (see the module's doc), while what it kept is not dissolved."""
-    st = state(store)
-    return st.get("segment") if st is not None else None
+    note = state(store)
+    return note.segment if note is not None else None
 
 
-def _dissolve(w: Writer, st: RedoState, into: int) -> None:
+def _dissolve(w: Writer, note: RedoState, into: int) -> None:
     """The segment (or the fresh base layer a rollback of every layer
     opened) becomes part of layer *into*: its index entries and
     attributions (its records lie after *into*'s already); a fresh base's
     row goes, its notes (runs, drift) move to *into*."""
-    if st.get("segment") is not None:
-        w.merge_index(st["segment"], into)
-        st["segment"] = None
-    fresh = st.get("fresh")
+    if note.segment is not None:
+        w.merge_index(note.segment, into)
+    fresh = note.fresh
     if fresh is not None:
         row = w.layer_row(fresh)
         if row is not None:
@@ -124,29 +132,28 @@ def begin(w: Writer, to: int, dropping: list[int], kept: list[int], why: str | N
     rollback kept must have been discarded already."""
     _put_state(
         w,
-        {
-            "state": BUILDING if why is None else UNAVAILABLE,
-            "why": why or "",
-            "to": to,
-            "dropped": dropping,
-            "kept": kept,
-            "fresh": None,
-            "seq": w.store.next_seq,
-            "time": time.time(),
-        },
+        RedoState(
+            state=BUILDING if why is None else UNAVAILABLE,
+            why=why or "",
+            to=to,
+            dropped=dropping,
+            kept=kept,
+            fresh=None,
+            seq=w.store.next_seq,
+            time=time.time(),
+        ),
     )
 
 
 def mark_unavailable(store: Store, reason: str) -> None:
     """When even discarding failed (a full disk): at least never build on,
     or seal, what is kept (best effort; the next discard frees it)."""
-    st = state(store)
-    if st is None:
+    note = state(store)
+    if note is None:
         return
     try:
         with store.write() as w:
-            st.update(state=UNAVAILABLE, why=reason)
-            _put_state(w, st)
+            _put_state(w, replace(note, state=UNAVAILABLE, why=reason))
     except OSError:
         pass
 
@@ -154,28 +161,28 @@ def mark_unavailable(store: Store, reason: str) -> None:
 def complete(store: Store) -> bool:
     """A rollback's keeping that ended (every dropped layer moved here)
     but was not sealed: a crash came in between."""
-    st = state(store)
-    if st is None or st["state"] != BUILDING:
+    note = state(store)
+    if note is None or note.state != BUILDING:
         return False
-    return all(store.redo_get(S.redo_layer_key(i)) is not None for i in st["dropped"])
+    return all(store.redo_get(S.redo_layer_key(i)) is not None for i in note.dropped)
 
 
 def building(store: Store, to: int) -> bool:
-    st = state(store)
-    return st is not None and st["state"] == BUILDING and st["to"] == to
+    note = state(store)
+    return note is not None and note.state == BUILDING and note.to == to
 
 
 def discard(store: Store, reason: str) -> list[int]:
     """Drop what the last rollback kept (it can no longer be redone, for
     *reason*), keeping a note of why; returns the inodes of the objects
     it held in the grave (gone now)."""
-    st = state(store)
-    if st is None:
+    note = state(store)
+    if note is None:
         return []
-    if st["state"] in (UNAVAILABLE, GONE):
-        if store.redo_count() <= 1 and st.get("segment") is None:
+    if note.state in (UNAVAILABLE, GONE):
+        if store.redo_count() <= 1 and note.segment is None:
             return []  # nothing but the note
-        reason = st["why"]
+        reason = note.why
     graves: list[int] = []
     freed: list[int] = []
     top = store.top()
@@ -196,24 +203,25 @@ def discard(store: Store, reason: str) -> list[int]:
                 freed.append(held[1])
         for key in keys:
             w.redo_delete(key)
-        if st.get("segment") is not None:
+        if note.segment is not None:
             # what changed since the rollback belongs to the open layer for good
-            # (a segment is opened only while a layer is open: see Keeper.seal)
+            # (a segment is opened only while a layer is open: see RedoInverses.seal)
             assert top is not None
-            w.merge_index(st["segment"], top.id)
+            w.merge_index(note.segment, top.id)
         _put_state(
             w,
-            {
-                "state": GONE if st["state"] in (READY, GONE) else UNAVAILABLE,
-                "why": reason,
-                "to": st["to"],
-                "dropped": st["dropped"],
-                "kept": st["kept"],
-                "fresh": st.get("fresh"),
-                "seq": st["seq"],
-                "time": st["time"],
-                "segment": None,
-            },
+            RedoState(
+                state=GONE if note.state in (READY, GONE) else UNAVAILABLE,
+                why=reason,
+                to=note.to,
+                dropped=note.dropped,
+                kept=note.kept,
+                fresh=note.fresh,
+                seq=note.seq,
+                time=note.time,
+                segment=None,
+                segment_written=True,
+            ),
         )
     for gid in graves:
         B.remove_tree_at(store.grave_fd, str(gid).encode())
@@ -225,13 +233,22 @@ def discard(store: Store, reason: str) -> list[int]:
 
 def batch_size(default: int = 512) -> int:
     """How many undo steps a rollback takes as one batch at most (see
-    `Keeper`): *default*, or $COWFS_UNDO_BATCH (2 or more; for tests that
+    `RedoInverses`): *default*, or $COWFS_UNDO_BATCH (2 or more; for tests that
     want many batches of a small layer)."""
     raw = os.environ.get("COWFS_UNDO_BATCH", "")
     return int(raw) if raw.isdigit() and int(raw) >= 2 else default
 
 
-class Keeper:
+class ToSeal(NamedTuple):
+    """Where a redo would act, once the rollback's steps are all taken (see
+    ``RedoInverses.sealed``)."""
+
+    known: list[tuple[bytes, bytes]]  # fingerprints known without looking
+    locs: list[bytes]  # the locations whose fingerprints are still to take
+    moved: list[bytes]  # where the redo moves what is there
+
+
+class RedoInverses:
     """Keeps what a redo of the rollback under way needs, a batch of steps
     at a time.
 
@@ -263,7 +280,7 @@ class Keeper:
         self.planned: dict[int, os.stat_result] = {}
         # location -> the seq of the step that left nothing there (see `emptied_by`)
         self.emptied: dict[bytes, int] = {}
-        self.last: _Batch | None = None  # the plan of the batch kept last
+        self.last: _BatchPlan | None = None  # the plan of the batch kept last
         self.generation = self.began = resolver.generation
 
     def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
@@ -287,7 +304,7 @@ class Keeper:
         return st is not None and st.st_ino == ino
 
     def batch(
-        self, records: Sequence[tuple[int, S.Record]], i: int, skip
+        self, records: Sequence[tuple[int, S.Record]], i: int, skip: Skip
     ) -> list[tuple[int, int] | None]:
         """Keep the inverses of the undo steps of records[i:i+n], for the
         longest run (n >= 1) that makes a batch (see the class); *skip*:
@@ -301,7 +318,7 @@ class Keeper:
         return self._keep(chosen)
 
     def batch_ahead(
-        self, records: Sequence[tuple[int, S.Record]], i: int, skip
+        self, records: Sequence[tuple[int, S.Record]], i: int, skip: Skip
     ) -> list[tuple[int, int] | None] | None:
         """`batch`, taken while the steps of the batch kept last are being
         applied: only steps that act nowhere near that batch's places and
@@ -320,11 +337,15 @@ class Keeper:
         return self._keep(chosen)
 
     def _plan(
-        self, records: Sequence[tuple[int, S.Record]], i: int, skip, outer: _Batch | None
+        self,
+        records: Sequence[tuple[int, S.Record]],
+        i: int,
+        skip: Skip,
+        outer: _BatchPlan | None,
     ) -> list[tuple[int, S.Record, os.stat_result | None]]:
         """The longest run from records[i] that makes a batch (see
-        `_Batch`; *outer*: the batch whose steps run meanwhile)."""
-        plan = _Batch(self.r, outer)
+        `_BatchPlan`; *outer*: the batch whose steps run meanwhile)."""
+        plan = _BatchPlan(self.r, outer)
         chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
         for seq, rec in records[i : i + self.BATCH + 1]:
             if seq in self.kept or skip(seq, rec):
@@ -414,7 +435,7 @@ class Keeper:
 
     def _keep_held(self, w: Writer) -> None:
         """Move the held records out of the journal into the redo database."""
-        st = self.store
+        grave_fd = self.store.grave_fd
         for seq, rec, moved in self.held:
             if not w.park_record(seq):
                 continue
@@ -430,7 +451,7 @@ class Keeper:
                 # (the inverse of a CREATE or LINK moves the object into the grave)
                 gid = S.grave_id(inv.dst) if isinstance(inv, S.Rename) else None
                 assert gid is not None
-                if B.lstat_at(st.grave_fd, str(gid).encode()) is None:
+                if B.lstat_at(grave_fd, str(gid).encode()) is None:
                     # the step failed: nothing was moved, nothing to put back
                     # (the directories' times stay: they may be the first kept)
                     w.redo_delete(first)
@@ -439,13 +460,10 @@ class Keeper:
                         self.groups[seq] = self.groups[seq][1:]
                         if not self.groups[seq]:
                             del self.groups[seq]
-            elif (
-                isinstance(rec, S.Grave)
-                and B.lstat_at(st.grave_fd, str(rec.grave).encode()) is None
-            ):
+            elif isinstance(rec, S.Grave) and B.lstat_at(grave_fd, str(rec.grave).encode()) is None:
                 w.drop_grave(rec.grave)  # put back
 
-    def sealed(self) -> tuple[list[tuple[bytes, bytes]], list[bytes], list[bytes]]:
+    def sealed(self) -> ToSeal:
         """The steps are all taken: where a redo would act.  Returns the
         fingerprints known without looking, the other locations (whose
         fingerprints `seal` takes: see ``fingerprints``) and those where
@@ -469,7 +487,7 @@ class Keeper:
                     for _, group in _inverse_groups(self.store, reverse=True)
                 ]
             )
-        return prints, locs, moved
+        return ToSeal(prints, locs, moved)
 
     def seal(
         self, top: int, looked: tuple[list[tuple[bytes, bytes]], list[bytes]] | None = None
@@ -486,18 +504,23 @@ class Keeper:
             with self.r.reading():
                 looked = known + fingerprints(self.r, locs), moved
         prints, moved = looked
-        st = state(self.store)
-        assert st is not None  # (written when the rollback was planned: redo.begin)
+        note = state(self.store)
+        assert note is not None  # (written when the rollback was planned: redo.begin)
         with self.store.write() as w:
             for loc, value in prints:
                 w.redo_put(S.redo_kept_key(S.REDO_PRINT, loc), value)
             for loc in moved:
                 w.redo_put(S.redo_kept_key(S.REDO_MOVED, loc), b"")
-            st["state"] = READY
-            st["fresh"] = None if top in st["kept"] else top
-            st["moves"] = True  # (a rollback by an older cowfs did not note them)
-            st["segment"] = SEGMENT + st["seq"] if st["fresh"] is None else None
-            _put_state(w, st)
+            fresh = None if top in note.kept else top
+            sealed = replace(
+                note,
+                state=READY,
+                fresh=fresh,
+                moves=True,  # (a rollback by an older cowfs did not note them)
+                segment=SEGMENT + note.seq if fresh is None else None,
+                segment_written=True,
+            )
+            _put_state(w, sealed)
 
     # -- inverses -------------------------------------------------------------------
 
@@ -661,8 +684,8 @@ def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
     return None
 
 
-class _Batch:
-    """Which undo steps make a batch (see Keeper): no two act on the same
+class _BatchPlan:
+    """Which undo steps make a batch (see RedoInverses): no two act on the same
     object or place, or one below the other's; none moves or removes a
     directory.  The exceptions: a step may act where a RENAME step before
     it in the batch moved an object to or from -- a CREATE or LINK step may
@@ -676,9 +699,9 @@ class _Batch:
     those steps leave the directory's mode and owner as the inverse has
     them, and its times are set over by the step, applied again or not, and
     by a redo, which sets last the times the rollback found there before
-    its first step in it (see `Keeper._parents`)."""
+    its first step in it (see `RedoInverses._parents`)."""
 
-    def __init__(self, resolver: B.Resolver, outer: _Batch | None = None):
+    def __init__(self, resolver: B.Resolver, outer: _BatchPlan | None = None):
         self.r = resolver
         self.places: set[bytes] = set()  # where the batch acts
         self.above: set[bytes] = set()  # directories holding those
@@ -686,7 +709,7 @@ class _Batch:
         self.changed: set[int] = set()  # ... changing more than its name
         self.holds: dict[bytes, int | None] = {}  # place -> what will be there
         self.stats: dict[int, os.stat_result] = {}
-        # the batch whose steps run meanwhile (see `Keeper.batch_ahead`):
+        # the batch whose steps run meanwhile (see `RedoInverses.batch_ahead`):
         # its places, the directories above them and its objects are out of bounds
         self.outer = outer
 
@@ -786,7 +809,7 @@ class _Batch:
         if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
             # the attributes of a directory the batch acts in: the times its
             # steps leave there are set over (and a redo sets the times the
-            # rollback found there last: see `Keeper._parents`)
+            # rollback found there last: see `RedoInverses._parents`)
             above = isinstance(rec, S.Meta) and stat.S_ISDIR(rec.mode)
             if (
                 rec.loc in self.holds
@@ -802,7 +825,7 @@ class _Batch:
         return None  # (an EXCHANGE: a step of its own)
 
 
-def _free_of(plan: _Batch, loc: bytes, above: bool = False) -> bool:
+def _free_of(plan: _BatchPlan, loc: bytes, above: bool = False) -> bool:
     if not above and loc in plan.above:
         return False
     if S.grave_id(loc) is not None:
@@ -818,15 +841,18 @@ def _free_of(plan: _Batch, loc: bytes, above: bool = False) -> bool:
 # -- where a redo acts, and whether anything changed there --------------------------------
 
 
-def _inverse_groups(store: Store, reverse: bool = False):
+InverseGroup = tuple[int, list[tuple[bytes, S.Record]]]  # seq, [(key, record)...]
+
+
+def _inverse_groups(store: Store, reverse: bool = False) -> Sequence[InverseGroup]:
     """(seq, [(key, record)...]) of the kept inverses, in seq order."""
-    groups: list[tuple[int, list]] = []
+    groups: list[InverseGroup] = []
     for key, val in store.redo_entries(S.REDO_INVERSE):
         seq = S.redo_inverse_seq(key)
         if not groups or groups[-1][0] != seq:
             groups.append((seq, []))
         groups[-1][1].append((key, S.decode_or_damaged(val)))
-    return reversed(groups) if reverse else groups
+    return groups[::-1] if reverse else groups
 
 
 def _locs(rec: S.Record) -> list[bytes]:
@@ -923,32 +949,32 @@ def layers_text(ids: list[int]) -> str:
 def check(store: Store, resolver: B.Resolver) -> RedoState:
     """The kept rollback, if a redo can undo it now; else raise NothingToDo
     (there was none) or Refused (saying why not)."""
-    st = state(store)
-    if st is None or st["state"] in (BUILDING, REDOING):
+    note = state(store)
+    if note is None or note.state in (BUILDING, REDOING):
         raise NothingToDo("nothing to redo: no rollback since the store was created")
-    if st["state"] != READY:
-        raise Refused(f"cannot redo the rollback of {layers_text(st['dropped'])}: {st['why']}")
-    why = why_not(store, resolver, st)
+    if note.state != READY:
+        raise Refused(f"cannot redo the rollback of {layers_text(note.dropped)}: {note.why}")
+    why = why_not(store, resolver, note)
     if why:
         raise Refused(
-            f"cannot redo the rollback of {layers_text(st['dropped'])}: {why}; nothing was changed"
+            f"cannot redo the rollback of {layers_text(note.dropped)}: {why}; nothing was changed"
         )
-    return st
+    return note
 
 
 def _shown(paths: list[str]) -> str:
     return ", ".join(paths[:10]) + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
 
 
-def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
+def why_not(store: Store, resolver: B.Resolver, note: RedoState) -> str | None:
     """Why the kept rollback *st* (ready) cannot be redone now, or None:
     the layers changed, a location the redo touches is not as the rollback
     left it, or a change recorded since lies at one of them or below a
     location the redo moves."""
-    expect = st["kept"] + ([st["fresh"]] if st["fresh"] is not None else [])
+    expect = note.kept + ([note.fresh] if note.fresh is not None else [])
     if [x.id for x in store.layers()] != expect:
         return "the layers changed since"
-    if store.next_seq != st["seq"] and not st.get("moves"):
+    if store.next_seq != note.seq and not note.moves:
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
     prints = {S.split_redo_key(k)[1]: v for k, v in store.redo_entries(S.REDO_PRINT)}
@@ -965,7 +991,7 @@ def why_not(store: Store, resolver: B.Resolver, st: RedoState) -> str | None:
     if changed:
         return f"{_shown(changed)} changed since the rollback"
     inside: dict[str, str] = {}
-    for _, rec in store.records(st["seq"], store.next_seq):
+    for _, rec in store.records(note.seq, store.next_seq):
         if isinstance(rec, S.Damaged):
             return "a record of a change made since the rollback is damaged"
         for loc in record_locs(rec):
@@ -1006,9 +1032,7 @@ def _moved_above(loc: bytes, moved: set[bytes]) -> bytes | None:
 
 def start(w: Writer) -> None:
     """In the transaction that plans the redo: mark it under way."""
-    st = _state_in(w)
-    st["state"] = REDOING
-    _put_state(w, st)
+    _put_state(w, replace(_state_in(w), state=REDOING))
 
 
 def _objects(rec: S.Record) -> tuple[int, ...]:
@@ -1020,7 +1044,7 @@ def _objects(rec: S.Record) -> tuple[int, ...]:
     return (rec.ino,) if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else ()
 
 
-def _corrupt(store: Store, groups) -> dict[int, str]:
+def _corrupt(store: Store, groups: Sequence[InverseGroup]) -> dict[int, str]:
     """Objects the redo would take out of the grave whose bytes no longer
     hash as they did when the rollback put them there: inode -> report
     (the redo leaves such an object in the store, as a rollback does)."""
@@ -1067,7 +1091,9 @@ class _Claims:
                         self.above.add(loc)
 
 
-def apply(store: Store, undo, failures: list[str], describe) -> int:
+def apply(
+    store: Store, undo: Undoer, failures: list[str], describe: Callable[[S.Record], str]
+) -> int:
     """Apply the kept inverses, last kept first; returns how many records
     were applied.  Resumable: applied groups are deleted a batch at a time,
     and a resumed redo applies those of the last batch again, in order.
@@ -1115,7 +1141,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
             except Exception as e:  # report by name, keep going
                 failures.append(f"{describe(rec)}: {e}")
         done += group
-        if len(done) >= Keeper.BATCH:
+        if len(done) >= RedoInverses.BATCH:
             forget()
     forget()
     return applied
@@ -1124,7 +1150,7 @@ def apply(store: Store, undo, failures: list[str], describe) -> int:
 def restore(w: Writer) -> list[int]:
     """In the transaction that ends a redo: the dropped layers come back
     (and the base a rollback of every layer opened goes); returns their ids."""
-    st = _state_in(w)
+    note = _state_in(w)
     restored = []
     for kind, original, val in w.unpark():
         if kind == S.REDO_LAYER:
@@ -1137,14 +1163,14 @@ def restore(w: Writer) -> list[int]:
             ):
                 w.regrave(rec.grave, rec.ino)
     # what changed since the rollback came after all of it: the top layer's now
-    _dissolve(w, st, max(restored))
+    _dissolve(w, note, max(restored))
     return sorted(restored)
 
 
 # -- for `cowfs check` -------------------------------------------------------------------
 
 
-def references(store: Store, txn):
+def references(store: Store, txn: lmdb.Transaction[bytes]) -> Iterator[tuple[bytes, S.Record]]:
     """(kind, record) of every record the redo database holds: "r" a dropped
     layer's record, "v" an inverse (their chunks are referenced, and the
     grave entries they hold are in use)."""

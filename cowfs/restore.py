@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -459,7 +459,7 @@ class Restore:
         self.invalid.inodes.add(node.ino)
         self._note(rel)
 
-    def _live_data(self, obj: Past, within) -> list[tuple[int, int]]:
+    def _live_data(self, obj: Past, within: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """The parts of the ranges *within* (in order) where *obj*'s live
         object holds data (SEEK_DATA: what it holds, not their size)."""
         out: list[tuple[int, int]] = []

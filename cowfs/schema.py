@@ -161,6 +161,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, get_type_hints
 
 import xxhash
@@ -232,6 +233,160 @@ def to_json(obj: Any) -> bytes:
 
 def from_json(b: bytes) -> Any:
     return json.loads(b)
+
+
+# -- the pending record (key ``pending``; see cowfs/pending.py) ---------------------
+# Typed here, kept as the JSON it always was: `from_json` and `to_json`
+# convert at the store's edge, writing the keys a record has in the order
+# cowfs has always written them (and any it does not know, after them).
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A provider step of the pending record."""
+
+    do: str  # "restore" or "discard"
+    provider: str
+    layer: int
+    data: Any  # the snapshot, as the provider took it
+    state: str = "todo"  # "todo", "started", "done" or "failed"
+    seconds: float | None = None  # once run
+    error: str | None = None  # (failed)
+    postmortem: dict | None = None  # (a restore's)
+    extra: dict = field(default_factory=dict)  # keys this cowfs does not know
+
+    @classmethod
+    def from_json(cls, d: dict) -> PendingStep:
+        known = {k: d[k] for k in _STEP_KEYS if k in d}
+        return cls(**known, extra={k: v for k, v in d.items() if k not in _STEP_KEYS})
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "do": self.do,
+            "provider": self.provider,
+            "layer": self.layer,
+            "data": self.data,
+            "state": self.state,
+        }
+        for key in ("seconds", "error", "postmortem"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d | self.extra
+
+
+_STEP_KEYS = ("do", "provider", "layer", "data", "state", "seconds", "error", "postmortem")
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    """The group operation under way: a rollback (*to*), a redo, the
+    discards of a committed layer's snapshots (*layer*) or a checkpoint's
+    captures (*layer*, *providers*).  A field that is None (or False, for
+    *skip_damaged*) is not in the JSON."""
+
+    op: str | None  # (None: none was written)
+    to: int | None = None
+    layer: int | None = None
+    files: bool | None = None  # whether the file part is done
+    steps: tuple[PendingStep, ...] | None = None  # in order
+    providers: list[str] | None = None
+    skip_damaged: bool = False
+    extra: dict = field(default_factory=dict)  # keys this cowfs does not know
+
+    @classmethod
+    def from_json(cls, d: dict) -> PendingRecord:
+        steps = d.get("steps")
+        return cls(
+            op=d.get("op"),
+            to=d.get("to"),
+            layer=d.get("layer"),
+            files=d.get("files"),
+            steps=tuple(PendingStep.from_json(s) for s in steps) if steps is not None else None,
+            providers=d.get("providers"),
+            skip_damaged=bool(d.get("skip_damaged")),
+            extra={k: v for k, v in d.items() if k not in _RECORD_KEYS},
+        )
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {}
+        for key in ("op", "to", "layer", "files"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.steps is not None:
+            d["steps"] = [step.to_json() for step in self.steps]
+        if self.providers is not None:
+            d["providers"] = self.providers
+        if self.skip_damaged:
+            d["skip_damaged"] = True
+        return d | self.extra
+
+    @property
+    def all_steps(self) -> tuple[PendingStep, ...]:
+        return self.steps or ()
+
+
+_RECORD_KEYS = ("op", "to", "layer", "files", "steps", "providers", "skip_damaged")
+
+
+# -- the note of the last rollback (key ``redo_state``; see cowfs/redo.py) ----------
+
+
+@dataclass(frozen=True)
+class RedoState:
+    """What the last rollback kept for a redo, and where that stands
+    (``state``: building, ready, redoing, unavailable or gone; ``why``:
+    why it cannot be redone).  Kept as the JSON it always was (see
+    `to_json`): "moves" once sealed, "segment" once sealed or discarded."""
+
+    state: str
+    why: str
+    to: int
+    dropped: list[int]  # the rolled-back layers
+    kept: list[int]  # the layers below them
+    fresh: int | None  # the fresh base it opened, if it rolled back the base too
+    seq: int  # the first seq recorded since the rollback
+    time: float
+    moves: bool | None = None  # whether it noted where the redo moves (sealed)
+    segment: int | None = None  # the index id of what changed since (see redo)
+    segment_written: bool = False  # whether "segment" is in the JSON (maybe null)
+    extra: dict = field(default_factory=dict)  # keys this cowfs does not know
+
+    @classmethod
+    def from_json(cls, d: dict) -> RedoState:
+        return cls(
+            state=d["state"],
+            why=d.get("why", ""),
+            to=d["to"],
+            dropped=d["dropped"],
+            kept=d["kept"],
+            fresh=d.get("fresh"),
+            seq=d["seq"],
+            time=d["time"],
+            moves=d.get("moves"),
+            segment=d.get("segment"),
+            segment_written="segment" in d,
+            extra={k: v for k, v in d.items() if k not in _REDO_KEYS},
+        )
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "state": self.state,
+            "why": self.why,
+            "to": self.to,
+            "dropped": self.dropped,
+            "kept": self.kept,
+            "fresh": self.fresh,
+            "seq": self.seq,
+            "time": self.time,
+        }
+        if self.moves is not None:
+            d["moves"] = self.moves
+        if self.segment_written or self.segment is not None:
+            d["segment"] = self.segment
+        return d | self.extra
+
+
+_REDO_KEYS = ("state", "why", "to", "dropped", "kept", "fresh", "seq", "time", "moves", "segment")
 
 
 # -- checksums ------------------------------------------------------------------
@@ -669,6 +824,35 @@ _SHAPES: dict[int, tuple[type, ...]] = {
     kind: tuple(get_type_hints(cls).values()) for kind, cls in RECORD_TYPES.items()
 }
 assert all(t in (int, bytes) for shape in _SHAPES.values() for t in shape)
+
+
+def object_of(rec: Record) -> int | None:
+    """The object (backing inode) a META, XATTRS or CHUNK record restores."""
+    return rec.ino if isinstance(rec, Meta | Xattrs | Chunk) else None
+
+
+def restores(rec: Record) -> int | None:
+    """The object whose bytes or attributes a record puts back (a GRAVE
+    record: the removed object, from the grave)."""
+    return rec.ino if isinstance(rec, Grave) else object_of(rec)
+
+
+class Fingerprint(NamedTuple):
+    """What ``backing.fingerprint`` keeps of an object, in the order of its
+    JSON list (the drift record, a rollback's seal): ns times."""
+
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    def older_form(self) -> list[int]:
+        """As a drift record of an older cowfs kept it: [size, mtime_ns,
+        ctime_ns, ino]."""
+        return [self.size, self.mtime_ns, self.ctime_ns, self.ino]
 
 
 def chunk_problem(rec: Chunk, chunk_size: int) -> str | None:

@@ -3,6 +3,12 @@ checkpoint, rollback, commit, redo, providers, audit, status, log, gc,
 check -- and the group operation a crash interrupted (the pending record),
 resumed when the session opens.
 
+The session is the one orchestrator of the layer lifecycle: it alone plans,
+carries out and closes a group operation (checkpoint, rollback, redo,
+commit) and its pending record (cowfs/pending.py), running the provider
+steps itself and the file part through ``layerfiles.LayerFiles``; what
+it shows of the layers comes from ``stackview.StackView``.
+
 A session is transport-neutral: the daemon serves its operations over the
 control socket while the workspace is mounted, and offline commands call
 them directly on an unmounted workspace.  The mount is a set of hooks the
@@ -25,15 +31,13 @@ from typing import Any
 
 import trio
 
-from . import backing as B
-from . import errors, fsck, operations, redo
-from . import pending as P
-from . import schema as S
+from . import backing, errors, fsck, operations, pending, progress, redo, schema
 from .access import BadGrant, Requester, parse_grant
 from .capture import Recorder
 from .errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
 from .ignore import IgnoreRules
 from .launch import start_view
+from .layerfiles import Acting, LayerFiles, RollbackReport
 from .listing import Changes, Encoded, plain_list
 from .mounts import (
     VIEW_FSTYPE,
@@ -49,8 +53,10 @@ from .ops import Ops
 from .past import SHOW_PAGE, History, describe_past, diff_entry, diff_sides, wpath
 from .providers import Registry
 from .restore import Denied, Invalid, restore
-from .stack import RollbackReport, Stack
-from .store import DEFAULT_CHUNK_SIZE, PendingRecord, Store
+from .schema import PendingRecord, RedoState
+from .stackview import StackView
+from .steps import Helper
+from .store import DEFAULT_CHUNK_SIZE, Store
 from .text import count, quote
 
 AUDIT_HASH_LIMIT = 64 << 20  # larger files get sizes only in the audit log
@@ -180,6 +186,11 @@ class Session:
         self._offline_ops: Ops | None = None
         self._views: list[tuple[int, str]] = []  # (uid, mount point) of views started
         self._history_cache: tuple | None = None  # (store state, History) for show/diff
+        self.rules: IgnoreRules | None = None  # the capture filter (None: not opened yet)
+        # the mount daemon's helper process for a rollback's steps (see
+        # cowfs/steps.py), and where a rollback notes how far it has got
+        self.helper: Helper | None = None
+        self.board: progress.Board = progress.LOCAL
 
     # -- opening and closing ------------------------------------------------------
 
@@ -193,7 +204,7 @@ class Session:
         if not os.path.isdir(self.mountpoint):
             raise BadWorkspace(f"mount point {self.mountpoint} is not a directory")
         raise_fd_limit()
-        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        self.rootfd = os.open(self.workspace, backing.DIR_FLAGS)
 
         def open_store() -> Store:
             return Store.open(
@@ -227,9 +238,11 @@ class Session:
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
         if create:  # a mount: its options (0 clears) change the store's limits
             self.store.set_limits(**{k: v for k, v in self.limits.items() if v is not None})
-        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        resolver = backing.Resolver(self.rootfd, self.store.grave_fd)
+        self.stackview = StackView(self.store, resolver)
+        self.files = LayerFiles(self.store, resolver, self.stackview, on_freed=self._freed)
         if recovering:
-            self.warnings += [f"store check: {p}" for p in self.stack.check()]
+            self.warnings += [f"store check: {p}" for p in self.stackview.check()]
         self.registry = Registry(self.store.dirfd, self.mountpoint)
         if create:
             self._check_drift()
@@ -237,22 +250,22 @@ class Session:
         # captured with; a mount's new --ignore patterns apply from then on.
         self._load_ignore_rules()
         self.recorder = Recorder(self.store)  # (what resuming switches, it follows)
-        pending = self.stack.pending()
-        if pending is not None and pending.get("op") == "checkpoint":
-            self.warnings += self._resume_checkpoint(pending)
-        elif pending is not None:
+        record = self.pending()
+        if record is not None and record.op == "checkpoint":
+            self.warnings += self._resume_checkpoint(record)
+        elif record is not None:
             self.warnings += trio.run(self._resume)
         if create and self.ignore_patterns is not None:
-            self.store.set_meta_json(S.K_IGNORE, self.ignore_patterns)
+            self.store.set_meta_json(schema.K_IGNORE, self.ignore_patterns)
             self._load_ignore_rules()
         if create and self.allow is not None:
             try:
                 grants = [parse_grant(spec) for spec in self.allow if spec]
             except BadGrant as e:
                 raise CowfsError(str(e), errors.USAGE) from None
-            self.store.set_meta_json(S.K_GRANTS, grants)
-        self.grants = self.store.get_meta_json(S.K_GRANTS) or []
-        self.stack.resume()
+            self.store.set_meta_json(schema.K_GRANTS, grants)
+        self.grants = self.store.get_meta_json(schema.K_GRANTS) or []
+        self.resume_files()
         self.recorder = Recorder(self.store)
         self.recorder.ignore = self.rules
 
@@ -260,7 +273,7 @@ class Session:
         """Open the workspace and its store as they are, for `cowfs check`
         (whose store may be damaged): nothing is resumed or changed (with
         *readonly*, nothing can be)."""
-        self.rootfd = os.open(self.workspace, B.DIR_FLAGS)
+        self.rootfd = os.open(self.workspace, backing.DIR_FLAGS)
         try:
             self.store = Store.open(self.store_dir, self.workspace, create=False, readonly=readonly)
         except BaseException:
@@ -268,7 +281,9 @@ class Session:
             raise
         inside = os.path.dirname(self.store_dir) == self.workspace
         self.hidden = os.fsencode(os.path.basename(self.store_dir)) if inside else None
-        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
+        resolver = backing.Resolver(self.rootfd, self.store.grave_fd)
+        self.stackview = StackView(self.store, resolver)
+        self.files = LayerFiles(self.store, resolver, self.stackview, on_freed=self._freed)
         self.recorder = Recorder(self.store, follow=False)
         try:
             self.recorder.reset(fresh=False)
@@ -278,8 +293,6 @@ class Session:
     def attach(self, hooks: MountHooks) -> None:
         """The workspace is mounted: the session calls *hooks* from now on."""
         self.hooks = hooks
-        self.stack.on_freed = hooks.after_commit
-        self.stack.on_removed = hooks.removed
 
     def close(self) -> None:
         if not self.store.readonly:
@@ -288,21 +301,21 @@ class Session:
         os.close(self.rootfd)
 
     def _load_ignore_rules(self) -> None:
-        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(S.K_IGNORE) or [])
-        self.stack.ignored = self.rules.matches
+        self.rules = IgnoreRules(self.rootfd, self.store.get_meta_json(schema.K_IGNORE) or [])
 
     def request_starts(self) -> None:
         """A control request starts: .cowfsignore applies as it is now."""
-        self.rules.stale = True
+        if self.rules is not None:
+            self.rules.stale = True
 
     def _check_drift(self) -> None:
         """Paths the layers changed that were changed again while the
         workspace was not mounted make the mount refuse (their undo data no
         longer fits them), unless accepted; accepted drift is logged."""
-        recorded = self.store.get_meta_json(S.K_DRIFT)
+        recorded = self.store.get_meta_json(schema.K_DRIFT)
         if recorded is None:
             return
-        drift = self.stack.drift(recorded)
+        drift = self.stackview.drift(recorded)
         if drift and not self.accept_drift:
             shown = ", ".join(map(quote, drift[:10])) + (
                 f" and {len(drift) - 10} more" if len(drift) > 10 else ""
@@ -313,10 +326,10 @@ class Session:
                 "rollback would mix both; mount with --accept-drift to go on anyway"
             )
         if drift:
-            self.stack.discard_redo(
+            self.files.discard_redo(
                 "the workspace was changed while not mounted (mounted with --accept-drift)"
             )
-            top = self.stack.ensure_base()
+            top = self.files.ensure_base()
             self.store.append_to_layer(top.id, "drift", [{"time": time.time(), "paths": drift}])
             self.warnings.append(
                 f"accepted drift of {count(len(drift), 'path')} "
@@ -326,18 +339,18 @@ class Session:
 
     def holds_changes(self) -> bool:
         """Whether any layer holds a change."""
-        return any(not self.stack.layer_is_empty(layer.id) for layer in self.store.layers())
+        return any(not self.files.layer_is_empty(layer.id) for layer in self.store.layers())
 
     def current_drift(self) -> list[str]:
         """Paths the layers changed that were changed again since the
         workspace's state was recorded (at the last unmount)."""
-        recorded = self.store.get_meta_json(S.K_DRIFT)
-        return self.stack.drift(recorded) if recorded else []
+        recorded = self.store.get_meta_json(schema.K_DRIFT)
+        return self.stackview.drift(recorded) if recorded else []
 
     def record_fingerprint(self) -> None:
         """At a clean unmount: what the layers' paths look like now."""
         try:
-            self.store.set_meta_json(S.K_DRIFT, self.stack.fingerprint())
+            self.store.set_meta_json(schema.K_DRIFT, self.stackview.fingerprint())
         except Exception:
             log.exception("could not record the workspace's state for drift detection")
 
@@ -362,11 +375,11 @@ class Session:
         """A change found no room (--max-store, a full disk) while the last
         rollback still holds what a redo needs: that goes (the change is
         tried again).  False when nothing was held."""
-        st = redo.state(self.store)
-        if st is None or (st["state"] != redo.READY and st.get("segment") is None):
+        note = redo.state(self.store)
+        if note is None or (note.state != redo.READY and note.segment is None):
             return False
         self.recorder.flush()
-        self.stack.discard_redo(
+        self.files.discard_redo(
             "the store needed the room it held for a change made since", fallback=True
         )
         self.recorder.reset(fresh=False)
@@ -417,13 +430,13 @@ class Session:
             raise CowfsError("bad request: providers must be distinct names", errors.USAGE)
         chosen = [self.registry.get(name) for name in providers]  # unknown names fail first
         await self.flush()
-        layer = self.stack.checkpoint(message, agent)
+        layer = self.files.checkpoint(message, agent)
         self._switched(fresh=True)
         taken: list[dict] = []
         t0 = time.perf_counter()
         if chosen:  # a crash while capturing: the next open removes what was taken
             with self.store.write() as w:
-                P.plan(w, P.checkpoint(layer.id, providers))
+                pending.plan(w, pending.checkpoint(layer.id, providers))
         try:
             for provider in chosen:
                 ctx = self.registry.context(provider.name, layer.id)
@@ -439,7 +452,7 @@ class Session:
             if taken:
                 with self.store.write() as w:
                     self.store.set_snapshots(layer.id, taken, w)
-                    P.close(w, layer.id)
+                    pending.close(w, layer.id)
         except Exception as e:
             # All or nothing: discard what was taken and drop the new layer.
             failed = chosen[min(len(taken), len(chosen) - 1)].name
@@ -475,15 +488,16 @@ class Session:
         made meanwhile are kept, and the pending record is cleared."""
         top = self.store.top()
         if top is not None and top.id == layer_id and len(self.store.layers()) > 1:
-            self.stack.commit()
-        self.stack.finish()
+            self.files.commit()
+        self.finish_pending()
         self._switched(fresh=False)
 
-    def _resume_checkpoint(self, pending: dict) -> list[str]:
+    def _resume_checkpoint(self, record: PendingRecord) -> list[str]:
         """A crash interrupted a checkpoint's captures: discard what each
         provider may have taken for that layer, and drop the checkpoint."""
-        layer, problems = pending["layer"], []
-        for name in pending.get("providers", []):
+        layer, problems = record.layer, []
+        assert layer is not None  # (a checkpoint's record names its layer)
+        for name in record.providers or []:
             try:
                 ctx = self.registry.context(name, layer)
                 self.registry.get(name).forget(ctx)
@@ -495,7 +509,7 @@ class Session:
         self._drop_checkpoint(layer)
         return [
             f"a checkpoint (layer {layer}) was interrupted while taking snapshots of "
-            f"{', '.join(pending.get('providers', []))}: what they took was discarded and "
+            f"{', '.join(record.providers or [])}: what they took was discarded and "
             f"the layer merged into the one below"
         ] + problems
 
@@ -505,11 +519,104 @@ class Session:
         merged = []
         limit = self.store.limits().get("max_layers")
         while limit and len(self.store.layers()) - 1 > limit:
-            merged.append(self.stack.merge_into_base())
+            merged.append(self.files.merge_into_base())
             await self._carry_out()
         return merged
 
-    # -- group operations (see Stack: the pending record) -----------------------------
+    # -- group operations: the pending record (see cowfs/pending.py) ------------------
+    # The session plans it, carries out its provider steps and has the files
+    # carried out (cowfs/layerfiles.py), and closes it.
+
+    def pending(self) -> PendingRecord | None:
+        return self.store.pending()
+
+    def planned(self) -> PendingRecord:
+        """The pending record, where one must be (an operation planned it
+        and it is not finished yet)."""
+        record = self.pending()
+        if record is None:
+            raise StoreError("no group operation is pending")
+        return record
+
+    def finish_pending(self) -> PendingRecord | None:
+        """Close the pending group operation: keep the restores' post-mortems
+        with the layer the workspace is now at, and clear the record.
+        Returns the record as it was."""
+        if self.pending() is None:
+            return None
+        top = self.files.ensure_base()
+        with self.store.write() as w:
+            return pending.close(w, top.id)
+
+    def plan_rollback(
+        self,
+        to: int | None = None,
+        keep_redo: bool = True,
+        base: bool = True,
+        skip_damaged: bool = False,
+    ) -> PendingRecord:
+        """Check a rollback (down to and including layer *to*; default: the
+        top layer) and write its pending record: the restores of the dropped
+        layers' snapshots (top layer first, last taken first), the files,
+        then the discards of those snapshots.  Nothing is changed yet but
+        freeing what an earlier rollback kept for a redo.  *keep_redo*: keep
+        what a redo of this one needs (impossible with provider snapshots).
+        Without *base*, a rollback of the top layer that is the base layer
+        (everything since the mount or the last commit) is refused."""
+        to, dropping, below = self.files.rollback_layers(to, base)
+        record = pending.rollback(to, dropping, skip_damaged)
+        self.files.discard_redo("another rollback was made")
+        why = self.files.why_no_redo(keep_redo, dropping)
+        try:
+            with self.store.write() as w:
+                pending.plan(w, record)
+                redo.begin(w, to, sorted(layer.id for layer in dropping), below, why)
+        except OSError:
+            # a full disk: the rollback itself must still be possible
+            with self.store.write() as w:
+                pending.plan(w, record)
+        return record
+
+    def plan_redo(self) -> RedoState:
+        """Check that the last rollback can be undone now and write the
+        pending record of its redo."""
+        state = self.files.check_redo()
+        with self.store.write() as w:
+            redo.start(w)
+            pending.plan(w, pending.redo())
+        return state
+
+    def resume_files(self) -> RollbackReport | None:
+        """Finish the file part of a group operation that was interrupted by
+        a crash.  Provider steps left in the pending record are run before
+        and after this (``_resume``); the record is closed here only when
+        none is left."""
+        record = self.pending()
+        report = None
+        if record is not None:
+            if pending.files_left(record):
+                report = self.files.apply(record, self._acting())
+            if not pending.steps_left(record):
+                self.finish_pending()
+        if self.pending() is None:
+            self.files.seal_interrupted_redo()
+        self.files.sweep_graves()
+        self.files.ensure_base()
+        return report
+
+    def _acting(self) -> Acting:
+        """How the files of the group operation under way are put back."""
+        return Acting(
+            ignored=self.rules.matches if self.rules is not None else None,
+            on_removed=self.hooks.removed,
+            helper=self.helper,
+            board=self.board,
+        )
+
+    def _freed(self, inos: list[int]) -> None:
+        """What a discarded redo held in the grave is gone (the mount's
+        inode table forgets it)."""
+        self.hooks.after_commit(inos)
 
     async def _apply(self, do: str, name: str, layer: int, data: dict) -> dict | None:
         """Restore or discard one provider snapshot; a restore may return a
@@ -526,51 +633,49 @@ class Session:
         """Run the pending record's *do* steps that have not finished, each
         marked in the store before it runs and after it; return what ran."""
         ran = []
-        for i, step in enumerate(self.stack.planned().get("steps", [])):
-            if step["do"] != do or step["state"] in P.FINISHED:
+        for i, step in enumerate(self.planned().all_steps):
+            if step.do != do or step.state in pending.FINISHED:
                 continue
-            what = f"{do} {step['provider']} of layer {step['layer']}"
-            ran.append(
-                what + (" (again: it was interrupted)" if step["state"] == "started" else "")
-            )
+            what = f"{do} {step.provider} of layer {step.layer}"
+            ran.append(what + (" (again: it was interrupted)" if step.state == "started" else ""))
             self._mark_step(i, state="started")
             t0 = time.perf_counter()
             result: dict[str, Any]
             try:
-                postmortem = await self._apply(do, step["provider"], step["layer"], step["data"])
+                postmortem = await self._apply(do, step.provider, step.layer, step.data)
                 result = {"state": "done"}
             except Exception as e:
                 postmortem = getattr(e, "postmortem", None)
                 result = {"state": "failed", "error": f"{what}: {e}"}
             if postmortem:  # kept (with the layer the workspace is back at) even on failure
-                result["postmortem"] = {**postmortem, "layer": step["layer"], "time": time.time()}
+                result["postmortem"] = {**postmortem, "layer": step.layer, "time": time.time()}
             self._mark_step(i, seconds=round(time.perf_counter() - t0, 3), **result)
         return ran
 
     def _mark_step(self, index: int, **fields: Any) -> None:
-        P.mark_step(self.store, index, **fields)
+        pending.mark_step(self.store, index, **fields)
 
     async def _carry_out(self) -> tuple[PendingRecord | None, RollbackReport | None, list[str]]:
         """Carry out the pending group operation from where it stands:
         provider restores, the files, provider discards.  Returns the closed
         pending record, the file rollback's report (when it ran now) and the
         provider steps that ran now."""
-        if self.stack.pending() is None:
+        if self.pending() is None:
             return None, None, []
         ran = await self._provider_steps("restore")
         report = None
-        pending = self.stack.planned()
-        if P.files_left(pending):
+        record = self.planned()
+        if pending.files_left(record):
             before = self.store.top()
             try:
-                report = self.stack.apply_files()
+                report = self.files.apply(record, self._acting())
             finally:
                 # a rollback of every layer opens a fresh base, one that
                 # keeps what a redo needs a segment: memory knows all they
                 # hold (nothing); a redo's layers are known from the store
                 top = self.store.top()
                 self._switched(
-                    fresh=pending["op"] == "rollback"
+                    fresh=record.op == "rollback"
                     and top is not None
                     and before is not None
                     and (top.id > before.id or redo.segment(self.store) is not None),
@@ -578,12 +683,12 @@ class Session:
                 )
             await self.hooks.after_undo(report.touched)
         ran += await self._provider_steps("discard")
-        return self.stack.finish(), report, ran
+        return self.finish_pending(), report, ran
 
     async def _resume(self) -> list[str]:
         """Finish the group operation a crash interrupted (when the session
         opens); the warnings that say what was done."""
-        op = self.stack.planned().get("op", "operation")
+        op = self.planned().op or "operation"
         record, report, ran = await self._carry_out()
         warnings = []
         if report is not None:
@@ -602,12 +707,12 @@ class Session:
     async def _finish_leftover(self) -> None:
         """A group operation left pending by an unexpected error is carried
         out before a new one is planned over it."""
-        if self.stack.pending() is not None:
+        if self.pending() is not None:
             record, report, _ = await self._carry_out()
             assert record is not None  # (it was pending: now closed)
             log.warning(
                 "finished a pending %s: %s",
-                record.get("op"),
+                record.op,
                 step_failures(record) + (report.failures if report else []),
             )
 
@@ -617,7 +722,7 @@ class Session:
         kept = self._audit_changes(
             self.store.open_layer().id, hashes=self._audit_level() == "hashes"
         )
-        info = self.stack.commit()
+        info = self.files.commit()
         self._audit_events(
             {
                 "event": "commit",
@@ -656,22 +761,23 @@ class Session:
         await self.flush()
         await self._finish_leftover()
         # An unknown id, or nothing to roll back, fails before anything runs.
-        self.stack.plan_rollback(to, keep_redo=keep_redo, base=yes, skip_damaged=skip_damaged)
-        undone = self._audit_changes(self.stack.planned()["to"], hashes=False, planned=True)
+        planned = self.plan_rollback(to, keep_redo=keep_redo, base=yes, skip_damaged=skip_damaged)
+        assert planned.to is not None  # (a rollback's record names its layer)
+        undone = self._audit_changes(planned.to, hashes=False, planned=True)
         # Providers first (they were taken after their layer was opened), last
         # first; then the files; then the dropped snapshots are discarded.
         record, report, _ = await self._carry_out()
         # (planned just now, with its file part still to do)
         assert record is not None and report is not None
-        steps = record["steps"]
+        provider_steps = record.all_steps
         result = report.to_dict()
         result["restored"] = [
-            {"provider": s["provider"], "layer": s["layer"], "seconds": s["seconds"]}
-            for s in steps
-            if s["do"] == "restore" and s["state"] == "done"
+            {"provider": s.provider, "layer": s.layer, "seconds": s.seconds}
+            for s in provider_steps
+            if s.do == "restore" and s.state == "done"
         ]
         # (kept with the layer the workspace is back at)
-        result["postmortems"] = [s["postmortem"] for s in steps if s.get("postmortem")]
+        result["postmortems"] = [s.postmortem for s in provider_steps if s.postmortem]
         failures = report.failures + step_failures(record)
         self._audit_events(
             {
@@ -699,11 +805,11 @@ class Session:
         otherwise say why not and change nothing."""
         await self.flush()
         await self._finish_leftover()
-        st = self.stack.plan_redo()
+        state = self.plan_redo()
         _, report, _ = await self._carry_out()
         assert report is not None  # (planned just now, with its file part still to do)
         result = report.to_dict()
-        redone = self._audit_changes(st["to"], hashes=False)
+        redone = self._audit_changes(state.to, hashes=False)
         self._audit_events(
             {
                 "event": "redo",
@@ -767,12 +873,12 @@ class Session:
         """The open layer's net changes (under *paths*), the store's usage,
         the changes --max-store refused since the mount, the redo note."""
         await self.flush()
-        result = self.stack.status(paths=path_list(paths))
+        result = self.stackview.status(paths=path_list(paths))
         result["changes"] = self._writers_shown(result["changes"])
         return result | {
-            "usage": self.stack.usage(),
+            "usage": self.stackview.usage(),
             "refused": self.hooks.refused(),
-            "redo": self.stack.redo_note(),
+            "redo": self.stackview.redo_note(),
             "engine": self.hooks.engine_info(),
         }
 
@@ -780,7 +886,7 @@ class Session:
         """Free what nothing needs: unused chunks, grave files no record
         holds, stale index entries; report what was freed."""
         await self.flush()
-        result = self.stack.gc()
+        result = self.files.gc()
         self.recorder.reset(fresh=False)
         return result
 
@@ -789,7 +895,7 @@ class Session:
         under *paths* if given."""
         await self.flush()
         since = self.store.open_layer().id if since is None else since
-        changes = self.stack.changes_since(since, path_list(paths))
+        changes = self.stackview.changes_since(since, path_list(paths))
         return {"since": since, "changes": self._writers_shown(changes)}
 
     def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
@@ -812,7 +918,7 @@ class Session:
         await self.flush()
         if limit is not None and limit < 1:
             raise CowfsError("bad request: limit must be positive", errors.USAGE)
-        return {"layers": self.stack.log(limit), "redo": self.stack.redo_note()}
+        return {"layers": self.stackview.log(limit), "redo": self.stackview.redo_note()}
 
     # -- reading the past (cowfs/past.py) ---------------------------------------------
 
@@ -827,10 +933,10 @@ class Session:
                 key,
                 History(
                     self.store,
-                    self.stack.resolver,
+                    self.stackview.resolver,
                     layer,
                     self.hidden,
-                    self.stack.reading(layer, since=True),
+                    self.stackview.reading(layer, since=True),
                 ),
             )
             self._history_cache = cached
@@ -866,7 +972,7 @@ class Session:
         await self.flush()
         text_limit = max(0, min(text_limit, MAX_TEXT))
         h = self._history(since)
-        changes = self.stack.changes_since(h.layer, path_list(paths))
+        changes = self.stackview.changes_since(h.layer, path_list(paths))
         who = self.requester
 
         # Every side is read while the tree holds still (one instant); the
@@ -921,7 +1027,7 @@ class Session:
             if self._offline_ops is None:
                 self._offline_ops = Ops(self.rootfd, self.store, self.recorder, hidden=self.hidden)
             fs = self._offline_ops
-        h = History(self.store, self.stack.resolver, layer, self.hidden)
+        h = History(self.store, self.stackview.resolver, layer, self.hidden)
         try:
             done, invalid = restore(fs, h, self.requester, rels)
         finally:
@@ -986,21 +1092,23 @@ class Session:
         holds, ``xxh3_data``, reading only that: see ``past.diff_sides``).
         What it reads follows the files' data, not their sizes.  None at audit
         level "events".  *planned*: for the rollback planned now (to
-        *since*: see ``Stack.undone``)."""
+        *since*: see ``StackView.undone``)."""
         if self._audit_level() == "events":
             return []
         try:
             if not hashes:  # (each made into a dict as it is written: ``_audit_events``)
-                return self.stack.undone() if planned else self.stack.changes_since(since)
+                return (
+                    self.stackview.undone(since) if planned else self.stackview.changes_since(since)
+                )
             h = History(
                 self.store,
-                self.stack.resolver,
+                self.stackview.resolver,
                 since,
                 self.hidden,
-                self.stack.reading(since, since=True),
+                self.stackview.reading(since, since=True),
             )
             out = []
-            for c in self.stack.changes_since(since):
+            for c in self.stackview.changes_since(since):
                 d = diff_entry(
                     h, c, text_limit=0, hash_limit=AUDIT_HASH_LIMIT, data_limit=AUDIT_HASH_LIMIT
                 )
@@ -1092,14 +1200,14 @@ class Session:
         handlers wait, so the store cannot change while it is read."""
         await self.flush()
         if not full:
-            return {"problems": self.stack.check()}
+            return {"problems": self.stackview.check()}
         return fsck.check(self.store).to_dict()
 
     async def repair(self) -> dict:
         """`cowfs check --repair`: check, repair what can be repaired without
         inventing data, check again (with the handlers waiting throughout)."""
         await self.flush()
-        done = fsck.repair(self.store, fsck.check(self.store), self.stack.discard_redo)
+        done = fsck.repair(self.store, fsck.check(self.store), self.files.discard_redo)
         self.recorder.reset(fresh=False)
         return {"repaired": done, **fsck.check(self.store).to_dict()}
 
@@ -1127,9 +1235,10 @@ def check_agent_record(agent: dict) -> None:
         raise CowfsError("bad request: the agent record is too large", errors.USAGE)
 
 
-def step_failures(record: dict | None) -> list[str]:
+def step_failures(record: PendingRecord | None) -> list[str]:
     """The failed provider steps of a closed pending record, by name."""
-    return [s["error"] for s in (record or {}).get("steps", ()) if s["state"] == "failed"]
+    steps = record.all_steps if record is not None else ()
+    return [s.error for s in steps if s.state == "failed" and s.error is not None]
 
 
 def open_offline(workspace: str, store: str | None) -> Session:
@@ -1164,7 +1273,7 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
                     f"{', '.join(drift[:10])}: changed while not mounted, after the "
                     "layers changed them; mount with --accept-drift first"
                 )
-            recorded = session.store.get_meta_json(S.K_DRIFT) is not None
+            recorded = session.store.get_meta_json(schema.K_DRIFT) is not None
         try:
             result = trio.run(functools.partial(invoke, getattr(session, op), **args))
         finally:  # what a rollback or commit changed (also when it partly failed)

@@ -1,8 +1,8 @@
 """Taking the undo steps of a rollback a batch at a time (see
-``redo.Keeper``), here or in a helper process.
+``redo.RedoInverses``), here or in a helper process.
 
 While the helper takes the steps of one batch, the rollback plans the next
-and keeps what a redo of it needs (``Keeper.batch_ahead``).  Both mostly
+and keeps what a redo of it needs (``RedoInverses.batch_ahead``).  Both mostly
 wait on the disk.  Two threads of one interpreter would take turns at
 every system call, with a wake-up across CPUs each time; two processes do
 not.  The mount daemon forks the helper when it mounts (before its FUSE
@@ -17,21 +17,26 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Pipe
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import backing as B
-from . import fsck, redo
-from . import schema as S
+from . import backing, redo, schema
 from .store import Store
 from .undo import Touched, Undoer, describe
 
 log = logging.getLogger(__name__)
 
-# for each step: whether it moved its object into the grave or out of it,
-# its failure, where it left nothing (see ``Keeper.emptied_by``), and
-# whether it failed in a way that halts the rollback (see ``halts``): then
-# it is the last outcome of its batch, the steps after it were not taken
-Outcome = tuple[bool, str | None, tuple[bytes, ...], bool]
+
+class Outcome(NamedTuple):
+    """What one step of a batch did (sent from the helper as a plain tuple)."""
+
+    moved: bool  # whether it moved its object into the grave or out of it
+    failure: str | None
+    emptied: tuple[bytes, ...]  # where it left nothing (see ``RedoInverses.emptied_by``)
+    # whether it failed in a way that halts the rollback (see ``halts``): then
+    # it is the last outcome of its batch, the steps after it were not taken
+    halted: bool
+
+
 Keeps = list[tuple[int, int] | None]
 
 # Errors after which a rollback does not take the next step (an undo step
@@ -51,7 +56,7 @@ def wants_room(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def removes_next(records: Sequence[tuple[int, S.Record]], i: int, skipped) -> bool:
+def removes_next(records: Sequence[tuple[int, schema.Record]], i: int, skipped: redo.Skip) -> bool:
     """Whether records[i], a RENAME, is one whose undo step puts a file back
     where the next record, the CREATE that made it there, has it removed
     (applied): a file written under a temporary name and renamed into
@@ -64,16 +69,16 @@ def removes_next(records: Sequence[tuple[int, S.Record]], i: int, skipped) -> bo
 
 def batch_steps(
     undo: Undoer,
-    batch: Sequence[tuple[int, S.Record]],
+    batch: Sequence[tuple[int, schema.Record]],
     keeps: Keeps,
     planned: dict[int, os.stat_result],
 ) -> list[Outcome]:
-    """Take the undo steps of a batch, in order (*keeps*: what `Keeper.batch`
-    returned for it; *planned*: `Keeper.planned` then).  A RENAME and the
+    """Take the undo steps of a batch, in order (*keeps*: what `RedoInverses.batch`
+    returned for it; *planned*: `RedoInverses.planned` then).  A RENAME and the
     CREATE after it that made the file at its source go as one (see
     ``Undoer.put_back_and_remove``), with the CREATE's inverse."""
     out: list[Outcome] = []
-    taken: S.Rename | None = None  # a RENAME step taken with the CREATE after it
+    taken: schema.Rename | None = None  # a RENAME step taken with the CREATE after it
     for k, (_, rec) in enumerate(batch):
         moved, failure, halt = False, None, False
         emptied: tuple[bytes, ...] = ()
@@ -81,7 +86,7 @@ def batch_steps(
             if taken is not None:
                 moved, emptied, taken = True, (taken.src, taken.dst), None
             elif (
-                isinstance(rec, S.Rename)
+                isinstance(rec, schema.Rename)
                 and removes_next(batch, k, lambda *_: False)
                 and keeps[k + 1] is not None
                 and undo.put_back_and_remove(rec, keeps[k + 1], planned.get(batch[k + 1][0]))
@@ -91,7 +96,7 @@ def batch_steps(
                 moved = undo.apply(rec, keeps[k])
         except Exception as e:  # report by name, keep going (unless it halts)
             failure, halt = f"{describe(rec)}: {e}", halts(e)
-        out.append((moved, failure, emptied, halt))
+        out.append(Outcome(moved, failure, emptied, halt))
         if halt:
             break
     return out
@@ -108,7 +113,7 @@ class Helper:
     its steps change nothing they did), and the rollbacks after it take
     their steps themselves."""
 
-    def __init__(self, store: Store, resolver: B.Resolver):
+    def __init__(self, store: Store, resolver: backing.Resolver):
         mine, theirs = Pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover (the helper; what it does is checked by the daemon)
@@ -153,7 +158,7 @@ class Helper:
         self.close()
 
 
-class Batches:
+class BatchRunner:
     """The batches of one rollback, taken by the helper if there is one."""
 
     def __init__(self, undo: Undoer, helper: Helper | None):
@@ -163,7 +168,7 @@ class Batches:
 
     def run(
         self,
-        batch: Sequence[tuple[int, S.Record]],
+        batch: Sequence[tuple[int, schema.Record]],
         keeps: Keeps,
         planned: dict[int, os.stat_result],
         meanwhile: Callable[[], Any],
@@ -172,7 +177,7 @@ class Batches:
         *meanwhile*() here.  Returns the steps' outcomes, what *meanwhile*
         returned and the exception it raised."""
         h = self.helper
-        sent = h is not None and h.alive and not any(isinstance(r, S.Chunk) for _, r in batch)
+        sent = h is not None and h.alive and not any(isinstance(r, schema.Chunk) for _, r in batch)
         if sent:
             assert h is not None
             r = self.undo.r
@@ -204,7 +209,8 @@ class Batches:
             outcomes = batch_steps(self.undo, batch, keeps, {})
             _touched_by(batch, keeps, self.undo)
         else:
-            outcomes, touched = reply
+            plain, touched = reply
+            outcomes = [Outcome._make(o) for o in plain]
             self.undo.touched.merge(touched)
         return outcomes, result, error
 
@@ -221,9 +227,9 @@ class Batches:
             return redo.fingerprints(self.undo.r, locs)
 
 
-def _serve(conn: Connection, store: Store, resolver: B.Resolver) -> None:  # pragma: no cover
+def _serve(conn: Connection, store: Store, resolver: backing.Resolver) -> None:  # pragma: no cover
     """The helper process: take the batches *conn* brings until it ends."""
-    r = B.Resolver(resolver.rootfd, resolver.grave_fd)
+    r = backing.Resolver(resolver.rootfd, resolver.grave_fd)
     lo = 3  # (the mount's fds, the store's, the nodes': not for it)
     for fd in sorted({conn.fileno(), r.rootfd, r.grave_fd}):
         os.closerange(lo, fd)
@@ -244,12 +250,13 @@ def _serve(conn: Connection, store: Store, resolver: B.Resolver) -> None:  # pra
             if fresh:
                 r.moved()
             undo.touched = Touched()
-            batch = [(seq, S.RECORD_TYPES[kind](*fields)) for seq, kind, fields in packed]
+            batch = [(seq, schema.RECORD_TYPES[kind](*fields)) for seq, kind, fields in packed]
             planned = {seq: os.stat_result(st) for seq, st in stats.items()}
-            conn.send((batch_steps(undo, batch, keeps, planned), undo.touched))
+            outcomes = [tuple(o) for o in batch_steps(undo, batch, keeps, planned)]
+            conn.send((outcomes, undo.touched))
 
 
-def _touched_by(batch: Sequence[tuple[int, S.Record]], keeps: Keeps, undo: Undoer) -> None:
+def _touched_by(batch: Sequence[tuple[int, schema.Record]], keeps: Keeps, undo: Undoer) -> None:
     """What the steps of *batch* may have changed, for the mount, when what
     they did is not known (the helper that took them was lost): every name
     they act on and every object, and each object's move, if it is where
@@ -258,14 +265,14 @@ def _touched_by(batch: Sequence[tuple[int, S.Record]], keeps: Keeps, undo: Undoe
     for (_, rec), keep in zip(batch, keeps, strict=True):
         for loc in redo.record_locs(rec):  # type: ignore[arg-type]
             t.entry(loc)
-        ino, to = fsck.restores(rec), None
-        if isinstance(rec, S.Rename):
+        ino, to = schema.restores(rec), None
+        if isinstance(rec, schema.Rename):
             to = rec.src
-        elif isinstance(rec, S.Grave):
+        elif isinstance(rec, schema.Grave):
             to = rec.path
-        elif isinstance(rec, S.Create | S.Link) and keep is not None:
+        elif isinstance(rec, schema.Create | schema.Link) and keep is not None:
             # (with the RENAME before it, if they went as one)
-            ino, to = keep[1], S.grave_loc(keep[0])
+            ino, to = keep[1], schema.grave_loc(keep[0])
         if ino is None:
             continue
         t.objects.add(ino)

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lmdb
@@ -27,6 +27,7 @@ from . import schema as S
 from . import trust
 from .errors import AlreadyMounted, NoStore, StoreError
 from .mounts import not_owner
+from .schema import PendingRecord
 
 MAP_SIZE = 64 << 30
 RECORD_OVERHEAD = 64  # LMDB node and index entry per record, roughly
@@ -34,10 +35,10 @@ AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 FULL_MARGIN = 4 << 20  # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
-# The pending record (JSON; see cowfs/pending.py): {"op": "rollback", "redo",
-# "commit" or "checkpoint", "files": whether the file part is done, "steps":
-# [{"do", "provider", "layer", "data", "state", ...}], and the op's own fields}.
-PendingRecord = dict[str, Any]
+# The pending record: schema.PendingRecord (see cowfs/pending.py), kept as JSON
+# {"op": "rollback", "redo", "commit" or "checkpoint", "files": whether the
+# file part is done, "steps": [{"do", "provider", "layer", "data", "state",
+# ...}], and the op's own fields}.
 
 
 @dataclass(frozen=True)
@@ -582,22 +583,28 @@ class Writer:
     # through cowfs/pending.py, which says who changes it when) --
 
     def pending(self) -> PendingRecord | None:
-        return self.meta_json(S.K_PENDING)
+        raw = self.meta_json(S.K_PENDING)
+        return PendingRecord.from_json(raw) if raw is not None else None
 
     def set_pending(self, record: PendingRecord | None) -> None:
         """Write the pending record (None: the group operation is over).
         The files are about to change by cowfs's own hand: what the last
         unmount recorded of them (drift detection) no longer holds."""
-        self.set_meta(S.K_PENDING, S.to_json(record) if record is not None else None)
+        self.set_meta(S.K_PENDING, S.to_json(record.to_json()) if record is not None else None)
         if record is not None:
             self.set_meta(S.K_DRIFT, None)
 
-    def update_pending(self, step: int | None = None, **fields) -> None:
+    def update_pending(self, step: int | None = None, **fields: Any) -> None:
         """Update fields of the pending record, or of its step *step*."""
         record = self.pending()
         if record is None:
             raise StoreError("no group operation is pending: there is no record to update")
-        (record if step is None else record["steps"][step]).update(fields)
+        if step is None:
+            record = replace(record, **fields)
+        else:
+            steps = list(record.all_steps)
+            steps[step] = replace(steps[step], **fields)
+            record = replace(record, steps=tuple(steps))
         self.set_pending(record)
 
 
@@ -1067,7 +1074,7 @@ class Store:
 
     def open_layer(self) -> Layer:
         """The top layer, where there must be one (an opened session's stack
-        always has an open layer: see Stack.ensure_base)."""
+        always has an open layer: see LayerFiles.ensure_base)."""
         top = self.top()
         if top is None:
             raise StoreError("the store has no open layer")
@@ -1303,7 +1310,8 @@ class Store:
 
     def pending(self) -> PendingRecord | None:
         """The pending record (see cowfs/pending.py), or None."""
-        return self.get_meta_json(S.K_PENDING)
+        raw = self.get_meta_json(S.K_PENDING)
+        return PendingRecord.from_json(raw) if raw is not None else None
 
     def grave_counts(self) -> dict[int, int]:
         """Backing inode -> number of its names held in the grave."""

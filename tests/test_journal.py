@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cowfs import schema as S
-from cowfs.journal import Kept, Reading
+from cowfs.journal import Reading, Readings
 from cowfs.store import Store
 
 NAMES = [b"a", b"b", b"c"]
@@ -134,7 +134,7 @@ def write(store: Store, *records: S.Change) -> None:
 def test_a_kept_reading_follows_the_appends_and_is_read_again_after_a_deletion(tmp_path):
     store = open_store(tmp_path)
     try:
-        kept = Kept(store)
+        kept = Readings(store)
         kept.WAIT = 3  # (read in the write's wake, or when asked)
         start = store.next_seq
         kept.opened(start)
@@ -160,7 +160,7 @@ def test_a_reading_not_kept_when_appends_came_past_it_catches_up(tmp_path):
     try:
         start = store.next_seq
         write(store, S.Create(b"x"))
-        kept = Kept(store)  # (it was not there for the first write)
+        kept = Readings(store)  # (it was not there for the first write)
         j = kept.get(start)
         store.on_append = None  # (nobody told of this one)
         write(store, S.Rename(b"x", b"y", 3))
@@ -174,7 +174,7 @@ def test_a_reading_not_kept_when_appends_came_past_it_catches_up(tmp_path):
 def test_a_reading_past_the_limit_is_not_kept_yet_says_the_same(tmp_path):
     store = open_store(tmp_path)
     try:
-        kept = Kept(store)
+        kept = Readings(store)
         kept.LIMIT = 10
         start = store.next_seq
         kept.opened(start)
@@ -195,11 +195,11 @@ def test_a_reading_past_the_limit_is_not_kept_yet_says_the_same(tmp_path):
         kept.LIMIT = 1000
         others = [store.next_seq]
         kept.opened(others[0])
-        for _ in range(Kept.KEEP):
+        for _ in range(Readings.KEEP):
             write(store, S.Create(b"n%d" % store.next_seq))
             others.append(store.next_seq)
             kept.opened(others[-1])
-        kept_now = [kept.get(s) for s in others[-Kept.KEEP :]]
-        assert [kept.get(s) for s in others[-Kept.KEEP :]] == kept_now
+        kept_now = [kept.get(s) for s in others[-Readings.KEEP :]]
+        assert [kept.get(s) for s in others[-Readings.KEEP :]] == kept_now
     finally:
         store.close()

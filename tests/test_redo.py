@@ -393,21 +393,18 @@ def test_writes_racing_a_rollback_and_its_redo(mounted):
 def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(workspace):
     """The next mount finishes an interrupted rollback under the capture
     filters its layers were captured with (and keeps what a redo needs)."""
-    from cowfs import backing as B
-    from cowfs.stack import Stack
-    from cowfs.store import Store
+    from cowfs.session import Session
 
     ws = workspace
     before = new_package_with_a_cache(ws)
     ws.unmount()
     # a crash right after the rollback was planned: only its pending record is written
-    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False)
-    rootfd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+    session = Session(str(ws.path), store=str(ws / ".cowfs"))
+    session.inspect(readonly=False)  # (the store as it is: nothing resumed)
     try:
-        Stack(store, B.Resolver(rootfd, store.grave_fd)).plan_rollback()
+        session.plan_rollback()
     finally:
-        store.close()
-        os.close(rootfd)
+        session.close()
     ws.mount()
     assert not (ws / "pkg").exists()  # with its ignored cache
     ws.json("redo")

@@ -52,7 +52,7 @@ def test_a_session_without_a_mount_runs_the_layer_lifecycle(tmp_path):
         undone = run(session.rollback)
         assert undone["dropped"] == [one["id"]] and not undone["failures"]
         assert run(session.redo)["restored"] == [one["id"]]
-        assert session.stack.pending() is None
+        assert session.pending() is None
     finally:
         session.close()
 

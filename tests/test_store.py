@@ -11,7 +11,8 @@ from cowfs import backing as B
 from cowfs import schema as S
 from cowfs import treesnap
 from cowfs.capture import Recorder
-from cowfs.stack import Stack
+from cowfs.layerfiles import Acting
+from cowfs.session import Session, offline
 from cowfs.store import Store, digest
 
 C = 64 << 10
@@ -22,16 +23,22 @@ class Harness:
 
     def __init__(self, root):
         self.root = root
-        self.store = Store.open(str(root / ".cowfs"), str(root))
-        self.rootfd = os.open(root, B.DIR_FLAGS)
-        self.stack = Stack(self.store, B.Resolver(self.rootfd, self.store.grave_fd))
-        self.stack.ensure_base()
+        Store.open(str(root / ".cowfs"), str(root)).close()
+        # (a session on the store as it is: nothing resumed or checked)
+        self.session = Session(str(root), store=str(root / ".cowfs"))
+        self.session.inspect(readonly=False)
+        self.store = self.session.store
+        self.rootfd = self.session.rootfd
+        self.view = self.session.stackview
+        self.files = self.session.files
+        self.files.ensure_base()
         self.rec = Recorder(self.store)
         self.rec.reset(fresh=False)
 
     def close(self):
-        os.close(self.rootfd)
-        self.store.close()
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
     def pwrite(self, name: str, data: bytes, off: int) -> None:
         path = self.root / name
@@ -59,7 +66,7 @@ class Harness:
 
     def checkpoint(self) -> int:
         self.rec.flush()
-        layer = self.stack.checkpoint()
+        layer = self.files.checkpoint()
         self.rec.reset(fresh=True)
         return layer.id
 
@@ -90,7 +97,7 @@ def test_chunks_are_content_addressed_and_reference_counted(h):
     assert h.chunk_count() == 1
     with h.store.read() as txn:
         assert S.from_u64(txn.get(digest(block), db=h.store.db_refs)) == 3
-    h.stack.commit()
+    h.files.commit()
     assert h.chunk_count() == 0
 
 
@@ -115,14 +122,15 @@ def test_merge_keeps_the_lower_entry_and_drops_redundant_ones(h):
     h.checkpoint()
     h.pwrite("f", b"two", 1)  # same chunk: redundant after the merge
     h.pwrite("f", b"two", C)  # a chunk only the upper layer has
-    h.stack.commit()
+    h.files.commit()
     h.rec.reset(fresh=False)
     merged = h.store.layer_records(h.store.top().id)
     assert len(merged) == lower + 1
     chunks = [r for _, r in merged if isinstance(r, S.Chunk)]
     assert sorted(r.chunk for r in chunks) == [0, 1]
     assert h.chunk_count() == 2
-    h.stack.rollback()
+    h.close()  # (rolled back as an offline command does it)
+    offline(str(h.root), str(h.root / ".cowfs"), "rollback")
     treesnap.assert_same(before, h.snapshot())
 
 
@@ -132,7 +140,7 @@ def test_commit_of_the_base_frees_chunks_and_graves(h):
     h.pwrite("f", b"!", 0)
     h.unlink("g")
     assert h.chunk_count() == 1 and os.listdir(h.store.path + "/grave")
-    h.stack.commit()
+    h.files.commit()
     assert h.chunk_count() == 0
     assert os.listdir(h.store.path + "/grave") == []
     assert not (h.root / "g").exists()
@@ -155,7 +163,7 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
     h.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": layer.id})
     from cowfs.undo import Undoer
 
-    undo = Undoer(h.store, h.stack.resolver)
+    undo = Undoer(h.store, h.files.resolver)
     (seq1, rec1), (seq2, rec2) = list(h.store.records(layer.start, h.store.next_seq, reverse=True))[
         :2
     ]
@@ -164,7 +172,7 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
         w.delete_record(seq1)
     undo.apply(rec2)
     assert (h.root / "g").read_text() == "g"
-    report = h.stack.resume()
+    report = h.session.resume_files()
     assert report is not None and not report.failures
     treesnap.assert_same(before, h.snapshot())
     assert h.store.get_meta_json(S.K_PENDING) is None
@@ -199,7 +207,7 @@ def test_records_round_trip():
 
 @pytest.mark.parametrize("changed_since", [False, True])
 def test_the_records_the_audit_of_a_rollback_read_serve_its_steps(h, changed_since):
-    """The audit of a planned rollback (`Stack.undone`) reads the layer's
+    """The audit of a planned rollback (`StackView.undone`) reads the layer's
     records afresh when nothing is kept (as after a mount) and hands them
     to the rollback's steps -- unless the journal changed since, when the
     steps read it again.  Either way the tree is back exactly."""
@@ -210,15 +218,15 @@ def test_the_records_the_audit_of_a_rollback_read_serve_its_steps(h, changed_sin
     h.pwrite("f", b"1", 0)
     h.unlink("g")
     h.rec.flush()
-    h.stack.kept.clear()
-    h.stack.plan_rollback(layer)
-    assert sorted(c["path"] for c in h.stack.undone()) == ["f", "g"]
+    h.view.readings.clear()
+    h.session.plan_rollback(layer)
+    assert sorted(c["path"] for c in h.view.undone(layer)) == ["f", "g"]
     start = h.store.get_layer(layer).start
-    assert h.stack._ahead is not None
-    assert h.stack._ahead[3] == list(h.store.records(start, h.store.next_seq))
+    assert h.view._ahead is not None
+    assert h.view._ahead.records == list(h.store.records(start, h.store.next_seq))
     if changed_since:
         h.pwrite("f", b"2", C)  # (another chunk: one more record)
-    h.stack.apply_files()
-    h.stack.finish()
+    h.files.apply(h.session.planned(), Acting())
+    h.session.finish_pending()
     treesnap.assert_same(before, h.snapshot())
-    assert h.stack._ahead is None
+    assert h.view._ahead is None
