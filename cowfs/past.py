@@ -94,6 +94,13 @@ class Past:
     def kind(self) -> int:
         return stat.S_IFMT(self.mode)
 
+    @property
+    def live_bytes(self) -> bool:
+        """Whether its bytes at T are its live object's (up to its size
+        then): no chunk recorded since, and never cut below that size
+        (past ``low``, what no record holds was a hole)."""
+        return not self.chunks and (self.low is None or self.low >= self.size)
+
 
 class History:
     """What the records since layer *layer_id* was opened say about that

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -383,7 +383,7 @@ class Restore:
         it has now)."""
         return (
             st.st_ino == obj.ino
-            and not obj.chunks
+            and obj.live_bytes
             and st.st_size == obj.size
             and (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns)
             == (obj.mode, obj.uid, obj.gid, obj.mtime_ns)
@@ -410,13 +410,15 @@ class Restore:
         self, found: tuple[Node, os.stat_result] | None, rel: bytes, obj: Past, made: bool
     ) -> None:
         """A file's bytes as they were.  The very object it held then needs
-        only the chunks recorded since, and its size; another one gets every
-        range that holds data (holes stay holes).  What is read of the past is read through one
+        only the chunks recorded since, and its size -- and, where it was
+        cut below that size since (``Past.low``), holes again where it holds
+        data no record kept; another one gets every range that holds data
+        (holes stay holes).  What is read of the past is read through one
         descriptor of the object the history found, checked to be it
         (``History.opened``)."""
         node, st = found if found is not None else (None, None)
         same = st is not None and st.st_ino == obj.ino and not made
-        if same and not obj.chunks and st is not None and st.st_size == obj.size:
+        if same and obj.live_bytes and st is not None and st.st_size == obj.size:
             return
         if not made:
             self._may_now(node, st, W, f"{_show(rel)}: cannot write it")
@@ -425,16 +427,12 @@ class Restore:
         assert st is not None
         C = self.h.store.chunk_size
         with self.h.opened(obj) as past:
-            zeros: list[tuple[int, int]] = []
             if same:
                 ranges = [
                     (k * C, min(obj.size, k * C + C))
                     for k in sorted(obj.chunks.one)
                     if k * C < obj.size
                 ]
-                # (ranges of zeros: what the file holds there now is punched
-                # out, never written as zeros -- they may span TiBs)
-                zeros = _live_data(past, obj.chunks.zero_spans(obj.size))
             else:
                 ranges = self._data_ranges(obj, past)
             fh, _ = self.fs.open(node.ino, os.O_WRONLY, ctx=self.ctx)
@@ -443,6 +441,11 @@ class Restore:
                     if not same:
                         self._do(self.fs.setattr, node.ino, fh, size=0)
                     self._do(self.fs.setattr, node.ino, fh, size=obj.size)
+                # (ranges of zeros: what the file holds there now is punched
+                # out, never written as zeros -- they may span TiBs; found at
+                # its size then, so that data that ended the file now is
+                # punched to its block's end, not zeroed in its block)
+                zeros = _live_data(past, _holes_then(obj)) if same else []
                 for lo, hi in zeros:
                     self._do(
                         self.fs.fallocate,
@@ -464,11 +467,12 @@ class Restore:
 
     def _data_ranges(self, obj: Past, fd: int) -> list[tuple[int, int]]:
         """Where *obj*'s bytes at T may be other than zero: the ranges of its
-        live object (open at *fd*) that hold data, and the chunks recorded
-        since (a range of zeros recorded reads as zeros)."""
+        live object (open at *fd*) that hold data below the size it was cut
+        to since, if it was, and the chunks recorded since (a range of
+        zeros recorded reads as zeros)."""
         C = self.h.store.chunk_size
         spans = [(k * C, min(obj.size, k * C + C)) for k in obj.chunks.one if k * C < obj.size]
-        spans += B.data_ranges(fd, obj.size)
+        spans += B.data_ranges(fd, obj.size if obj.low is None else min(obj.size, obj.low))
         merged: list[tuple[int, int]] = []
         for lo, hi in sorted(spans):
             if merged and lo <= merged[-1][1]:
@@ -573,7 +577,27 @@ def _so_far(r: Restore) -> str:
     return "; nothing restored"
 
 
-def _live_data(fd: int, within: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def _holes_then(obj: Past) -> list[tuple[int, int]]:
+    """The ranges, in order, where *obj* (a regular file) was a hole at T
+    though its live object may hold data there: those recorded as zeros,
+    and where it was cut below its size at T since, what past the cut no
+    record holds."""
+    out = list(obj.chunks.zero_spans(obj.size))
+    if obj.low is not None and obj.low < obj.size:
+        pos = obj.low
+        for lo, hi in obj.chunks.spans(obj.size):
+            if hi <= pos:
+                continue
+            if lo > pos:
+                out.append((pos, lo))
+            pos = hi
+        if pos < obj.size:
+            out.append((pos, obj.size))
+        out.sort()
+    return out
+
+
+def _live_data(fd: int, within: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of the ranges *within* (in order) where the file open at
     *fd* holds data (SEEK_DATA: what it holds, not their size)."""
     out: list[tuple[int, int]] = []
