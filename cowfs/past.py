@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import base64
 import difflib
+import errno
 import heapq
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import xxhash
@@ -43,6 +45,19 @@ class NotThere(CowfsError):
     code = NOTHING_TO_DO
 
 
+class Replaced(CowfsError):
+    """The object a reading of the past found at a location is no longer
+    there: another object (or none) is, put there by a change nothing
+    captured (at an ignored path, or while the workspace was not
+    mounted).  Nothing was read from what is there now."""
+
+    code = NOTHING_TO_DO
+
+
+# how the past's bytes and names are read from a descriptor checked first
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+
+
 def parent(path: bytes) -> bytes:
     return path.rpartition(b"/")[0]
 
@@ -64,6 +79,9 @@ class Past:
     chunks: ChunkMap = field(default_factory=lambda: ChunkMap(1))  # (no records: any size)
     xattrs_blob: bytes | None = None
     low: int | None = None  # its smallest size since T (``Reading.low``)
+    # its file handle (backing.object_id), once a descriptor of it was
+    # checked (``History.held``): every later one must reach that object
+    oid: bytes | None = None
 
     # each from the META record when there is one (the state at T), else now
     mode = _at_t("mode")
@@ -76,6 +94,13 @@ class Past:
     @property
     def kind(self) -> int:
         return stat.S_IFMT(self.mode)
+
+    @property
+    def live_bytes(self) -> bool:
+        """Whether its bytes at T are its live object's (up to its size
+        then): no chunk recorded since, and never cut below that size
+        (past ``low``, what no record holds was a hole)."""
+        return not self.chunks and (self.low is None or self.low >= self.size)
 
 
 class History:
@@ -187,6 +212,16 @@ class History:
         except OSError:
             return None
 
+    @staticmethod
+    def _acl_of(fd: int, st: os.stat_result) -> list | None:
+        """The access ACL of the object behind the O_PATH descriptor *fd*."""
+        if stat.S_ISLNK(st.st_mode):
+            return None
+        try:
+            return access.parse_acl(os.getxattr(B.proc(fd), access.ACL_ACCESS))
+        except OSError:
+            return None
+
     def from_the_past(self, obj: Past) -> bool:
         """Whether all of *obj*'s content at T comes from what the records
         kept (pre-images of every chunk of a file), none of it from the
@@ -203,13 +238,17 @@ class History:
         from (as it is now: its mode, owner and ACL)."""
         if who.root or self.from_the_past(obj):
             return True
-        st = self.r.lstat(obj.loc)
-        if st is None or st.st_ino != obj.ino:
+        try:
+            with self.held(obj) as (fd, st):
+                return self.readable_live(who, fd, st)
+        except Replaced:
             return False
+
+    def readable_live(self, who: Requester, fd: int, st: os.stat_result) -> bool:
+        """Whether *who* may read the object behind the O_PATH descriptor
+        *fd* (*st* its status) as it is now: its mode, owner and ACL."""
         want = access.R | access.X if stat.S_ISDIR(st.st_mode) else access.R
-        return access.permitted(
-            who, st.st_mode, st.st_uid, st.st_gid, want, self._acl_now(obj.loc, st)
-        )
+        return access.permitted(who, st.st_mode, st.st_uid, st.st_gid, want, self._acl_of(fd, st))
 
     def readable(self, path: bytes, who: Requester) -> bool:
         """Whether *who* could have read what *path* held at T, as the
@@ -271,11 +310,72 @@ class History:
             raise NotThere(f"{S.show_loc(path)} did not exist when layer {self.layer} was opened")
         return obj
 
+    # -- the live objects the past is read from -----------------------------------
+
+    @contextmanager
+    def held(self, obj: Past) -> Iterator[tuple[int, os.stat_result]]:
+        """An O_PATH descriptor of *obj*'s live object and its status: its
+        location opened once, following no symlink, and checked to hold
+        that very object -- its inode number, its kind, and its file handle
+        when one was taken (the first check takes it: every later one then
+        reaches the same object, not one given its freed number).
+        Replaced when another object, or none, is there.  Whatever is read
+        of it is read through this descriptor, never by its name again (an
+        agent may rename or exchange names between a check and a read)."""
+        try:
+            with self.r.at(obj.loc) as (d, n):
+                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                raise
+            fd = -1  # (a directory on its path is gone, or is a symlink now)
+        try:
+            st = os.fstat(fd) if fd >= 0 else None
+            if (
+                st is None
+                or st.st_ino != obj.ino
+                or stat.S_IFMT(st.st_mode) != stat.S_IFMT(obj.now.st_mode)
+            ):
+                raise self._replaced(obj)
+            oid = B.object_id(fd)
+            if obj.oid is None:
+                obj.oid = oid
+            elif oid != obj.oid:
+                raise self._replaced(obj)
+            yield fd, st
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _replaced(self, obj: Past) -> Replaced:
+        return Replaced(
+            f"{S.show_loc(obj.path)}: the object it held when layer {self.layer} was "
+            f"opened is no longer at {S.show_loc(obj.loc)} (another object is, or none: "
+            "a change nothing captured); nothing read"
+        )
+
+    @contextmanager
+    def opened(self, obj: Past, flags: int = READ_FLAGS) -> Iterator[int]:
+        """A descriptor of *obj*'s live object to read it through (a
+        regular file or a directory: ``held``, then opened again through
+        that very descriptor -- never a device or fifo swapped in, never
+        by its name)."""
+        with self.held(obj) as (pfd, _):
+            fd = os.open(B.proc(pfd), flags)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     # -- contents -------------------------------------------------------------------
 
-    def read(self, obj: Past, offset: int = 0, size: int | None = None) -> bytes:
+    def read(
+        self, obj: Past, offset: int = 0, size: int | None = None, fd: int | None = None
+    ) -> bytes:
         """The bytes of a regular file at T (live bytes with the recorded
-        pre-image chunks laid over them, cut to the size at T)."""
+        pre-image chunks laid over them, cut to the size at T).  *fd*: a
+        descriptor of its live object from ``opened`` (else one is opened
+        and checked for this read)."""
         if not stat.S_ISREG(obj.mode):
             raise CowfsError(
                 f"{S.show_loc(obj.path)} was not a regular file when layer {self.layer} was opened",
@@ -284,12 +384,11 @@ class History:
         end = obj.size if size is None else min(obj.size, offset + size)
         if offset >= end:
             return b""
-        with self.r.at(obj.loc) as (d, n):
-            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
-        try:
+        if fd is None:
+            with self.opened(obj) as fd:
+                live = os.pread(fd, end - offset, offset)
+        else:
             live = os.pread(fd, end - offset, offset)
-        finally:
-            os.close(fd)
         out = bytearray(live.ljust(end - offset, b"\0"))
         if obj.low is not None and obj.low < end:
             cut = max(offset, obj.low)  # (holes then: what is there now came later)
@@ -311,14 +410,16 @@ class History:
         return bytes(out)
 
     def readlink(self, obj: Past) -> bytes:
-        with self.r.at(obj.loc) as (d, n):
-            return os.readlink(n, dir_fd=d)
+        with self.held(obj) as (fd, _):
+            return os.readlink(b"", dir_fd=fd)
 
     def xattrs_of(self, obj: Past) -> list[tuple[bytes, bytes]]:
         if obj.xattrs_blob is not None:
             return S.decode_xattrs(obj.xattrs_blob)
-        with self.r.at(obj.loc) as (d, n):
-            return B.list_xattrs(*B.xattr_target(d, n))
+        # (the magic link of an O_PATH descriptor leads to its object itself,
+        # a symlink included: followed, it is not followed further)
+        with self.held(obj) as (fd, _):
+            return B.list_xattrs(B.proc(fd), True)
 
     def listdir(self, obj: Past) -> list[bytes]:
         """The names in directory *obj* at T."""
@@ -329,14 +430,8 @@ class History:
             )
         names: set[bytes] = set()
         try:
-            with self.r.at(obj.loc) as (d, n):
-                fd = os.open(
-                    n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d
-                )
-            try:
+            with self.opened(obj, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) as fd:
                 live = [os.fsencode(x) for x in os.listdir(fd)]
-            finally:
-                os.close(fd)
         except OSError:
             live = []
         here = obj.loc if S.grave_id(obj.loc) is None else None
@@ -480,11 +575,30 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
         for k, (length, digest) in obj.chunks.one.items()
         if digest and k * C < obj.size
     )
-    with h.r.at(obj.loc) as (d, n):
-        fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
-    try:
+    with h.opened(obj) as fd:
         live = obj.size if obj.low is None else min(obj.size, obj.low)
         return _ranges_within(heapq.merge(spans, B.iter_data(fd, live)), obj.size, limit)
+
+
+@contextmanager
+def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
+    """A descriptor to read the object *st* describes, found at *path* now:
+    the name opened once, following no symlink, checked to be that object,
+    and opened again through that descriptor."""
+    with h.r.at(path) as (d, n):
+        pfd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+    try:
+        now = os.fstat(pfd)
+        if (now.st_ino, stat.S_IFMT(now.st_mode)) != (st.st_ino, stat.S_IFMT(st.st_mode)):
+            raise Replaced(
+                f"{S.show_loc(path)}: another object is there than the one found a "
+                "moment ago (a change nothing captured); nothing read"
+            )
+        fd = os.open(B.proc(pfd), READ_FLAGS)
+    finally:
+        os.close(pfd)
+    try:
+        yield fd
     finally:
         os.close(fd)
 
@@ -551,24 +665,12 @@ def diff_sides(
     if new_st is not None:
 
         def read_new(o: int, n: int) -> bytes:
-            with h.r.at(new_path) as (d, name):
-                fd = os.open(
-                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d
-                )
-            try:
+            with _open_now(h, new_path, new_st) as fd:
                 return os.pread(fd, n, o)
-            finally:
-                os.close(fd)
 
         def new_data(size: int) -> list[tuple[int, int]] | None:
-            with h.r.at(new_path) as (d, name):
-                fd = os.open(
-                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d
-                )
-            try:
+            with _open_now(h, new_path, new_st) as fd:
                 return _ranges_within(B.iter_data(fd, size), size, data_limit)
-            finally:
-                os.close(fd)
 
         new_dense = _dense(new_st.st_size, new_st.st_blocks * 512)
         out["new"] = _side(

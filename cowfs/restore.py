@@ -26,17 +26,16 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from . import access
-from . import backing as B
+from . import access, backing
 from .access import R, Requester, W, X
 from .errors import DAEMON_ERROR, NOT_OWNER, PARTIAL, USAGE, CowfsError, NothingToDo
 from .inodes import Node
 from .ops import Ctx, Ops
-from .past import SHOW_PAGE, History, Past
+from .past import SHOW_PAGE, History, Past, Replaced
 from .text import quote
 
 PAGE = SHOW_PAGE
@@ -383,7 +382,7 @@ class Restore:
         it has now)."""
         return (
             st.st_ino == obj.ino
-            and not obj.chunks
+            and obj.live_bytes
             and st.st_size == obj.size
             and (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns)
             == (obj.mode, obj.uid, obj.gid, obj.mtime_ns)
@@ -410,11 +409,15 @@ class Restore:
         self, found: tuple[Node, os.stat_result] | None, rel: bytes, obj: Past, made: bool
     ) -> None:
         """A file's bytes as they were.  The very object it held then needs
-        only the chunks recorded since, and its size; another one gets every
-        range that holds data (holes stay holes)."""
+        only the chunks recorded since, and its size -- and, where it was
+        cut below that size since (``Past.low``), holes again where it holds
+        data no record kept; another one gets every range that holds data
+        (holes stay holes).  What is read of the past is read through one
+        descriptor of the object the history found, checked to be it
+        (``History.opened``)."""
         node, st = found if found is not None else (None, None)
         same = st is not None and st.st_ino == obj.ino and not made
-        if same and not obj.chunks and st is not None and st.st_size == obj.size:
+        if same and obj.live_bytes and st is not None and st.st_size == obj.size:
             return
         if not made:
             self._may_now(node, st, W, f"{_show(rel)}: cannot write it")
@@ -422,74 +425,53 @@ class Restore:
             return
         assert st is not None
         C = self.h.store.chunk_size
-        zeros: list[tuple[int, int]] = []
-        if same:
-            ranges = [
-                (k * C, min(obj.size, k * C + C))
-                for k in sorted(obj.chunks.one)
-                if k * C < obj.size
-            ]
-            # (ranges of zeros: what the file holds there now is punched
-            # out, never written as zeros -- they may span TiBs)
-            zeros = self._live_data(obj, obj.chunks.zero_spans(obj.size))
-        else:
-            ranges = self._data_ranges(obj)
-        fh, _ = self.fs.open(node.ino, os.O_WRONLY, ctx=self.ctx)
-        try:
-            if st.st_size != obj.size or not same:
-                if not same:
-                    self._do(self.fs.setattr, node.ino, fh, size=0)
-                self._do(self.fs.setattr, node.ino, fh, size=obj.size)
-            for lo, hi in zeros:
-                self._do(
-                    self.fs.fallocate,
-                    fh,
-                    lo,
-                    hi - lo,
-                    B.FALLOC_FL_PUNCH_HOLE | B.FALLOC_FL_KEEP_SIZE,
-                )
-            for lo, hi in ranges:
-                for off in range(lo, hi, PAGE):
-                    data = self.h.read(obj, off, min(PAGE, hi - off))
-                    if not same and not data.strip(b"\0"):
-                        continue  # (zeros: the hole there reads the same)
-                    self._do(self.fs.write, fh, off, data)
-        finally:
-            self.fs.release(fh)
+        with self.h.opened(obj) as past:
+            if same:
+                ranges = [
+                    (k * C, min(obj.size, k * C + C))
+                    for k in sorted(obj.chunks.one)
+                    if k * C < obj.size
+                ]
+            else:
+                ranges = self._data_ranges(obj, past)
+            fh, _ = self.fs.open(node.ino, os.O_WRONLY, ctx=self.ctx)
+            try:
+                if st.st_size != obj.size or not same:
+                    if not same:
+                        self._do(self.fs.setattr, node.ino, fh, size=0)
+                    self._do(self.fs.setattr, node.ino, fh, size=obj.size)
+                # (ranges of zeros: what the file holds there now is punched
+                # out, never written as zeros -- they may span TiBs; found at
+                # its size then, so that data that ended the file now is
+                # punched to its block's end, not zeroed in its block)
+                zeros = _live_data(past, _holes_then(obj)) if same else []
+                for lo, hi in zeros:
+                    self._do(
+                        self.fs.fallocate,
+                        fh,
+                        lo,
+                        hi - lo,
+                        backing.FALLOC_FL_PUNCH_HOLE | backing.FALLOC_FL_KEEP_SIZE,
+                    )
+                for lo, hi in ranges:
+                    for off in range(lo, hi, PAGE):
+                        data = self.h.read(obj, off, min(PAGE, hi - off), fd=past)
+                        if not same and not data.strip(b"\0"):
+                            continue  # (zeros: the hole there reads the same)
+                        self._do(self.fs.write, fh, off, data)
+            finally:
+                self.fs.release(fh)
         self.invalid.inodes.add(node.ino)
         self._note(rel)
 
-    def _live_data(self, obj: Past, within: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The parts of the ranges *within* (in order) where *obj*'s live
-        object holds data (SEEK_DATA: what it holds, not their size)."""
-        out: list[tuple[int, int]] = []
-        with self.h.r.at(obj.loc) as (d, n):
-            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
-        try:
-            for lo, hi in within:
-                pos = lo
-                while pos < hi:
-                    found = B.next_data(fd, pos, hi)
-                    if found is None:
-                        break
-                    out.append(found)
-                    pos = found[1]
-        finally:
-            os.close(fd)
-        return out
-
-    def _data_ranges(self, obj: Past) -> list[tuple[int, int]]:
+    def _data_ranges(self, obj: Past, fd: int) -> list[tuple[int, int]]:
         """Where *obj*'s bytes at T may be other than zero: the ranges of its
-        live object that hold data, and the chunks recorded since (a range
-        of zeros recorded reads as zeros)."""
+        live object (open at *fd*) that hold data below the size it was cut
+        to since, if it was, and the chunks recorded since (a range of
+        zeros recorded reads as zeros)."""
         C = self.h.store.chunk_size
         spans = [(k * C, min(obj.size, k * C + C)) for k in obj.chunks.one if k * C < obj.size]
-        with self.h.r.at(obj.loc) as (d, n):
-            fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
-        try:
-            spans += B.data_ranges(fd, obj.size)
-        finally:
-            os.close(fd)
+        spans += backing.data_ranges(fd, obj.size if obj.low is None else min(obj.size, obj.low))
         merged: list[tuple[int, int]] = []
         for lo, hi in sorted(spans):
             if merged and lo <= merged[-1][1]:
@@ -585,6 +567,50 @@ class Restore:
         ]
 
 
+def _so_far(r: Restore) -> str:
+    if r.done:
+        return (
+            " (what it restored so far is a change of the open layer: roll it "
+            "back, or restore again)"
+        )
+    return "; nothing restored"
+
+
+def _holes_then(obj: Past) -> list[tuple[int, int]]:
+    """The ranges, in order, where *obj* (a regular file) was a hole at T
+    though its live object may hold data there: those recorded as zeros,
+    and where it was cut below its size at T since, what past the cut no
+    record holds."""
+    out = list(obj.chunks.zero_spans(obj.size))
+    if obj.low is not None and obj.low < obj.size:
+        pos = obj.low
+        for lo, hi in obj.chunks.spans(obj.size):
+            if hi <= pos:
+                continue
+            if lo > pos:
+                out.append((pos, lo))
+            pos = hi
+        if pos < obj.size:
+            out.append((pos, obj.size))
+        out.sort()
+    return out
+
+
+def _live_data(fd: int, within: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the ranges *within* (in order) where the file open at
+    *fd* holds data (SEEK_DATA: what it holds, not their size)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in within:
+        pos = lo
+        while pos < hi:
+            found = backing.next_data(fd, pos, hi)
+            if found is None:
+                break
+            out.append(found)
+            pos = found[1]
+    return out
+
+
 def restore(fs: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[list[str], Invalid]:
     """Restore *rels* (workspace paths, b"" never) from *h* for *who*: the
     paths changed, and what the kernel may have cached of them."""
@@ -599,14 +625,12 @@ def restore(fs: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[lis
     except OSError as e:
         what = f": {quote(e.filename)}" if isinstance(e.filename, str | bytes) else ""
         raise CowfsError(
-            f"restore failed{what}: {e.strerror or e}"
-            + (
-                " (what it restored so far is a change of the open layer: roll it "
-                "back, or restore again)"
-                if r.done
-                else "; nothing restored"
-            ),
+            f"restore failed{what}: {e.strerror or e}" + _so_far(r),
             PARTIAL if r.done else DAEMON_ERROR,
+        ) from None
+    except Replaced as e:  # (what it read of the past went meanwhile)
+        raise CowfsError(
+            f"restore failed: {e}" + _so_far(r), PARTIAL if r.done else e.code
         ) from None
     finally:
         r.close()

@@ -44,13 +44,16 @@ from .access import Requester
 from .errors import CowfsError
 from .mounts import VIEW_FSTYPE
 from .ops import fail
-from .past import History, Past
+from .past import History, Past, Replaced
 from .pyfuse3_engine import handler, statvfs_data
 from .store import Store, meta_int
 
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
 TIMEOUT = 1.0  # the past does not change, but the view must notice its end
+
+
+Opened = tuple[bytes, int, bytes | None]
 
 
 class View(pyfuse3.Operations):
@@ -77,8 +80,9 @@ class View(pyfuse3.Operations):
         self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
         self.inos: dict[int, int] = {}  # backing ino at T -> view inode
         self.next_ino = pyfuse3.ROOT_INODE + 1
-        self.dirs: dict[int, list[bytes]] = {}
-        self.files: dict[int, bytes] = {}
+        # open directories and files: (path, object at T, its file handle)
+        self.dirs: dict[int, Opened] = {}
+        self.files: dict[int, Opened] = {}
         self.next_fh = 1
 
     def init(self) -> None:
@@ -196,34 +200,61 @@ class View(pyfuse3.Operations):
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         pass
 
-    def _may_read(self, obj: Past, ctx: pyfuse3.RequestContext) -> None:
-        """The kernel checked the permissions recorded at T (the mount's
+    def _open(self, obj: Past, ctx: pyfuse3.RequestContext) -> Opened:
+        """What an open directory or file handle keeps of *obj*: its
+        identity, from a descriptor of its live object checked to be it
+        (``History.held``), on which the caller's permission is checked too.
+        The kernel checked the permissions recorded at T (the mount's
         default_permissions); what is read from the live object (a file's
         bytes no record kept, a directory's names) must also be readable
         by the caller as that object is now -- its mode may have closed
         since, over bytes written uncaptured."""
-        if ctx.uid != 0 and not self.history().live_readable(
-            obj, Requester.of_process(ctx.pid, ctx.uid, ctx.gid)
-        ):
-            raise fail(errno.EACCES)
+        h = self.history()
+        try:
+            with h.held(obj) as (fd, st):
+                if (
+                    ctx.uid != 0
+                    and not h.from_the_past(obj)
+                    and not h.readable_live(Requester.of_process(ctx.pid, ctx.uid, ctx.gid), fd, st)
+                ):
+                    raise fail(errno.EACCES)
+        except Replaced:
+            raise fail(errno.ESTALE) from None
+        return obj.path, obj.ino, obj.oid
+
+    def _same(self, h: History, opened: Opened) -> Past:
+        """The object an open handle was opened on, as the history says it
+        was at T -- ESTALE when its path leads to another object now (one
+        put there uncaptured: at an ignored path, or in a workspace not
+        mounted).  Every read of it checks its file handle too."""
+        path, ino, oid = opened
+        obj = h.object_at(path)
+        if obj is None or obj.ino != ino:
+            raise fail(errno.ESTALE)
+        obj.oid = oid
+        return obj
 
     @handler
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         obj = self.past(self._path(inode))
         if not stat.S_ISDIR(obj.mode):
             raise fail(errno.ENOTDIR)
-        self._may_read(obj, ctx)
+        opened = self._open(obj, ctx)
         fh = self.next_fh
         self.next_fh += 1
-        self.dirs[fh] = [obj.path]
+        self.dirs[fh] = opened
         return fh
 
     @handler
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        path = self.dirs[fh][0]
+        opened = self.dirs[fh]
+        path = opened[0]
         h = self.history()
-        here = h.need(path)
-        names = [b".", b".."] + h.listdir(here)
+        here = self._same(h, opened)
+        try:
+            names = [b".", b".."] + h.listdir(here)
+        except Replaced:
+            raise fail(errno.ESTALE) from None
         for i in range(start_id, len(names)):
             if names[i] in (b".", b".."):
                 up = h.need(path.rpartition(b"/")[0]) if names[i] == b".." and path else here
@@ -250,20 +281,22 @@ class View(pyfuse3.Operations):
         obj = self.past(self._path(inode))
         if stat.S_ISDIR(obj.mode):
             raise fail(errno.EISDIR)
-        self._may_read(obj, ctx)
+        opened = self._open(obj, ctx)
         fh = self.next_fh
         self.next_fh += 1
-        self.files[fh] = obj.path
+        self.files[fh] = opened
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        path = self.files[fh]
+        opened = self.files[fh]
         while True:
             h = self.history()
             state = self.seen
             try:
-                data = h.read(h.need(path), off, size)
+                data = h.read(self._same(h, opened), off, size)  # (the object opened)
+            except Replaced:
+                raise fail(errno.ESTALE) from None
             except CowfsError:
                 raise fail(errno.EIO) from None
             # A change captured meanwhile has its pre-image in the store by
@@ -278,17 +311,25 @@ class View(pyfuse3.Operations):
     @handler
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         h = self.history()
-        return h.readlink(h.need(self._path(inode)))
+        try:
+            return h.readlink(h.need(self._path(inode)))
+        except Replaced:
+            raise fail(errno.ESTALE) from None
+
+    def _xattrs(self, inode: int) -> list[tuple[bytes, bytes]]:
+        h = self.history()
+        try:
+            return h.xattrs_of(h.need(self._path(inode)))
+        except Replaced:
+            raise fail(errno.ESTALE) from None
 
     @handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        h = self.history()
-        return [n for n, _ in h.xattrs_of(h.need(self._path(inode)))]
+        return [n for n, _ in self._xattrs(inode)]
 
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        h = self.history()
-        for n, v in h.xattrs_of(h.need(self._path(inode))):
+        for n, v in self._xattrs(inode):
             if n == name:
                 return v
         raise fail(errno.ENODATA)

@@ -14,6 +14,7 @@ import pwd
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -208,3 +209,51 @@ def test_a_setuid_file_replaced_by_a_symlink_mid_restore_gives_no_root(reachable
         st = os.lstat(p)
         if st.st_mode & stat.S_ISUID:
             assert st.st_size == 64 << 20 and not stat.S_ISLNK(st.st_mode)
+
+
+def test_an_offline_restore_never_reads_roots_file_swapped_in_for_the_past():
+    """Unmounted, the agent reaches the backing directory itself.  Its file
+    f was renamed to g in the layer (g still holds f's past: its bytes are
+    read from it), and a new f made.  While root restores f from the
+    layer, the agent exchanges g with root's 0600 file beside it, over and
+    over: the restore must read the past from the object it found at g
+    (or fail), never root's file under that name -- whose bytes would land
+    in the agent's restored 0644 file."""
+    base = Path(tempfile.mkdtemp(prefix="cowfs-offread-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            mine = ws / "agent"
+            mine.mkdir()
+            (mine / "f").write_text("the agent's old text\n")
+            os.chown(mine, AGENT.pw_uid, AGENT.pw_gid)
+            os.chown(mine / "f", AGENT.pw_uid, AGENT.pw_gid)
+            (mine / "secret").write_text("ROOT SECRET 0600\n")
+            os.chmod(mine / "secret", 0o600)
+            ws.mount()
+            layer = ws.checkpoint()
+            users.run_as(AGENT.pw_uid, AGENT.pw_gid, os.rename, str(mine / "f"), str(mine / "g"))
+            users.run_as(AGENT.pw_uid, AGENT.pw_gid, lambda: (mine / "f").write_text("new\n"))
+            ws.unmount()
+            fd = os.open(mine, os.O_PATH | os.O_DIRECTORY)
+            try:
+                with agent_racing(
+                    lambda: renameat2(fd, b"g", fd, b"secret", RENAME_EXCHANGE), seconds=60
+                ):
+                    for _ in range(40):
+                        ws.cowfs("restore", "--from", str(layer), "agent/f", check=False)
+                        assert b"ROOT SECRET" not in (mine / "f").read_bytes()
+                        # (a restore refused halfway leaves the new text)
+                        assert (mine / "f").read_bytes() in (b"new\n", b"the agent's old text\n")
+                if b"ROOT SECRET" in (mine / "g").read_bytes():  # (left exchanged)
+                    renameat2(fd, b"g", fd, b"secret", RENAME_EXCHANGE)
+            finally:
+                os.close(fd)
+            # with nothing swapped, the restore reads the past from g
+            (mine / "f").write_text("new\n")
+            ws.cowfs("restore", "--from", str(layer), "agent/f")
+            assert (mine / "f").read_bytes() == b"the agent's old text\n"
+            assert (mine / "secret").read_bytes() == b"ROOT SECRET 0600\n"
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

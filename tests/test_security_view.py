@@ -246,3 +246,63 @@ def test_a_directory_swapped_for_a_symlink_meanwhile_is_never_left_for_the_link(
             else:
                 refused(r, USAGE, "is a symlink owned by another user")
     assert set(outcomes) <= {0, USAGE}, outcomes
+
+
+def test_a_file_open_in_a_view_never_reads_another_object_put_at_its_ignored_name():
+    """The agent opens its own file in a view (its name at an ignored path:
+    nothing it does there is captured), then renames root's 0600 file --
+    made in the same ignored directory, which the agent may write -- over
+    that name.  Reading the descriptor it opened must not give it root's
+    bytes: the view read the object the name leads to now, as root, past
+    the permission check it made at open."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="cowfs-viewswap-"))
+    os.chmod(base, 0o755)
+    view_dir = base / "view"
+    view_dir.mkdir()
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("cache/\n")
+            cache = agents_dir(ws / "cache")
+            (cache / "mine").write_text("the agent's own\n")
+            os.chown(cache / "mine", AGENT.pw_uid, AGENT.pw_gid)
+            (cache / "other").write_text("the agent's other\n")
+            os.chown(cache / "other", AGENT.pw_uid, AGENT.pw_gid)
+            ws.mount()
+            layer = ws.checkpoint()
+            fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, b"ROOT SECRET\n")
+            os.close(fd)
+            ws.cowfs("view", layer, view_dir)
+            try:
+
+                def swap_and_read() -> bytes:
+                    fd = os.open(view_dir / "cache" / "mine", os.O_RDONLY)
+                    try:
+                        os.rename(cache / "root", cache / "mine")
+                        time.sleep(1.5)  # (the view's entry and attribute timeout)
+                        return os.pread(fd, 100, 0)
+                    except OSError as e:
+                        return f"error {e.errno}".encode()
+                    finally:
+                        os.close(fd)
+
+                def wait_and_read() -> bytes:
+                    fd = os.open(view_dir / "cache" / "other", os.O_RDONLY)
+                    try:
+                        time.sleep(1.5)
+                        return os.pread(fd, 100, 0)
+                    finally:
+                        os.close(fd)
+
+                # with nothing swapped, a file open in the view reads its bytes
+                assert as_agent(wait_and_read) == b"the agent's other\n"
+                seen = as_agent(swap_and_read)
+                assert b"ROOT SECRET" not in seen, seen
+            finally:
+                ws.cowfs("unmount", view_dir, check=False)
+    finally:
+        clear_views(base)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -641,3 +641,46 @@ def test_holes_a_truncation_cut_read_as_holes_again_across_layers(workspace, com
     assert treesnap.compare(changed, ws.snapshot()) == []
     ws.rollback(first)
     assert treesnap.compare(expected, ws.snapshot()) == []
+
+
+def test_restore_puts_back_as_holes_what_a_truncation_cut_and_a_later_layer_wrote(workspace):
+    """As above, with `cowfs restore` of the same files (the very objects
+    they held then): what `show` reads -- holes where the later layer
+    wrote past the size it was opened with -- is what the restore puts
+    back, not the later layer's bytes left in the holes."""
+    ws = workspace
+    C = 64 << 10
+    make_sparse(ws / "cut", {0: b"a" * C, 2 * C: b"c" * C})
+    make_sparse(ws / "far", {15 * C: b"t" * C})
+    (ws / "void").touch()
+    os.truncate(ws / "void", 16 * C)  # (no data: its truncation records no chunk)
+    ws.mount()
+    first = ws.checkpoint("truncations")
+    was = {name: (ws / name).read_bytes() for name in ("cut", "far", "void")}
+    os.truncate(ws / "cut", 10)
+    os.truncate(ws / "far", 0)
+    os.truncate(ws / "void", 0)
+    ws.checkpoint("writes in the holes")
+    for name, off, data in (
+        ("cut", C + 100, b"X" * 100),
+        ("cut", 2 * C, b"c" * C),
+        ("far", 0, b"X" * C),
+        ("far", 15 * C, b"u" * C),
+        ("void", C, b"V" * 100),
+    ):
+        fd = os.open(ws / name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, off)
+        finally:
+            os.close(fd)
+    for name, data in was.items():
+        shown = subprocess.run(
+            [*COWFS, "-C", str(ws.path), "show", f"{first}:{name}"], capture_output=True, check=True
+        ).stdout
+        assert shown == data, name
+    ws.cowfs("restore", "--from", str(first), "cut", "far", "void")
+    for name, data in was.items():
+        assert (ws / name).read_bytes() == data, name
+    # what was written in the holes is punched out, not overwritten with zeros
+    assert os.stat(ws / "far").st_blocks * 512 < 2 * C
+    assert os.stat(ws / "void").st_blocks == 0
