@@ -26,6 +26,7 @@ import errno
 import itertools
 import os
 import stat
+import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +38,8 @@ from .store import Store, Writer, scan
 from .zeros import Zeros
 
 Loc = Callable[[], bytes]
+
+_LAYER_INO = struct.Struct(">QQ")  # (the prefix of an object's index keys in a layer)
 
 
 class Obj:
@@ -325,15 +328,20 @@ class Recorder:
         layers = [layer.id for layer in self.store.layers() if layer.id != self.layer]
         if not layers:
             return False
+        pack, made = _LAYER_INO.pack, S.IDX_CREATED[0]
         with self.store.read() as txn:
             cur = txn.cursor(db=self.store.db_index)
             for layer in reversed(layers):
-                prefix = S.index_prefix(layer, ino)
-                ok = cur.set_range(prefix)
-                while ok and bytes(cur.key()).startswith(prefix):
-                    if bytes(cur.key())[16:17] != S.IDX_CREATED:
+                prefix = pack(layer, ino)  # (``S.index_prefix``)
+                if not cur.set_range(prefix):
+                    continue
+                key = cur.key()
+                while key[:16] == prefix:
+                    if key[16] != made:
                         return True
-                    ok = cur.next()
+                    if not cur.next():
+                        break
+                    key = cur.key()
         return False
 
     def _skip(self, ino: int, o: Obj, loc: Loc, is_dir: bool) -> bool:
