@@ -26,6 +26,7 @@ import errno
 import itertools
 import os
 import stat
+import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,11 +39,23 @@ from .zeros import Zeros
 
 Loc = Callable[[], bytes]
 
+_LAYER_INO = struct.Struct(">QQ")  # (the prefix of an object's index keys in a layer)
+
 
 class Obj:
     """What the open layer holds for one object."""
 
-    __slots__ = ("created", "meta", "s0", "xattrs", "chunks", "zeros", "attributed", "pinned")
+    __slots__ = (
+        "created",
+        "meta",
+        "s0",
+        "xattrs",
+        "chunks",
+        "zeros",
+        "attributed",
+        "pinned",
+        "older",
+    )
 
     def __init__(self) -> None:
         self.attributed = False
@@ -53,6 +66,9 @@ class Obj:
         self.xattrs = False
         self.chunks: set[int] | None = None  # (made on the first chunk)
         self.zeros: Zeros | None = None  # ranges of zeros captured (bytes; made on the first)
+        # whether a layer below the open one knows it (see ``Recorder.known``;
+        # None: not asked yet -- they do not change while it is open)
+        self.older: bool | None = None
 
 
 class Saved(NamedTuple):
@@ -116,10 +132,11 @@ class Recorder:
         # objects treated as new because first changed at an ignored path
         # (memory only: kept apart from ``objs``, which forgets)
         self.skipped: set[int] = set()
-        self._pending_created: list[tuple[int, Process | None]] = []
+        self._pending_created: list[tuple[int, Process | None, bool]] = []
         self._saved: dict[int, Saved] = {}
         self.who: tuple[int, int] | None = None  # (pid, uid) of the request
         self.ignore: IgnoreRules | None = None  # when there are any
+        self.matched = False  # whether the path the last ``ignored`` asked of matched
         self._writers: dict[tuple[int, int], int] = {}  # (pid, start time) -> writer id
         self._procs: dict[tuple[int, int], dict[str, Any]] = {}  # Process.key -> its info
         # pid -> (until when it is taken as it is, its ``_process`` answer)
@@ -229,8 +246,10 @@ class Recorder:
         try:
             with self.store.write() as w:
                 if self._pending_created:
-                    for ino, who in self._pending_created:
+                    for ino, who, named in self._pending_created:
                         w.index_put(self.layer, ino, schema.IDX_CREATED, 0)
+                        if named:
+                            w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
                         if who is not None:
                             w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
@@ -268,34 +287,105 @@ class Recorder:
             except OSError:
                 self._pending_created = []
 
-    def note_created(self, ino: int) -> None:
+    def note_created(self, ino: int, named: bool = False) -> None:
         """*ino* was created in this layer: nothing of it needs capturing.
-        (The index entry is written with the next transaction; if it is lost
-        in a crash, later changes are merely captured needlessly.)"""
+        *named*: a CREATE record names it (made at a captured path): with
+        ignore rules, it is pinned too, so that its name changes are
+        recorded wherever it goes (the CREATE step must find it where the
+        record says).  (The index entries are written with the next
+        transaction; if they are lost in a crash, later changes are merely
+        captured needlessly.)"""
         o = self.objs.get(ino)
         if o is None:  # (new: whatever the store says of an earlier ino is moot)
             o = self.objs[ino] = Obj()
+            o.older = False  # (nor what older layers say of it)
         if not o.created:
             o.created = True
             o.attributed = True
+            named = named and self.ignore is not None
+            o.pinned = o.pinned or named
             self._pending_created.append(
-                (ino, self._process(self.who) if self.who is not None else None)
+                (ino, self._process(self.who) if self.who is not None else None, named)
             )
 
     # -- capture filters (cowfs/ignore.py) -------------------------------------------
 
-    def ignored(self, path: bytes | Loc, is_dir: bool, ino: int | None = None) -> bool:
+    def ignored(
+        self, path: bytes | Loc, is_dir: bool, ino: int | None = None, parent: int | None = None
+    ) -> bool:
         """Whether a change of *path* (or of the path a function gives; of
-        object *ino*) goes uncaptured: the path matches, and the object was
-        not seen at a captured path in this layer."""
-        if self.ignore is None or not self.ignore.matches(path, is_dir):
+        object *ino*, a name in directory *parent*) goes uncaptured: the
+        path matches, and neither the object nor the directory is known to
+        a layer (``known``) -- what records name is never changed behind
+        their back: a name step would act on whatever took its place, and
+        an object freed uncaptured could have its inode number given to
+        another, which the steps would take for it."""
+        self.matched = self.ignore is not None and self.ignore.matches(path, is_dir)
+        if not self.matched:
             return False
-        return ino is None or not self.obj(ino).pinned
+        if ino is not None and self.known(ino):
+            return False
+        if parent is None or not self.known_below(parent):
+            return True
+        # A name in a directory a layer below knows: captured if that
+        # directory is itself at an ignored path (moved there by a recorded
+        # change, or made in a directory moved there: records name paths
+        # in it); a name a pattern matches in a directory at a captured
+        # path (node_modules in the project) is not.  (The open layer's
+        # own records are as before: a directory made in it and ignored
+        # since, say, is not.)
+        head = (path() if callable(path) else path).rpartition(b"/")[0]
+        assert self.ignore is not None
+        return not (head and self.ignore.matches(head, True))
+
+    def known(self, ino: int) -> bool:
+        """Whether a layer holding records knows object *ino*: the open
+        layer captured or pinned it, or a layer below holds any index
+        entry of it but the mark of one made at an ignored path (a lookup
+        per layer, once per object while the layer is open: asked only
+        at ignored paths)."""
+        o = self.obj(ino)
+        if o.pinned or o.meta or o.xattrs or o.chunks or o.zeros is not None:
+            return True
+        return self.known_below(ino)
+
+    def known_below(self, ino: int) -> bool:
+        """Whether a layer below the open one knows object *ino* (see ``known``)."""
+        o = self.obj(ino)
+        if o.older is None:
+            o.older = self._known_below(ino)
+        return o.older
+
+    def _known_below(self, ino: int) -> bool:
+        layers = [layer.id for layer in self.store.layers() if layer.id != self.layer]
+        if not layers:
+            return False
+        pack, made = _LAYER_INO.pack, schema.IDX_CREATED[0]
+        with self.store.read() as txn:
+            cur = txn.cursor(db=self.store.db_index)
+            for layer in reversed(layers):
+                prefix = pack(layer, ino)  # (``schema.index_prefix``)
+                if not cur.set_range(prefix):
+                    continue
+                key = cur.key()
+                while key[:16] == prefix:
+                    if key[16] != made:
+                        return True
+                    if not cur.next():
+                        break
+                    key = cur.key()
+        return False
 
     def _skip(self, ino: int, o: Obj, loc: Loc, is_dir: bool) -> bool:
         """An object first changed at an ignored path is treated as new in
-        this layer: nothing of it is captured."""
-        if self.ignore is not None and not o.pinned and self.ignore.matches(loc(), is_dir):
+        this layer: nothing of it is captured -- unless a layer knows it
+        (``known``)."""
+        if (
+            self.ignore is not None
+            and not o.pinned
+            and self.ignore.matches(loc(), is_dir)
+            and not self.known(ino)
+        ):
             o.created = True
             self.skipped.add(ino)
             return True
@@ -355,30 +445,41 @@ class Recorder:
 
     # -- name records -------------------------------------------------------------
 
-    def create(self, w: Writer, path: bytes) -> None:
-        w.record(schema.Create(path))
+    # (each with the backing inode of the directory of each name it records,
+    # where the undo step must act)
 
-    def link(self, w: Writer, path: bytes) -> None:
-        w.record(schema.Link(path))
+    def create(self, w: Writer, path: bytes, dir: int) -> None:
+        w.record(schema.Create(path, dir))
 
-    def grave(self, w: Writer, path: bytes, st: os.stat_result) -> int:
+    def link(self, w: Writer, path: bytes, dir: int) -> None:
+        w.record(schema.Link(path, dir))
+
+    def grave(self, w: Writer, path: bytes, st: os.stat_result, dir: int) -> int:
         """*path* (the object *st* describes) goes to the grave: record it."""
         ino = st.st_ino
         self.attribute(w, ino)
         gid = w.new_grave(ino, st)
-        w.record(schema.Grave(path, gid, ino))
+        w.record(schema.Grave(path, gid, ino, dir))
         return gid
 
-    def rename(self, w: Writer, src: bytes, dst: bytes, ino: int) -> None:
+    def rename(
+        self, w: Writer, src: bytes, dst: bytes, ino: int, src_dir: int, dst_dir: int
+    ) -> None:
         self.attribute(w, ino)
-        if not self.obj(ino).created:
-            self.pin(w, ino)  # captured here: wherever it goes now, it stays so
-        w.record(schema.Rename(src, dst, ino))
+        # named here: wherever it goes now, its changes are captured (and its
+        # names: a step of a record made before, if it was made here, must
+        # find it where the records say)
+        self.pin(w, ino)
+        w.record(schema.Rename(src, dst, ino, src_dir, dst_dir))
 
-    def exchange(self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
+    def exchange(
+        self, w: Writer, a: bytes, b: bytes, ino_a: int, ino_b: int, a_dir: int, b_dir: int
+    ) -> None:
         self.attribute(w, ino_a)
         self.attribute(w, ino_b)
-        w.record(schema.Exchange(a, b, ino_a, ino_b))
+        self.pin(w, ino_a)
+        self.pin(w, ino_b)
+        w.record(schema.Exchange(a, b, ino_a, ino_b, a_dir, b_dir))
 
     # -- object records -------------------------------------------------------------
 

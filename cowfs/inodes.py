@@ -580,6 +580,13 @@ class InodeTable:
         n = node
         while n is not self.root:
             p = n.parent
+            if p is not None and not p.live:
+                # (forgotten by the kernel, which may hold a node inside it
+                # that an undo moved there: the object's node, if it has
+                # one again)
+                alt = self.by_bino(p.bino)
+                if alt is not None and alt.live and alt.isdir:
+                    n.parent = p = alt
             if p is None or not p.live:
                 raise OSError(errno.ESTALE, "object has no known name")
             if p is self.grave:

@@ -219,7 +219,17 @@ class Ops:
         return st.st_nlink - (node is self.root and self.hidden_dir)
 
     def _child(self, parent: Node, name: bytes) -> bytes:
-        return backing.join(self._path(parent), name)
+        try:
+            return backing.join(self._path(parent), name)
+        except OSError as e:
+            if not parent.live or parent is self.root:
+                raise
+            # (a directory an undo moved into one the table has no node of,
+            # or one the kernel forgot since: found by its identity)
+            try:
+                return backing.join(self.table.loc(parent), name)
+            except OSError:
+                raise e from None
 
     def _check_name(self, parent: Node, name: bytes) -> None:
         if parent is self.root and self.hidden is not None and name == self.hidden:
@@ -337,16 +347,18 @@ class Ops:
         if backing.lstat_at(parent.fd, name) is not None:
             raise fail(errno.EEXIST)
         self.recorder.obj(parent.bino)
-        if not self.recorder.ignored(
-            functools.partial(self._child, parent, name), stat.S_ISDIR(mode)
-        ):
+        named = not self.recorder.ignored(
+            functools.partial(self._child, parent, name), stat.S_ISDIR(mode), None, parent.bino
+        )
+        if named:
+            named = not self.recorder.matched  # (recorded at a captured path)
             with self.recorder.txn() as w:
                 self._dir_changes(w, parent)
-                self.recorder.create(w, self._child(parent, name))
+                self.recorder.create(w, self._child(parent, name), parent.bino)
         make()
         self._own(parent, name, ctx, mode)
         node, st = self._lookup(parent, name)
-        self.recorder.note_created(st.st_ino)
+        self.recorder.note_created(st.st_ino, named)
         node.nocap = True  # (a new object has no capabilities)
         return node, st
 
@@ -551,7 +563,7 @@ class Ops:
         at, name = self.table.symlink_name(node) if node.islnk else (node, b"")
         with self.recorder.txn() as w:
             self._dir_changes(w, parent)
-            self.recorder.link(w, self._child(parent, new_name))
+            self.recorder.link(w, self._child(parent, new_name), parent.bino)
             self.recorder.attribute(w, node.bino)
         if node.islnk:
             os.link(name, new_name, src_dir_fd=at.fd, dst_dir_fd=parent.fd, follow_symlinks=False)
@@ -579,10 +591,14 @@ class Ops:
             return fh, keep, node, os.stat(node.fd)
         mode = (mode & ~ctx.umask) | stat.S_IFREG
         self.recorder.obj(parent.bino)
-        if not self.recorder.ignored(functools.partial(self._child, parent, name), False):
+        named = not self.recorder.ignored(
+            functools.partial(self._child, parent, name), False, None, parent.bino
+        )
+        if named:
+            named = not self.recorder.matched  # (recorded at a captured path)
             with self.recorder.txn() as w:
                 self._dir_changes(w, parent)
-                self.recorder.create(w, self._child(parent, name))
+                self.recorder.create(w, self._child(parent, name), parent.bino)
         fl = self._open_flags(flags)
         fd = self.fds.open(
             name, fl | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, stat.S_IMODE(mode), parent.fd
@@ -593,7 +609,7 @@ class Ops:
         except BaseException:
             os.close(fd)
             raise
-        self.recorder.note_created(st.st_ino)
+        self.recorder.note_created(st.st_ino, named)
         node.nocap = True
         return (*self._new_handle(node, fd, flags, fl), node, st)
 
@@ -601,7 +617,7 @@ class Ops:
 
     def _bury(self, w: Writer, parent: Node, name: bytes, st: os.stat_result) -> int:
         """Record that *name* goes to the grave; the caller moves it."""
-        return self.recorder.grave(w, self._child(parent, name), st)
+        return self.recorder.grave(w, self._child(parent, name), st, parent.bino)
 
     def _to_grave(self, parent: Node, name: bytes, gid: int, bino: int) -> None:
         gname = str(gid).encode()
@@ -623,7 +639,9 @@ class Ops:
         if not want_dir and isdir:
             raise fail(errno.EISDIR)
         self.recorder.obj(parent.bino)
-        if self.recorder.ignored(functools.partial(self._child, parent, name), isdir, st.st_ino):
+        if self.recorder.ignored(
+            functools.partial(self._child, parent, name), isdir, st.st_ino, parent.bino
+        ):
             # Not captured: removed for real, the parent's times are left.
             self._last_name(st)
             if isdir:
@@ -712,7 +730,9 @@ class Ops:
                 raise fail(errno.ENOENT)
             with self.recorder.txn() as w:
                 self._dir_changes(w, sp, dp)
-                self.recorder.exchange(w, src_path, dst_path, sst.st_ino, dst.st_ino)
+                self.recorder.exchange(
+                    w, src_path, dst_path, sst.st_ino, dst.st_ino, sp.bino, dp.bino
+                )
             backing.renameat2(sp.fd, name_old, dp.fd, name_new, backing.RENAME_EXCHANGE)
             self.table.relink(sst.st_ino, sp, name_old, dp, name_new)
             self.table.relink(dst.st_ino, dp, name_new, sp, name_old)
@@ -730,13 +750,19 @@ class Ops:
             elif stat.S_ISDIR(sst.st_mode):
                 raise fail(errno.ENOTDIR)
         isdir = stat.S_ISDIR(sst.st_mode)
-        dst_ignored = dst is not None and self.recorder.ignored(dst_path, isdir, dst.st_ino)
+        dst_ignored = dst is not None and self.recorder.ignored(
+            dst_path, isdir, dst.st_ino, dp.bino
+        )
         # Within ignored paths nothing is recorded, unless the object replaced
         # was seen at a captured path (it is kept, as any captured object).
         quiet = (
             not flags & backing.RENAME_WHITEOUT
-            and self.recorder.ignored(src_path, isdir, sst.st_ino)
-            and (dst_ignored if dst is not None else self.recorder.ignored(dst_path, isdir))
+            and self.recorder.ignored(src_path, isdir, sst.st_ino, sp.bino)
+            and (
+                dst_ignored
+                if dst is not None
+                else self.recorder.ignored(dst_path, isdir, None, dp.bino)
+            )
         )
         bury = (
             dst is not None
@@ -753,9 +779,9 @@ class Ops:
                 if bury:
                     assert dst is not None  # (only a name there can be buried)
                     gid = self._bury(w, dp, name_new, dst)
-                self.recorder.rename(w, src_path, dst_path, sst.st_ino)
+                self.recorder.rename(w, src_path, dst_path, sst.st_ino, sp.bino, dp.bino)
                 if whiteout:  # undone first: the whiteout leaves the name free
-                    self.recorder.create(w, src_path)
+                    self.recorder.create(w, src_path, sp.bino)
         if gid is not None:
             assert dst is not None  # (buried: the name replaced)
             self._to_grave(dp, name_new, gid, dst.st_ino)
@@ -1297,31 +1323,32 @@ class Ops:
             self.sums.reload()
         for bino in touched.removed:
             self.table.orphan(bino)
-        for bino, loc in touched.unnamed:  # (a name taken from one that keeps others)
+        # (directories by the backing inode of the one each step acted in:
+        # a path looked up now may lead elsewhere, a later step having
+        # moved a directory above it)
+        for bino, dino, name in touched.unnamed:  # (a name taken from one that keeps others)
             node = self.table.by_bino(bino)
-            if node is not None:
-                parent_path, name = backing.split(loc)
-                parent = self.table.dir_node(parent_path)
-                if parent is not None:
-                    self.table.remove_link(node, parent, name)
-        for bino, loc in touched.moves:
+            parent = self.table.by_bino(dino) if dino else None
+            if node is not None and parent is not None:
+                self.table.remove_link(node, parent, name)
+        for bino, dino, name in touched.moves:
             node = self.table.by_bino(bino)
             if node is None:
                 continue
-            gid = schema.grave_id(loc)
-            if gid is not None:  # kept for a redo
-                self.table.add_link(node, self.grave, str(gid).encode())
+            if not dino:  # kept for a redo
+                self.table.add_link(node, self.grave, name)
                 continue
-            parent_path, name = backing.split(loc)
-            parent = self.table.dir_node(parent_path)
-            if parent is not None:
+            parent = self.table.by_bino(dino)
+            if parent is not None and parent.isdir:
                 self.table.add_link(node, parent, name)
+            elif node.isdir:
+                # in a directory the table has no node of: its path is
+                # found again when it is needed (``_child``; a file's names
+                # are checked before each use: ``InodeTable.loc``)
+                node.parent, node.name = None, b""
         entries, inodes = [], []
-        parents: dict[bytes, Node | None] = {}
-        for parent_path, name in touched.entries:
-            if parent_path not in parents:
-                parents[parent_path] = self.table.dir_node(parent_path)
-            parent = parents[parent_path]
+        for dino, name in touched.entries:
+            parent = self.table.by_bino(dino)
             if parent is not None:
                 entries.append((parent.ino, name))
                 inodes.append(parent.ino)  # its mtime and link count changed back

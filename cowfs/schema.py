@@ -81,8 +81,12 @@ Databases
              a layer id no layer has; see ``redo``):
              ``N`` created in this layer (value: 0), ``M`` metadata captured,
              ``X`` xattrs captured, ``C`` + chunk number: that chunk captured,
-             ``P`` pinned (value: 0): seen at a captured path, so captured in
-             this layer wherever it moves, even to an ignored path,
+             ``P`` pinned (value: 0): seen at a captured path (renamed or
+             exchanged there, or made there: a CREATE record names it), so
+             captured in this layer wherever it moves, even to an ignored
+             path; any entry but a lone ``N`` of an object in a layer keeps
+             its changes captured in the layers above too (see
+             ``Recorder.known``),
              ``Z`` + chunk number: a range of zeros beginning at that chunk
              captured (the CHUNK record says how far it spans).
              ``N`` and ``P`` name no record (``INDEX_FLAGS``).
@@ -662,7 +666,13 @@ def show_loc(loc: bytes) -> str:
 # Each record says how to undo one change.  They are applied last first.  A
 # journal value is the kind byte, then each field in order: ``i`` + i64 for an
 # integer, ``b`` + u32 length + the bytes, (``n`` for None, never written).
-# Every kind's first field is the location it names.
+# Every kind's first field is the location it names.  The name records
+# (CREATE, LINK, GRAVE, RENAME, EXCHANGE) end with the backing inode of
+# the directory of each name they record (``dir``, ``src_dir``, ...): their
+# undo step acts in that directory or fails.  Those fields are written
+# only when not 0 and read as 0 when absent (records of an older cowfs,
+# and the ones a redo writes): then the step acts wherever the path leads,
+# as it always did.
 
 CREATE = 1
 LINK = 2
@@ -688,9 +698,10 @@ KIND_NAMES = {
 
 
 class Create(NamedTuple):
-    """An object was created at *path*: remove it."""
+    """An object was created at *path* (in directory *dir*): remove it."""
 
     path: bytes
+    dir: int = 0
 
     @property
     def kind(self) -> int:
@@ -698,9 +709,10 @@ class Create(NamedTuple):
 
 
 class Link(NamedTuple):
-    """A hard link was made at *path*: unlink it."""
+    """A hard link was made at *path* (in directory *dir*): unlink it."""
 
     path: bytes
+    dir: int = 0
 
     @property
     def kind(self) -> int:
@@ -708,11 +720,13 @@ class Link(NamedTuple):
 
 
 class Grave(NamedTuple):
-    """The object *ino* at *path* was moved into grave entry *grave*: move it back."""
+    """The object *ino* at *path* (in directory *dir*) was moved into grave
+    entry *grave*: move it back."""
 
     path: bytes
     grave: int
     ino: int
+    dir: int = 0
 
     @property
     def kind(self) -> int:
@@ -720,11 +734,14 @@ class Grave(NamedTuple):
 
 
 class Rename(NamedTuple):
-    """Object *ino* was renamed *src* -> *dst*: rename it back."""
+    """Object *ino* was renamed *src* -> *dst* (from directory *src_dir* to
+    *dst_dir*): rename it back."""
 
     src: bytes
     dst: bytes
     ino: int
+    src_dir: int = 0
+    dst_dir: int = 0
 
     @property
     def kind(self) -> int:
@@ -732,12 +749,15 @@ class Rename(NamedTuple):
 
 
 class Exchange(NamedTuple):
-    """*a* (object *ino_a*) and *b* (*ino_b*) were exchanged: exchange them again."""
+    """*a* (object *ino_a*, in directory *a_dir*) and *b* (*ino_b*, in
+    *b_dir*) were exchanged: exchange them again."""
 
     a: bytes
     b: bytes
     ino_a: int
     ino_b: int
+    a_dir: int = 0
+    b_dir: int = 0
 
     @property
     def kind(self) -> int:
@@ -889,9 +909,14 @@ _L = struct.Struct(">I")
 
 
 def encode_record(rec: Change) -> bytes:
-    """A journal value: the record's fields, sealed (see ``seal``)."""
+    """A journal value: the record's fields (but trailing ones that are
+    optional and 0: see ``_REQUIRED``), sealed (see ``seal``)."""
     out = [bytes((rec.kind,))]
-    for f in rec:
+    n = len(rec)
+    least = _REQUIRED[rec.kind]
+    while n > least and rec[n - 1] == 0:
+        n -= 1
+    for f in rec[:n] if n < len(rec) else rec:
         if isinstance(f, int):
             out.append(b"i" + _I.pack(f))
         else:
@@ -900,6 +925,15 @@ def encode_record(rec: Change) -> bytes:
 
 
 _TAG_INT, _TAG_BYTES = ord("i"), ord("b")
+
+# kind -> how many of its fields every record has (the others, at the end,
+# are optional: absent, they are 0)
+_REQUIRED: dict[int, int] = {
+    kind: len(cls._fields) - len(cls._field_defaults) for kind, cls in RECORD_TYPES.items()
+}
+assert all(
+    v == 0 for cls in RECORD_TYPES.values() for v in cls._field_defaults.values()
+)  # (absent, they decode as 0)
 
 
 # kind -> (record type, the tag of each field in order)
@@ -926,7 +960,10 @@ def _decode_fields(data: bytes) -> Change:
     fields: list[int | bytes] = []
     add = fields.append
     pos = 1
+    least = _REQUIRED[kind]
     for tag in tags:
+        if pos == len(data) and len(fields) >= least:
+            break  # (the optional fields after it are absent: 0)
         if data[pos] != tag:
             raise ValueError(f"corrupt journal record (kind {kind}: field {len(fields)})")
         if tag == _TAG_INT:
@@ -940,6 +977,8 @@ def _decode_fields(data: bytes) -> Change:
             pos = end
     if pos != len(data):
         raise ValueError(f"corrupt journal record (kind {kind}: bytes past its fields)")
+    if len(fields) < len(tags):
+        fields += [0] * (len(tags) - len(fields))  # (the optional fields: all integers)
     return cls._make(fields)
 
 

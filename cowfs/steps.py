@@ -264,7 +264,7 @@ def _touched_by(batch: Sequence[tuple[int, schema.Record]], keeps: Keeps, undo: 
     t = undo.touched
     for (_, rec), keep in zip(batch, keeps, strict=True):
         for loc in redo.record_locs(rec):  # type: ignore[arg-type]
-            t.entry(loc)
+            undo._entry_at(loc)
         ino, to = schema.restores(rec), None
         if isinstance(rec, schema.Rename):
             to = rec.src
@@ -276,6 +276,18 @@ def _touched_by(batch: Sequence[tuple[int, schema.Record]], keeps: Keeps, undo: 
         if ino is None:
             continue
         t.objects.add(ino)
-        st = undo.r.lstat(to) if to is not None else None
-        if to is not None and st is not None and st.st_ino == ino:
-            t.moves.append((ino, to))
+        if to is None:
+            continue
+        gid = schema.grave_id(to)
+        if gid is not None:
+            st = undo.r.lstat(to)
+            if st is not None and st.st_ino == ino:
+                t.moves.append((ino, 0, str(gid).encode()))
+            continue
+        try:
+            with undo.r.at(to) as (d, n):
+                st = backing.lstat_at(d, n)
+                if st is not None and st.st_ino == ino:
+                    t.moves.append((ino, os.fstat(d).st_ino, n))
+        except OSError:
+            continue

@@ -26,18 +26,22 @@ class UndoError(Exception):
 
 @dataclass
 class Touched:
-    """What an undo run changed, for the mount to invalidate kernel caches."""
+    """What an undo run changed, for the mount to bring its inode table in
+    line and invalidate kernel caches.  A directory is named by its
+    backing inode (0: the grave), the one the step acted in, never by a
+    path: looked up after the run, a path may lead elsewhere (a later step
+    moved a directory above it)."""
 
-    entries: set[tuple[bytes, bytes]] = field(default_factory=set)  # (parent path, name)
+    entries: set[tuple[int, bytes]] = field(default_factory=set)  # (directory, name)
     objects: set[int] = field(default_factory=set)  # backing inodes
-    moves: list[tuple[int, bytes]] = field(default_factory=list)  # (ino, new loc)
+    moves: list[tuple[int, int, bytes]] = field(default_factory=list)  # (ino, new dir, name)
     removed: list[int] = field(default_factory=list)  # inodes freed
-    # names taken from objects that keep others: (ino, the name's loc)
-    unnamed: list[tuple[int, bytes]] = field(default_factory=list)
+    # names taken from objects that keep others: (ino, directory, name)
+    unnamed: list[tuple[int, int, bytes]] = field(default_factory=list)
 
-    def entry(self, loc: bytes) -> None:
-        if schema.grave_id(loc) is None and loc:
-            self.entries.add(backing.split(loc))
+    def entry(self, dino: int, name: bytes) -> None:
+        if dino:
+            self.entries.add((dino, name))
 
     def merge(self, other: Touched) -> None:
         self.entries |= other.entries
@@ -62,12 +66,29 @@ class Undoer:
         a redo), if it is that object.  Returns whether the step moved an
         object into the grave (keeping it) or out of it (a GRAVE record)."""
         if keep is not None and isinstance(rec, schema.Create | schema.Link):
-            return self._keep(rec.path, *keep)
+            return self._keep(rec.path, *keep, rec.dir)
         if isinstance(rec, schema.Grave):
             return self._grave(*rec)
         handler = _HANDLERS[rec.kind]
         handler(self, *rec)  # (the handlers take the record's fields in order)
         return False
+
+    def _dino(self, d: int) -> int:
+        """The backing inode of directory fd *d* (0: the grave)."""
+        return 0 if d == self.r.grave_fd else os.fstat(d).st_ino
+
+    def _in(self, d: int, loc: bytes, want: int) -> int:
+        """The backing inode of directory fd *d*, where *loc* led, which
+        must be directory *want* when the record names one (else
+        UndoError: the step would act in a directory other than the one
+        the change was made in)."""
+        dino = self._dino(d)
+        if want and dino and dino != want:
+            raise UndoError(
+                f"{_show(loc)}: not the directory the change was made in "
+                "(moved or replaced, and not by a change the layers recorded)"
+            )
+        return dino
 
     def put_back_and_remove(
         self, ren: schema.Rename, keep: tuple[int, int] | None, seen: os.stat_result | None = None
@@ -81,14 +102,30 @@ class Undoer:
         again, each of them finds the file gone from its name and does
         nothing.  Only for a file that is no directory, at dst, with nothing
         at src (*seen*: what the caller's plan has at dst, having seen
-        nothing at src; else both are looked at); returns False, having
-        done nothing, otherwise: the steps are then applied one by one."""
+        nothing at src; else both are looked at), each in the directory the
+        record names; returns False, having done nothing, otherwise: the
+        steps are then applied one by one."""
         src, dst, ino = ren.src, ren.dst, ren.ino
         if keep is not None and keep[1] != ino:
             return False
-        if seen is None and self.r.lstat(src) is not None:
-            return False
+        if ren.src_dir:
+            try:
+                with self.r.at(src) as (sd, sn):
+                    if self._dino(sd) != ren.src_dir or (
+                        seen is None and backing.lstat_at(sd, sn) is not None
+                    ):
+                        return False
+                    src_entry = (ren.src_dir, sn)
+            except OSError:
+                return False
+        else:
+            if seen is None and self.r.lstat(src) is not None:
+                return False
+            src_entry = None
         with self.r.at(dst) as (d, n):
+            dino = self._dino(d)
+            if ren.dst_dir and dino != ren.dst_dir:
+                return False
             st = backing.lstat_at(d, n) if seen is None else seen
             if st is None or st.st_ino != ino or stat.S_ISDIR(st.st_mode):
                 return False
@@ -98,34 +135,49 @@ class Undoer:
                 )
             else:
                 os.unlink(n, dir_fd=d)
-        self.touched.entry(src)
-        self.touched.entry(dst)
+        if src_entry is not None:
+            self.touched.entry(*src_entry)
+        else:
+            self._entry_at(src)
+        self.touched.entry(dino, n)
         if keep is not None:
             self._buried(ino, keep[0])
         else:
-            self._unlinked(st, dst)
+            self._unlinked(st, dino, n)
         return True
 
-    def _unlinked(self, st: os.stat_result, loc: bytes) -> None:
-        """Object *st* lost its name *loc*: gone, or one link fewer."""
+    def _entry_at(self, loc: bytes) -> None:
+        """The entry *loc* (in whatever directory it leads into now) changed."""
+        if schema.grave_id(loc) is not None or not loc:
+            return
+        try:
+            with self.r.at(loc) as (d, n):
+                self.touched.entry(self._dino(d), n)
+        except OSError:
+            pass  # (no directory there: no entry the kernel may hold)
+
+    def _unlinked(self, st: os.stat_result, dino: int, name: bytes) -> None:
+        """Object *st* lost its name *name* in directory *dino*: gone, or
+        one link fewer."""
         if stat.S_ISDIR(st.st_mode) or st.st_nlink == 1:
             self.touched.removed.append(st.st_ino)
         else:
             self.touched.objects.add(st.st_ino)  # its other names: one link fewer
-            self.touched.unnamed.append((st.st_ino, loc))
+            self.touched.unnamed.append((st.st_ino, dino, name))
 
     def _buried(self, ino: int, gid: int) -> None:
         """Object *ino* was moved into grave entry *gid*."""
-        self.touched.moves.append((ino, schema.grave_loc(gid)))
+        self.touched.moves.append((ino, 0, str(gid).encode()))
         self.touched.objects.add(ino)  # (names in the grave are not counted)
 
     # -- names -------------------------------------------------------------------
 
-    def _remove(self, path: bytes) -> None:
+    def _remove(self, path: bytes, want: int = 0) -> None:
         with self.r.at(path) as (d, n):
             st = backing.lstat_at(d, n)
             if st is None:
                 return
+            dino = self._in(d, path, want)
             if stat.S_ISDIR(st.st_mode):
                 try:
                     os.rmdir(n, dir_fd=d)
@@ -139,17 +191,18 @@ class Undoer:
                 os.unlink(n, dir_fd=d)
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
-        self._unlinked(st, path)
-        self.touched.entry(path)
+        self._unlinked(st, dino, n)
+        self.touched.entry(dino, n)
 
-    def _keep(self, path: bytes, gid: int, ino: int) -> bool:
-        """Remove object *ino*, created at *path*, by moving it into the
-        grave: a directory only when it holds nothing but ignored paths, as
-        `_remove` would."""
+    def _keep(self, path: bytes, gid: int, ino: int, want: int = 0) -> bool:
+        """Remove object *ino*, created at *path* (in directory *want*), by
+        moving it into the grave: a directory only when it holds nothing
+        but ignored paths, as `_remove` would."""
         with self.r.at(path) as (d, n):
             st = backing.lstat_at(d, n)
             if st is None:
                 return False
+            dino = self._in(d, path, want)
             if st.st_ino != ino:
                 raise UndoError(f"{_show(path)}: a different object is there")
             if stat.S_ISDIR(st.st_mode) and not self._only_ignored(d, n, path):
@@ -159,7 +212,7 @@ class Undoer:
             )
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
-        self.touched.entry(path)
+        self.touched.entry(dino, n)
         self._buried(st.st_ino, gid)
         return True
 
@@ -182,64 +235,73 @@ class Undoer:
             os.close(fd)
         return True
 
-    def _create(self, path: bytes) -> None:
-        self._remove(path)
+    def _create(self, path: bytes, want: int = 0) -> None:
+        self._remove(path, want)
 
-    def _link(self, path: bytes) -> None:
-        self._remove(path)
+    def _link(self, path: bytes, want: int = 0) -> None:
+        self._remove(path, want)
 
-    def _grave(self, path: bytes, gid: int, ino: int) -> bool:
+    def _grave(self, path: bytes, gid: int, ino: int, want: int = 0) -> bool:
         g = str(gid).encode()
         if backing.lstat_at(self.store.grave_fd, g) is None:
             with self.r.at(path) as (d, n):
                 st = backing.lstat_at(d, n)
-            if st is not None and st.st_ino == ino:
-                return False  # put back already (a resumed rollback)
+                if st is not None and st.st_ino == ino:
+                    self._in(d, path, want)
+                    return False  # put back already (a resumed rollback)
             raise UndoError(
                 f"{_show(path)}: not restored: the removed object "
                 f"(grave {gid}) is missing from the store"
             )
         with self.r.at(path) as (d, n):
+            dino = self._in(d, path, want)
             backing.renameat2(self.store.grave_fd, g, d, n, backing.RENAME_NOREPLACE)
-        self.touched.entry(path)
-        self.touched.moves.append((ino, path))
+        self.touched.entry(dino, n)
+        self.touched.moves.append((ino, dino, n))
         self.touched.objects.add(ino)  # (names in the grave are not counted)
         return True
 
-    def _rename(self, src: bytes, dst: bytes, ino: int) -> None:
+    def _rename(self, src: bytes, dst: bytes, ino: int, src_dir: int = 0, dst_dir: int = 0) -> None:
         with self.r.at(dst) as (dd, dn):
             st = backing.lstat_at(dd, dn)
             if st is None or st.st_ino != ino:
                 return
+            ddino = self._in(dd, dst, dst_dir)
             with self.r.at(src) as (sd, sn):
+                sdino = self._in(sd, src, src_dir)
                 backing.renameat2(dd, dn, sd, sn, backing.RENAME_NOREPLACE)
         if stat.S_ISDIR(st.st_mode):
             self.r.moved()
-        self.touched.entry(src)
-        self.touched.entry(dst)
-        self.touched.moves.append((ino, src))
+        self.touched.entry(sdino, sn)
+        self.touched.entry(ddino, dn)
+        self.touched.moves.append((ino, sdino, sn))
         if schema.grave_id(src) is not None or schema.grave_id(dst) is not None:
             self.touched.objects.add(ino)  # (names in the grave are not counted)
 
-    def _exchange(self, a: bytes, b: bytes, ino_a: int, ino_b: int) -> None:
+    def _exchange(
+        self, a: bytes, b: bytes, ino_a: int, ino_b: int, a_dir: int = 0, b_dir: int = 0
+    ) -> None:
         with self.r.at(a) as (ad, an), self.r.at(b) as (bd, bn):
             sa, sb = backing.lstat_at(ad, an), backing.lstat_at(bd, bn)
-            if sa is not None and sb is not None:
-                if sa.st_ino != ino_b or sb.st_ino != ino_a:
-                    return
-                backing.renameat2(ad, an, bd, bn, backing.RENAME_EXCHANGE)
-            elif sa is not None and sa.st_ino == ino_b:
-                backing.renameat2(ad, an, bd, bn, backing.RENAME_NOREPLACE)
-            elif sb is not None and sb.st_ino == ino_a:
-                backing.renameat2(bd, bn, ad, an, backing.RENAME_NOREPLACE)
-            else:
+            if not (
+                (sa is not None and sb is not None and sa.st_ino == ino_b and sb.st_ino == ino_a)
+                or (sa is not None and sb is None and sa.st_ino == ino_b)
+                or (sb is not None and sa is None and sb.st_ino == ino_a)
+            ):
                 return
+            adino, bdino = self._in(ad, a, a_dir), self._in(bd, b, b_dir)
+            if sa is not None and sb is not None:
+                backing.renameat2(ad, an, bd, bn, backing.RENAME_EXCHANGE)
+            elif sa is not None:
+                backing.renameat2(ad, an, bd, bn, backing.RENAME_NOREPLACE)
+            else:
+                backing.renameat2(bd, bn, ad, an, backing.RENAME_NOREPLACE)
         if any(x is not None and stat.S_ISDIR(x.st_mode) for x in (sa, sb)):
             self.r.moved()
-        self.touched.entry(a)
-        self.touched.entry(b)
-        self.touched.moves.append((ino_a, a))
-        self.touched.moves.append((ino_b, b))
+        self.touched.entry(adino, an)
+        self.touched.entry(bdino, bn)
+        self.touched.moves.append((ino_a, adino, an))
+        self.touched.moves.append((ino_b, bdino, bn))
 
     # -- objects -------------------------------------------------------------------
 

@@ -356,3 +356,255 @@ def test_a_symlink_name_a_rollback_took_never_leads_the_daemon_to_what_is_there_
             assert os.lstat(x).st_ino == os.lstat(s).st_ino
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_an_object_freed_at_an_ignored_path_never_takes_an_older_layers_undo_data():
+    """Root's 0600 file, changed in layer L1 (its old bytes captured), is
+    moved by the agent into its ignored directory; in the next layer the
+    agent removes it there (ignored: freed for real, the daemon keeps
+    nothing) and makes files until one gets the freed inode number, which
+    it keeps open and puts at the name.  A rollback to L1 must not take the
+    agent's file for root's: neither write root's old bytes into it (which
+    the agent reads through its descriptor) nor make it root's file at
+    root's name (which the agent could then write through it)."""
+    import pwd
+    import tempfile
+
+    from . import users
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="cowfs-reuse-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("I/\n")
+            for d in ("a", "I"):
+                (ws / d).mkdir()
+                os.chown(ws / d, agent.pw_uid, agent.pw_gid)
+            secret = ws / "a" / "secret"
+            secret.write_text("ROOT SECRET v1\n")
+            os.chmod(secret, 0o600)
+            ws.mount()
+            l1 = ws.checkpoint()
+            secret.write_text("ROOT SECRET v2\n")  # (v1 captured in L1)
+            want = os.lstat(secret).st_ino
+            users.run_as(
+                agent.pw_uid, agent.pw_gid, os.rename, str(secret), str(ws / "I" / "secret")
+            )
+            ws.checkpoint()
+            r, w = os.pipe()
+            go_r, go_w = os.pipe()
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the agent
+                try:
+                    os.close(r)
+                    os.close(go_w)
+                    users.become(agent.pw_uid, agent.pw_gid)
+                    os.unlink(ws / "I" / "secret")  # (ignored: freed)
+                    fd = -1
+                    for i in range(100):  # (once the daemon lets go of it; others may take it)
+                        p = ws / "I" / f"z{i}"
+                        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                        if os.fstat(fd).st_ino == want:
+                            os.write(fd, b"agent's own bytes\n")
+                            os.rename(p, ws / "I" / "secret")
+                            break
+                        time.sleep(0.1)
+                    else:
+                        os.write(w, b"no reuse %d %d" % (want, os.fstat(fd).st_ino))
+                        os._exit(0)
+                    os.write(w, b"ready")
+                    os.read(go_r, 1)
+                    st = os.fstat(fd)
+                    os.write(w, b"%d %o " % (st.st_uid, st.st_mode) + os.pread(fd, 100, 0))
+                finally:
+                    os._exit(0)
+            os.close(w)
+            os.close(go_r)
+            try:
+                said = os.read(r, 100)
+                if said.startswith(b"no reuse"):
+                    pytest.skip(f"the filesystem gave the freed inode number to no new file {said}")
+                assert said == b"ready"
+                ws.cowfs("rollback", "--yes", "--to", str(l1), check=False)
+                os.write(go_w, b"g")
+                seen = os.read(r, 200)
+            finally:
+                os.close(go_w)
+                os.waitpid(child, 0)
+                os.close(r)
+            assert b"ROOT SECRET" not in seen, seen
+            assert not seen.startswith(b"0 "), seen  # (the agent's file made root's)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_rollback_never_removes_roots_directory_put_at_a_made_name_behind_an_ignored_path():
+    """Mounted, no race: the agent makes sub/x in its directory d (beside
+    root's directory rootdir holding root's 0600 file), moves d into its
+    ignored directory (captured: d was seen at a captured path), and in
+    the next layer -- where d, at an ignored path, is no longer seen --
+    renames sub away and rootdir to sub (uncaptured).  The rollback's
+    undo of "made sub/x" and "made sub" must not remove root's file and
+    directory, which now have those names: they stay, and the steps that
+    meet them fail by name."""
+    import pwd
+    import tempfile
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="cowfs-made-"))
+    os.chmod(base, 0o755)
+
+    def as_agent(*argv: str) -> None:
+        subprocess.run(
+            ["setpriv", f"--reuid={agent.pw_uid}", f"--regid={agent.pw_gid}", "--clear-groups"]
+            + list(argv),
+            check=True,
+        )
+
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("agent/I/\n")
+            for d in ("agent", "agent/I", "agent/d"):
+                (ws / d).mkdir()
+                os.chown(ws / d, agent.pw_uid, agent.pw_gid)
+            (ws / "agent" / "d" / "rootdir").mkdir()
+            (ws / "agent" / "d" / "rootdir" / "x").write_text("precious\n")
+            os.chmod(ws / "agent" / "d" / "rootdir" / "x", 0o600)
+            ws.mount()
+            first = ws.checkpoint()
+            d = ws / "agent" / "d"
+            as_agent("mkdir", str(d / "sub"))
+            as_agent("touch", str(d / "sub" / "x"))
+            as_agent("mv", str(d), str(ws / "agent" / "I" / "d"))
+            ws.checkpoint()
+            moved = ws / "agent" / "I" / "d"
+            as_agent("mv", str(moved / "sub"), str(moved / "tmp"))
+            as_agent("mv", str(moved / "rootdir"), str(moved / "sub"))
+            ws.cowfs("rollback", "--yes", "--to", str(first), check=False)
+            found = [p for p in (ws / "agent").rglob("x") if p.read_bytes() == b"precious\n"]
+            assert found, "root's file was removed by the rollback"
+            st = found[0].stat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_rollback_never_puts_an_agents_removed_file_into_roots_directory():
+    """As above, with a removal: the agent removes its file sub/hook
+    (kept in the grave), moves d into its ignored directory, and in the
+    next layer puts root's directory at the name sub (uncaptured).  The
+    rollback must not put the agent's file back inside root's directory
+    (an agent-owned, agent-writable file in a directory the agent may not
+    write)."""
+    import pwd
+    import tempfile
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="cowfs-grave-"))
+    os.chmod(base, 0o755)
+
+    def as_agent(*argv: str) -> None:
+        subprocess.run(
+            ["setpriv", f"--reuid={agent.pw_uid}", f"--regid={agent.pw_gid}", "--clear-groups"]
+            + list(argv),
+            check=True,
+        )
+
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("agent/I/\n")
+            for d in ("agent", "agent/I", "agent/d", "agent/d/sub"):
+                (ws / d).mkdir()
+                os.chown(ws / d, agent.pw_uid, agent.pw_gid)
+            hook = ws / "agent" / "d" / "sub" / "hook"
+            hook.write_text("echo agent\n")
+            os.chown(hook, agent.pw_uid, agent.pw_gid)
+            roots = ws / "agent" / "d" / "roots"
+            roots.mkdir()  # (root's: only root may make names in it)
+            (roots / "README").write_text("root's\n")
+            ws.mount()
+            first = ws.checkpoint()
+            as_agent("rm", str(hook))
+            as_agent("mv", str(ws / "agent" / "d"), str(ws / "agent" / "I" / "d"))
+            ws.checkpoint()
+            moved = ws / "agent" / "I" / "d"
+            as_agent("mv", str(moved / "sub"), str(moved / "tmp"))
+            as_agent("mv", str(moved / "roots"), str(moved / "sub"))
+            ws.cowfs("rollback", "--yes", "--to", str(first), check=False)
+            for p in (ws / "agent").rglob("*"):
+                st = p.lstat()
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == 0:
+                    assert sorted(x.name for x in p.iterdir()) == ["README"], p
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_directory_a_rollback_moved_twice_records_its_changes_at_its_own_path():
+    """The agent moves its directory B to A and then A/X out to Y; a
+    process of its stays in X (its working directory).  The rollback puts
+    X back into A, then A back to B: the daemon's node of X must follow it
+    to B/X, not keep the name Y (the rollback looked A up only after it
+    had moved A away).  Then root's directory R (in the agent's directory)
+    is renamed Y and the agent makes z in X: it is recorded at B/X/z, and
+    rolling that layer back removes the agent's z -- never root's R/z,
+    which the layer did not make."""
+    import pwd
+    import tempfile
+
+    from . import users
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix="cowfs-twice-"))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            ag = ws / "ag"
+            for d in ("ag", "ag/B", "ag/B/X"):
+                (ws / d).mkdir()
+                os.chown(ws / d, agent.pw_uid, agent.pw_gid)
+            (ag / "R").mkdir()
+            (ag / "R" / "z").write_text("root's\n")
+            os.chmod(ag / "R" / "z", 0o600)
+            ws.mount()
+            ws.checkpoint()
+            users.run_as(agent.pw_uid, agent.pw_gid, os.rename, str(ag / "B"), str(ag / "A"))
+            users.run_as(agent.pw_uid, agent.pw_gid, os.rename, str(ag / "A" / "X"), str(ag / "Y"))
+            r, w = os.pipe()
+            go_r, go_w = os.pipe()
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the agent, working in X
+                try:
+                    os.close(r)
+                    os.close(go_w)
+                    users.become(agent.pw_uid, agent.pw_gid)
+                    os.chdir(ag / "Y")
+                    os.write(w, b"in")
+                    os.read(go_r, 1)
+                    os.close(os.open("z", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    os.write(w, b"made")
+                finally:
+                    os._exit(0)
+            os.close(w)
+            os.close(go_r)
+            try:
+                assert os.read(r, 10) == b"in"
+                ws.cowfs("rollback", "--yes")
+                ws.checkpoint()
+                users.run_as(agent.pw_uid, agent.pw_gid, os.rename, str(ag / "R"), str(ag / "Y"))
+                os.write(go_w, b"g")
+                assert os.read(r, 10) == b"made"
+            finally:
+                os.close(go_w)
+                os.waitpid(child, 0)
+                os.close(r)
+            assert (ag / "B" / "X" / "z").exists()
+            ws.cowfs("rollback", "--yes", check=False)
+            assert (ag / "R" / "z").read_text() == "root's\n"
+            assert not (ag / "B" / "X" / "z").exists()
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

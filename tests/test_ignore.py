@@ -183,3 +183,31 @@ def test_cowfsignore_edited_through_the_mount_applies_to_the_very_next_request(w
     os.unlink(ignore)  # removed
     assert captured("fours/b")
     assert ".cowfsignore" not in {c["path"] for c in plain(ws.status())}  # (made in the layer)
+
+
+def test_what_a_layer_below_captured_stays_captured_at_an_ignored_path(workspace):
+    """A file captured in one layer and moved into the ignored directory
+    is still captured in the layers after it: written there, removed there
+    (into the grave, its inode number kept, never freed for another file
+    to take), and a directory moved there keeps the names in it captured
+    -- a rollback to the first layer puts everything back exactly."""
+    ws = with_scratch(workspace)
+    (ws / "d").mkdir()
+    (ws / "d" / "f").write_text("in d\n")
+    before = ws.snapshot(exclude=(b".cowfs", b"scratch"))
+    first = ws.checkpoint()
+    (ws / "data.txt").write_text("changed\n")  # (captured in the first layer)
+    ino = os.lstat(ws / "data.txt").st_ino
+    os.rename(ws / "data.txt", ws / "scratch" / "data.txt")
+    os.rename(ws / "d", ws / "scratch" / "d")
+    ws.checkpoint()
+    (ws / "scratch" / "data.txt").write_text("changed again\n")
+    os.unlink(ws / "scratch" / "data.txt")
+    os.rename(ws / "scratch" / "d" / "f", ws / "scratch" / "d" / "g")
+    (ws / "scratch" / "d" / "f").write_text("another\n")
+    with open(ws / "scratch" / "new", "w") as f:  # (may not take the inode number)
+        assert os.fstat(f.fileno()).st_ino != ino
+    ws.cowfs("rollback", "--yes", "--to", str(first))
+    treesnap.assert_same(before, ws.snapshot(exclude=(b".cowfs", b"scratch")))
+    assert os.lstat(ws / "data.txt").st_ino == ino
+    assert (ws / "d" / "f").read_text() == "in d\n" and not (ws / "d" / "g").exists()
