@@ -96,8 +96,9 @@ class Rollback(Command):
         s.add_argument(
             "--skip-damaged",
             action="store_true",
-            help="give up the steps whose undo data is damaged (their objects stay as they "
-            "are) and drop the layers; without it such layers stay, holding those steps",
+            help="give up the steps whose undo data is damaged or that failed (their objects "
+            "stay as they are) and drop the layers; without it such layers stay, holding "
+            "those steps",
         )
         s.add_argument(
             "--yes",
@@ -139,8 +140,8 @@ class Rollback(Command):
         skip_damaged: Annotated[
             bool,
             Arg(
-                "give up the steps whose undo data is damaged (their objects "
-                "stay as they are) and drop the layers; without it such layers stay"
+                "give up the steps whose undo data is damaged or that failed (their "
+                "objects stay as they are) and drop the layers; without it such layers stay"
             ),
         ] = False,
         yes: Annotated[

@@ -18,58 +18,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from . import backing, fsck, pending, progress, redo, schema, steps
+from . import backing, fsck, pending, redo, schema
 from .errors import NeedsConfirmation, NothingToDo, Refused, UnknownLayer
-from .rollback import Rollback, seal_redo
+from .rollback import Acting, Rollback, RollbackReport, seal_redo
 from .schema import PendingRecord, RedoState
 from .stackview import StackView
 from .store import Layer, Store
-from .undo import Touched, Undoer, describe
+from .undo import Undoer, describe
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RollbackReport:
-    dropped: list[int] = field(default_factory=list)
-    applied: int = 0
-    failures: list[str] = field(default_factory=list)
-    touched: Touched = field(default_factory=Touched)
-    top: int = 0
-    restored: list[int] = field(default_factory=list)  # (a redo)
-    # a rollback that could not take every step: why, how many steps were
-    # kept (not taken, still recorded), the free space they need
-    stopped: str | None = None
-    kept: int = 0
-    needs: int = 0
-
-    def to_dict(self) -> dict:
-        d = {
-            "dropped": self.dropped,
-            "applied": self.applied,
-            "failures": self.failures,
-            "top": self.top,
-        }
-        if self.stopped is not None:
-            d |= {"stopped": self.stopped, "kept": self.kept, "needs": self.needs}
-        return d | {"restored": self.restored} if self.restored else d
-
-
-@dataclass(frozen=True)
-class Acting:
-    """How the files of one group operation are put back: with the capture
-    filter, what the mount is told, the helper process and the progress
-    board (the session's, as they are when the operation runs)."""
-
-    # the capture filter ((path, is_dir) -> bool), if any
-    ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None
-    # told the inodes of objects a rollback removed to make room (their
-    # blocks are freed once nothing holds them)
-    on_removed: Callable[[list[int]], None] | None = None
-    helper: steps.Helper | None = None  # (the mount daemon's: see `steps`)
-    board: progress.Board = progress.LOCAL  # where a rollback notes how far it has got
 
 
 class LayerFiles:

@@ -19,15 +19,70 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from . import fsck, pending, redo, schema, steps
+from . import backing, fsck, pending, progress, redo, schema, steps
+from .stackview import StackView
 from .store import Layer, Store
 from .text import count, human_size
-from .undo import Undoer, describe
+from .undo import Touched, Undoer, describe
 
-if TYPE_CHECKING:
-    from .layerfiles import Acting, LayerFiles, RollbackReport
+
+@dataclass
+class RollbackReport:
+    dropped: list[int] = field(default_factory=list)
+    applied: int = 0
+    failures: list[str] = field(default_factory=list)
+    touched: Touched = field(default_factory=Touched)
+    top: int = 0
+    restored: list[int] = field(default_factory=list)  # (a redo)
+    # a rollback that could not take every step: why, how many steps were
+    # kept (not taken, still recorded), the free space they need
+    stopped: str | None = None
+    kept: int = 0
+    needs: int = 0
+
+    def to_dict(self) -> dict:
+        d = {
+            "dropped": self.dropped,
+            "applied": self.applied,
+            "failures": self.failures,
+            "top": self.top,
+        }
+        if self.stopped is not None:
+            d |= {"stopped": self.stopped, "kept": self.kept, "needs": self.needs}
+        return d | {"restored": self.restored} if self.restored else d
+
+
+@dataclass(frozen=True)
+class Acting:
+    """How the files of one group operation are put back: with the capture
+    filter, what the mount is told, the helper process and the progress
+    board (the session's, as they are when the operation runs)."""
+
+    # the capture filter ((path, is_dir) -> bool), if any
+    ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None
+    # told the inodes of objects a rollback removed to make room (their
+    # blocks are freed once nothing holds them)
+    on_removed: Callable[[list[int]], None] | None = None
+    helper: steps.Helper | None = None  # (the mount daemon's: see `steps`)
+    board: progress.Board = progress.LOCAL  # where a rollback notes how far it has got
+
+
+class Files(Protocol):
+    """What a rollback needs of the layers' files (``LayerFiles``): the
+    store, the tree's resolver, the stack's views, and what it asks of
+    them."""
+
+    store: Store
+    resolver: backing.Resolver
+    view: StackView
+
+    def ensure_base(self) -> Layer: ...
+
+    def discard_redo(self, reason: str, fallback: bool = False) -> None: ...
+
 
 # (seq, record, whether its step moved its object into the grave or out of it)
 Taken = tuple[int, schema.Record, bool]
@@ -39,7 +94,7 @@ class Rollback:
 
     def __init__(
         self,
-        files: LayerFiles,
+        files: Files,
         acting: Acting,
         to: int,
         skip_damaged: bool,
@@ -67,6 +122,8 @@ class Rollback:
         self.known: set[int] = set()  # damaged records whose object is known
         self.reported: set[int] = set()  # objects whose unrestorable step was reported
         self.kept: list[tuple[int, schema.Record]] = []  # left in the store, not applied
+        # directories whose names a kept step acts on (see ``_again``)
+        self.stuck_dirs: set[int] = set()
         self.stopped: str | None = None  # why the rollback stopped, and where
         self.room = False  # whether it stopped for want of room
         self.early: set[int] = set()  # seqs taken ahead of their turn, to make room
@@ -145,13 +202,20 @@ class Rollback:
             # the steps from there on are taken one by one (making
             # room first), without keeping what a redo needs
             undone, batch = undone[:halt], batch[:halt]
-        failures = [out.failure for out in undone if out.failure is not None]
-        self.report.failures += failures
-        self.report.applied += len(batch) - len(failures)
-        for (seq, _), out in zip(batch, undone, strict=True):
+        taken: list[Taken] = []
+        for (seq, rec), out in zip(batch, undone, strict=True):
+            if out.failure is not None:
+                self._failed(seq, rec, out.failure)
+                continue
+            self.report.applied += 1
             if out.emptied:
                 keeper.emptied_by(seq, *out.emptied)
-        self._done([(seq, rec, out.moved) for (seq, rec), out in zip(batch, undone, strict=True)])
+            if self._again(seq, rec):
+                self.kept.append((seq, rec))
+                self.board.step(1)
+                continue
+            taken.append((seq, rec, out.moved))
+        self._done(taken)
         self.i += len(batch)
         if halted is not None and self.keeper is not None:
             self._give_up_redo(RuntimeError(halted))
@@ -174,7 +238,14 @@ class Rollback:
         except Exception as e:  # report by name, keep going
             if steps.halts(e):
                 return self._halted(e, rec)
-            self.report.failures.append(f"{describe(rec)}: {e}")
+            self._failed(seq, rec, f"{describe(rec)}: {e}")
+            self.i += 1
+            return True
+        if self._again(seq, rec):
+            self.kept.append((seq, rec))
+            self.board.step(1)
+            self.i += 1
+            return True
         try:
             self._done([(seq, rec, moved)])
         except OSError as e:  # (taken, but still recorded: taken again when resumed)
@@ -223,6 +294,44 @@ class Rollback:
             with self.store.write() as w:
                 w.delete_record(seq)
             self.board.step(1)
+
+    def _failed(self, seq: int, rec: schema.Record, failure: str) -> None:
+        """A step failed (its object or directory is not the one recorded,
+        its pre-image is missing, ...): reported by name, and its record
+        kept with what it needs, to be taken when the same command runs
+        again (or, with --skip-damaged, given up): what a layer holds is
+        never dropped untaken without the user saying so."""
+        self.report.failures.append(failure)
+        if not self.skip_damaged:
+            self.kept.append((seq, rec))
+            self.stuck_dirs |= self._dirs_of(rec)
+            self.board.step(1)
+        else:
+            self._done([(seq, rec, False)])
+
+    def _dirs_of(self, rec: schema.Record) -> set[int]:
+        """The directories (backing inodes) whose names a step acts on."""
+        if isinstance(rec, schema.Create | schema.Link | schema.Grave):
+            dirs = [(rec.dir, rec.path)]
+        elif isinstance(rec, schema.Rename):
+            dirs = [(rec.src_dir, rec.src), (rec.dst_dir, rec.dst)]
+        elif isinstance(rec, schema.Exchange):
+            dirs = [(rec.a_dir, rec.a), (rec.b_dir, rec.b)]
+        else:
+            return set()
+        out = set()
+        for dino, loc in dirs:
+            if not dino:  # (a record of an older cowfs: the directory there now)
+                st = self.undo.r.lstat(backing.split(loc)[0])
+                dino = st.st_ino if st is not None else 0
+            out.add(dino)
+        return out
+
+    def _again(self, seq: int, rec: schema.Record) -> bool:
+        """Whether the step of *rec*, taken, is kept to be taken again: it
+        puts back the attributes of a directory a kept step acts in (its
+        times, which that step changes when the same command takes it)."""
+        return isinstance(rec, schema.Meta | schema.Xattrs) and rec.ino in self.stuck_dirs
 
     def _halted(self, e: Exception, rec: schema.Record) -> bool:
         """A step failed in a way that halts the rollback (see
@@ -342,8 +451,10 @@ class Rollback:
             report.stopped = f"the rollback stopped: {self.stopped}"
         else:
             report.stopped = (
-                "what the damaged records named is left as it is; roll back with "
-                "--skip-damaged to give them up"
+                "what the steps not taken name (damaged records, steps that "
+                "failed) is left as it is; run the same command again once what "
+                "made them fail is gone, or roll back with --skip-damaged to give "
+                "them up"
             )
         report.stopped += (
             f"; {count(len(kept), 'step')} not taken, kept in layers {first}..{layers[-1].id}"
@@ -407,7 +518,7 @@ def drop_layers(store: Store, layers: list[Layer], park: bool) -> None:
 
 
 def seal_redo(
-    files: LayerFiles,
+    files: Files,
     keeper: redo.RedoInverses,
     top: int,
     looked: tuple[list[tuple[bytes, bytes]], list[bytes]] | None = None,

@@ -238,3 +238,45 @@ def test_a_rollback_on_a_full_disk_stops_keeps_everything_and_the_same_command_f
         treesnap.assert_same(before, ws.snapshot())
         assert ws.json("check")["ok"]
         assert layer not in [entry["id"] for entry in ws.json("log")]
+
+
+@pytest.mark.parametrize("give_up", [False, True], ids=["finish", "give-up"])
+def test_a_step_that_fails_keeps_its_record_until_the_same_command_takes_it(
+    tmp_path, give_up, fuse
+):
+    """An undo step that fails for a cause that is no full disk (here: the
+    file the layer made is immutable, so removing it fails with EPERM even
+    for root) is named, the other steps are taken, and the failed step's
+    record stays with its layer -- the same command, once the cause is
+    gone, takes it and the tree is as it was; or ``--skip-damaged`` gives
+    it up and drops the layer, leaving the file."""
+    with managed_workspace(tmp_path / "ws") as ws:
+        (ws / "keep.txt").write_text("kept\n")
+        ws.mount()
+        before = ws.snapshot()
+        layer = ws.checkpoint()
+        (ws / "keep.txt").write_text("changed\n")
+        (ws / "new.txt").write_text("new\n")
+        stuck = backing_dir(ws) / "new.txt"
+        subprocess.run(["chattr", "+i", str(stuck)], check=True)
+        try:
+            command = ["rollback", "--to", str(layer)]
+            r = ws.cowfs(*command, check=False)
+            assert r.returncode == 10, r.stderr
+            assert "new.txt" in r.stderr and "Operation not permitted" in r.stderr
+            assert "Traceback" not in r.stderr
+            assert (ws / "keep.txt").read_text() == "kept\n"  # (the other steps were taken)
+            assert [entry["id"] for entry in ws.json("log")][-1] == layer
+            assert ws.json("check")["ok"]
+            if give_up:
+                ws.cowfs(*command, "--skip-damaged", check=False)
+                assert layer not in [entry["id"] for entry in ws.json("log")]
+                assert (ws / "new.txt").read_text() == "new\n"
+                assert ws.json("check")["ok"]
+                return
+        finally:
+            subprocess.run(["chattr", "-i", str(stuck)], check=False)
+        ws.cowfs(*command)
+        treesnap.assert_same(before, ws.snapshot())
+        assert layer not in [entry["id"] for entry in ws.json("log")]
+        assert ws.json("check")["ok"]
