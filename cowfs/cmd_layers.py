@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .api import Workspace
 
 
-def rollback_args(args, yes: bool) -> dict:
+def rollback_args(args: argparse.Namespace, yes: bool) -> dict[str, Any]:
     extra = {"skip_damaged": True} if args.skip_damaged else {}
     return {"to": args.to, "keep_redo": not args.no_redo, "yes": yes} | extra
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
+from typing import Any
 
 from . import errors
 from .client import Client
@@ -40,7 +41,7 @@ def allow_spec(spec: str) -> str:
     return spec
 
 
-def mount_options(args) -> dict:
+def mount_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "chunk_size": args.chunk_size,
         "max_store": args.max_store,

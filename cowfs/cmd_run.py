@@ -33,10 +33,10 @@ from .render import (
 )
 
 if TYPE_CHECKING:
-    from .api import Workspace
+    from .api import RunResult, Workspace
 
 
-def approve(result, timeout: float, keep: str) -> str:
+def approve(result: RunResult, timeout: float, keep: str) -> str:
     """keep / discard / show-diff loop for --approve; *keep*: what keeping
     means (--on-success: "keep" as its own layer, or "commit")."""
     print(summary(result.changes), file=sys.stderr)

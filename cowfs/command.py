@@ -17,8 +17,9 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, NoReturn, get_args
 
 from . import control, errors, operations
 from .client import Client
@@ -35,7 +36,7 @@ RUN_SCOPES = get_args(RunScope)
 class Parser(argparse.ArgumentParser):
     json_errors = False  # --json was given: usage errors too are JSON on stdout
 
-    def error(self, message: str):  # one line and the documented code, not a usage dump
+    def error(self, message: str) -> NoReturn:  # one line and the documented code, not a usage dump
         if Parser.json_errors:
             print(json.dumps({"error": message, "code": errors.USAGE}))
         name = self.prog.partition(" ")[2]
@@ -176,7 +177,7 @@ class Command:
         return bool(cls.ops) and all(op in operations.OFFLINE_OPS for op in cls.ops)
 
 
-def out(args, human: str | None, data) -> None:
+def out(args: argparse.Namespace, human: str | None, data: object) -> None:
     if args.json:
         print(json.dumps(data))
     elif human:
@@ -238,7 +239,7 @@ PROGRESS_DELAY = 0.5  # seconds an operation runs before its progress shows
 
 @contextlib.contextmanager
 def progress_shown(
-    args, op: str, board: Callable[[], tuple[int, int] | None] | None = None
+    args: argparse.Namespace, op: str, board: Callable[[], tuple[int, int] | None] | None = None
 ) -> Iterator[None]:
     """While long operation *op* runs (in the daemon or here): on a
     terminal, and never with --json, a spinner on stderr with the time
@@ -302,7 +303,7 @@ def finishing(what: str | None, later: str) -> Iterator[None]:
         return
     said: list[bool] = []
 
-    def interrupted(signum, frame) -> None:
+    def interrupted(signum: int, frame: types.FrameType | None) -> None:
         if said:
             raise KeyboardInterrupt
         said.append(True)
@@ -341,7 +342,7 @@ def ask(question: str, choices: str, timeout: float) -> str | None:
     return answer[:1] if answer[:1] in choices else ""
 
 
-def workspace_paths(args, paths: list[str]) -> list[str]:
+def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
     """PATHs as the workspace names them (relative to its root, "." for the
     root), from paths relative to the current directory when it is inside
     the workspace (as git takes pathspecs), to the root otherwise, or
@@ -365,7 +366,7 @@ def workspace_paths(args, paths: list[str]) -> list[str]:
     return out
 
 
-def workspace_root(args) -> str:
+def workspace_root(args: argparse.Namespace) -> str:
     """Where the workspace of -C PATH is, as programs see it: its mount, or
     the directory itself when it is not mounted."""
     try:
@@ -376,7 +377,7 @@ def workspace_root(args) -> str:
         return os.path.realpath(locate(args.path).unmounted(args.path)[0])
 
 
-def command_argv(args) -> list[str]:
+def command_argv(args: argparse.Namespace) -> list[str]:
     cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not cmd:
         raise CowfsError(f"{args.command} needs a command after --", errors.USAGE)

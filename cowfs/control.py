@@ -103,7 +103,7 @@ def call(
     op: str,
     timeout: float | None = None,
     on_interrupt: Callable[[], None] | None = None,
-    **args,
+    **args: object,
 ) -> dict:
     """Send one request to the daemon of *rec*; return its result or raise
     the CowfsError it answered with.  A daemon that sends nothing for the

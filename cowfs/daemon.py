@@ -336,7 +336,7 @@ class Daemon:
             await trio.to_thread.run_sync(self.session.store.env.sync, True)
             reap()  # (views that ended)
 
-    def exclusive(self):
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """While control code runs, no file request is served (the kernel
         engine serves them on a thread of its own)."""
         return self.engine.exclusive() if self.engine is not None else contextlib.nullcontext()
@@ -505,7 +505,7 @@ def serve(
     store: str | None,
     report: Callable[[dict], None],
     foreground: bool,
-    **options,
+    **options: Any,
 ) -> int:
     """Prepare, mount and serve until unmounted.  *report* is called once,
     with {"ok": True, "warnings": [...]} when the mount is live, or with the
@@ -561,7 +561,7 @@ def spawn(
     mountpoint: str | None = None,
     store: str | None = None,
     timeout: float = 120,
-    **options,
+    **options: object,
 ) -> dict:
     """Start a daemon for *workspace* in its own session and wait until the
     mount is live; return its report (warnings, pid) or raise its error."""

@@ -17,8 +17,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from . import errors
+
+if TYPE_CHECKING:
+    from .mounts import Location, MountRecord
 
 MIN_KERNEL = (4, 18)
 MIN_PYFUSE3 = (3, 4)
@@ -300,7 +304,7 @@ def check_libvirt() -> Check:
 # -- a workspace ------------------------------------------------------------------------------
 
 
-def _locate(path: str, store: str | None):
+def _locate(path: str, store: str | None) -> Location:
     """Where the workspace of *path* is (mounts.locate); also a workspace
     mounted at another mount point.  Given the *store* of an unmounted
     workspace, *path* itself is that workspace."""
@@ -350,7 +354,7 @@ def _summary(layers: list[dict]) -> str:
     )
 
 
-def check_live(rec) -> list[Check]:
+def check_live(rec: MountRecord) -> list[Check]:
     from .client import Client
 
     ws = Client(rec)
@@ -426,7 +430,7 @@ def check_live(rec) -> list[Check]:
     return out
 
 
-def check_dead(mountpoint: str, rec) -> list[Check]:
+def check_dead(mountpoint: str, rec: MountRecord | None) -> list[Check]:
     ws = rec.workspace if rec else mountpoint
     who = f"(pid {rec.pid}) " if rec else ""
     return [
@@ -557,6 +561,7 @@ def run_checks(path: str | None, store: str | None = None) -> list[Check]:
             where = None
             checks.append(Check("mount", False, f"cannot inspect {path}: {e}", ""))
         if where is not None and where.state == LIVE:
+            assert where.record is not None  # (a live mount has its daemon's record)
             checks += check_live(where.record)
         elif where is not None and where.state == DEAD:
             checks += check_dead(where.root, where.record)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import lmdb
@@ -77,7 +78,7 @@ class Problem:
 show = schema.show_loc
 
 
-def owners_of(store: Store, txn, seqs: set[int]) -> dict[int, int]:
+def owners_of(store: Store, txn: lmdb.Transaction[bytes], seqs: set[int]) -> dict[int, int]:
     """Journal seq -> the object (inode) whose index entry points at it:
     how a damaged record's object is still known."""
     found: dict[int, int] = {}
@@ -659,7 +660,9 @@ def grave_names(store: Store) -> list[str]:
         os.close(fd)
 
 
-def repair(store: Store, rep: Report, discard_redo=None) -> list[str]:
+def repair(
+    store: Store, rep: Report, discard_redo: Callable[[str], None] | None = None
+) -> list[str]:
     """Carry out what *rep* found repairable, in one transaction (grave
     files are removed after it commits); return what was done.
     *discard_redo*: how to drop a damaged redo (LayerFiles.discard_redo, which

@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+import lmdb
 import trio
 import xxhash
 
@@ -70,7 +71,9 @@ PATIENCE_NS = 5_000_000_000  # ... or once it was removed this long ago
 UNMOUNT_BUDGET = 20.0  # seconds an unmount spends hashing what is left
 
 
-def read_sum(store: Store, gid: int, txn=None) -> schema.GraveSum | None:
+def read_sum(
+    store: Store, gid: int, txn: lmdb.Transaction[bytes] | None = None
+) -> schema.GraveSum | None:
     if store.db_sums is None:
         return None
     if txn is None:
@@ -123,7 +126,7 @@ def _zeros(h: xxhash.xxh3_128, n: int) -> None:
         n -= READ_SIZE
 
 
-def verify(store: Store, gid: int, txn=None) -> str | None:
+def verify(store: Store, gid: int, txn: lmdb.Transaction[bytes] | None = None) -> str | None:
     """Why grave object *gid* cannot be put back as it was removed: None
     when its bytes hash as recorded (or no hash was recorded: verified by
     identity only, elsewhere)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,7 @@ class _Parser:
         self.pos = m.end()
         return Node("scalar", start, self.pos, json.loads(m.group()))
 
-    def elements(self, node: Node, bracket: str, element) -> Node:
+    def elements(self, node: Node, bracket: str, element: Callable[[Node], None]) -> Node:
         """The rest of a container: *element(node)* for each element, up to
         the closing *bracket*."""
         self.pos += 1

@@ -66,7 +66,13 @@ class Changes(Sequence[dict]):
             self.append(*r)
 
     def append(
-        self, path: bytes, kind: str, was: bytes | None, is_dir: bool, ino: int | None, who=None
+        self,
+        path: bytes,
+        kind: str,
+        was: bytes | None,
+        is_dir: bool,
+        ino: int | None,
+        who: dict | None = None,
     ) -> None:
         """A change at the end: (path, kind, from, is a directory, ino, who)."""
         self.append_in(-1, path, kind, was, is_dir, ino, who)
@@ -84,7 +90,7 @@ class Changes(Sequence[dict]):
         was: bytes | None,
         is_dir: bool,
         ino: int | None,
-        who=None,
+        who: dict | None = None,
     ) -> None:
         """A change at the end, at *name* in directory *head* (``parent``;
         -1: *name* is the whole path)."""
@@ -156,7 +162,7 @@ class Changes(Sequence[dict]):
             return
         self._permute(0, n, order)
 
-    def _permute(self, start: int, end: int, order) -> None:
+    def _permute(self, start: int, end: int, order: Sequence[int]) -> None:
         """Rows start..end-1 in *order* (their indices)."""
         if all(i == j for i, j in enumerate(order, start)):
             return

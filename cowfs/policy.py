@@ -20,13 +20,16 @@ import re
 import shlex
 import shutil
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from . import errors
 from .errors import CowfsError
+
+if TYPE_CHECKING:
+    import docker  # (untyped: its objects are Any to mypy)
 
 SCOPES = ("none", "files", "system")
 RunScope = Literal["auto", "files", "container", "vm"]
@@ -353,7 +356,14 @@ def path_of(arg: str) -> str:
     return arg
 
 
-def matches(rule: Rule, prog: str, program_path: str, args: list[str], where: Where, safe) -> bool:
+def matches(
+    rule: Rule,
+    prog: str,
+    program_path: str,
+    args: list[str],
+    where: Where,
+    safe: Callable[[str], bool],
+) -> bool:
     if not any(fnmatch.fnmatchcase(prog, p) for p in rule.programs):
         return False
     ops = operands(args, rule.value_options)
@@ -380,7 +390,7 @@ def matches(rule: Rule, prog: str, program_path: str, args: list[str], where: Wh
     return True
 
 
-def outside(path: str, where: Where, safe) -> bool:
+def outside(path: str, where: Where, safe: Callable[[str], bool]) -> bool:
     return bool(path) and not safe(path) and not where.inside(path)
 
 
@@ -396,7 +406,7 @@ def program_inside(program: str, where: Where) -> bool:
 # -- containers -----------------------------------------------------------------------
 
 
-def docker_client():
+def docker_client() -> docker.DockerClient | None:
     """A docker client, or None when the SDK or the docker daemon is unavailable."""
     try:
         import docker

@@ -30,11 +30,16 @@ import shutil
 import subprocess
 import tomllib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import tomli_w
 
 from . import backing
 from .errors import USAGE, CowfsError
+
+if TYPE_CHECKING:
+    import docker  # (the provider libraries are untyped: their objects are Any to mypy)
+    import libvirt
 
 CONFIG = "cowfs.toml"
 
@@ -177,7 +182,7 @@ class DockerProvider(Provider):
         if not isinstance(config.get("container"), str) or not config["container"]:
             raise CowfsError("a docker provider needs --container NAME", USAGE)
 
-    def _client(self):
+    def _client(self) -> docker.DockerClient:
         try:
             import docker
         except ImportError:
@@ -280,7 +285,7 @@ class LibvirtProvider(Provider):
             if not isinstance(config.get(key, ""), str):
                 raise CowfsError(f"the {key} command must be a string", USAGE)
 
-    def _domain(self):
+    def _domain(self) -> tuple[libvirt.virConnect, libvirt.virDomain]:
         try:
             import libvirt
         except ImportError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import listing
@@ -60,7 +61,11 @@ def redo_line(info: dict | None) -> list[str]:
 
 
 def change_lines(
-    changes: list[dict], every: bool, limit: int | None = None, suffix=None, line=listing.line
+    changes: list[dict],
+    every: bool,
+    limit: int | None = None,
+    suffix: Callable[[dict], str] | None = None,
+    line: Callable[[dict], str] = listing.line,
 ) -> list[str]:
     """The lines of a list of changes: directories added or deleted as a
     whole as one line each (after the single changes), unless *every*;

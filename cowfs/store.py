@@ -87,7 +87,9 @@ def meta_int(txn: lmdb.Transaction[bytes], key: bytes) -> int:
     return S.meta_int(key, need(txn, key))
 
 
-def scan(txn: lmdb.Transaction[bytes], db, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+def scan(
+    txn: lmdb.Transaction[bytes], db: lmdb._Database | None, prefix: bytes
+) -> Iterator[tuple[bytes, bytes]]:
     """(key, value) of every entry of *db* whose key starts with *prefix*.
     Collect them (list()) before writing to *db* in the same transaction."""
     cur = txn.cursor(db=db)
@@ -377,7 +379,7 @@ class Writer:
 
     # -- the redo database (what the last rollback kept: see redo.py) ----------
 
-    def _redo_db(self):
+    def _redo_db(self) -> lmdb._Database:
         assert self.store.db_redo is not None  # (opened writable: it is created)
         return self.store.db_redo
 
@@ -1262,7 +1264,7 @@ class Store:
         """Bytes of LMDB pages in use (pages freed by commits and rollbacks
         are reused, so this falls when data is freed)."""
 
-        def count(txn) -> int:
+        def count(txn: lmdb.Transaction[bytes]) -> int:
             pages = 0
             for db in (
                 self.db_meta,
@@ -1300,11 +1302,11 @@ class Store:
             os.close(fd)
         return total
 
-    def get_meta_json(self, key: bytes):
+    def get_meta_json(self, key: bytes) -> Any:
         with self.env.begin(db=self.db_meta) as txn:
             return S.meta_json(S.DB_META, key, txn.get(key))
 
-    def set_meta_json(self, key: bytes, value) -> None:
+    def set_meta_json(self, key: bytes, value: Any) -> None:
         with self.write() as w:
             w.set_meta(key, S.to_json(value) if value is not None else None)
 
@@ -1350,7 +1352,7 @@ class Store:
         with self.env.begin() as txn:
             return txn.stat(self.db_redo)["entries"]
 
-    def audit(self, event: str, **fields) -> None:
+    def audit(self, event: str, **fields: object) -> None:
         """Append an event (best effort: a full store loses the event, not
         the operation)."""
         self.audit_many([{"event": event, **fields}])
