@@ -531,7 +531,7 @@ def _side(
     size: int,
     mode: int,
     mtime: int,
-    read,
+    read: Callable[[int, int], bytes],
     hash_limit: int,
     dense: bool = True,
     data: Callable[[int], list[tuple[int, int]] | None] | None = None,

@@ -53,7 +53,11 @@ class Touched:
 
 class Undoer:
     def __init__(
-        self, store: Store, resolver: backing.Resolver, touched: Touched | None = None, ignored=None
+        self,
+        store: Store,
+        resolver: backing.Resolver,
+        touched: Touched | None = None,
+        ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None,
     ):
         self.store = store
         self.r = resolver
