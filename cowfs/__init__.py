@@ -9,17 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (the names as mypy sees them; at run time, __getattr__ loads them)
-    from .api import Change as Change
-    from .api import CommitResult as CommitResult
-    from .api import LayerInfo as LayerInfo
-    from .api import RollbackResult as RollbackResult
-    from .api import RunResult as RunResult
-    from .api import Status as Status
-    from .api import Step as Step
-    from .api import StepFailed as StepFailed
-    from .api import Workspace as Workspace
     from .errors import CowfsError as CowfsError
     from .errors import NotAnswering as NotAnswering
+    from .interface.api import Change as Change
+    from .interface.api import CommitResult as CommitResult
+    from .interface.api import LayerInfo as LayerInfo
+    from .interface.api import RollbackResult as RollbackResult
+    from .interface.api import RunResult as RunResult
+    from .interface.api import Status as Status
+    from .interface.api import Step as Step
+    from .interface.api import StepFailed as StepFailed
+    from .interface.api import Workspace as Workspace
 
 __version__ = "0.1.0"
 
@@ -39,7 +39,7 @@ __all__ = [*_API, "CowfsError", "NotAnswering", "__version__"]
 
 def __getattr__(name: str) -> object:
     if name in _API:
-        from . import api
+        from .interface import api
 
         return getattr(api, name)
     if name in ("CowfsError", "NotAnswering"):

@@ -1,4 +1,4 @@
-"""A view process (``python -m tests.broken_view``, args as cowfs.view's)
+"""A view process (``python -m tests.broken_view``, args as cowfs.fuse.view's)
 that mounts a real view but does not report it the way `cowfs view`
 expects: BROKEN_VIEW=garbage sends an unreadable report once its mount is
 live, BROKEN_VIEW=silent sends none and goes on serving.  What a failed
@@ -16,14 +16,14 @@ import logging
 import os
 import sys
 
-import cowfs.launch
-from cowfs import view
-from cowfs.past import History
+import cowfs.service.launch
+from cowfs.fuse import view
+from cowfs.layers.past import History
 
 
 def main() -> int:
     mode = os.environ.get("BROKEN_VIEW", "garbage")
-    detach = cowfs.launch.detach
+    detach = cowfs.service.launch.detach
     if mode == "failing":
 
         def readlink(self, obj):
@@ -38,7 +38,7 @@ def main() -> int:
             return report
 
         History.readlink, History.xattrs_of = readlink, xattrs_of
-        cowfs.launch.detach = logging_detach
+        cowfs.service.launch.detach = logging_detach
         return view.main()
 
     def broken_detach(ready_fd: int):
@@ -52,7 +52,7 @@ def main() -> int:
 
         return broken
 
-    cowfs.launch.detach = broken_detach  # view.main takes it from there when called
+    cowfs.service.launch.detach = broken_detach  # view.main takes it from there when called
     return view.main()
 
 

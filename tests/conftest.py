@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from hypothesis import HealthCheck, settings
 
-from cowfs.mounts import mount_table
+from cowfs.system.mounts import mount_table
 
 from .helpers import managed_workspace, view_processes
 

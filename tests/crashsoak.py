@@ -35,8 +35,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from cowfs import treesnap
-from cowfs.mounts import STORE_DIR, MountRecord, is_cowfs_mount, pid_alive
+from cowfs.layers import treesnap
+from cowfs.system.mounts import STORE_DIR, MountRecord, is_cowfs_mount, pid_alive
 
 from .helpers import backing_dir
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from cowfs import treesnap
-from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive
+from cowfs.layers import treesnap
+from cowfs.system.mounts import MountRecord, is_cowfs_mount, pid_alive
 
 COWFS = [sys.executable, "-m", "cowfs"]
 

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cowfs import agents, jsonedit, treesnap
+from cowfs.interface import agents, jsonedit
+from cowfs.layers import treesnap
 
 from .helpers import COWFS
 from .test_run import _run_on_a_terminal

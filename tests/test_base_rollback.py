@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from cowfs import treesnap
 from cowfs.errors import CONFIRM, NOTHING_TO_DO
+from cowfs.layers import treesnap
 
 from .helpers import COWFS
 from .test_run import _run_on_a_terminal

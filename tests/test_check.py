@@ -16,9 +16,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from cowfs import schema as S
-from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
+from cowfs.layers import treesnap
+from cowfs.storage import schema as S
 
 from .helpers import COWFS
 

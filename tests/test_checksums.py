@@ -11,9 +11,9 @@ import json
 import os
 import stat
 
-from cowfs import schema as S
-from cowfs import treesnap
 from cowfs.errors import PARTIAL, STORE_ERROR
+from cowfs.layers import treesnap
+from cowfs.storage import schema as S
 
 from .test_check import check, damaged, raw_store, records  # noqa: F401 (fixture)
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from cowfs import cli
 from cowfs.errors import ALREADY_MOUNTED, NOT_MOUNTED, USAGE
+from cowfs.interface import cli
 
 from .helpers import COWFS
 

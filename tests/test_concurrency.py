@@ -43,8 +43,9 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import control, treesnap
-from cowfs.mounts import MountRecord
+from cowfs.layers import treesnap
+from cowfs.service import control
+from cowfs.system.mounts import MountRecord
 
 from .test_posix import in_child
 

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import control, treesnap
 from cowfs.errors import NO_STORE, NOT_MOUNTED, NOT_OWNER, UNKNOWN_LAYER, USAGE
-from cowfs.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
+from cowfs.layers import treesnap
+from cowfs.service import control
+from cowfs.system.mounts import MountRecord, is_cowfs_mount, pid_alive, runtime_dir
 
 from . import users
 from .helpers import COWFS, Workspace, managed_workspace, plain
@@ -759,7 +760,6 @@ def test_another_user_is_refused(mounted):
 
 def cli_as_other_user(cwd: Path, args: list[str], uid: int = OTHER_UID) -> tuple[int, str, str]:
     """The cowfs command's main() run by *uid* in *cwd*."""
-    from cowfs import daemon  # noqa: F401  (loaded before the child needs it)
 
     return users.cowfs_as(uid, uid, cwd, args)
 
@@ -919,8 +919,8 @@ def test_two_workspaces_are_controlled_independently(workspace, second, tmp_path
 def test_a_request_over_the_limit_is_refused_with_a_reason(mounted):
     """A 5 MB checkpoint message: a usage error saying why (exit 2), not a
     broken pipe; and a raw request over the limit gets an answer too."""
-    from cowfs.api import Workspace
     from cowfs.errors import USAGE, CowfsError
+    from cowfs.interface.api import Workspace
 
     ws = Workspace.attach(str(mounted.path))
     with pytest.raises(CowfsError) as e:

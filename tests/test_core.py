@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from cowfs import treesnap
 from cowfs.errors import (
     ALREADY_MOUNTED,
     BAD_WORKSPACE,
@@ -22,6 +21,7 @@ from cowfs.errors import (
     STORE_ERROR,
     UNKNOWN_LAYER,
 )
+from cowfs.layers import treesnap
 
 from .helpers import backing_dir, run
 from .users import run_as

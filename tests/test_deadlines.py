@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from cowfs import control, treesnap
-from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOT_ANSWERING, USAGE, NotAnswering
-from cowfs.mounts import MountRecord, stopped
+from cowfs.interface.api import Workspace as ApiWorkspace
+from cowfs.layers import treesnap
+from cowfs.service import control
+from cowfs.system.mounts import MountRecord, stopped
 
 from .helpers import COWFS, Workspace, helper_of
 

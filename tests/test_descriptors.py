@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 from . import users
 from .helpers import COWFS, Workspace, managed_workspace

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 from tools import provider_engines as engines
 
 

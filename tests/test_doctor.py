@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cowfs import doctor
-from cowfs.doctor import Check, report, run_checks
+from cowfs.interface import doctor
+from cowfs.interface.doctor import Check, report, run_checks
 
 MACHINE = ["/dev/fuse", "fusermount3", "kernel FUSE", "privileges", "pyfuse3/libfuse", "engine"]
 PROVIDERS = ["provider docker", "provider libvirt"]
@@ -122,7 +122,7 @@ def test_low_free_space_fails(tmp_path):
 def test_missing_dev_fuse_fails(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is not installed")
-    code = "from cowfs.doctor import report; raise SystemExit(report(None, False))"
+    code = "from cowfs.interface.doctor import report; raise SystemExit(report(None, False))"
     # A private mount namespace with an empty /dev: the host's /dev is untouched.
     script = 'mount -t tmpfs none /dev && exec "$0" -c "$1"'
     r = subprocess.run(
@@ -140,7 +140,7 @@ def test_missing_dev_fuse_fails(tmp_path):
 
 
 def test_workspace_mounted_elsewhere_is_found(workspace, tmp_path):
-    from cowfs.mounts import is_cowfs_mount
+    from cowfs.system.mounts import is_cowfs_mount
 
     from .helpers import run
 

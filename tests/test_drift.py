@@ -8,7 +8,7 @@ import os
 import shutil
 
 from cowfs.errors import DRIFT
-from cowfs.mounts import is_cowfs_mount
+from cowfs.system.mounts import is_cowfs_mount
 
 
 def prepared(ws):
@@ -68,8 +68,8 @@ def test_a_drift_record_of_an_older_cowfs_is_read_as_it_was_written(mounted):
     """An older cowfs kept [size, mtime, ctime, inode] of each path: a
     mount compares the paths with that record as such, so nothing changed
     mounts, and a change is still drift."""
-    from cowfs import schema as S
-    from cowfs.store import Store
+    from cowfs.storage import schema as S
+    from cowfs.storage.store import Store
 
     ws = mounted
     prepared(ws)

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 from .helpers import COWFS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 from .helpers import backing_dir, managed_workspace
 

@@ -23,7 +23,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from cowfs.errors import NOT_OWNER, USAGE
-from cowfs.mounts import VIEW_FSTYPE, mount_table, socket_path
+from cowfs.system.mounts import VIEW_FSTYPE, mount_table, socket_path
 
 from . import users
 from .helpers import COWFS, managed_workspace
@@ -64,7 +64,7 @@ def agent(ws, *args: str, uid: int = AGENT.pw_uid, gid: int = AGENT.pw_gid):
     (exit, stdout, stderr)."""
     import importlib.readers  # noqa: F401  (what the child needs, loaded here)
 
-    from cowfs import api, daemon, policy  # noqa: F401
+    from cowfs.escalation import policy
 
     policy.Policy.load()
     return users.cowfs_as(uid, gid, ws.path, list(args))
@@ -261,8 +261,8 @@ def test_the_agent_cannot_name_a_container_or_vm_to_snapshot(granted):
     ws = granted
 
     def checkpoint(kw: dict) -> int:
-        from cowfs.api import Workspace
         from cowfs.errors import CowfsError
+        from cowfs.interface.api import Workspace
 
         try:
             Workspace.attach(str(ws.path)).checkpoint("x", **kw)
@@ -322,8 +322,8 @@ def test_a_run_record_is_checked_and_printed_harmlessly(granted):
     layer = json.loads(out)["id"]
 
     def annotate(run: dict) -> int:
-        from cowfs.api import Workspace
         from cowfs.errors import CowfsError
+        from cowfs.interface.api import Workspace
 
         try:
             Workspace.attach(str(ws.path)).call("annotate", layer=layer, run=run)
@@ -438,8 +438,8 @@ def test_a_user_holding_control_connections_open_is_refused_more_and_no_one_else
     answer as quickly as ever; once it lets go, it is served again."""
     import socket as socketlib
 
-    from cowfs.control import MAX_CONNECTIONS
-    from cowfs.mounts import MountRecord
+    from cowfs.service.control import MAX_CONNECTIONS
+    from cowfs.system.mounts import MountRecord
 
     ws = granted
     rec = MountRecord.load(str(ws.path))

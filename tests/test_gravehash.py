@@ -22,10 +22,11 @@ from collections.abc import Iterator
 import lmdb
 import pytest
 
-from cowfs import gravesum, redo, treesnap
-from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
-from cowfs.store import Store
+from cowfs.layers import redo, treesnap
+from cowfs.storage import gravesum
+from cowfs.storage import schema as S
+from cowfs.storage.store import Store
 
 from .helpers import Workspace, managed_workspace
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import treesnap
 from cowfs.errors import PARTIAL
+from cowfs.layers import treesnap
 
 from .helpers import managed_workspace, run
 

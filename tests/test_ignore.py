@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 from .helpers import plain
 

@@ -12,9 +12,9 @@ import weakref
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cowfs import schema as S
-from cowfs.journal import Reading, Readings
-from cowfs.store import Store
+from cowfs.storage import schema as S
+from cowfs.storage.journal import Reading, Readings
+from cowfs.storage.store import Store
 
 NAMES = [b"a", b"b", b"c"]
 PATHS = [

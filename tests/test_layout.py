@@ -9,30 +9,48 @@ import pathlib
 import typing
 
 import cowfs
-from cowfs import command, commands, operations, policy, session
+from cowfs.escalation import policy
+from cowfs.interface import command, commands
+from cowfs.service import operations, session
 
 PACKAGE = pathlib.Path(cowfs.__file__).parent
 
 
 def imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """The package's modules *path* imports, wherever in it."""
+    """The package's modules *path* imports, wherever in it (by their names,
+    which are unique across the subpackages)."""
+    here = path.parent.relative_to(PACKAGE.parent).parts  # ("cowfs", <subpackage>)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:
-                found.update(a.name for a in node.names)
-            elif node.module and node.module.split(".")[0] == "cowfs":
-                parts = node.module.split(".")
-                found.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names])
+            if node.level:
+                base = list(here[: len(here) - node.level + 1])
+            else:
+                base = []
+            dotted = base + (node.module.split(".") if node.module else [])
+            if not dotted or dotted[0] != "cowfs":
+                continue
+            found.update(dotted[1:])  # (the module itself, or its subpackage)
+            if (PACKAGE.parent.joinpath(*dotted) / "__init__.py").exists():
+                found.update(a.name for a in node.names)  # (modules of a package)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("cowfs."))
+            for a in node.names:
+                if a.name.startswith("cowfs."):
+                    found.update(a.name.split(".")[1:])
     return found & modules
 
 
+def module_files() -> dict[str, pathlib.Path]:
+    """Every module of the package, by name."""
+    return {
+        p.stem: p
+        for p in PACKAGE.rglob("*.py")
+        if p.stem not in ("__main__", "__init__") or p.parent == PACKAGE
+    }
+
+
 def import_graph() -> dict[str, set[str]]:
-    files = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__main__"}
+    files = module_files()
     return {name: imports(path, set(files)) - {name} for name, path in files.items()}
 
 
@@ -96,3 +114,32 @@ def test_a_command_works_offline_when_its_operations_do():
     named = commands.COMMANDS
     assert all(named[c].offline() for c in ("status", "log", "rollback", "diff", "restore"))
     assert not any(named[c].offline() for c in ("checkpoint", "mount", "provider", "run"))
+
+
+# The subpackages, lowest first: each imports only from those before it (and
+# the top-level modules every layer shares), as the README's layer drawing says.
+LAYERS = ["system", "storage", "layers", "fuse", "escalation", "service", "interface"]
+# Imports against that order, each with its reason.
+UPWARD = {
+    # a view process reports that it is ready the way every process that
+    # ``launch.start_and_wait`` starts does
+    ("view", "launch"),
+}
+
+
+def test_the_subpackages_import_downward_only():
+    files = module_files()
+    layer = {
+        name: (path.parent.name if path.parent != PACKAGE else None) for name, path in files.items()
+    }
+    rank = {name: LAYERS.index(pkg) if pkg else -1 for name, pkg in layer.items()}
+    upward = {
+        (m, d)
+        for m, deps in import_graph().items()
+        for d in deps
+        if layer[m] is not None and rank[d] > rank[m]
+    }
+    assert upward == UPWARD
+    assert sorted(
+        p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"
+    ) == sorted(LAYERS)

@@ -3,7 +3,7 @@ a running VM's memory) is reverted together with the workspace."""
 
 from __future__ import annotations
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 from tools import provider_engines as engines
 
 from .test_providers import KillSwitch, crash_during

@@ -17,9 +17,9 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
-from cowfs import treesnap
-from cowfs.mcpserver import MAX_LINE
-from cowfs.mounts import is_cowfs_mount
+from cowfs.interface.mcpserver import MAX_LINE
+from cowfs.layers import treesnap
+from cowfs.system.mounts import is_cowfs_mount
 
 from .helpers import COWFS
 

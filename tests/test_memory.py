@@ -16,10 +16,10 @@ import os
 import random
 import tracemalloc
 
-from cowfs import schema as S
-from cowfs.journal import Reading
-from cowfs.listing import Changes
-from cowfs.store import Store
+from cowfs.layers.listing import Changes
+from cowfs.storage import schema as S
+from cowfs.storage.journal import Reading
+from cowfs.storage.store import Store
 
 from .helpers import managed_workspace
 

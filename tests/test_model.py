@@ -63,10 +63,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cowfs import control, treesnap
-from cowfs.api import Workspace as Workspace_api
 from cowfs.errors import NOTHING_TO_DO, REFUSED
-from cowfs.mounts import MountRecord, mount_table
+from cowfs.interface.api import Workspace as Workspace_api
+from cowfs.layers import treesnap
+from cowfs.service import control
+from cowfs.system.mounts import MountRecord, mount_table
 
 from .helpers import Workspace
 

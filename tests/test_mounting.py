@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import schema as S
 from cowfs.errors import ALREADY_MOUNTED, BAD_WORKSPACE, DAEMON_ERROR, CowfsError, NotMounted
-from cowfs.mounts import (
+from cowfs.storage import schema as S
+from cowfs.storage.store import Store
+from cowfs.system.mounts import (
     DEAD,
     LIVE,
     UNMOUNTED,
@@ -31,7 +32,6 @@ from cowfs.mounts import (
     mounts,
     pid_alive,
 )
-from cowfs.store import Store
 
 from .helpers import COWFS, Workspace, managed_workspace, run, view_processes
 
@@ -107,9 +107,9 @@ def test_a_view_that_fails_after_it_started_leaves_no_mount_and_no_process(mount
     layer = ws.checkpoint()
     ws.unmount()
     code = (
-        "import sys, cowfs.launch as d\n"
+        "import sys, cowfs.service.launch as d\n"
         "d.VIEW_MODULE, d.VIEW_TIMEOUT = 'tests.broken_view', 5\n"
-        "from cowfs.cli import main\n"
+        "from cowfs.interface.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     env = os.environ | {
@@ -142,9 +142,9 @@ def test_a_view_handler_that_fails_answers_an_errno_and_the_view_goes_on(
     ws.unmount()
     log = tmp_path / "view.log"
     code = (
-        "import sys, cowfs.launch as d\n"
+        "import sys, cowfs.service.launch as d\n"
         "d.VIEW_MODULE = 'tests.broken_view'\n"
-        "from cowfs.cli import main\n"
+        "from cowfs.interface.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     env = os.environ | {
@@ -413,7 +413,7 @@ def sleeping_daemon(parent: int) -> bool:
             if ppid != parent:
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"cowfs.daemon" not in f.read():
+                if b"cowfs.service.daemon" not in f.read():
                     continue
             with open(f"/proc/{pid}/wchan") as f:
                 if f.read() == "hrtimer_nanosleep":

@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 import cowfs
-from cowfs import daemon, treesnap
-from cowfs.mounts import mounts
+from cowfs.layers import treesnap
+from cowfs.service import daemon
+from cowfs.system.mounts import mounts
 
 from . import users
 

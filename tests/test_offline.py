@@ -8,9 +8,9 @@ import json
 import os
 import subprocess
 
-from cowfs import treesnap
 from cowfs.errors import NO_STORE, NOT_MOUNTED, NOTHING_TO_DO, UNKNOWN_LAYER
-from cowfs.mounts import is_cowfs_mount
+from cowfs.layers import treesnap
+from cowfs.system.mounts import is_cowfs_mount
 
 from .helpers import managed_workspace, run
 

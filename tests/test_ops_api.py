@@ -27,11 +27,13 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cowfs import backing, schema, treesnap
-from cowfs.inodes import ROOT, SPARE_INO, Handle, Node
-from cowfs.ops import Ctx, Ops
-from cowfs.session import MountHooks, Session
-from cowfs.undo import Touched
+from cowfs.fuse.inodes import ROOT, SPARE_INO, Handle, Node
+from cowfs.fuse.ops import Ctx, Ops
+from cowfs.layers import treesnap
+from cowfs.layers.undo import Touched
+from cowfs.service.session import MountHooks, Session
+from cowfs.storage import schema
+from cowfs.system import backing
 
 CTX = Ctx(os.getpid(), 0, 0, 0o022)
 

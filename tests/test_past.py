@@ -15,10 +15,10 @@ import time
 
 import xxhash
 
-from cowfs import treesnap
 from cowfs.errors import NOTHING_TO_DO
-from cowfs.mounts import mount_table
-from cowfs.view import FSTYPE as VIEW_FSTYPE
+from cowfs.fuse.view import FSTYPE as VIEW_FSTYPE
+from cowfs.layers import treesnap
+from cowfs.system.mounts import mount_table
 
 
 def test_diff_text_binary_stat_name_status_and_paths(mounted):

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from cowfs import treesnap
 from cowfs.errors import USAGE
-from cowfs.policy import Policy, PolicyError, Where
+from cowfs.escalation.policy import Policy, PolicyError, Where
+from cowfs.layers import treesnap
 from tools import provider_engines as engines
 
 from .helpers import COWFS

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import backing as B
-from cowfs import treesnap
+from cowfs.layers import treesnap
+from cowfs.system import backing as B
 
 from .helpers import Workspace, backing_dir, managed_workspace
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 T0 = 1_600_000_000  # a fixed, old mtime (2020-09-13), so "unchanged" is visible
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import Workspace, treesnap
+from cowfs import Workspace
 from cowfs.errors import DAEMON_ERROR, PARTIAL, USAGE
-from cowfs.mounts import pid_alive
+from cowfs.layers import treesnap
+from cowfs.system.mounts import pid_alive
 
 from .helpers import COWFS, run
 

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cowfs import redo, treesnap
-from cowfs import schema as S
-from cowfs.api import Workspace as ApiWorkspace
 from cowfs.errors import NOTHING_TO_DO, REFUSED
+from cowfs.interface.api import Workspace as ApiWorkspace
+from cowfs.layers import redo, treesnap
+from cowfs.storage import schema as S
 
 from .helpers import COWFS, helper_of, plain, run
 
@@ -393,7 +393,7 @@ def test_writes_racing_a_rollback_and_its_redo(mounted):
 def test_a_rollback_interrupted_before_its_files_resumes_with_the_filters(workspace):
     """The next mount finishes an interrupted rollback under the capture
     filters its layers were captured with (and keeps what a redo needs)."""
-    from cowfs.session import Session
+    from cowfs.service.session import Session
 
     ws = workspace
     before = new_package_with_a_cache(ws)
@@ -416,8 +416,8 @@ def test_a_rollback_killed_before_its_fingerprint_is_sealed_by_the_next_mount(mo
     and the fingerprint of what a redo touches: the next mount takes it."""
     import lmdb
 
-    from cowfs import redo
-    from cowfs import schema as S
+    from cowfs.layers import redo
+    from cowfs.storage import schema as S
 
     ws = mounted
     ws.checkpoint()
@@ -958,7 +958,7 @@ def test_the_fingerprints_of_a_rollback_are_those_of_each_location(tmp_path):
     location, the bytes `fingerprint` and `print_json` give one by one: a
     file, a directory, a symlink, nothing, a name under a file or under a
     missing directory, the root, grave entries present and absent."""
-    from cowfs import backing as B
+    from cowfs.system import backing as B
 
     root, graves = tmp_path / "root", tmp_path / "graves"
     (root / "d" / "e").mkdir(parents=True)
@@ -1012,9 +1012,9 @@ def test_the_fingerprints_a_rollback_seals_are_those_of_the_tree_it_leaves(mount
     keeps is what looking at the location gives once the rollback is done
     -- with names used again by later changes, a file renamed over another,
     and `sed -i`."""
-    from cowfs import backing as B
-    from cowfs import session
-    from cowfs.store import Store, scan
+    from cowfs.service import session
+    from cowfs.storage.store import Store, scan
+    from cowfs.system import backing as B
 
     ws = mounted
     for d in ("p", "q"):

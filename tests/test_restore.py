@@ -12,8 +12,8 @@ import shutil
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cowfs import treesnap
-from cowfs.backing import RENAME_EXCHANGE, renameat2
+from cowfs.layers import treesnap
+from cowfs.system.backing import RENAME_EXCHANGE, renameat2
 
 from .helpers import managed_workspace
 

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from cowfs import CowfsError, StepFailed, Workspace, treesnap
-from cowfs.policy import Policy
+from cowfs import CowfsError, StepFailed, Workspace
+from cowfs.escalation.policy import Policy
+from cowfs.layers import treesnap
 
 from .helpers import COWFS, run
 

@@ -16,8 +16,8 @@ import subprocess
 import pytest
 import xxhash
 
-from cowfs import backing as B
-from cowfs import treesnap
+from cowfs.layers import treesnap
+from cowfs.system import backing as B
 
 from .helpers import COWFS, backing_dir, managed_workspace
 

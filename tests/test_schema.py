@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cowfs import schema as S
+from cowfs.storage import schema as S
 
 # -- the positional format, frozen as it was written before the typed records ----
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import agents, cli, treesnap
 from cowfs.errors import USAGE
+from cowfs.interface import agents, cli
+from cowfs.layers import treesnap
 
 from . import users
 

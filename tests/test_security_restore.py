@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import treesnap
-from cowfs.api import Workspace as ApiWorkspace
-from cowfs.backing import RENAME_EXCHANGE, renameat2
+from cowfs.interface.api import Workspace as ApiWorkspace
+from cowfs.layers import treesnap
+from cowfs.system.backing import RENAME_EXCHANGE, renameat2
 
 from . import users
 from .helpers import managed_workspace

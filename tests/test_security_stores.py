@@ -20,7 +20,7 @@ import lmdb
 import pytest
 
 from cowfs.errors import NO_STORE, STORE_ERROR
-from cowfs.mounts import is_cowfs_mount
+from cowfs.system.mounts import is_cowfs_mount
 
 from . import users
 from .helpers import Workspace, managed_workspace, run

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from cowfs import backing as B
-from cowfs import treesnap
 from cowfs.errors import BAD_WORKSPACE, USAGE
-from cowfs.mounts import VIEW_FSTYPE, mounts, within
+from cowfs.layers import treesnap
+from cowfs.system import backing as B
+from cowfs.system.mounts import VIEW_FSTYPE, mounts, within
 
 from . import users
 from .helpers import managed_workspace, run, view_processes

@@ -8,7 +8,7 @@ import functools
 
 import trio
 
-from cowfs.session import NO_MOUNT, MountHooks, Session
+from cowfs.service.session import NO_MOUNT, MountHooks, Session
 
 
 class Noting(MountHooks):

@@ -9,8 +9,8 @@ import os
 
 import lmdb
 
-from cowfs import schema as S
-from cowfs import treesnap
+from cowfs.layers import treesnap
+from cowfs.storage import schema as S
 
 CHUNK = 64 << 10
 

@@ -16,11 +16,12 @@ import time
 import pytest
 import xxhash
 
-from cowfs import backing as B
-from cowfs import datahash, gravesum, treesnap
-from cowfs import schema as S
 from cowfs.errors import PARTIAL, STORE_ERROR
-from cowfs.store import Store
+from cowfs.layers import treesnap
+from cowfs.storage import datahash, gravesum
+from cowfs.storage import schema as S
+from cowfs.storage.store import Store
+from cowfs.system import backing as B
 
 from .helpers import COWFS
 from .test_gravehash import bitrot, check, ext4_workspace, graves
@@ -435,7 +436,7 @@ def test_a_far_sparse_file_open_through_passthrough_across_a_checkpoint_costs_wh
 
 def control_show(ws, layer: int, path: str, offset: int) -> dict:
     """One page of `show` LAYER:PATH at *offset* (as the CLI asks for each)."""
-    from cowfs.api import Workspace
+    from cowfs.interface.api import Workspace
 
     return Workspace.attach(ws.path).call("show", layer=layer, path=path, offset=offset)
 

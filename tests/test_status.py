@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 
 def kinds(ws, *args) -> dict[str, str]:

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from cowfs import backing as B
-from cowfs import schema as S
-from cowfs import treesnap
-from cowfs.capture import Recorder
-from cowfs.layerfiles import Acting
-from cowfs.session import Session, offline
-from cowfs.store import Store, digest
+from cowfs.layers import treesnap
+from cowfs.layers.capture import Recorder
+from cowfs.layers.layerfiles import Acting
+from cowfs.service.session import Session, offline
+from cowfs.storage import schema as S
+from cowfs.storage.store import Store, digest
+from cowfs.system import backing as B
 
 C = 64 << 10
 
@@ -161,7 +161,7 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
     # Interrupt the rollback after two undo steps, the second one applied
     # but its record not yet deleted (as a crash would).
     h.store.set_meta_json(S.K_PENDING, {"op": "rollback", "to": layer.id})
-    from cowfs.undo import Undoer
+    from cowfs.layers.undo import Undoer
 
     undo = Undoer(h.store, h.files.resolver)
     (seq1, rec1), (seq2, rec2) = list(h.store.records(layer.start, h.store.next_seq, reverse=True))[

@@ -1,4 +1,4 @@
-"""Tests for cowfs.treesnap: snapshots detect every kind of tree difference."""
+"""Tests for cowfs.layers.treesnap: snapshots detect every kind of tree difference."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cowfs.treesnap import Snapshot, assert_same, compare, fingerprint, snapshot
+from cowfs.layers.treesnap import Snapshot, assert_same, compare, fingerprint, snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -286,7 +286,7 @@ def test_fingerprint_changes_with_tree(tree: Path) -> None:
 def test_cli_prints_fingerprint_and_count(tree: Path) -> None:
     pythonpath = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     result = subprocess.run(
-        [sys.executable, "-m", "cowfs.treesnap", str(tree)],
+        [sys.executable, "-m", "cowfs.layers.treesnap", str(tree)],
         capture_output=True,
         text=True,
         check=True,

@@ -13,7 +13,7 @@ import stat
 
 import pytest
 
-from cowfs import treesnap
+from cowfs.layers import treesnap
 
 NEWLINE = b"new\nline"
 NON_UTF8 = b"\xff\xfe-latin1-\xe9"

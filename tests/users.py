@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from cowfs import cli
+from cowfs.interface import cli
 
 
 def become(uid: int, gid: int) -> None:

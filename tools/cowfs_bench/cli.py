@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from cowfs.cli import parse_number
+from cowfs.interface.cli import parse_number
 
 from . import __doc__ as DESCRIPTION  # (the package's docstring)
 from .bench import Bench
@@ -145,7 +145,7 @@ def use_this_checkout(args) -> None:
     os.chdir("/")
     for how, code in (
         ("the cowfs command", "import sys; sys.path[0] = sys.argv[1]"),
-        ("python -m cowfs.daemon", "pass"),
+        ("python -m cowfs.service.daemon", "pass"),
     ):
         r = run(
             [VENV_PY, "-c", f"{code}; import cowfs; print(cowfs.__file__)", os.path.dirname(COWFS)]

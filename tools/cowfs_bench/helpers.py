@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import xxhash  # (a cowfs dependency)
 
-from cowfs.mounts import mount_table, pid_alive
+from cowfs.system.mounts import mount_table, pid_alive
 
 if TYPE_CHECKING:
     from .bench import Bench

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import lmdb  # (a cowfs dependency)
 
-from cowfs.mounts import MountRecord, pid_alive
+from cowfs.system.mounts import MountRecord, pid_alive
 
 from .helpers import COWFS, BenchError, mounted, perf, run, summarize, try_run, wait_gone
 
@@ -143,7 +143,7 @@ class Cowfs(Target):
         """Removed files the daemon has not hashed yet, read from its store
         beside it (LMDB readers do not disturb the writer); None for a
         cowfs without hashes."""
-        from cowfs import schema as S
+        from cowfs.storage import schema as S
 
         env = lmdb.open(os.path.join(self.store, "db"), readonly=True, max_dbs=32)
         try:
