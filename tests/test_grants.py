@@ -282,12 +282,14 @@ def test_uncaptured_bytes_never_pass_for_old_ones(granted):
     bytes -- they are refused.  And the agent's own .cowfsignore switches
     off nothing."""
     ws = granted
+    (ws / ".cowfsignore").write_text("conf\nmine/\n")
     (ws / "conf").write_text("public v1\n")
     layer = ws.checkpoint()
-    os.chmod(ws / "conf", 0o600)  # (captured: the path is not ignored yet)
+    # (neither is captured: the path is ignored and no layer knows the file
+    # -- one a layer knows stays captured wherever it is)
+    os.chmod(ws / "conf", 0o600)
     ws.checkpoint()
-    (ws / ".cowfsignore").write_text("conf\nmine/\n")
-    (ws / "conf").write_text("ROOT-PASSWORD=hunter2\n")  # (not captured)
+    (ws / "conf").write_text("ROOT-PASSWORD=hunter2\n")
     code, out, err = agent(ws, "show", f"{layer}:conf")
     assert code == NOT_OWNER and "hunter2" not in out, (code, out, err)
     # an agent's .cowfsignore is not honoured

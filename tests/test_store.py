@@ -61,7 +61,7 @@ class Harness:
         self.rec.obj(os.stat(self.root).st_ino)
         with self.rec.txn() as w:
             self.dir_meta(w)
-            gid = self.rec.grave(w, name.encode(), st)
+            gid = self.rec.grave(w, name.encode(), st, os.stat(self.root).st_ino)
         B.renameat2(self.rootfd, name.encode(), self.store.grave_fd, str(gid).encode())
 
     def checkpoint(self) -> int:
@@ -156,7 +156,7 @@ def test_an_interrupted_rollback_resumes_and_is_not_applied_twice(h):
     h.unlink("g")
     layer = h.store.top()
     with h.rec.txn() as w:
-        h.rec.create(w, b"g")
+        h.rec.create(w, b"g", os.stat(h.root).st_ino)
     (h.root / "g").write_text("a new g")  # a replacement, as after unlink + create
     # Interrupt the rollback after two undo steps, the second one applied
     # but its record not yet deleted (as a crash would).
