@@ -302,7 +302,7 @@ class Recorder:
         if not o.created:
             o.created = True
             o.attributed = True
-            named = named and self._rules()
+            named = named and self.ignore is not None
             o.pinned = o.pinned or named
             self._pending_created.append(
                 (ino, self._process(self.who) if self.who is not None else None, named)
@@ -391,18 +391,9 @@ class Recorder:
             return True
         return False
 
-    def _rules(self) -> bool:
-        """Whether there are ignore patterns now (as the last match saw
-        them): without any, no path is ignored and pinning records nothing
-        worth an index entry a create or rename.  (Patterns added later in
-        the layer leave what was made or moved before unpinned: a step of
-        theirs that then meets another object or directory fails by name,
-        as any, and keeps its record.)"""
-        return self.ignore is not None and self.ignore.spec is not None
-
     def pin(self, w: Writer, ino: int) -> None:
         o = self.obj(ino)
-        if not o.pinned and self._rules():
+        if not o.pinned and self.ignore is not None:
             self._changing(ino, o)
             w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
             o.pinned = True
