@@ -168,16 +168,19 @@ class Recorder:
             if not self.fresh:
                 self._load(ino, o)
             if self.below is not None and not o.pinned:
-                with self.store.read() as txn:
-                    o.pinned = (
-                        txn.get(
-                            schema.index_key(self.below, ino, schema.IDX_PINNED),
-                            db=self.store.db_index,
-                        )
-                        is not None
-                    )
+                o.pinned = self._pinned_in(self.below, ino)
             self.objs[ino] = o
         return o
+
+    def _pinned_in(self, layer: int, ino: int) -> bool:
+        """Whether layer *layer* pinned object *ino* (``schema.pins``)."""
+        with self.store.read() as txn:
+            for kind in (schema.IDX_PINNED, schema.IDX_CREATED):
+                key = schema.index_key(layer, ino, kind)
+                raw = txn.get(key, db=self.store.db_index)
+                if raw is not None and schema.pins(kind, schema.index_seq(key, raw)):
+                    return True
+        return False
 
     def _load(self, ino: int, o: Obj) -> None:
         if ino in self.skipped:
@@ -191,6 +194,7 @@ class Recorder:
                     continue  # (damaged: not trusted, the object is captured again)
                 if kind == schema.IDX_CREATED:
                     o.created = o.attributed = True  # (as note_created left it)
+                    o.pinned = o.pinned or seq == schema.CREATED_NAMED
                 elif kind == schema.IDX_PINNED:
                     o.pinned = True
                 elif kind == schema.IDX_META:
@@ -247,9 +251,8 @@ class Recorder:
             with self.store.write() as w:
                 if self._pending_created:
                     for ino, who, named in self._pending_created:
-                        w.index_put(self.layer, ino, schema.IDX_CREATED, 0)
-                        if named:
-                            w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
+                        made = schema.CREATED_NAMED if named else 0
+                        w.index_put(self.layer, ino, schema.IDX_CREATED, made)
                         if who is not None:
                             w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
@@ -369,8 +372,8 @@ class Recorder:
                     continue
                 key = cur.key()
                 while key[:16] == prefix:
-                    if key[16] != made:
-                        return True
+                    if key[16] != made or schema.index_seq(key, cur.value()) != 0:
+                        return True  # (an entry but a lone N of value 0: ``schema.pins``)
                     if not cur.next():
                         break
                     key = cur.key()
