@@ -65,6 +65,14 @@ def split(tmp_path, fuse):
     assert not errors, log.read_text()
 
 
+def as_user(user, *argv: str) -> None:
+    """Run a command as *user* (a pwd entry), with no supplementary groups."""
+    subprocess.run(
+        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", *argv],
+        check=True,
+    )
+
+
 def populate(root: Path) -> None:
     (root / "d" / "sub").mkdir(parents=True)
     (root / "d" / "f").write_text("original\n")
@@ -457,11 +465,7 @@ def test_a_rollback_never_removes_roots_directory_put_at_a_made_name_behind_an_i
     os.chmod(base, 0o755)
 
     def as_agent(*argv: str) -> None:
-        subprocess.run(
-            ["setpriv", f"--reuid={agent.pw_uid}", f"--regid={agent.pw_gid}", "--clear-groups"]
-            + list(argv),
-            check=True,
-        )
+        as_user(agent, *argv)
 
     try:
         with managed_workspace(base / "ws") as ws:
@@ -507,11 +511,7 @@ def test_a_rollback_never_puts_an_agents_removed_file_into_roots_directory():
     os.chmod(base, 0o755)
 
     def as_agent(*argv: str) -> None:
-        subprocess.run(
-            ["setpriv", f"--reuid={agent.pw_uid}", f"--regid={agent.pw_gid}", "--clear-groups"]
-            + list(argv),
-            check=True,
-        )
+        as_user(agent, *argv)
 
     try:
         with managed_workspace(base / "ws") as ws:

@@ -211,3 +211,24 @@ def test_what_a_layer_below_captured_stays_captured_at_an_ignored_path(workspace
     treesnap.assert_same(before, ws.snapshot(exclude=(b".cowfs", b"scratch")))
     assert os.lstat(ws / "data.txt").st_ino == ino
     assert (ws / "d" / "f").read_text() == "in d\n" and not (ws / "d" / "g").exists()
+
+
+def test_a_directory_made_before_there_were_patterns_stays_captured_once_they_match(workspace):
+    """A directory made while .cowfsignore matched nothing, a file that
+    existed before the layer moved into it; then patterns come that match
+    the directory, and it is renamed and the file rewritten there: the
+    rollback still puts the file back as it was (the directory was pinned
+    when it was made, whatever the patterns then)."""
+    ws = workspace
+    (ws / "b").write_text("precious\n")
+    ws.mount()
+    before = ws.snapshot(exclude=(b".cowfs",))
+    ws.checkpoint()
+    (ws / "x.tmp").mkdir()
+    os.rename(ws / "b", ws / "x.tmp" / "b")
+    (ws / ".cowfsignore").write_text("*.tmp\n")
+    os.rename(ws / "x.tmp", ws / "y.tmp")
+    (ws / "y.tmp" / "b").write_text("trashed\n")
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot(exclude=(b".cowfs",)))
+    assert (ws / "b").read_text() == "precious\n"

@@ -134,6 +134,51 @@ def test_merge_keeps_the_lower_entry_and_drops_redundant_ones(h):
     treesnap.assert_same(before, h.snapshot())
 
 
+def test_an_object_made_at_a_captured_path_is_pinned_by_its_created_entry(h):
+    """A create at a captured path pins the object with the value of its
+    ``N`` entry (no ``P`` entry of its own); an ``N`` of value 0 (made at an
+    ignored path) does not; a ``P`` entry, as older stores wrote it beside
+    the ``N``, still does.  A commit that meets the object's ``N`` of value
+    0 below keeps the pin (the inode number was freed and given to a file
+    made at a captured path above)."""
+    made_ignored, made_named, old_style = 1 << 40, (1 << 40) + 1, (1 << 40) + 2
+    lower = h.checkpoint()
+    with h.store.write() as w:
+        w.index_put(lower, made_ignored, S.IDX_CREATED, 0)
+        w.index_put(lower, made_named, S.IDX_CREATED, 0)
+        w.index_put(lower, old_style, S.IDX_CREATED, 0)
+        w.index_put(lower, old_style, S.IDX_PINNED, 0)
+    upper = h.checkpoint()
+    with h.store.write() as w:
+        w.index_put(upper, made_named, S.IDX_CREATED, S.CREATED_NAMED)
+    rec = Recorder(h.store)
+    assert rec.obj(made_named).pinned and rec.obj(made_named).created
+    assert not rec.obj(made_ignored).pinned
+    assert [rec.known_below(i) for i in (made_ignored, made_named, old_style)] == [
+        False,
+        False,
+        True,
+    ]
+    h.files.commit()
+    assert h.store.top().id == lower
+    with h.store.read() as txn:
+        key = S.index_key(lower, made_named, S.IDX_CREATED)
+        assert S.index_seq(key, txn.get(key, db=h.store.db_index)) == S.CREATED_NAMED
+    rec = Recorder(h.store)
+    assert [rec.obj(i).pinned for i in (made_ignored, made_named, old_style)] == [
+        False,
+        True,
+        True,
+    ]
+    h.checkpoint()
+    rec = Recorder(h.store)
+    assert [rec.known_below(i) for i in (made_ignored, made_named, old_style)] == [
+        False,
+        True,
+        True,
+    ]
+
+
 def test_commit_of_the_base_frees_chunks_and_graves(h):
     (h.root / "f").write_bytes(os.urandom(C))
     (h.root / "g").write_bytes(b"gone")

@@ -43,6 +43,7 @@ class Node:
         "noxattr",
         "pt",
         "cache",
+        "ident",
     )
 
     def __init__(self, ino: int, bino: int, fd: int, mode: int, cache: FdCache):
@@ -65,6 +66,11 @@ class Node:
         # ``Ops.pt_writers``; the engine's id for the backing file, in its
         # table.)
         self.pt = 0
+        # what the object is while its fd is evicted (``backing.object_id``):
+        # a reopened fd must reach the same object, not a later one the
+        # filesystem gave its freed inode number (a slot, not a dict of the
+        # cache's: a table of 200,000 files holds most of them evicted)
+        self.ident: bytes | None = None
 
     @property
     def fd(self) -> int:
@@ -137,10 +143,6 @@ class FdCache:
         self.lru: OrderedDict[Node | Handle, None] = OrderedDict()
         self.pinned: dict[Node, int] = {}  # node -> uid it is counted against
         self.pins: dict[int, int] = {}  # uid -> pinned fds counted against it
-        # what the objects of nodes whose fds were evicted are (backing.object_id):
-        # a reopened fd must reach the same object, not a later one the
-        # filesystem gave its freed inode number
-        self.ids: dict[Node, bytes] = {}
         self.busy: Handle | None = None  # the handles the request works on
         self.busy2: Handle | None = None
         self.evicted = 0  # (for status and tests: fds closed to stay under cap)
@@ -200,7 +202,7 @@ class FdCache:
                 if ident is None:  # (a filesystem without file handles: it stays)
                     self.pinned[obj] = -1
                     continue
-                self.ids[obj] = ident
+                obj.ident = ident
                 obj._fd = -1
             else:
                 fd, obj.fd = obj.fd, -1
@@ -233,20 +235,20 @@ class FdCache:
         if not node.live:
             raise OSError(errno.ESTALE, "stale inode")
         node._fd = self._reopen(node)
-        self.ids.pop(node, None)
+        node.ident = None
         self.add(node)
         return node._fd
 
     def same(self, node: Node, fd: int) -> bool:
         """Whether *fd* is on the object *node*'s evicted fd was on."""
-        want = self.ids.get(node)
+        want = node.ident
         return want is not None and backing.object_id(fd) == want
 
     def found(self, node: Node, fd: int) -> None:
         """*node*'s evicted fd is found again: *fd*, which ``same`` vouched
         for (the cache holds it now)."""
         node._fd = fd
-        self.ids.pop(node, None)
+        node.ident = None
         self.add(node)
 
     def reopen_handle(self, h: Handle) -> None:
@@ -303,7 +305,7 @@ class FdCache:
 
     def close(self, node: Node) -> None:
         self.lru.pop(node, None)
-        self.ids.pop(node, None)
+        node.ident = None
         if node in self.pinned:
             self._unpin(node)
         if node._fd >= 0:

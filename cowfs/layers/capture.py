@@ -169,16 +169,19 @@ class Recorder:
             if not self.fresh:
                 self._load(ino, o)
             if self.below is not None and not o.pinned:
-                with self.store.read() as txn:
-                    o.pinned = (
-                        txn.get(
-                            schema.index_key(self.below, ino, schema.IDX_PINNED),
-                            db=self.store.db_index,
-                        )
-                        is not None
-                    )
+                o.pinned = self._pinned_in(self.below, ino)
             self.objs[ino] = o
         return o
+
+    def _pinned_in(self, layer: int, ino: int) -> bool:
+        """Whether layer *layer* pinned object *ino* (``schema.pins``)."""
+        with self.store.read() as txn:
+            for kind in (schema.IDX_PINNED, schema.IDX_CREATED):
+                key = schema.index_key(layer, ino, kind)
+                raw = txn.get(key, db=self.store.db_index)
+                if raw is not None and schema.pins(kind, schema.index_seq(key, raw)):
+                    return True
+        return False
 
     def _load(self, ino: int, o: Obj) -> None:
         if ino in self.skipped:
@@ -192,6 +195,7 @@ class Recorder:
                     continue  # (damaged: not trusted, the object is captured again)
                 if kind == schema.IDX_CREATED:
                     o.created = o.attributed = True  # (as note_created left it)
+                    o.pinned = o.pinned or seq == schema.CREATED_NAMED
                 elif kind == schema.IDX_PINNED:
                     o.pinned = True
                 elif kind == schema.IDX_META:
@@ -248,9 +252,8 @@ class Recorder:
             with self.store.write() as w:
                 if self._pending_created:
                     for ino, who, named in self._pending_created:
-                        w.index_put(self.layer, ino, schema.IDX_CREATED, 0)
-                        if named:
-                            w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
+                        made = schema.CREATED_NAMED if named else 0
+                        w.index_put(self.layer, ino, schema.IDX_CREATED, made)
                         if who is not None:
                             w.who_put(self.layer, ino, self._writer(w, who))
                 yield w
@@ -303,7 +306,7 @@ class Recorder:
         if not o.created:
             o.created = True
             o.attributed = True
-            named = named and self._rules()
+            named = named and self.ignore is not None
             o.pinned = o.pinned or named
             self._pending_created.append(
                 (ino, self._process(self.who) if self.who is not None else None, named)
@@ -370,8 +373,8 @@ class Recorder:
                     continue
                 key = cur.key()
                 while key[:16] == prefix:
-                    if key[16] != made:
-                        return True
+                    if key[16] != made or schema.index_seq(key, cur.value()) != 0:
+                        return True  # (an entry but a lone N of value 0: ``schema.pins``)
                     if not cur.next():
                         break
                     key = cur.key()
@@ -392,18 +395,9 @@ class Recorder:
             return True
         return False
 
-    def _rules(self) -> bool:
-        """Whether there are ignore patterns now (as the last match saw
-        them): without any, no path is ignored and pinning records nothing
-        worth an index entry a create or rename.  (Patterns added later in
-        the layer leave what was made or moved before unpinned: a step of
-        theirs that then meets another object or directory fails by name,
-        as any, and keeps its record.)"""
-        return self.ignore is not None and self.ignore.spec is not None
-
     def pin(self, w: Writer, ino: int) -> None:
         o = self.obj(ino)
-        if not o.pinned and self._rules():
+        if not o.pinned and self.ignore is not None:
             self._changing(ino, o)
             w.index_put(self.layer, ino, schema.IDX_PINNED, 0)
             o.pinned = True

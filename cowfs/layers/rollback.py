@@ -323,10 +323,16 @@ class Rollback:
             return set()
         out = set()
         for dino, loc in dirs:
-            if not dino:  # (a record of an older cowfs: the directory there now)
-                st = self.undo.r.lstat(backing.split(loc)[0])
+            if not dino and schema.grave_id(loc) is None:
+                # (a record without them -- an older cowfs's, or a redo's:
+                # the directory there now)
+                try:
+                    st = self.undo.r.lstat(backing.split(loc)[0])
+                except OSError:
+                    st = None
                 dino = st.st_ino if st is not None else 0
-            out.add(dino)
+            if dino:
+                out.add(dino)
         return out
 
     def _again(self, seq: int, rec: schema.Record) -> bool:

@@ -79,13 +79,17 @@ Databases
              rollback can be redone, the open layer's changes since it are
              indexed under its *segment*, 2**63 + the rollback's first seq,
              a layer id no layer has; see ``redo``):
-             ``N`` created in this layer (value: 0), ``M`` metadata captured,
+             ``N`` created in this layer (value: 0; ``CREATED_NAMED``, 1,
+             when it was made at a captured path -- a CREATE record names
+             it -- which pins it as a ``P`` entry would), ``M`` metadata captured,
              ``X`` xattrs captured, ``C`` + chunk number: that chunk captured,
              ``P`` pinned (value: 0): seen at a captured path (renamed or
-             exchanged there, or made there: a CREATE record names it), so
+             exchanged there; stores before ``CREATED_NAMED`` also wrote it
+             for an object made there), so
              captured in this layer wherever it moves, even to an ignored
              path; any entry but a lone ``N`` of an object in a layer keeps
-             its changes captured in the layers above too (see
+             its changes captured in the layers above too (an ``N`` of
+             value ``CREATED_NAMED`` is not lone: see
              ``Recorder.known``),
              ``Z`` + chunk number: a range of zeros beginning at that chunk
              captured (the CHUNK record says how far it spans).
@@ -503,6 +507,16 @@ IDX_CHUNK = b"C"
 IDX_PINNED = b"P"  # (value 0) seen at a captured path: never ignored in this layer
 IDX_ZEROS = b"Z"  # + the first chunk of a range of zeros (a CHUNK record spanning chunks)
 INDEX_FLAGS = (IDX_CREATED, IDX_PINNED)  # index entries that name no record
+# the value of an ``N`` entry of an object made at a captured path (a CREATE
+# record names it): pinned, without a ``P`` entry of its own (an index entry
+# per file made is LMDB pages the daemon maps: 200,000 new files, 10 MB)
+CREATED_NAMED = 1
+
+
+def pins(kind: bytes, value: int | None) -> bool:
+    """Whether an index entry of *kind* whose value is *value*
+    (``index_seq``; None: damaged, trusted to pin) pins its object."""
+    return kind == IDX_PINNED or kind == IDX_CREATED and value != 0
 
 
 def index_prefix(layer: int, ino: int | None = None) -> bytes:

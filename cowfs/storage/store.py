@@ -488,7 +488,9 @@ class Writer:
                     and self._cuts_first(seq, S.index_seq(below, lower_val))
                 ):
                     self.delete_record(seq)
-            elif lower_val is None:
+            elif lower_val is None or (
+                kind == S.IDX_CREATED and seq and S.index_seq(below, lower_val) == 0
+            ):  # (made at a captured path above pins it below too: ``S.pins``)
                 txn.put(below, S.index_value(below, seq), db=st.db_index)
         if st.db_who is not None:
             for key, writer in list(scan(txn, st.db_who, S.index_prefix(upper))):
