@@ -5,7 +5,7 @@ users or to the control channel).  A real unprivileged user ("nobody") holds
 its own may have 20,000 at most here); meanwhile another user reads a file
 and lists a directory, and root's `cowfs status` and `cowfs checkpoint`
 answer in a bounded time.  The daemon keeps its backing descriptors in a
-bounded cache (cowfs/inodes.py) and reopens evicted ones on demand: a file
+bounded cache (cowfs/fuse/inodes.py) and reopens evicted ones on demand: a file
 the agent opened first, whose descriptor went long ago, is still written
 through its handle.  Once the agent lets go, a rollback puts back the tree
 exactly.

@@ -655,7 +655,8 @@ def test_changes_since_a_rollback_stay_with_the_open_layer_when_the_redo_goes(mo
 
 KILL_AT = """
 import os, sys
-from cowfs import session, undo
+from cowfs.layers import undo
+from cowfs.service import session
 count = [0]
 def dying(step):
     def counted(*args, **kwargs):

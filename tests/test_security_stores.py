@@ -1,5 +1,5 @@
 """Stores are trusted only where they are safe (DESIGN.md, "Threat model";
-cowfs/trust.py): an agent inside a workspace can plant a `.cowfs` of its
+cowfs/system/trust.py): an agent inside a workspace can plant a `.cowfs` of its
 own below the root, and a command run by root after the unmount must never
 use it -- nor make a store anywhere.  What the agent does runs as the user
 "nobody" (tests/users.py), through root's mount."""

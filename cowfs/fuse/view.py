@@ -1,5 +1,5 @@
 """`cowfs view ID DIR`: a read-only mount at DIR of the whole tree as it was
-when layer ID was opened, computed like `show` (cowfs/past.py) from the live
+when layer ID was opened, computed like `show` (cowfs/layers/past.py) from the live
 tree and the reverse diffs, changing nothing.
 
 A view runs in a process of its own (pyfuse3 serves one mount per

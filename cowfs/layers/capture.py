@@ -312,7 +312,7 @@ class Recorder:
                 (ino, self._process(self.who) if self.who is not None else None, named)
             )
 
-    # -- capture filters (cowfs/ignore.py) -------------------------------------------
+    # -- capture filters (cowfs/layers/ignore.py) -------------------------------------------
 
     def ignored(
         self, path: bytes | Loc, is_dir: bool, ino: int | None = None, parent: int | None = None

@@ -1,16 +1,16 @@
 """The file part of the group operations on the layers of a store: open a
 layer (a checkpoint), merge one into the one below (a commit), check what
 a rollback or a redo would do, and carry out its files (``apply``: the
-undo steps, in cowfs/rollback.py; a redo's steps, in cowfs/redo.py).
+undo steps, in cowfs/layers/rollback.py; a redo's steps, in cowfs/layers/redo.py).
 They work the same inside the mount daemon and on an unmounted workspace.
 
-The session (cowfs/session.py) drives every group operation: it plans the
-pending record (cowfs/pending.py), runs the provider steps, calls ``apply``
+The session (cowfs/service/session.py) drives every group operation: it plans the
+pending record (cowfs/layers/pending.py), runs the provider steps, calls ``apply``
 for the files and closes the record.  What is done here marks the record
 only inside the transaction that does it (a merge plans the discards of
 its snapshots; the file part is marked done or stopped with the layers it
 drops or keeps), so that a crash leaves the record and the layers
-agreeing.  The read-only views of the layers are in cowfs/stackview.py.
+agreeing.  The read-only views of the layers are in cowfs/layers/stackview.py.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ a crash.  Every change of it is made here, in this order:
 * each provider step marked before it runs and after it (`mark_step`,
   durably), by the session, which runs them;
 * the file part marked done (`files_done`) or stopped (`stopped`) in the
-  transaction that ends it (cowfs/rollback.py, ``LayerFiles`` for a redo);
+  transaction that ends it (cowfs/layers/rollback.py, ``LayerFiles`` for a redo);
 * closed (`close`) by the session: the restores' post-mortems move to the
   layer open then.
 
 The record is a ``schema.PendingRecord``; its JSON is the one it always
-was (see cowfs/schema.py).
+was (see cowfs/storage/schema.py).
 
 A session opened on a store with a pending record finishes it first
 (``Session.open``): a checkpoint's captures are discarded and its layer

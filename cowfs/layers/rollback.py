@@ -11,7 +11,7 @@ up (`_give_up_redo`: a full disk, an error), records it cannot apply (a
 damaged record, a corrupt pre-image: `_pass_over`), making room on a full
 disk (`_make_room`), stopping (`_stop`, `_stopped`), and the seal
 (`_drop_and_seal`).  The order of what is written is that of the pending
-record (cowfs/pending.py): the steps are taken before their records go,
+record (cowfs/layers/pending.py): the steps are taken before their records go,
 so a rollback killed anywhere is finished by the same one, resumed.
 """
 

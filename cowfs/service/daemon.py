@@ -1,6 +1,6 @@
-"""The mount daemon: hosts a workspace's session (cowfs/session.py) with a
+"""The mount daemon: hosts a workspace's session (cowfs/service/session.py) with a
 mount -- mounts the workspace, serves FUSE requests and control requests
-(cowfs/control.py) on one trio loop, handles signals, and unmounts cleanly.
+(cowfs/service/control.py) on one trio loop, handles signals, and unmounts cleanly.
 
 ``cowfs mount`` starts it as ``python -m cowfs.service.daemon`` in a new session and
 waits on a pipe until the mount is live (or the daemon reports why not).

@@ -49,7 +49,7 @@ def start_view(
     hidden: bytes | None,
     invoker: int | None = None,
 ) -> dict:
-    """Start the view process (cowfs/view.py) with the workspace root, the
+    """Start the view process (cowfs/fuse/view.py) with the workspace root, the
     store and the directory to mount on as open fds; return once its mount
     is live.  The directory is opened here, once (``open_view_dir``: no
     planted symlink followed, nothing inside a workspace, no mount point),

@@ -5,7 +5,7 @@ resumed when the session opens.
 
 The session is the one orchestrator of the layer lifecycle: it alone plans,
 carries out and closes a group operation (checkpoint, rollback, redo,
-commit) and its pending record (cowfs/pending.py), running the provider
+commit) and its pending record (cowfs/layers/pending.py), running the provider
 steps itself and the file part through ``layerfiles.LayerFiles``; what
 it shows of the layers comes from ``stackview.StackView``.
 
@@ -192,7 +192,7 @@ class Session:
         self._history_cache: tuple | None = None  # (store state, History) for show/diff
         self.rules: IgnoreRules | None = None  # the capture filter (None: not opened yet)
         # the mount daemon's helper process for a rollback's steps (see
-        # cowfs/steps.py), and where a rollback notes how far it has got
+        # cowfs/layers/steps.py), and where a rollback notes how far it has got
         self.helper: Helper | None = None
         self.board: progress.Board = progress.LOCAL
 
@@ -527,9 +527,9 @@ class Session:
             await self._carry_out()
         return merged
 
-    # -- group operations: the pending record (see cowfs/pending.py) ------------------
+    # -- group operations: the pending record (see cowfs/layers/pending.py) ------------------
     # The session plans it, carries out its provider steps and has the files
-    # carried out (cowfs/layerfiles.py), and closes it.
+    # carried out (cowfs/layers/layerfiles.py), and closes it.
 
     def pending(self) -> PendingRecord | None:
         return self.store.pending()
@@ -924,7 +924,7 @@ class Session:
             raise CowfsError("bad request: limit must be positive", errors.USAGE)
         return {"layers": self.stackview.log(limit), "redo": self.stackview.redo_note()}
 
-    # -- reading the past (cowfs/past.py) ---------------------------------------------
+    # -- reading the past (cowfs/layers/past.py) ---------------------------------------------
 
     def _history(self, layer: int | None) -> History:
         """The history since *layer* (default: the open layer) was opened,
@@ -1021,7 +1021,7 @@ class Session:
     async def restore(self, paths: list, layer: int | None = None) -> dict:
         """Put *paths* back as they were when *layer* (default: the open
         layer) was opened, as a change of the open layer (see
-        cowfs/restore.py), with the requester's rights."""
+        cowfs/service/restore.py), with the requester's rights."""
         await self.flush()
         rels = [wpath(p) for p in path_list(paths)]
         layer = self.store.open_layer().id if layer is None else layer

@@ -18,7 +18,7 @@ Databases
              ``next_writer`` u64   next writer id (absent: 1)
              ``pending``     JSON  the group operation under way, resumed
                                    by the next mount if a crash interrupts it
-                                   (see ``cowfs/pending.py``):
+                                   (see ``cowfs/layers/pending.py``):
                                    ``{"op": "rollback", "to": ID}``,
                                    ``{"op": "commit", "layer": ID}`` or
                                    ``{"op": "redo"}``, each with
@@ -244,7 +244,7 @@ def from_json(b: bytes) -> Any:
     return json.loads(b)
 
 
-# -- the pending record (key ``pending``; see cowfs/pending.py) ---------------------
+# -- the pending record (key ``pending``; see cowfs/layers/pending.py) ---------------------
 # Typed here, kept as the JSON it always was: `from_json` and `to_json`
 # convert at the store's edge, writing the keys a record has in the order
 # cowfs has always written them (and any it does not know, after them).
@@ -337,7 +337,7 @@ class PendingRecord:
 _RECORD_KEYS = ("op", "to", "layer", "files", "steps", "providers", "skip_damaged")
 
 
-# -- the note of the last rollback (key ``redo_state``; see cowfs/redo.py) ----------
+# -- the note of the last rollback (key ``redo_state``; see cowfs/layers/redo.py) ----------
 
 
 @dataclass(frozen=True)
@@ -808,7 +808,7 @@ class Chunk(NamedTuple):
     holds, not its size (``chunk_problem`` says which are valid).  Where layers merged into one
     overlap such a range with other records of the same chunks, the oldest
     record holds the state at the start: a rollback applies it last, a
-    reading of the journal keeps the first (see ``cowfs/zeros.py``)."""
+    reading of the journal keeps the first (see ``cowfs/storage/zeros.py``)."""
 
     loc: bytes
     ino: int

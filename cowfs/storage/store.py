@@ -35,7 +35,7 @@ AUDIT_RESERVE = 64 << 20  # free space below which audit events are not written
 FULL_MARGIN = 4 << 20  # a failed write with less room than this: the disk is full
 DEFAULT_CHUNK_SIZE = 64 << 10
 
-# The pending record: schema.PendingRecord (see cowfs/pending.py), kept as JSON
+# The pending record: schema.PendingRecord (see cowfs/layers/pending.py), kept as JSON
 # {"op": "rollback", "redo", "commit" or "checkpoint", "files": whether the
 # file part is done, "steps": [{"do", "provider", "layer", "data", "state",
 # ...}], and the op's own fields}.
@@ -584,7 +584,7 @@ class Writer:
         return S.meta_json(S.DB_META, key, self.txn.get(key, db=self.store.db_meta))
 
     # -- the pending record: the group operation under way (written only
-    # through cowfs/pending.py, which says who changes it when) --
+    # through cowfs/layers/pending.py, which says who changes it when) --
 
     def pending(self) -> PendingRecord | None:
         raw = self.meta_json(S.K_PENDING)
@@ -690,7 +690,7 @@ class Store:
         existing store, opened so that nothing in it can be written; and
         without *locked*, beside the process that holds it (a view).
 
-        The store must be one cowfs may trust (cowfs/trust.py): StoreError
+        The store must be one cowfs may trust (cowfs/system/trust.py): StoreError
         otherwise.  *checked*: *path* names a descriptor handed down by the
         process that opened (and checked) the store.  Without *create* a
         missing store is NoStore, and nothing is made."""
@@ -1313,7 +1313,7 @@ class Store:
             w.set_meta(key, S.to_json(value) if value is not None else None)
 
     def pending(self) -> PendingRecord | None:
-        """The pending record (see cowfs/pending.py), or None."""
+        """The pending record (see cowfs/layers/pending.py), or None."""
         raw = self.get_meta_json(S.K_PENDING)
         return PendingRecord.from_json(raw) if raw is not None else None
 

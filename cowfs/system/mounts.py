@@ -24,7 +24,7 @@ from ..errors import (
 from .mountinfo import Mount, mounts  # noqa: F401  (the mount table, for its users)
 
 FSTYPE = "fuse.cowfs"
-VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/view.py)
+VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/fuse/view.py)
 STORE_DIR = ".cowfs"  # a workspace's store, unless it is given: WORKSPACE/.cowfs
 
 
@@ -348,7 +348,7 @@ def locate(path: str) -> Location:
     NotOwner (root reads that user's record).
 
     Of the stores above *path* only those cowfs may trust count (see
-    cowfs/trust.py: anyone else could have made or changed the others, say
+    cowfs/system/trust.py: anyone else could have made or changed the others, say
     an agent in a directory of the workspace it may write), and of those the
     outermost: a store below another workspace's root lies in that
     workspace's tree, where whoever may write it could have put it (or it
