@@ -128,8 +128,8 @@ class Mounted(MountHooks):
     """The session's hooks into the mount: the operations serving it and
     the FUSE engine that serves them."""
 
-    def __init__(self, fs: Ops, engine: Any, mountpoint: str):
-        self.fs = fs
+    def __init__(self, ops: Ops, engine: Any, mountpoint: str):
+        self.ops = ops
         self.engine = engine
         self.mountpoint = mountpoint
 
@@ -137,7 +137,7 @@ class Mounted(MountHooks):
         """(Without the writeback cache, write(2) reaches the daemon before
         it returns; only shared mmaps of files open for writing leave dirty
         pages.)"""
-        if not self.fs.writers:
+        if not self.ops.writers:
             return
 
         def syncfs() -> None:
@@ -158,34 +158,34 @@ class Mounted(MountHooks):
         return await self.blocking(fn, *args)
 
     def layer_switched(self) -> None:
-        self.fs.layer_switched()
+        self.ops.layer_switched()
 
     async def after_undo(self, touched: Any) -> None:
-        invalid = self.fs.after_undo(touched)
-        self.fs.layer_switched(after_undo=True)
+        invalid = self.ops.after_undo(touched)
+        self.ops.layer_switched(after_undo=True)
         await self.blocking(self.engine.invalidate, *invalid)
 
     def after_commit(self, freed: list) -> None:
-        self.fs.after_commit(freed)
+        self.ops.after_commit(freed)
 
     def removed(self, inos: list) -> None:
-        self.fs.let_go(inos)
+        self.ops.let_go(inos)
 
     def operations(self) -> Ops:
-        return self.fs
+        return self.ops
 
     async def invalidate(self, invalid: Invalid) -> None:
         await self.blocking(self.engine.invalidate, sorted(invalid.entries), sorted(invalid.inodes))
 
     def refused(self) -> dict | None:
-        return self.fs.refused if self.fs.refused["count"] else None
+        return self.ops.refused if self.ops.refused["count"] else None
 
     def engine_info(self) -> dict | None:
         return {
             "name": self.engine.name,
             "why": self.engine.why,
             **getattr(self.engine, "features", lambda: {})(),
-            "descriptors": self.fs.fds.info(),
+            "descriptors": self.ops.fds.info(),
         }
 
 
@@ -237,14 +237,14 @@ class Daemon:
         # (forked now, before the FUSE engine's and the control server's
         # threads start and before the inode table grows: little to share)
         s.helper = steps.Helper(s.store, s.stackview.resolver)
-        fs = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
-        self.engine = engine = make_engine(self.engine_choice, fs)
-        s.attach(Mounted(fs, engine, self.mountpoint))
-        fs.on_full = s.give_back_room
-        self.hasher = fs.sums = gravesum.Hasher(
+        ops = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
+        self.engine = engine = make_engine(self.engine_choice, ops)
+        s.attach(Mounted(ops, engine, self.mountpoint))
+        ops.on_full = s.give_back_room
+        self.hasher = ops.sums = gravesum.Hasher(
             s.store,
-            busy=fs.is_open,
-            quiet=fs.quiet,
+            busy=ops.is_open,
+            quiet=ops.quiet,
             exclusive=self.exclusive,
             operating=self.lock.locked,
         )

@@ -66,7 +66,7 @@ def _join(parent: bytes, name: bytes) -> bytes:
 
 class Restore:
     """One restore of paths from the history *h* (the layer opened at T),
-    on the tree that *fs* serves, for *who*: ``run``, then ``close``.
+    on the tree that *ops* serves, for *who*: ``run``, then ``close``.
 
     The history is kept exact while the restore changes the tree: each
     change is recorded in the open layer before it is made, and those
@@ -74,8 +74,8 @@ class Restore:
     restore moves out of the way (into the grave) is still found where it
     went, and one it writes to still reads as it was at T."""
 
-    def __init__(self, fs: Ops, h: History, who: Requester):
-        self.fs = fs
+    def __init__(self, ops: Ops, h: History, who: Requester):
+        self.ops = ops
         self.h = h
         self.who = who
         self.ctx = Ctx(who.pid, who.uid, who.gid, 0)
@@ -136,18 +136,18 @@ class Restore:
         before these notices, which wait for the directory it holds.)"""
         for parent in list(self._dirs):
             try:
-                names = self.fs.names(parent)
+                names = self.ops.names(parent)
             except OSError:
                 continue
             self.invalid.entries.update((parent, name) for name in names)
-        self.fs.forget(list(self._held.items()))
+        self.ops.forget(list(self._held.items()))
         self._held.clear()
 
     # -- looking things up ---------------------------------------------------------------
 
     def _lookup(self, parent: Node, name: bytes) -> tuple[Node, os.stat_result] | None:
         try:
-            node, st = self.fs.lookup(parent.ino, name, ctx=self.ctx)
+            node, st = self.ops.lookup(parent.ino, name, ctx=self.ctx)
         except (FileNotFoundError, NotADirectoryError):
             return None
         self._held[node.ino] += 1
@@ -156,7 +156,7 @@ class Restore:
     def _now(self, rel: bytes) -> tuple[Node, os.stat_result] | None:
         """The object at *rel* now, walking directories only (each one
         searchable by the requester)."""
-        node: Node = self.fs.root
+        node: Node = self.ops.root
         st = os.stat(node.fd)
         for comp in rel.split(b"/") if rel else []:
             if not stat.S_ISDIR(st.st_mode):
@@ -238,22 +238,22 @@ class Restore:
         self._may_remove(parent, pst, st, rel)
         if stat.S_ISDIR(st.st_mode):
             self._may_now(node, st, R | W | X, f"{_show(rel)}: cannot empty it")
-            for child in self.fs.names(node.ino):
+            for child in self.ops.names(node.ino):
                 found = self._lookup(node, child)
                 if found is not None:
                     self._remove(node, st, child, _join(rel, child), *found)
         if self.dry:
             return
         assert parent is not None  # (made by this restore: nothing to remove)
-        self._do(self.fs.rmdir if stat.S_ISDIR(st.st_mode) else self.fs.unlink, parent.ino, name)
+        self._do(self.ops.rmdir if stat.S_ISDIR(st.st_mode) else self.ops.unlink, parent.ino, name)
         self._changed(parent, name, rel)
 
     def _parents(self, rel: bytes) -> Node | None:
         """The directory *rel* goes into, made again (empty, with its
         attributes then) where it is missing or not a directory now;
         None when this run, being a dry one, would have made it."""
-        node: Node | None = self.fs.root
-        st: os.stat_result | None = os.stat(self.fs.root.fd)
+        node: Node | None = self.ops.root
+        st: os.stat_result | None = os.stat(self.ops.root.fd)
         comps = rel.split(b"/")[:-1]
         for i, name in enumerate(comps):
             here = b"/".join(comps[: i + 1])
@@ -305,16 +305,16 @@ class Restore:
             return None
         if kind == stat.S_IFREG:
             fh, _, node, st = self._do(
-                self.fs.create, parent.ino, name, 0o600, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                self.ops.create, parent.ino, name, 0o600, os.O_WRONLY | os.O_CREAT | os.O_EXCL
             )
-            self.fs.release(fh)
+            self.ops.release(fh)
         elif kind == stat.S_IFDIR:
-            node, st = self._do(self.fs.mkdir, parent.ino, name, 0o700)
+            node, st = self._do(self.ops.mkdir, parent.ino, name, 0o700)
         elif kind == stat.S_IFLNK:
-            node, st = self._do(self.fs.symlink, parent.ino, name, self.h.readlink(obj))
+            node, st = self._do(self.ops.symlink, parent.ino, name, self.h.readlink(obj))
         else:
             rdev = obj.now.st_rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0
-            node, st = self._do(self.fs.mknod, parent.ino, name, kind | 0o600, rdev)
+            node, st = self._do(self.ops.mknod, parent.ino, name, kind | 0o600, rdev)
         self._held[node.ino] += 1
         self._changed(parent, name, rel)
         return node, st
@@ -339,7 +339,7 @@ class Restore:
                 self._remove(parent, pst, name, rel, *found)
             self._may_now(parent, pst, W | X, f"{_show(rel)}: cannot make it in its directory")
             if not self.dry and parent is not None and first is not None:
-                node, _ = self._do(self.fs.link, first.ino, parent.ino, name)
+                node, _ = self._do(self.ops.link, first.ino, parent.ino, name)
                 self._held[node.ino] += 1
                 self._changed(parent, name, rel)
             return
@@ -347,7 +347,7 @@ class Restore:
             node, st = found
             shared = (
                 stat.S_ISREG(st.st_mode)
-                and self.fs.nlink(node, st) > 1
+                and self.ops.nlink(node, st) > 1
                 and not self._as_then(node, st, obj)
             )
             if stat.S_IFMT(st.st_mode) != obj.kind or shared:
@@ -396,7 +396,7 @@ class Restore:
         if found is not None:
             node, st = found
             keep = set(wanted)
-            for name in self.fs.names(node.ino):
+            for name in self.ops.names(node.ino):
                 if name in keep:
                     continue
                 child = self._lookup(node, name)
@@ -434,12 +434,12 @@ class Restore:
                 ]
             else:
                 ranges = self._data_ranges(obj, past)
-            fh, _ = self.fs.open(node.ino, os.O_WRONLY, ctx=self.ctx)
+            fh, _ = self.ops.open(node.ino, os.O_WRONLY, ctx=self.ctx)
             try:
                 if st.st_size != obj.size or not same:
                     if not same:
-                        self._do(self.fs.setattr, node.ino, fh, size=0)
-                    self._do(self.fs.setattr, node.ino, fh, size=obj.size)
+                        self._do(self.ops.setattr, node.ino, fh, size=0)
+                    self._do(self.ops.setattr, node.ino, fh, size=obj.size)
                 # (ranges of zeros: what the file holds there now is punched
                 # out, never written as zeros -- they may span TiBs; found at
                 # its size then, so that data that ended the file now is
@@ -447,7 +447,7 @@ class Restore:
                 zeros = _live_data(past, _holes_then(obj)) if same else []
                 for lo, hi in zeros:
                     self._do(
-                        self.fs.fallocate,
+                        self.ops.fallocate,
                         fh,
                         lo,
                         hi - lo,
@@ -458,9 +458,9 @@ class Restore:
                         data = self.h.read(obj, off, min(PAGE, hi - off), fd=past)
                         if not same and not data.strip(b"\0"):
                             continue  # (zeros: the hole there reads the same)
-                        self._do(self.fs.write, fh, off, data)
+                        self._do(self.ops.write, fh, off, data)
             finally:
-                self.fs.release(fh)
+                self.ops.release(fh)
         self.invalid.inodes.add(node.ino)
         self._note(rel)
 
@@ -536,25 +536,25 @@ class Restore:
             return
         changed = False
         if (obj.uid, obj.gid) != (st.st_uid, st.st_gid):
-            self._do(self.fs.setattr, node.ino, None, uid=obj.uid, gid=obj.gid)
+            self._do(self.ops.setattr, node.ino, None, uid=obj.uid, gid=obj.gid)
             changed = True
         st = os.stat(node.fd)  # (a chown drops setuid and setgid)
         if not link and stat.S_IMODE(st.st_mode) != want_mode:
-            self._do(self.fs.setattr, node.ino, None, mode=want_mode)
+            self._do(self.ops.setattr, node.ino, None, mode=want_mode)
             changed = True
         if dict(xattrs) != dict(now_x):
             wanted = dict(xattrs)
             for name in dict(now_x):
                 if name not in wanted:
-                    self._do(self.fs.removexattr, node.ino, name)
+                    self._do(self.ops.removexattr, node.ino, name)
             for name, value in xattrs:
                 if dict(now_x).get(name) != value:
-                    self._do(self.fs.setxattr, node.ino, name, value)
+                    self._do(self.ops.setxattr, node.ino, name, value)
             changed = True
         st = os.stat(node.fd)
         # (the atime alone is no reason: reading the tree moves it)
         if st.st_mtime_ns != obj.mtime_ns or changed or mine:
-            self._do(self.fs.setattr, node.ino, None, atime_ns=obj.atime_ns, mtime_ns=obj.mtime_ns)
+            self._do(self.ops.setattr, node.ino, None, atime_ns=obj.atime_ns, mtime_ns=obj.mtime_ns)
             changed = True
         if changed:
             self.invalid.inodes.add(node.ino)
@@ -562,8 +562,8 @@ class Restore:
 
     def _xattrs_now(self, node: Node) -> list[tuple[bytes, bytes]]:
         return [
-            (name, self.fs.getxattr(node.ino, name, ctx=self.ctx))
-            for name in self.fs.listxattr(node.ino, ctx=self.ctx)
+            (name, self.ops.getxattr(node.ino, name, ctx=self.ctx))
+            for name in self.ops.listxattr(node.ino, ctx=self.ctx)
         ]
 
 
@@ -611,7 +611,7 @@ def _live_data(fd: int, within: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def restore(fs: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[list[str], Invalid]:
+def restore(ops: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[list[str], Invalid]:
     """Restore *rels* (workspace paths, b"" never) from *h* for *who*: the
     paths changed, and what the kernel may have cached of them."""
     if not all(rels):
@@ -619,7 +619,7 @@ def restore(fs: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[lis
             "restore takes paths inside the workspace; to put back everything, use rollback",
             USAGE,
         )
-    r = Restore(fs, h, who)
+    r = Restore(ops, h, who)
     try:
         done = r.run(rels)
     except OSError as e:

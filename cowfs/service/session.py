@@ -1026,14 +1026,14 @@ class Session:
         rels = [wpath(p) for p in path_list(paths)]
         layer = self.store.open_layer().id if layer is None else layer
         self.store.get_layer(layer)
-        fs = self.hooks.operations()
-        if fs is None:
+        ops = self.hooks.operations()
+        if ops is None:
             if self._offline_ops is None:
                 self._offline_ops = Ops(self.rootfd, self.store, self.recorder, hidden=self.hidden)
-            fs = self._offline_ops
+            ops = self._offline_ops
         h = History(self.store, self.stackview.resolver, layer, self.hidden)
         try:
-            done, invalid = restore(fs, h, self.requester, rels)
+            done, invalid = restore(ops, h, self.requester, rels)
         finally:
             self.recorder.flush()
         await self.hooks.invalidate(invalid)
