@@ -14,6 +14,7 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from ..storage import schema
 from ..storage.store import Store, digest
@@ -72,10 +73,25 @@ class Undoer:
         object into the grave (keeping it) or out of it (a GRAVE record)."""
         if keep is not None and isinstance(rec, schema.Create | schema.Link):
             return self._keep(rec.path, *keep, rec.dir)
-        if isinstance(rec, schema.Grave):
-            return self._grave(*rec)
-        handler = _HANDLERS[rec.kind]
-        handler(self, *rec)  # (the handlers take the record's fields in order)
+        match rec:
+            case schema.Grave():
+                return self._grave(rec.path, rec.grave, rec.ino, rec.dir)
+            case schema.Create() | schema.Link():
+                self._remove(rec.path, rec.dir)
+            case schema.Rename():
+                self._rename(rec.src, rec.dst, rec.ino, rec.src_dir, rec.dst_dir)
+            case schema.Exchange():
+                self._exchange(rec.a, rec.b, rec.ino_a, rec.ino_b, rec.a_dir, rec.b_dir)
+            case schema.Meta():
+                self._meta(rec)
+            case schema.Xattrs():
+                self._xattrs(rec.loc, rec.ino, rec.blob)
+            case schema.Chunk():
+                self._chunk(rec)
+            case schema.Damaged():  # (callers report these, never apply them)
+                raise UndoError("a damaged record cannot be applied")
+            case _:
+                assert_never(rec)
         return False
 
     def _dino(self, d: int) -> int:
@@ -240,12 +256,6 @@ class Undoer:
             os.close(fd)
         return True
 
-    def _create(self, path: bytes, want: int = 0) -> None:
-        self._remove(path, want)
-
-    def _link(self, path: bytes, want: int = 0) -> None:
-        self._remove(path, want)
-
     def _grave(self, path: bytes, gid: int, ino: int, want: int = 0) -> bool:
         g = str(gid).encode()
         if backing.lstat_at(self.store.grave_fd, g) is None:
@@ -329,9 +339,8 @@ class Undoer:
             finally:
                 os.close(fd)
 
-    def _meta(
-        self, loc: bytes, ino: int, mode: int, uid: int, gid: int, size: int, atime: int, mtime: int
-    ) -> None:
+    def _meta(self, rec: schema.Meta) -> None:
+        loc, ino, size, uid, gid = rec.loc, rec.ino, rec.size, rec.uid, rec.gid
         with self._held(loc, ino) as (fd, st, _, _):
             if stat.S_ISREG(st.st_mode) and st.st_size != size:
                 wfd = os.open(backing.proc(fd), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -342,8 +351,8 @@ class Undoer:
             if (st.st_uid, st.st_gid) != (uid, gid):
                 backing.chown_fd(fd, uid, gid)
             if not stat.S_ISLNK(st.st_mode):
-                backing.chmod_fd(fd, stat.S_IMODE(mode))
-            backing.utime_fd(fd, atime, mtime)
+                backing.chmod_fd(fd, stat.S_IMODE(rec.mode))
+            backing.utime_fd(fd, rec.atime_ns, rec.mtime_ns)
         self.touched.objects.add(ino)
 
     def _xattrs(self, loc: bytes, ino: int, blob: bytes) -> None:
@@ -356,9 +365,10 @@ class Undoer:
             backing.set_all_xattrs(*target, schema.decode_xattrs(blob))
         self.touched.objects.add(ino)
 
-    def _chunk(self, loc: bytes, ino: int, index: int, length: int, h: bytes) -> None:
+    def _chunk(self, rec: schema.Chunk) -> None:
+        loc, ino, index, length, h = rec.loc, rec.ino, rec.chunk, rec.length, rec.digest
         C = self.store.chunk_size
-        problem = schema.chunk_problem(schema.Chunk(loc, ino, index, length, h), C)
+        problem = schema.chunk_problem(rec, C)
         if problem is not None:
             raise UndoError(f"{_show(loc)}: its pre-image record is invalid ({problem})")
         data = None
@@ -423,18 +433,6 @@ def write_sparse(fd: int, data: bytes, off: int, size: int) -> None:
         elif off + pos < size:
             backing.punch_hole(fd, off + pos, min(run_end, size - off) - pos)
         pos = run_end
-
-
-_HANDLERS: dict[int, Callable[..., object]] = {
-    schema.CREATE: Undoer._create,
-    schema.LINK: Undoer._link,
-    schema.GRAVE: Undoer._grave,
-    schema.RENAME: Undoer._rename,
-    schema.EXCHANGE: Undoer._exchange,
-    schema.META: Undoer._meta,
-    schema.XATTRS: Undoer._xattrs,
-    schema.CHUNK: Undoer._chunk,
-}
 
 
 def _show(loc: bytes) -> str:
