@@ -10,7 +10,14 @@ from typing import Any
 
 from .. import errors
 from ..errors import BadWorkspace, CowfsError
-from ..system.mounts import check_answering, find_mount, is_cowfs_mount, mount_table, processes
+from ..system.mounts import (
+    VIEW_FSTYPE,
+    check_answering,
+    find_mount,
+    is_cowfs_mount,
+    mount_table,
+    processes,
+)
 from .client import Client
 from .command import Command, call, out, parse_count, parse_limit, parse_size
 
@@ -56,9 +63,7 @@ ENGINE_CHOICES = ("auto", "kernel", "pyfuse3")
 
 def unmount_view(path: str) -> bool:
     """`cowfs unmount DIR` of a view: unmount it (its process then ends)."""
-    from ..fuse.view import FSTYPE
-
-    if mount_table().get(path) != FSTYPE:
+    if mount_table().get(path) != VIEW_FSTYPE:
         return False
     r = subprocess.run(
         ["umount", path] if os.geteuid() == 0 else ["fusermount3", "-u", path],

@@ -47,6 +47,7 @@ from ..system.mounts import (
 )
 from . import control
 from .launch import clear_view, detach, reap, start_and_wait
+from .operations import allowed
 from .restore import Invalid
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
 
@@ -348,14 +349,14 @@ class Daemon:
     # -- control requests (control.Host) ----------------------------------------------
 
     def permits_any(self, who: Requester) -> bool:
-        return bool(granted(self.session.grants, who))
+        return bool(allowed(granted(self.session.grants, who)))
 
     def permits(self, who: Requester, name: str) -> None:
         """*who* may ask for operation *name*: the owner and root anything,
         another user what the workspace grants it (NotOwner otherwise)."""
         if who.uid in (0, self.owner):
             return
-        ops = granted(self.session.grants, who)
+        ops = allowed(granted(self.session.grants, who))
         what = f"the cowfs workspace mounted at {self.mountpoint}"
         if not ops:
             raise not_owner(what, self.owner)

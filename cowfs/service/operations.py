@@ -21,31 +21,49 @@ class Operation(NamedTuple):
     long: str | None = None  # cannot stop half-way: what the messages call it
     doing: str | None = None  # what its progress says (a spinner on a terminal)
     tree: bool = False  # puts the tree as the layers say: refused offline after drift
+    # what a user other than the owner needs to be granted (``cowfs mount
+    # --allow``) to ask for it: "read" or "step" (None: the owner and root only)
+    grant: str | None = None
 
 
 OPERATIONS = (
-    Operation("checkpoint"),
-    Operation("commit", offline=True, long="commit", doing="committing", tree=True),
-    Operation("rollback", offline=True, long="rollback", doing="rolling back", tree=True),
-    Operation("redo", offline=True, long="redo", doing="redoing the rollback", tree=True),
+    Operation("checkpoint", grant="step"),
+    Operation("commit", offline=True, long="commit", doing="committing", tree=True, grant="step"),
+    Operation(
+        "rollback", offline=True, long="rollback", doing="rolling back", tree=True, grant="step"
+    ),
+    Operation(
+        "redo", offline=True, long="redo", doing="redoing the rollback", tree=True, grant="step"
+    ),
     Operation("provider_add"),
     Operation("provider_remove"),
-    Operation("provider_list"),
-    Operation("status", offline=True),
+    Operation("provider_list", grant="read"),
+    Operation("status", offline=True, grant="read"),
     Operation("gc", offline=True, long="gc", doing="freeing unused store space"),
-    Operation("changes", offline=True),
-    Operation("show", offline=True),
-    Operation("diff", offline=True),
-    Operation("view", offline=True),
+    Operation("changes", offline=True, grant="read"),
+    Operation("show", offline=True, grant="read"),
+    Operation("diff", offline=True, grant="read"),
+    Operation("view", offline=True, grant="read"),
     Operation("audit", offline=True),
     Operation("audit_prune", offline=True),
     Operation("audit_note"),
-    Operation("annotate"),
+    Operation("annotate", grant="step"),
     Operation("check", doing="checking the store"),  # (offline: Session.inspect, see check)
     Operation("repair", doing="repairing the store"),
-    Operation("log", offline=True),
-    Operation("restore", offline=True, long="restore", doing="restoring"),
+    Operation("log", offline=True, grant="read"),
+    Operation("restore", offline=True, long="restore", doing="restoring", grant="step"),
 )
+
+# what each grant lets a user other than the owner ask for: the operations
+# declared with it, "step" those of "read" too, and any grant the daemon's ping
+GRANTED = {"read": frozenset({"ping", *(op.name for op in OPERATIONS if op.grant == "read")})}
+GRANTED["step"] = GRANTED["read"] | {op.name for op in OPERATIONS if op.grant == "step"}
+
+
+def allowed(grants: frozenset[str]) -> frozenset[str]:
+    """The operations the grants named *grants* ("read", "step") let a user ask for."""
+    return frozenset().union(*(GRANTED.get(g, ()) for g in grants))
+
 
 BY_NAME = {op.name: op for op in OPERATIONS}
 SESSION_OPS = frozenset(BY_NAME)  # what the daemon hands to its session

@@ -167,10 +167,9 @@ def may_set_xattr(who: Requester, name: bytes, owner: int, writable: bool) -> bo
 
 # -- grants: what the workspace's owner lets other users ask for ---------------------------
 
-# what each grant lets a user ask the daemon for (the owner and root: everything)
-READ_OPS = frozenset({"ping", "status", "changes", "diff", "show", "log", "view", "provider_list"})
-STEP_OPS = READ_OPS | frozenset({"checkpoint", "rollback", "redo", "commit", "restore", "annotate"})
-GRANTS = {"read": READ_OPS, "step": STEP_OPS}
+# the grants a workspace can give another user (what each lets it ask the
+# daemon for is declared with the operations: ``service.operations``)
+GRANTS = ("read", "step")
 DEFAULT_GRANT = "step"
 
 
@@ -207,13 +206,12 @@ def parse_grant(spec: str) -> dict:
 
 
 def granted(grants: list[dict], who: Requester) -> frozenset[str]:
-    """The operations *grants* let *who* ask for."""
-    ops: set[str] = set()
+    """The grants ("read", "step") the workspace's *grants* give *who*."""
+    names: set[str] = set()
     for g in grants:
         if g.get("user") == who.uid or ("group" in g and who.in_group(g["group"])):
-            for name in g.get("ops", ()):
-                ops |= GRANTS.get(name, frozenset())
-    return frozenset(ops)
+            names.update(n for n in g.get("ops", ()) if n in GRANTS)
+    return frozenset(names)
 
 
 def describe_grant(g: dict) -> str:
