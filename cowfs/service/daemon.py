@@ -237,10 +237,21 @@ class Daemon:
         s = self.session
         # (forked now, before the FUSE engine's and the control server's
         # threads start and before the inode table grows: little to share)
-        s.helper = steps.Helper(s.store, s.stackview.resolver)
+        helper = steps.Helper(s.store, s.stackview.resolver)
         ops = Ops(s.rootfd, s.store, s.recorder, hidden=s.hidden)
         self.engine = engine = make_engine(self.engine_choice, ops)
-        s.attach(Mounted(ops, engine, self.mountpoint))
+        self.record = MountRecord(
+            self.mountpoint,
+            self.workspace,
+            self.store_dir,
+            os.getpid(),
+            socket_path(self.mountpoint, shared=bool(s.grants)),
+        )
+        s.attach(
+            Mounted(ops, engine, self.mountpoint),
+            helper=helper,
+            board=progress.Board(progress.path_for(self.record.socket)),
+        )
         ops.on_full = s.give_back_room
         self.hasher = ops.sums = gravesum.Hasher(
             s.store,
@@ -250,14 +261,6 @@ class Daemon:
             operating=self.lock.locked,
         )
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
-        self.record = MountRecord(
-            self.mountpoint,
-            self.workspace,
-            self.store_dir,
-            os.getpid(),
-            socket_path(self.mountpoint, shared=bool(s.grants)),
-        )
-        s.board = progress.Board(progress.path_for(self.record.socket))
         try:  # informational (a full disk must not keep the workspace from mounting)
             s.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:

@@ -192,7 +192,8 @@ class Session:
         self._history_cache: tuple | None = None  # (store state, History) for show/diff
         self.rules: IgnoreRules | None = None  # the capture filter (None: not opened yet)
         # the mount daemon's helper process for a rollback's steps (see
-        # cowfs/layers/steps.py), and where a rollback notes how far it has got
+        # cowfs/layers/steps.py), and where a rollback notes how far it has
+        # got: given by ``attach``
         self.helper: Helper | None = None
         self.board: progress.Board = progress.LOCAL
 
@@ -294,9 +295,19 @@ class Session:
         except StoreError:
             pass  # (layer records that fail their checksum: the check reports them)
 
-    def attach(self, hooks: MountHooks) -> None:
-        """The workspace is mounted: the session calls *hooks* from now on."""
+    def attach(
+        self,
+        hooks: MountHooks,
+        helper: Helper | None = None,
+        board: progress.Board = progress.LOCAL,
+    ) -> None:
+        """The workspace is mounted: the session calls *hooks* from now on;
+        *helper*: the process that takes rollback steps in batches (forked
+        by the daemon before its threads start); *board*: where long
+        operations post their progress for other clients."""
         self.hooks = hooks
+        self.helper = helper
+        self.board = board
 
     def close(self) -> None:
         if not self.store.readonly:
