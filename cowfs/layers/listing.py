@@ -14,7 +14,7 @@ import json
 import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 from ..text import count, quote
 
@@ -26,6 +26,18 @@ KINDS = {
     "T": "type changed",
     "m": "attributes",
 }
+
+
+class Row(NamedTuple):
+    """One change as the net-change computation makes it (``Changes``
+    holds them in columns)."""
+
+    path: bytes
+    kind: str  # A, D, M, T, R or m
+    was: bytes | None  # where it came from (R)
+    is_dir: bool
+    ino: int | None  # the object (None: none)
+    who: dict | None = None  # who first made it
 
 
 class Changes(Sequence[dict]):
@@ -51,7 +63,7 @@ class Changes(Sequence[dict]):
         "_who_index",
     )
 
-    def __init__(self, rows: Iterable[tuple] = ()):
+    def __init__(self, rows: Iterable[Row] = ()):
         self.names: list[bytes] = []  # the path, or the name in its parent
         self.heads = array("i")  # the parent in ``parents`` (-1: the path is whole)
         self.parents: list[bytes] = []
@@ -63,7 +75,7 @@ class Changes(Sequence[dict]):
         self.whos: list[dict] = []
         self._who_index: dict[int, int] = {}  # id(a writer's dict) -> its index
         for r in rows:
-            self.append(*r)
+            self.append_in(-1, r.path, r.kind, r.was, r.is_dir, r.ino, r.who)
 
     def append(
         self,
@@ -124,10 +136,10 @@ class Changes(Sequence[dict]):
     def ino(self, i: int) -> int | None:
         return self.inos[i] or None
 
-    def row(self, i: int) -> tuple:
-        """Row *i* as (path, kind, from, is a directory, ino, who)."""
+    def row(self, i: int) -> Row:
+        """Row *i*."""
         k = self.who[i]
-        return (
+        return Row(
             self.path(i),
             chr(self.kinds[i]),
             self.was.get(i),
@@ -215,7 +227,8 @@ class Changes(Sequence[dict]):
         for i in range(len(self.names)):
             was = self.was.get(i)
             if wanted(_path(self.path(i)), os.fsdecode(was) if was is not None else None):
-                out.append(*self.row(i))
+                r = self.row(i)
+                out.append(r.path, r.kind, r.was, r.is_dir, r.ino, r.who)
         return out
 
 

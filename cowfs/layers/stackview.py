@@ -19,7 +19,7 @@ from ..storage.store import Store, digest
 from ..storage.zeros import ChunkMap
 from ..system import backing
 from . import fsck, redo
-from .listing import Changes
+from .listing import Changes, Row
 from .past import filter_paths
 
 
@@ -252,9 +252,9 @@ class StackView:
             here = names.now(head)
             return None if here is None else (here + b"/" + name if here else name)
 
-        # path -> (path, kind, from, is a directory, ino): see listing.Changes
-        out: dict[bytes, tuple] = {}
-        deleted: dict[bytes, tuple] = {}  # (at their paths then: kept apart)
+        # path -> its change
+        out: dict[bytes, Row] = {}
+        deleted: dict[bytes, Row] = {}  # (at their paths then: kept apart)
         present: set[int] = set()
         gone: list[tuple[bytes, int]] = []
         for sp, was in j.start.items():
@@ -267,13 +267,13 @@ class StackView:
                 continue
             present.add(was)
             if cur != place(sp):
-                out[cur] = (cur, "R", sp, stat.S_ISDIR(st.st_mode), was)
+                out[cur] = Row(cur, "R", sp, stat.S_ISDIR(st.st_mode), was)
             elif cur:
                 kind = self.same.modified(
                     cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was)
                 )
                 if kind:
-                    out[cur] = (cur, kind, None, stat.S_ISDIR(st.st_mode), was)
+                    out[cur] = Row(cur, kind, None, stat.S_ISDIR(st.st_mode), was)
         stands_in: set[bytes] = set()  # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
@@ -281,7 +281,7 @@ class StackView:
             if at is None or st is None or at in out:  # (no path, no object)
                 if st is None or st.st_ino not in present:
                     if sp not in deleted:
-                        deleted[sp] = (sp, "D", None, was_dir(was), was)
+                        deleted[sp] = Row(sp, "D", None, was_dir(was), was)
                 continue  # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
@@ -294,7 +294,7 @@ class StackView:
             )
             stands_in.add(at)
             if kind:
-                out[at] = (at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino)
+                out[at] = Row(at, kind, None, stat.S_ISDIR(st.st_mode), st.st_ino)
         # (no two slots are at one path: what was made is listed, not looked up)
         rows = Changes([*deleted.values(), *out.values()])
         del deleted
