@@ -263,6 +263,42 @@ def test_a_view_counts_only_the_names_an_object_had_then(mounted, tmp_path):
     treesnap.assert_same(then, ws.snapshot())
 
 
+def test_a_view_numbers_each_object_as_the_mount_does_however_often_it_is_forgotten(
+    mounted, tmp_path
+):
+    """A view gives an object its own inode number, as the mount does (the
+    number the file had then, which the mount shows too while the object
+    lives), and the same number when the kernel has forgotten it and looks
+    it up again -- tar, rsync -H, du and find -samefile tell hard links
+    apart by it; a directory walked twice sees the same numbers."""
+    ws = mounted
+    os.link(ws / "a.txt", ws / "dir" / "hard")
+    (ws / "dir" / "deep").mkdir()
+    (ws / "dir" / "deep" / "f").write_text("f\n")
+    layer = ws.checkpoint("viewed")
+    names = ["a.txt", "dir/hard", "dir", "dir/deep", "dir/deep/f"]
+    live = {n: os.lstat(ws / n).st_ino for n in names}
+    (ws / "a.txt").write_text("changed after\n")
+    os.rename(ws / "dir" / "deep", ws / "moved")
+    with view_of(ws, layer, tmp_path / "view") as v:
+        first = {n: os.lstat(v / n).st_ino for n in names}
+        assert first == live
+        assert first["a.txt"] == first["dir/hard"]
+        walked = {
+            os.path.relpath(os.path.join(d, n), v) for d, ds, fs in os.walk(v) for n in ds + fs
+        }
+        assert set(names) <= walked
+        for _ in range(2):  # the kernel forgets every entry it can, then looks them up again
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("2")
+            assert {n: os.lstat(v / n).st_ino for n in names} == first
+            for d, ds, fs in os.walk(v):
+                for n in ds + fs:
+                    rel = os.path.relpath(os.path.join(d, n), v)
+                    if rel in first:
+                        assert os.lstat(os.path.join(d, n)).st_ino == first[rel], rel
+
+
 def test_view_of_an_unmounted_workspace(mounted, tmp_path):
     ws = mounted
     layer = ws.checkpoint()

@@ -11,7 +11,7 @@ import os
 import resource
 import stat
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from ..storage import schema
 from ..system import backing
@@ -343,6 +343,29 @@ class DirHandle:
 # built without large-file support fails a stat(2) of anything higher).
 SPARE_INO = 0xFFFF_FFFF
 
+
+class Numbers:
+    """The inode numbers a FUSE server gives the kernel for objects: an
+    object's own, as the filesystem underneath has it, unless *taken* (a
+    node the kernel still holds has it -- the object removed since, its
+    number given to a new one; or the root's, 1): then a spare one.  The
+    mount's table numbers live objects so (``InodeTable.new_ino``), a view
+    the objects as they were (``view.View``): each keeps its number however
+    often the kernel forgets it and looks it up again."""
+
+    def __init__(self) -> None:
+        self.spare = SPARE_INO
+
+    def new(self, own: int, taken: Container[int]) -> int:
+        if own > ROOT and own not in taken:
+            return own
+        while self.spare in taken or self.spare <= ROOT:
+            self.spare = self.spare - 1 if self.spare > ROOT + 1 else SPARE_INO
+        ino = self.spare
+        self.spare -= 1
+        return ino
+
+
 Link = tuple[Node, bytes]  # a name of a node: (parent node, name)
 
 
@@ -379,7 +402,7 @@ class InodeTable:
         # (hard links: few), kept apart from the nodes
         self.links: dict[Node, set[Link]] = {}
         self._map(self.root)
-        self.spare_ino = SPARE_INO
+        self.numbers = Numbers()
 
     # -- finding and adding nodes ------------------------------------------------
 
@@ -460,14 +483,8 @@ class InodeTable:
         -samefile), and git's index took every file for touched.  Unless a
         node the kernel still holds has that number (the object removed
         since, its number given to a new one; or the root's, 1): then a
-        spare one."""
-        if bino > ROOT and bino not in self.nodes:
-            return bino
-        while self.spare_ino in self.nodes or self.spare_ino <= ROOT:
-            self.spare_ino = self.spare_ino - 1 if self.spare_ino > ROOT + 1 else SPARE_INO
-        ino = self.spare_ino
-        self.spare_ino -= 1
-        return ino
+        spare one (``Numbers``)."""
+        return self.numbers.new(bino, self.nodes)
 
     def add(self, node: Node) -> None:
         """*node* (numbered by ``new_ino``) is in the table, its object's."""

@@ -45,6 +45,7 @@ from ..storage.store import Store, meta_int
 from ..system import backing as B
 from ..system.access import Requester
 from ..system.mounts import VIEW_FSTYPE
+from .inodes import ROOT, Numbers
 from .ops import fail
 from .pyfuse3_engine import handler, statvfs_data
 
@@ -77,9 +78,16 @@ class View(pyfuse3.Operations):
         self.h: History | None = None
         self.seen: tuple | None = None
         self._graves: tuple = (None, {})  # (grave state, grave_counts())
-        self.paths: dict[int, bytes] = {pyfuse3.ROOT_INODE: b""}
-        self.inos: dict[int, int] = {}  # backing ino at T -> view inode
-        self.next_ino = pyfuse3.ROOT_INODE + 1
+        # the objects the kernel holds (its lookups, ``counts``), numbered
+        # as the mount numbers live ones (``Numbers``: an object's own
+        # number, which it keeps however often it is forgotten and looked
+        # up again): view inode -> the path it was reached by; backing ino
+        # at T -> view inode where the two differ (spares)
+        self.paths: dict[int, bytes] = {ROOT: b""}
+        self.counts: dict[int, int] = {}
+        self.spares: dict[int, int] = {}
+        self.spare_of: dict[int, int] = {}  # (the other way)
+        self.numbers = Numbers()
         # open directories and files: (path, object at T, its file handle)
         self.dirs: dict[int, Opened] = {}
         self.files: dict[int, Opened] = {}
@@ -118,13 +126,22 @@ class View(pyfuse3.Operations):
 
     def _ino(self, obj: Past) -> int:
         if obj.path == b"":
-            return pyfuse3.ROOT_INODE
-        ino = self.inos.get(obj.ino)
+            return ROOT
+        ino = self.spares.get(obj.ino)
         if ino is None:
-            ino = self.inos[obj.ino] = self.next_ino
-            self.next_ino += 1
-        self.paths.setdefault(ino, obj.path)
+            if obj.ino in self.paths and obj.ino not in self.spare_of:
+                return obj.ino  # (held already, by its own number)
+            ino = self.numbers.new(obj.ino, self.paths)
+            if ino != obj.ino:
+                self.spares[obj.ino], self.spare_of[ino] = ino, obj.ino
+            self.paths[ino] = obj.path
         return ino
+
+    def _looked_up(self, ino: int) -> None:
+        """The kernel took a reference to *ino* (a lookup, or an entry of
+        a readdir it kept)."""
+        if ino != ROOT:
+            self.counts[ino] = self.counts.get(ino, 0) + 1
 
     def _attr(self, obj: Past) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
@@ -192,13 +209,26 @@ class View(pyfuse3.Operations):
         obj = self.past(parent + b"/" + name if parent else name)
         if obj.path != (parent + b"/" + name if parent else name):
             raise fail(errno.ENOENT)
-        ino = self._ino(obj)
-        self.paths[ino] = obj.path  # the name it was reached by
-        return self._attr(obj)
+        attr = self._attr(obj)
+        self.paths[attr.st_ino] = obj.path  # the name it was reached by
+        self._looked_up(attr.st_ino)
+        return attr
 
     @handler
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        pass
+        """The kernel let go of objects: those it holds no more leave the
+        table (looked up again, each gets the same number)."""
+        for ino, n in inode_list:
+            left = self.counts.get(ino, 0) - n
+            if left > 0:
+                self.counts[ino] = left
+                continue
+            self.counts.pop(ino, None)
+            if ino != ROOT:
+                self.paths.pop(ino, None)
+                own = self.spare_of.pop(ino, None)
+                if own is not None:
+                    del self.spares[own]
 
     def _open(self, obj: Past, ctx: pyfuse3.RequestContext) -> Opened:
         """What an open directory or file handle keeps of *obj*: its
@@ -269,6 +299,7 @@ class View(pyfuse3.Operations):
             self.paths[attr.st_ino] = child
             if not pyfuse3.readdir_reply(token, names[i], attr, i + 1):
                 return
+            self._looked_up(attr.st_ino)
 
     @handler
     async def releasedir(self, fh: int) -> None:
