@@ -40,9 +40,9 @@ import trio
 from .. import errors
 from ..errors import CowfsError
 from ..layers.past import History, Past, Replaced
-from ..storage import schema as S
+from ..storage import schema
 from ..storage.store import Store, meta_int
-from ..system import backing as B
+from ..system import backing
 from ..system.access import Requester
 from ..system.mounts import VIEW_FSTYPE
 from .inodes import ROOT, Numbers
@@ -71,7 +71,7 @@ class View(pyfuse3.Operations):
         super().__init__()
         self.store = store
         self.rootfd = rootfd
-        self.resolver = B.Resolver(rootfd, store.grave_fd)
+        self.resolver = backing.Resolver(rootfd, store.grave_fd)
         self.layer = layer
         self.hidden = hidden
         self.on_init = on_init
@@ -101,9 +101,9 @@ class View(pyfuse3.Operations):
 
     def _state(self) -> tuple:
         with self.store.env.begin(db=self.store.db_meta) as txn:
-            seq = meta_int(txn, S.K_NEXT_SEQ)
+            seq = meta_int(txn, schema.K_NEXT_SEQ)
         with self.store.env.begin(db=self.store.db_layers) as txn:
-            layers = tuple(S.from_u64(k) for k, _ in txn.cursor())
+            layers = tuple(schema.from_u64(k) for k, _ in txn.cursor())
         return seq, layers
 
     def history(self) -> History:
@@ -177,7 +177,7 @@ class View(pyfuse3.Operations):
         with self.store.env.begin() as txn:
             key = (
                 txn.stat(self.store.db_graves)["entries"],
-                txn.get(S.K_NEXT_GRAVE, db=self.store.db_meta),
+                txn.get(schema.K_NEXT_GRAVE, db=self.store.db_meta),
             )
         if self._graves[0] != key:
             self._graves = (key, self.store.grave_counts())

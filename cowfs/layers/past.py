@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..errors import NOTHING_TO_DO, USAGE, CowfsError
-from ..storage import datahash
-from ..storage import schema as S
+from ..storage import datahash, schema
 from ..storage.journal import Reading
 from ..storage.store import Store
 from ..storage.zeros import ChunkMap
-from ..system import access
-from ..system import backing as B
+from ..system import access, backing
 from ..system.access import Requester
 from ..text import quote
 from .listing import Changes
@@ -76,7 +74,7 @@ class Past:
     ino: int
     loc: bytes  # where it is now: a workspace path or a grave entry
     now: os.stat_result  # its status now
-    meta: S.Meta | None = None  # the META record holding its state at T, if any
+    meta: schema.Meta | None = None  # the META record holding its state at T, if any
     chunks: ChunkMap = field(default_factory=lambda: ChunkMap(1))  # (no records: any size)
     xattrs_blob: bytes | None = None
     low: int | None = None  # its smallest size since T (``Reading.low``)
@@ -111,7 +109,7 @@ class History:
     def __init__(
         self,
         store: Store,
-        resolver: B.Resolver,
+        resolver: backing.Resolver,
         layer_id: int,
         hidden: bytes | None = None,
         reading: Reading | None = None,
@@ -183,12 +181,12 @@ class History:
             return self._past(path, st.st_ino, cur, st)
         if ino is not None:  # (known)
             for gid in self.graves.get(ino, []):
-                loc = S.grave_loc(gid)
+                loc = schema.grave_loc(gid)
                 st = self.r.lstat(loc)
                 if st is not None and st.st_ino == ino:
                     return self._past(path, ino, loc, st)
             raise CowfsError(
-                f"{S.show_loc(path)}: the object it held when layer "
+                f"{schema.show_loc(path)}: the object it held when layer "
                 f"{self.layer} was opened cannot be found",
                 NOTHING_TO_DO,
             )
@@ -206,7 +204,7 @@ class History:
             return None
         try:
             with self.r.at(loc) as (d, n):
-                target, follow = B.xattr_target(d, n)
+                target, follow = backing.xattr_target(d, n)
                 return access.parse_acl(
                     os.getxattr(target, access.ACL_ACCESS, follow_symlinks=follow)
                 )
@@ -219,7 +217,7 @@ class History:
         if stat.S_ISLNK(st.st_mode):
             return None
         try:
-            return access.parse_acl(os.getxattr(B.proc(fd), access.ACL_ACCESS))
+            return access.parse_acl(os.getxattr(backing.proc(fd), access.ACL_ACCESS))
         except OSError:
             return None
 
@@ -308,7 +306,9 @@ class History:
         """The object at *path* at T; NotThere if there was none."""
         obj = self.object_at(path)
         if obj is None:
-            raise NotThere(f"{S.show_loc(path)} did not exist when layer {self.layer} was opened")
+            raise NotThere(
+                f"{schema.show_loc(path)} did not exist when layer {self.layer} was opened"
+            )
         return obj
 
     # -- the live objects the past is read from -----------------------------------
@@ -325,7 +325,7 @@ class History:
         agent may rename or exchange names between a check and a read)."""
         try:
             with self.r.at(obj.loc) as (d, n):
-                fd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+                fd = os.open(n, backing.PATH_FLAGS, dir_fd=d)
         except OSError as e:
             if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                 raise
@@ -338,7 +338,7 @@ class History:
                 or stat.S_IFMT(st.st_mode) != stat.S_IFMT(obj.now.st_mode)
             ):
                 raise self._replaced(obj)
-            oid = B.object_id(fd)
+            oid = backing.object_id(fd)
             if obj.oid is None:
                 obj.oid = oid
             elif oid != obj.oid:
@@ -350,8 +350,8 @@ class History:
 
     def _replaced(self, obj: Past) -> Replaced:
         return Replaced(
-            f"{S.show_loc(obj.path)}: the object it held when layer {self.layer} was "
-            f"opened is no longer at {S.show_loc(obj.loc)} (another object is, or none: "
+            f"{schema.show_loc(obj.path)}: the object it held when layer {self.layer} was "
+            f"opened is no longer at {schema.show_loc(obj.loc)} (another object is, or none: "
             "a change nothing captured); nothing read"
         )
 
@@ -362,7 +362,7 @@ class History:
         that very descriptor -- never a device or fifo swapped in, never
         by its name)."""
         with self.held(obj) as (pfd, _):
-            fd = os.open(B.proc(pfd), flags)
+            fd = os.open(backing.proc(pfd), flags)
         try:
             yield fd
         finally:
@@ -379,7 +379,8 @@ class History:
         and checked for this read)."""
         if not stat.S_ISREG(obj.mode):
             raise CowfsError(
-                f"{S.show_loc(obj.path)} was not a regular file when layer {self.layer} was opened",
+                f"{schema.show_loc(obj.path)} was not a regular file "
+                f"when layer {self.layer} was opened",
                 NOTHING_TO_DO,
             )
         end = obj.size if size is None else min(obj.size, offset + size)
@@ -403,7 +404,8 @@ class History:
             data = self.store.chunk(h) if h else bytes(length)
             if data is None:
                 raise CowfsError(
-                    f"{S.show_loc(obj.path)}: its pre-image (chunk {k}) is missing from the store",
+                    f"{schema.show_loc(obj.path)}: its pre-image (chunk {k}) "
+                    "is missing from the store",
                     NOTHING_TO_DO,
                 )
             lo, hi = max(offset, k * C), min(end, k * C + length)
@@ -416,17 +418,18 @@ class History:
 
     def xattrs_of(self, obj: Past) -> list[tuple[bytes, bytes]]:
         if obj.xattrs_blob is not None:
-            return S.decode_xattrs(obj.xattrs_blob)
+            return schema.decode_xattrs(obj.xattrs_blob)
         # (the magic link of an O_PATH descriptor leads to its object itself,
         # a symlink included: followed, it is not followed further)
         with self.held(obj) as (fd, _):
-            return B.list_xattrs(B.proc(fd), True)
+            return backing.list_xattrs(backing.proc(fd), True)
 
     def listdir(self, obj: Past) -> list[bytes]:
         """The names in directory *obj* at T."""
         if not stat.S_ISDIR(obj.mode):
             raise CowfsError(
-                f"{S.show_loc(obj.path)} was not a directory when layer {self.layer} was opened",
+                f"{schema.show_loc(obj.path)} was not a directory "
+                f"when layer {self.layer} was opened",
                 NOTHING_TO_DO,
             )
         names: set[bytes] = set()
@@ -435,7 +438,7 @@ class History:
                 live = [os.fsencode(x) for x in os.listdir(fd)]
         except OSError:
             live = []
-        here = obj.loc if S.grave_id(obj.loc) is None else None
+        here = obj.loc if schema.grave_id(obj.loc) is None else None
         for name in live:
             if here is None:
                 continue  # a directory removed after T held no live names then
@@ -578,7 +581,7 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
     )
     with h.opened(obj) as fd:
         live = obj.size if obj.low is None else min(obj.size, obj.low)
-        return _ranges_within(heapq.merge(spans, B.iter_data(fd, live)), obj.size, limit)
+        return _ranges_within(heapq.merge(spans, backing.iter_data(fd, live)), obj.size, limit)
 
 
 @contextmanager
@@ -587,15 +590,15 @@ def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
     the name opened once, following no symlink, checked to be that object,
     and opened again through that descriptor."""
     with h.r.at(path) as (d, n):
-        pfd = os.open(n, B.PATH_FLAGS, dir_fd=d)
+        pfd = os.open(n, backing.PATH_FLAGS, dir_fd=d)
     try:
         now = os.fstat(pfd)
         if (now.st_ino, stat.S_IFMT(now.st_mode)) != (st.st_ino, stat.S_IFMT(st.st_mode)):
             raise Replaced(
-                f"{S.show_loc(path)}: another object is there than the one found a "
+                f"{schema.show_loc(path)}: another object is there than the one found a "
                 "moment ago (a change nothing captured); nothing read"
             )
-        fd = os.open(B.proc(pfd), READ_FLAGS)
+        fd = os.open(backing.proc(pfd), READ_FLAGS)
     finally:
         os.close(pfd)
     try:
@@ -671,7 +674,7 @@ def diff_sides(
 
         def new_data(size: int) -> list[tuple[int, int]] | None:
             with _open_now(h, new_path, new_st) as fd:
-                return _ranges_within(B.iter_data(fd, size), size, data_limit)
+                return _ranges_within(backing.iter_data(fd, size), size, data_limit)
 
         new_dense = _dense(new_st.st_size, new_st.st_blocks * 512)
         out["new"] = _side(

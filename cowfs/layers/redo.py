@@ -50,18 +50,17 @@ from typing import TYPE_CHECKING, NamedTuple
 import lmdb
 
 from ..errors import NothingToDo, Refused, StoreError
-from ..storage import gravesum
-from ..storage import schema as S
+from ..storage import gravesum, schema
 from ..storage.journal import Names, Slot
 from ..storage.schema import RedoState
 from ..storage.store import Store, Writer
-from ..system import backing as B
+from ..system import backing
 
 if TYPE_CHECKING:
     from .undo import Undoer
 
 # whether the step of (seq, record) is skipped (a damaged record, ...)
-Skip = Callable[[int, S.Record], bool]
+Skip = Callable[[int, schema.Record], bool]
 
 BUILDING, READY, REDOING, UNAVAILABLE, GONE = "building", "ready", "redoing", "unavailable", "gone"
 SEGMENT = 1 << 63  # + the rollback's first seq: the segment's index id (no layer has it)
@@ -70,24 +69,27 @@ SEGMENT = 1 << 63  # + the rollback's first seq: the segment's index id (no laye
 
 
 def state(store: Store) -> RedoState | None:
-    raw = S.meta_json(S.DB_REDO, S.K_REDO_STATE, store.redo_get(S.K_REDO_STATE))
+    raw = schema.meta_json(schema.DB_REDO, schema.K_REDO_STATE, store.redo_get(schema.K_REDO_STATE))
     return RedoState.from_json(raw) if raw is not None else None
 
 
 def _state_in(w: Writer) -> RedoState:
     """The note, read in a transaction that changes it (a sound store,
     amid a rollback's keeping or a redo, has it)."""
-    raw = w.redo_get(S.K_REDO_STATE)
+    raw = w.redo_get(schema.K_REDO_STATE)
     if raw is None:
         raise StoreError("the store is damaged: it has no note of the last rollback")
-    return RedoState.from_json(S.meta_json(S.DB_REDO, S.K_REDO_STATE, raw))
+    return RedoState.from_json(schema.meta_json(schema.DB_REDO, schema.K_REDO_STATE, raw))
 
 
 def _put_state(w: Writer, note: RedoState) -> None:
-    w.redo_put(S.K_REDO_STATE, S.seal(S.DB_REDO, S.K_REDO_STATE, S.to_json(note.to_json())))
+    w.redo_put(
+        schema.K_REDO_STATE,
+        schema.seal(schema.DB_REDO, schema.K_REDO_STATE, schema.to_json(note.to_json())),
+    )
 
 
-def summary(store: Store, resolver: B.Resolver | None = None) -> dict | None:
+def summary(store: Store, resolver: backing.Resolver | None = None) -> dict | None:
     """What `status` and `log` say about redo: None when no rollback left a
     note, else {"available", "layers", "why"}.  With *resolver*, a redo
     that is still kept is checked as `redo` would check it (a stat of
@@ -164,7 +166,7 @@ def complete(store: Store) -> bool:
     note = state(store)
     if note is None or note.state != BUILDING:
         return False
-    return all(store.redo_get(S.redo_layer_key(i)) is not None for i in note.dropped)
+    return all(store.redo_get(schema.redo_layer_key(i)) is not None for i in note.dropped)
 
 
 def building(store: Store, to: int) -> bool:
@@ -190,11 +192,11 @@ def discard(store: Store, reason: str) -> list[int]:
         keys = []
         for key, val in w.redo_entries():
             keys.append(key)
-            kind, _ = S.split_redo_key(key)
-            if kind not in (S.REDO_RECORD, S.REDO_INVERSE):
+            kind, _ = schema.split_redo_key(key)
+            if kind not in (schema.REDO_RECORD, schema.REDO_INVERSE):
                 continue
-            rec = S.decode_or_damaged(val)
-            if isinstance(rec, S.Chunk) and rec.digest:
+            rec = schema.decode_or_damaged(val)
+            if isinstance(rec, schema.Chunk) and rec.digest:
                 w.deref(rec.digest)
             held = held_grave(kind, rec)
             if held is not None and w.holds_grave(held[0]):
@@ -224,7 +226,7 @@ def discard(store: Store, reason: str) -> list[int]:
             ),
         )
     for gid in graves:
-        B.remove_tree_at(store.grave_fd, str(gid).encode())
+        backing.remove_tree_at(store.grave_fd, str(gid).encode())
     return freed
 
 
@@ -264,15 +266,15 @@ class RedoInverses:
 
     BATCH = batch_size()
 
-    def __init__(self, store: Store, resolver: B.Resolver):
+    def __init__(self, store: Store, resolver: backing.Resolver):
         self.store = store
         self.r = resolver
         self.C = store.chunk_size
-        self.held: list[tuple[int, S.Record, bool]] = []
+        self.held: list[tuple[int, schema.Record, bool]] = []
         # (a resumed rollback)
-        self.kept = {S.redo_inverse_seq(k) for k, _ in store.redo_entries(S.REDO_INVERSE)}
+        self.kept = {schema.redo_inverse_seq(k) for k, _ in store.redo_entries(schema.REDO_INVERSE)}
         # seq -> inverses, in the rollback's order, while this process took them all
-        self.groups: dict[int, list[S.Change]] | None = {} if not self.kept else None
+        self.groups: dict[int, list[schema.Change]] | None = {} if not self.kept else None
         # directories whose times are kept already (valid while no directory moves)
         self.dir_times: set[bytes] = set()
         # seq -> what the CREATE or LINK step of that record will find at its path,
@@ -283,12 +285,12 @@ class RedoInverses:
         self.last: _BatchPlan | None = None  # the plan of the batch kept last
         self.generation = self.began = resolver.generation
 
-    def before(self, seq: int, rec: S.Record) -> tuple[int, int] | None:
+    def before(self, seq: int, rec: schema.Record) -> tuple[int, int] | None:
         """Keep the inverse of *rec*'s undo step, unless it is kept already.
         Returns (grave id, inode): where the step must move the object it
         removes (CREATE, LINK), and which object that is, if any."""
         if seq not in self.kept:
-            if isinstance(rec, S.Rename) and not self._holds(rec.dst, rec.ino):
+            if isinstance(rec, schema.Rename) and not self._holds(rec.dst, rec.ino):
                 # its step moves nothing: nothing to keep (a resumed rollback
                 # meets such a step where it took it already, with nothing
                 # kept of it when it went with the CREATE after it: see
@@ -296,15 +298,15 @@ class RedoInverses:
                 self.kept.add(seq)
                 return None
             return self._keep([(seq, rec, None)])[0]
-        first = self.store.redo_get(S.redo_inverse_key(seq, 0))
-        return _keep_of(rec, [S.decode_record(first)] if first is not None else [])
+        first = self.store.redo_get(schema.redo_inverse_key(seq, 0))
+        return _keep_of(rec, [schema.decode_record(first)] if first is not None else [])
 
     def _holds(self, loc: bytes, ino: int) -> bool:
         st = self.r.lstat(loc)
         return st is not None and st.st_ino == ino
 
     def batch(
-        self, records: Sequence[tuple[int, S.Record]], i: int, skip: Skip
+        self, records: Sequence[tuple[int, schema.Record]], i: int, skip: Skip
     ) -> list[tuple[int, int] | None]:
         """Keep the inverses of the undo steps of records[i:i+n], for the
         longest run (n >= 1) that makes a batch (see the class); *skip*:
@@ -318,7 +320,7 @@ class RedoInverses:
         return self._keep(chosen)
 
     def batch_ahead(
-        self, records: Sequence[tuple[int, S.Record]], i: int, skip: Skip
+        self, records: Sequence[tuple[int, schema.Record]], i: int, skip: Skip
     ) -> list[tuple[int, int] | None] | None:
         """`batch`, taken while the steps of the batch kept last are being
         applied: only steps that act nowhere near that batch's places and
@@ -338,15 +340,15 @@ class RedoInverses:
 
     def _plan(
         self,
-        records: Sequence[tuple[int, S.Record]],
+        records: Sequence[tuple[int, schema.Record]],
         i: int,
         skip: Skip,
         outer: _BatchPlan | None,
-    ) -> list[tuple[int, S.Record, os.stat_result | None]]:
+    ) -> list[tuple[int, schema.Record, os.stat_result | None]]:
         """The longest run from records[i] that makes a batch (see
         `_BatchPlan`; *outer*: the batch whose steps run meanwhile)."""
         plan = _BatchPlan(self.r, outer)
-        chosen: list[tuple[int, S.Record, os.stat_result | None]] = []
+        chosen: list[tuple[int, schema.Record, os.stat_result | None]] = []
         for seq, rec in records[i : i + self.BATCH + 1]:
             if seq in self.kept or skip(seq, rec):
                 break
@@ -360,7 +362,7 @@ class RedoInverses:
         return chosen
 
     def _keep(
-        self, chosen: list[tuple[int, S.Record, os.stat_result | None]]
+        self, chosen: list[tuple[int, schema.Record, os.stat_result | None]]
     ) -> list[tuple[int, int] | None]:
         """One transaction: the held records leave the journal, the inverses
         of *chosen* ((seq, record, what a CREATE or LINK step removes, as
@@ -373,7 +375,7 @@ class RedoInverses:
             groups = self._inverses(w, chosen)
             for seq, group in groups:
                 for k, inv in enumerate(group):
-                    w.redo_put(S.redo_inverse_key(seq, k), S.encode_record(inv))
+                    w.redo_put(schema.redo_inverse_key(seq, k), schema.encode_record(inv))
         self.held = []
         for (seq, group), (_, rec, _) in zip(groups, chosen, strict=True):
             self.kept.add(seq)
@@ -383,8 +385,8 @@ class RedoInverses:
         return out
 
     def _inverses(
-        self, w: Writer, chosen: list[tuple[int, S.Record, os.stat_result | None]]
-    ) -> list[tuple[int, list[S.Change]]]:
+        self, w: Writer, chosen: list[tuple[int, schema.Record, os.stat_result | None]]
+    ) -> list[tuple[int, list[schema.Change]]]:
         """(seq, the inverses of its step) for each of *chosen*.  A RENAME
         followed by the CREATE of its source (a file written under a
         temporary name and renamed into place, which the batch plan saw at
@@ -393,15 +395,15 @@ class RedoInverses:
         or one by one: its inverse, kept with the CREATE, moves the file
         from the grave straight back to its new name, and the RENAME keeps
         the times of the directories alone."""
-        out: list[tuple[int, list[S.Change]]] = []
+        out: list[tuple[int, list[schema.Change]]] = []
         for j, (seq, rec, st) in enumerate(chosen):
             prev = chosen[j - 1][1] if j else None
             nxt = chosen[j + 1] if j + 1 < len(chosen) else None
-            if isinstance(rec, S.Rename) and nxt is not None and _made_before(rec, *nxt[1:]):
+            if isinstance(rec, schema.Rename) and nxt is not None and _made_before(rec, *nxt[1:]):
                 out.append((seq, self._parents(rec.src, rec.dst)))
-            elif isinstance(prev, S.Rename) and st is not None and _made_before(prev, rec, st):
+            elif isinstance(prev, schema.Rename) and st is not None and _made_before(prev, rec, st):
                 gid = w.new_grave(st.st_ino, st)
-                out.append((seq, [S.Rename(prev.dst, S.grave_loc(gid), st.st_ino)]))
+                out.append((seq, [schema.Rename(prev.dst, schema.grave_loc(gid), st.st_ino)]))
             else:
                 out.append((seq, self._inverse(w, rec, st)))
         return out
@@ -414,15 +416,15 @@ class RedoInverses:
         for loc in locs:
             self.emptied[loc] = seq
 
-    def hold(self, steps: list[tuple[int, S.Record, bool]]) -> None:
+    def hold(self, steps: list[tuple[int, schema.Record, bool]]) -> None:
         """After these undo steps ((seq, record, moved): applied, failed
         or skipped); *moved*: the step moved its object into the grave or
         out of it (so that need not be looked at again; out of it, it left
         nothing there)."""
         self.held += steps
         for seq, rec, moved in steps:
-            if moved and isinstance(rec, S.Grave):
-                self.emptied[S.grave_loc(rec.grave)] = seq
+            if moved and isinstance(rec, schema.Grave):
+                self.emptied[schema.grave_loc(rec.grave)] = seq
         # (a batch's records leave the journal when the batch after the next is kept)
         if len(self.held) > 2 * self.BATCH:
             self.flush()
@@ -440,18 +442,18 @@ class RedoInverses:
             if not w.park_record(seq):
                 continue
             if moved:
-                if isinstance(rec, S.Grave):
+                if isinstance(rec, schema.Grave):
                     w.drop_grave(rec.grave)  # put back
-            elif isinstance(rec, S.Create | S.Link):
-                first = S.redo_inverse_key(seq, 0)
+            elif isinstance(rec, schema.Create | schema.Link):
+                first = schema.redo_inverse_key(seq, 0)
                 raw_inv = w.redo_get(first)
                 if raw_inv is None:
                     continue
-                inv = S.decode_record(raw_inv)
+                inv = schema.decode_record(raw_inv)
                 # (the inverse of a CREATE or LINK moves the object into the grave)
-                gid = S.grave_id(inv.dst) if isinstance(inv, S.Rename) else None
+                gid = schema.grave_id(inv.dst) if isinstance(inv, schema.Rename) else None
                 assert gid is not None
-                if B.lstat_at(grave_fd, str(gid).encode()) is None:
+                if backing.lstat_at(grave_fd, str(gid).encode()) is None:
                     # the step failed: nothing was moved, nothing to put back
                     # (the directories' times stay: they may be the first kept)
                     w.redo_delete(first)
@@ -460,7 +462,10 @@ class RedoInverses:
                         self.groups[seq] = self.groups[seq][1:]
                         if not self.groups[seq]:
                             del self.groups[seq]
-            elif isinstance(rec, S.Grave) and B.lstat_at(grave_fd, str(rec.grave).encode()) is None:
+            elif (
+                isinstance(rec, schema.Grave)
+                and backing.lstat_at(grave_fd, str(rec.grave).encode()) is None
+            ):
                 w.drop_grave(rec.grave)  # put back
 
     def sealed(self) -> ToSeal:
@@ -508,9 +513,9 @@ class RedoInverses:
         assert note is not None  # (written when the rollback was planned: redo.begin)
         with self.store.write() as w:
             for loc, value in prints:
-                w.redo_put(S.redo_kept_key(S.REDO_PRINT, loc), value)
+                w.redo_put(schema.redo_kept_key(schema.REDO_PRINT, loc), value)
             for loc in moved:
-                w.redo_put(S.redo_kept_key(S.REDO_MOVED, loc), b"")
+                w.redo_put(schema.redo_kept_key(schema.REDO_MOVED, loc), b"")
             fresh = None if top in note.kept else top
             sealed = replace(
                 note,
@@ -524,28 +529,28 @@ class RedoInverses:
 
     # -- inverses -------------------------------------------------------------------
 
-    def _parents(self, *paths: bytes) -> list[S.Change]:
+    def _parents(self, *paths: bytes) -> list[schema.Change]:
         """The attributes (times) of the directories holding *paths*, which
         a change of their entries touches: the first time the rollback
         touches each.  A redo applies the inverses in the reverse order, so
         that one is applied last, and leaves the times the rollback found
         (the others would be overwritten).  A directory moved meanwhile
         starts over: the names may hold other directories now."""
-        out: list[S.Change] = []
+        out: list[schema.Change] = []
         if self.generation != self.r.generation:
             self.generation = self.r.generation
             self.dir_times.clear()
         seen = self.dir_times
         for p in paths:
-            if S.grave_id(p) is not None or not p:
+            if schema.grave_id(p) is not None or not p:
                 continue
-            parent = B.split(p)[0]
+            parent = backing.split(p)[0]
             if parent in seen:
                 continue
             st = self.r.lstat(parent)
             if st is not None:
                 seen.add(parent)
-                out.append(S.meta_record(parent, st))
+                out.append(schema.meta_record(parent, st))
         return out
 
     def _bytes(
@@ -558,14 +563,14 @@ class RedoInverses:
         index: int,
         end: int,
         length: int | None = None,
-    ) -> S.Chunk:
+    ) -> schema.Chunk:
         """A CHUNK record holding chunk *index* of the object as it is now
         (up to *length* bytes of it, never past *end*, its size)."""
         off = index * self.C
         n = max(0, min(self.C if length is None else length, end - off))
         data = b""
         if n:
-            fd = B.open_noatime(
+            fd = backing.open_noatime(
                 name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
             )
             try:
@@ -573,17 +578,17 @@ class RedoInverses:
             finally:
                 os.close(fd)
         h = b"" if data == bytes(len(data)) else w.put_chunk(data)
-        return S.Chunk(loc, ino, index, len(data), h)
+        return schema.Chunk(loc, ino, index, len(data), h)
 
     def _data_chunks(self, d: int, name: bytes, start: int, end: int) -> list[int]:
         """The chunks of the file *name* that hold data within [start, end)."""
-        fd = B.open_noatime(
+        fd = backing.open_noatime(
             name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d
         )
         try:
             out: list[int] = []
             pos = start
-            while (found := B.next_data(fd, pos, end)) is not None:
+            while (found := backing.next_data(fd, pos, end)) is not None:
                 lo, hi = found
                 for i in range(lo // self.C, (hi - 1) // self.C + 1):
                     if not out or out[-1] < i:
@@ -594,40 +599,49 @@ class RedoInverses:
             os.close(fd)
 
     @staticmethod
-    def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[S.Change]:
-        pairs = B.list_xattrs(*B.xattr_target(d, n))
-        return [S.Xattrs(loc, ino, S.encode_xattrs(pairs))] if pairs or always else []
+    def _xattrs(d: int, n: bytes, loc: bytes, ino: int, always: bool = True) -> list[schema.Change]:
+        pairs = backing.list_xattrs(*backing.xattr_target(d, n))
+        return [schema.Xattrs(loc, ino, schema.encode_xattrs(pairs))] if pairs or always else []
 
     def _inverse(
-        self, w: Writer, rec: S.Record, st: os.stat_result | None = None
-    ) -> list[S.Change]:
+        self, w: Writer, rec: schema.Record, st: os.stat_result | None = None
+    ) -> list[schema.Change]:
         """Records that undo *rec*'s undo step, in the order a redo applies
         them; taken before the step (*st*: for a CREATE or LINK in a batch,
         what the step will find at its path, as the plan knows it)."""
-        if isinstance(rec, S.Create | S.Link):
+        if isinstance(rec, schema.Create | schema.Link):
             if st is None:
                 st = self.r.lstat(rec.path)
             if st is None:
                 return []
             gid = w.new_grave(st.st_ino, st)
-            return [S.Rename(rec.path, S.grave_loc(gid), st.st_ino), *self._parents(rec.path)]
-        if isinstance(rec, S.Grave):
-            return [S.Rename(S.grave_loc(rec.grave), rec.path, rec.ino), *self._parents(rec.path)]
-        if isinstance(rec, S.Rename):
-            return [S.Rename(rec.dst, rec.src, rec.ino), *self._parents(rec.src, rec.dst)]
-        if isinstance(rec, S.Exchange):
-            return [S.Exchange(rec.a, rec.b, rec.ino_b, rec.ino_a), *self._parents(rec.a, rec.b)]
-        if not isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+            return [
+                schema.Rename(rec.path, schema.grave_loc(gid), st.st_ino),
+                *self._parents(rec.path),
+            ]
+        if isinstance(rec, schema.Grave):
+            return [
+                schema.Rename(schema.grave_loc(rec.grave), rec.path, rec.ino),
+                *self._parents(rec.path),
+            ]
+        if isinstance(rec, schema.Rename):
+            return [schema.Rename(rec.dst, rec.src, rec.ino), *self._parents(rec.src, rec.dst)]
+        if isinstance(rec, schema.Exchange):
+            return [
+                schema.Exchange(rec.a, rec.b, rec.ino_b, rec.ino_a),
+                *self._parents(rec.a, rec.b),
+            ]
+        if not isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk):
             return []
         loc, ino = rec.loc, rec.ino
         try:
             with self.r.at(loc) as (d, n):
-                st = B.lstat_at(d, n)
+                st = backing.lstat_at(d, n)
                 if st is None or st.st_ino != ino:
                     return []  # the step cannot apply either; it is reported
-                if isinstance(rec, S.Xattrs):
+                if isinstance(rec, schema.Xattrs):
                     return self._xattrs(d, n, loc, ino)
-                if isinstance(rec, S.Chunk) and not rec.digest and rec.length > self.C:
+                if isinstance(rec, schema.Chunk) and not rec.digest and rec.length > self.C:
                     # a range of zeros: the step punches out what holds data
                     # there, which is all it needs to put back (the rest
                     # reads as zeros already: a range of TiBs costs what it holds)
@@ -637,13 +651,13 @@ class RedoInverses:
                         self._bytes(w, d, n, loc, ino, i, st.st_size, min(self.C, hi - i * self.C))
                         for i in (self._data_chunks(d, n, lo, hi) if lo < hi else [])
                     ]
-                    return [*kept, S.meta_record(loc, st)]
-                if isinstance(rec, S.Chunk):
+                    return [*kept, schema.meta_record(loc, st)]
+                if isinstance(rec, schema.Chunk):
                     return [
                         self._bytes(w, d, n, loc, ino, rec.chunk, st.st_size, rec.length),
-                        S.meta_record(loc, st),
+                        schema.meta_record(loc, st),
                     ]
-                out: list[S.Change] = []
+                out: list[schema.Change] = []
                 if stat.S_ISREG(st.st_mode) and st.st_size > rec.size:
                     # the step truncates: keep what it cuts off that holds
                     # data (the rest reads as the zeros that putting the
@@ -652,7 +666,7 @@ class RedoInverses:
                         self._bytes(w, d, n, loc, ino, i, st.st_size)
                         for i in self._data_chunks(d, n, rec.size, st.st_size)
                     ]
-                out.append(S.meta_record(loc, st))
+                out.append(schema.meta_record(loc, st))
                 if (st.st_uid, st.st_gid) != (rec.uid, rec.gid):
                     # a change of owner drops capabilities
                     out += self._xattrs(d, n, loc, ino, always=False)
@@ -661,24 +675,28 @@ class RedoInverses:
             return []  # (a path component is gone: likewise)
 
 
-def _made_before(ren: S.Rename, rec: S.Record, st: os.stat_result | None) -> bool:
+def _made_before(ren: schema.Rename, rec: schema.Record, st: os.stat_result | None) -> bool:
     """Whether *rec*, the record before RENAME *ren*, is the CREATE of its
     source, and the batch plan has the file at its new name (*st*: what
     the CREATE's step will find)."""
     return removes_source(ren, rec) and st is not None and st.st_ino == ren.ino
 
 
-def removes_source(ren: S.Record, rec: S.Record) -> bool:
+def removes_source(ren: schema.Record, rec: schema.Record) -> bool:
     """Whether *rec*, the record before *ren*, is the CREATE of the
     source of *ren*, a RENAME."""
-    return isinstance(ren, S.Rename) and isinstance(rec, S.Create) and rec.path == ren.src
+    return isinstance(ren, schema.Rename) and isinstance(rec, schema.Create) and rec.path == ren.src
 
 
-def _keep_of(rec: S.Record, inverses: list[S.Change]) -> tuple[int, int] | None:
+def _keep_of(rec: schema.Record, inverses: list[schema.Change]) -> tuple[int, int] | None:
     """(grave id, inode) a CREATE or LINK step moves its object to, from
     its inverse (which moves it into the grave)."""
-    if isinstance(rec, S.Create | S.Link) and inverses and isinstance(inverses[0], S.Rename):
-        gid = S.grave_id(inverses[0].dst)
+    if (
+        isinstance(rec, schema.Create | schema.Link)
+        and inverses
+        and isinstance(inverses[0], schema.Rename)
+    ):
+        gid = schema.grave_id(inverses[0].dst)
         if gid is not None:
             return gid, inverses[0].ino
     return None
@@ -701,7 +719,7 @@ class _BatchPlan:
     by a redo, which sets last the times the rollback found there before
     its first step in it (see `RedoInverses._parents`)."""
 
-    def __init__(self, resolver: B.Resolver, outer: _BatchPlan | None = None):
+    def __init__(self, resolver: backing.Resolver, outer: _BatchPlan | None = None):
         self.r = resolver
         self.places: set[bytes] = set()  # where the batch acts
         self.above: set[bytes] = set()  # directories holding those
@@ -726,7 +744,7 @@ class _BatchPlan:
 
     def _claim(self, loc: bytes) -> None:
         self.places.add(loc)
-        if S.grave_id(loc) is None:
+        if schema.grave_id(loc) is None:
             while loc:
                 loc = loc.rpartition(b"/")[0]
                 self.above.add(loc)
@@ -745,10 +763,10 @@ class _BatchPlan:
         except OSError:
             return False, None
 
-    def admit(self, rec: S.Record) -> tuple[S.Record, os.stat_result | None] | None:
+    def admit(self, rec: schema.Record) -> tuple[schema.Record, os.stat_result | None] | None:
         """Add *rec*'s step to the batch, or None when it cannot join it;
         with, for a CREATE or LINK, what its step will remove."""
-        if isinstance(rec, S.Create | S.Link):
+        if isinstance(rec, schema.Create | schema.Link):
             ok, st = self._there(rec.path)
             if (
                 not ok
@@ -765,7 +783,7 @@ class _BatchPlan:
             self.holds.pop(rec.path, None)
             self.objects.add(st.st_ino)
             return rec, st
-        if isinstance(rec, S.Rename):  # the step moves rec.ino from dst to src
+        if isinstance(rec, schema.Rename):  # the step moves rec.ino from dst to src
             ok, st = self._there(rec.dst)
             ok_src, st_src = self._there(rec.src)
             if (
@@ -787,8 +805,8 @@ class _BatchPlan:
             self.stats[rec.ino] = st
             self.objects.add(rec.ino)
             return rec, None
-        if isinstance(rec, S.Grave):  # the step moves it out of the grave
-            gloc = S.grave_loc(rec.grave)
+        if isinstance(rec, schema.Grave):  # the step moves it out of the grave
+            gloc = schema.grave_loc(rec.grave)
             ok, st = self._there(gloc)
             ok_at, st_at = self._there(rec.path)
             if (
@@ -806,11 +824,11 @@ class _BatchPlan:
             self._claim(rec.path)  # (and no later step there: applied again, the
             self.objects.add(rec.ino)  # step would miss the object in the grave)
             return rec, None
-        if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+        if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk):
             # the attributes of a directory the batch acts in: the times its
             # steps leave there are set over (and a redo sets the times the
             # rollback found there last: see `RedoInverses._parents`)
-            above = isinstance(rec, S.Meta) and stat.S_ISDIR(rec.mode)
+            above = isinstance(rec, schema.Meta) and stat.S_ISDIR(rec.mode)
             if (
                 rec.loc in self.holds
                 or not self._free(rec.loc, above)
@@ -828,7 +846,7 @@ class _BatchPlan:
 def _free_of(plan: _BatchPlan, loc: bytes, above: bool = False) -> bool:
     if not above and loc in plan.above:
         return False
-    if S.grave_id(loc) is not None:
+    if schema.grave_id(loc) is not None:
         return loc not in plan.places
     while True:
         if loc in plan.places:
@@ -841,32 +859,32 @@ def _free_of(plan: _BatchPlan, loc: bytes, above: bool = False) -> bool:
 # -- where a redo acts, and whether anything changed there --------------------------------
 
 
-InverseGroup = tuple[int, list[tuple[bytes, S.Record]]]  # seq, [(key, record)...]
+InverseGroup = tuple[int, list[tuple[bytes, schema.Record]]]  # seq, [(key, record)...]
 
 
 def _inverse_groups(store: Store, reverse: bool = False) -> Sequence[InverseGroup]:
     """(seq, [(key, record)...]) of the kept inverses, in seq order."""
     groups: list[InverseGroup] = []
-    for key, val in store.redo_entries(S.REDO_INVERSE):
-        seq = S.redo_inverse_seq(key)
+    for key, val in store.redo_entries(schema.REDO_INVERSE):
+        seq = schema.redo_inverse_seq(key)
         if not groups or groups[-1][0] != seq:
             groups.append((seq, []))
-        groups[-1][1].append((key, S.decode_or_damaged(val)))
+        groups[-1][1].append((key, schema.decode_or_damaged(val)))
     return groups[::-1] if reverse else groups
 
 
-def _locs(rec: S.Record) -> list[bytes]:
-    if isinstance(rec, S.Rename):
+def _locs(rec: schema.Record) -> list[bytes]:
+    if isinstance(rec, schema.Rename):
         return [rec.src, rec.dst]
-    if isinstance(rec, S.Exchange):
+    if isinstance(rec, schema.Exchange):
         return [rec.a, rec.b]
-    if isinstance(rec, S.Meta | S.Xattrs | S.Chunk):
+    if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk):
         return [rec.loc]
     return []
 
 
 def _locations(
-    groups: Iterable[tuple[int, Sequence[S.Record]]],
+    groups: Iterable[tuple[int, Sequence[schema.Record]]],
 ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
     """What `touched_locations` finds when no undo step moved a directory:
     every location the inverses name, and those of the moves.  (The places
@@ -881,12 +899,12 @@ def _locations(
             here = _locs(rec)
             for loc in here:
                 last[loc] = seq
-            if isinstance(rec, S.Rename | S.Exchange):
+            if isinstance(rec, schema.Rename | schema.Exchange):
                 moved.update(here)
     return sorted(last), sorted(moved), last
 
 
-def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes], list[bytes]]:
+def touched_locations(groups: Sequence[Sequence[schema.Record]]) -> tuple[list[bytes], list[bytes]]:
     """Every location a redo would act on, as it is named at the end of the
     rollback, and those of them where it moves what is there (renames,
     exchanges, moves into and out of the grave).  *groups*: the inverses,
@@ -898,9 +916,9 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     names = Names()
     followed: dict[Slot, bool] = {}  # slot -> whether the redo moves what is there
 
-    def note(group: Sequence[S.Record]) -> None:
+    def note(group: Sequence[schema.Record]) -> None:
         for rec in group:
-            moves = isinstance(rec, S.Rename | S.Exchange)
+            moves = isinstance(rec, schema.Rename | schema.Exchange)
             for loc in _locs(rec):
                 s = names.slot(loc)
                 if moves:
@@ -911,12 +929,12 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     for group in groups:
         note(group)
         first = group[0]
-        if isinstance(first, S.Rename):  # the undo step moved src to dst
+        if isinstance(first, schema.Rename):  # the undo step moved src to dst
             names.move(first.src, first.dst)
-            if S.grave_id(first.dst) is not None:
+            if schema.grave_id(first.dst) is not None:
                 names.prune(first.dst)
             note(group)  # what it left
-        elif isinstance(first, S.Exchange):
+        elif isinstance(first, schema.Exchange):
             names.exchange(first.a, first.b)
             note(group)
     now = [(names.where(slot), moves) for slot, moves in followed.items()]
@@ -926,10 +944,10 @@ def touched_locations(groups: Sequence[Sequence[S.Record]]) -> tuple[list[bytes]
     )
 
 
-def fingerprints(resolver: B.Resolver, locs: list[bytes]) -> list[tuple[bytes, bytes]]:
+def fingerprints(resolver: backing.Resolver, locs: list[bytes]) -> list[tuple[bytes, bytes]]:
     """(location, its fingerprint as ``print_json`` writes it) for each of
     *locs* (within ``resolver.reading()``; see ``backing.fingerprints``)."""
-    return [(loc, print_json(fp)) for loc, fp in B.fingerprints(resolver, locs)]
+    return [(loc, print_json(fp)) for loc, fp in backing.fingerprints(resolver, locs)]
 
 
 def print_json(fp: list | None) -> bytes:
@@ -939,14 +957,14 @@ def print_json(fp: list | None) -> bytes:
         return b"null"
     if all(type(x) is int for x in fp):
         return ("[" + ", ".join(map(str, fp)) + "]").encode()
-    return S.to_json(fp)
+    return schema.to_json(fp)
 
 
 def layers_text(ids: list[int]) -> str:
     return ("layers " if len(ids) > 1 else "layer ") + ", ".join(map(str, ids))
 
 
-def check(store: Store, resolver: B.Resolver) -> RedoState:
+def check(store: Store, resolver: backing.Resolver) -> RedoState:
     """The kept rollback, if a redo can undo it now; else raise NothingToDo
     (there was none) or Refused (saying why not)."""
     note = state(store)
@@ -966,7 +984,7 @@ def _shown(paths: list[str]) -> str:
     return ", ".join(paths[:10]) + (f" and {len(paths) - 10} more" if len(paths) > 10 else "")
 
 
-def why_not(store: Store, resolver: B.Resolver, note: RedoState) -> str | None:
+def why_not(store: Store, resolver: backing.Resolver, note: RedoState) -> str | None:
     """Why the kept rollback *st* (ready) cannot be redone now, or None:
     the layers changed, a location the redo touches is not as the rollback
     left it, or a change recorded since lies at one of them or below a
@@ -977,30 +995,30 @@ def why_not(store: Store, resolver: B.Resolver, note: RedoState) -> str | None:
     if store.next_seq != note.seq and not note.moves:
         # (kept by an older cowfs: changes since were captured into the open layer)
         return "the workspace changed after it"
-    prints = {S.split_redo_key(k)[1]: v for k, v in store.redo_entries(S.REDO_PRINT)}
-    moved = {S.split_redo_key(k)[1] for k, _ in store.redo_entries(S.REDO_MOVED)}
+    prints = {schema.split_redo_key(k)[1]: v for k, v in store.redo_entries(schema.REDO_PRINT)}
+    moved = {schema.split_redo_key(k)[1] for k, _ in store.redo_entries(schema.REDO_MOVED)}
     changed = []
     with resolver.reading():
         for loc, val in prints.items():
             try:
-                same = B.fingerprint(resolver, loc) == S.from_json(val)
+                same = backing.fingerprint(resolver, loc) == schema.from_json(val)
             except ValueError:  # (damaged: nothing can be proved the same)
                 same = False
             if not same:
-                changed.append(S.show_loc(loc))
+                changed.append(schema.show_loc(loc))
     if changed:
         return f"{_shown(changed)} changed since the rollback"
     inside: dict[str, str] = {}
     for _, rec in store.records(note.seq, store.next_seq):
-        if isinstance(rec, S.Damaged):
+        if isinstance(rec, schema.Damaged):
             return "a record of a change made since the rollback is damaged"
         for loc in record_locs(rec):
             if loc in prints:
-                inside.setdefault(S.show_loc(loc), "")
+                inside.setdefault(schema.show_loc(loc), "")
                 continue
             above = _moved_above(loc, moved)
             if above is not None:
-                inside.setdefault(S.show_loc(loc), S.show_loc(above))
+                inside.setdefault(schema.show_loc(loc), schema.show_loc(above))
     if inside:
         where = sorted({d for d in inside.values() if d})
         return f"{_shown(sorted(inside))} changed since the rollback" + (
@@ -1009,18 +1027,18 @@ def why_not(store: Store, resolver: B.Resolver, note: RedoState) -> str | None:
     return None
 
 
-def record_locs(rec: S.Change) -> list[bytes]:
+def record_locs(rec: schema.Change) -> list[bytes]:
     """The locations a journal record names."""
-    if isinstance(rec, S.Rename):
+    if isinstance(rec, schema.Rename):
         return [rec.src, rec.dst]
-    if isinstance(rec, S.Exchange):
+    if isinstance(rec, schema.Exchange):
         return [rec.a, rec.b]
-    return [S.record_loc(rec)]
+    return [schema.record_loc(rec)]
 
 
 def _moved_above(loc: bytes, moved: set[bytes]) -> bytes | None:
     """The location in *moved* that *loc* lies below, if any."""
-    if not moved or S.grave_id(loc) is not None:
+    if not moved or schema.grave_id(loc) is not None:
         return None
     i = loc.find(b"/")
     while i > 0:
@@ -1035,13 +1053,13 @@ def start(w: Writer) -> None:
     _put_state(w, replace(_state_in(w), state=REDOING))
 
 
-def _objects(rec: S.Record) -> tuple[int, ...]:
+def _objects(rec: schema.Record) -> tuple[int, ...]:
     """The objects (inodes) an inverse record moves or changes."""
-    if isinstance(rec, S.Rename):
+    if isinstance(rec, schema.Rename):
         return (rec.ino,)
-    if isinstance(rec, S.Exchange):
+    if isinstance(rec, schema.Exchange):
         return rec.ino_a, rec.ino_b
-    return (rec.ino,) if isinstance(rec, S.Meta | S.Xattrs | S.Chunk) else ()
+    return (rec.ino,) if isinstance(rec, schema.Meta | schema.Xattrs | schema.Chunk) else ()
 
 
 def _corrupt(store: Store, groups: Sequence[InverseGroup]) -> dict[int, str]:
@@ -1051,13 +1069,13 @@ def _corrupt(store: Store, groups: Sequence[InverseGroup]) -> dict[int, str]:
     out: dict[int, str] = {}
     for _, group in groups:
         for _, rec in group:
-            if not isinstance(rec, S.Rename):
+            if not isinstance(rec, schema.Rename):
                 continue
-            gid = S.grave_id(rec.dst)
+            gid = schema.grave_id(rec.dst)
             why = gravesum.verify(store, gid) if gid is not None else None
             if why is not None:
                 out[rec.ino] = (
-                    f"{S.show_loc(rec.src)}: not redone: the file "
+                    f"{schema.show_loc(rec.src)}: not redone: the file "
                     f"kept in the store is corrupt: {why}; it stays removed"
                 )
     return out
@@ -1071,28 +1089,28 @@ class _Claims:
         self.locs: set[bytes] = set()
         self.above: set[bytes] = set()
 
-    def meets(self, group: Sequence[S.Record]) -> bool:
+    def meets(self, group: Sequence[schema.Record]) -> bool:
         """Whether *group* moves an object at a location the batch names, or
         what holds one of them."""
         for rec in group:
-            if isinstance(rec, S.Rename | S.Exchange):
+            if isinstance(rec, schema.Rename | schema.Exchange):
                 for loc in _locs(rec):
                     if loc in self.locs or loc in self.above:
                         return True
         return False
 
-    def add(self, group: Sequence[S.Record]) -> None:
+    def add(self, group: Sequence[schema.Record]) -> None:
         for rec in group:
             for loc in _locs(rec):
                 self.locs.add(loc)
-                if S.grave_id(loc) is None:
+                if schema.grave_id(loc) is None:
                     while loc:
                         loc = loc.rpartition(b"/")[0]
                         self.above.add(loc)
 
 
 def apply(
-    store: Store, undo: Undoer, failures: list[str], describe: Callable[[S.Record], str]
+    store: Store, undo: Undoer, failures: list[str], describe: Callable[[schema.Record], str]
 ) -> int:
     """Apply the kept inverses, last kept first; returns how many records
     were applied.  Resumable: applied groups are deleted a batch at a time,
@@ -1107,17 +1125,19 @@ def apply(
     applied = 0
     groups = _inverse_groups(store)
     corrupt = _corrupt(store, groups)
-    done: list[tuple[bytes, S.Record]] = []
+    done: list[tuple[bytes, schema.Record]] = []
     claims = _Claims()
 
     def forget() -> None:
         nonlocal claims
         with store.write() as w:
             for key, rec in done:
-                if isinstance(rec, S.Chunk) and rec.digest:
+                if isinstance(rec, schema.Chunk) and rec.digest:
                     w.deref(rec.digest)
-                elif isinstance(rec, S.Rename) and (gid := S.grave_id(rec.dst)) is not None:
-                    if B.lstat_at(store.grave_fd, str(gid).encode()) is None:
+                elif (
+                    isinstance(rec, schema.Rename) and (gid := schema.grave_id(rec.dst)) is not None
+                ):
+                    if backing.lstat_at(store.grave_fd, str(gid).encode()) is None:
                         w.drop_grave(gid)  # out of the grave
                 w.redo_delete(key)
         done.clear()
@@ -1153,13 +1173,13 @@ def restore(w: Writer) -> list[int]:
     note = _state_in(w)
     restored = []
     for kind, original, val in w.unpark():
-        if kind == S.REDO_LAYER:
-            restored.append(S.from_u64(original))
-        elif kind == S.REDO_RECORD:
-            rec = S.decode_or_damaged(val)
+        if kind == schema.REDO_LAYER:
+            restored.append(schema.from_u64(original))
+        elif kind == schema.REDO_RECORD:
+            rec = schema.decode_or_damaged(val)
             if (
-                isinstance(rec, S.Grave)
-                and B.lstat_at(w.store.grave_fd, str(rec.grave).encode()) is not None
+                isinstance(rec, schema.Grave)
+                and backing.lstat_at(w.store.grave_fd, str(rec.grave).encode()) is not None
             ):
                 w.regrave(rec.grave, rec.ino)
     # what changed since the rollback came after all of it: the top layer's now
@@ -1170,24 +1190,24 @@ def restore(w: Writer) -> list[int]:
 # -- for `cowfs check` -------------------------------------------------------------------
 
 
-def references(store: Store, txn: lmdb.Transaction[bytes]) -> Iterator[tuple[bytes, S.Record]]:
+def references(store: Store, txn: lmdb.Transaction[bytes]) -> Iterator[tuple[bytes, schema.Record]]:
     """(kind, record) of every record the redo database holds: "r" a dropped
     layer's record, "v" an inverse (their chunks are referenced, and the
     grave entries they hold are in use)."""
     for key, val in store.redo_entries(txn=txn):
-        kind, _ = S.split_redo_key(key)
-        if kind in (S.REDO_RECORD, S.REDO_INVERSE):
-            yield kind, S.decode_or_damaged(val)
+        kind, _ = schema.split_redo_key(key)
+        if kind in (schema.REDO_RECORD, schema.REDO_INVERSE):
+            yield kind, schema.decode_or_damaged(val)
 
 
-def held_grave(kind: bytes, rec: S.Record) -> tuple[int, int] | None:
+def held_grave(kind: bytes, rec: schema.Record) -> tuple[int, int] | None:
     """(grave id, inode) a record of the redo database holds in the grave."""
-    if kind == S.REDO_RECORD and isinstance(rec, S.Grave):
+    if kind == schema.REDO_RECORD and isinstance(rec, schema.Grave):
         return rec.grave, rec.ino
     if (
-        kind == S.REDO_INVERSE
-        and isinstance(rec, S.Rename)
-        and (gid := S.grave_id(rec.dst)) is not None
+        kind == schema.REDO_INVERSE
+        and isinstance(rec, schema.Rename)
+        and (gid := schema.grave_id(rec.dst)) is not None
     ):
         return gid, rec.ino
     return None

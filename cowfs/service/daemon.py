@@ -27,10 +27,8 @@ from .. import errors
 from ..errors import AlreadyMounted, CowfsError, NoFuse, NotOwner
 from ..fuse.ops import Ops
 from ..layers import steps
-from ..storage import gravesum
-from ..storage import schema as S
-from ..system import backing as B
-from ..system import progress
+from ..storage import gravesum, schema
+from ..system import backing, progress
 from ..system.access import Requester, granted
 from ..system.backing import checked, libc
 from ..system.mounts import (
@@ -262,7 +260,7 @@ class Daemon:
         )
         fsname = "cowfs" if "," in self.workspace else f"cowfs:{self.workspace}"
         try:  # informational (a full disk must not keep the workspace from mounting)
-            s.store.set_meta_json(S.K_STATE, {"mounted": True, "pid": os.getpid()})
+            s.store.set_meta_json(schema.K_STATE, {"mounted": True, "pid": os.getpid()})
         except OSError:
             pass
         s.store.audit(
@@ -271,7 +269,7 @@ class Daemon:
             mountpoint=self.mountpoint,
             warnings=self.warnings,
         )
-        B.clear_umask()  # new objects get the caller's mode, not ours on top
+        backing.clear_umask()  # new objects get the caller's mode, not ours on top
         engine.mount(self.mountpoint, fsname, os.geteuid() == 0, on_ready)
 
     def run(self) -> None:
@@ -295,7 +293,7 @@ class Daemon:
                 self.session.record_fingerprint()
                 store.audit("unmount", layer=store.open_layer().id)
                 try:
-                    store.set_meta_json(S.K_STATE, {"mounted": False, "pid": None})
+                    store.set_meta_json(schema.K_STATE, {"mounted": False, "pid": None})
                 except OSError:
                     pass
                 store.close()

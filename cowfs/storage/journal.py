@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import schema as S
+from . import schema
 from .zeros import ChunkMap
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_GRAVE = S.GRAVE_PREFIX
+_GRAVE = schema.GRAVE_PREFIX
 
 
 class Slot:
@@ -232,7 +232,7 @@ class Names:
 
 class MetaAt(NamedTuple):
     seq: int
-    rec: S.Meta
+    rec: schema.Meta
 
 
 class Reading:
@@ -252,7 +252,7 @@ class Reading:
       is not one of them.
     """
 
-    def __init__(self, records: Iterable[tuple[int, S.Record]], chunk_size: int):
+    def __init__(self, records: Iterable[tuple[int, schema.Record]], chunk_size: int):
         self.C = chunk_size
         self.names = Names()
         self.start: dict[bytes, int | None] = {}
@@ -268,7 +268,7 @@ class Reading:
         self.removed: dict[int, int] = {}
         self.feed(records)
 
-    def feed(self, records: Iterable[tuple[int, S.Record]]) -> int:
+    def feed(self, records: Iterable[tuple[int, schema.Record]]) -> int:
         """Read *records* (the ones after those read so far, in order);
         return how many there were.  Queries never change what a reading
         holds, so one kept between them and fed what is written meanwhile
@@ -296,9 +296,9 @@ class Reading:
         """The paths now of what was made after T (``Names.made``)."""
         return self.names.made()
 
-    def _create(self, seq: int, rec: S.Create | S.Link) -> None:
+    def _create(self, seq: int, rec: schema.Create | schema.Link) -> None:
         path = rec.path
-        if type(rec) is S.Create and not path.startswith(_GRAVE):
+        if type(rec) is schema.Create and not path.startswith(_GRAVE):
             # A name nothing was recorded at yet: the parent holds a LEAF
             # for what was made there (nothing was there at T: ``start``
             # says so where the parent is from T).
@@ -321,7 +321,7 @@ class Reading:
         s = self._seen(path, None)
         if s is not None:
             self._made(s)
-            if type(rec) is S.Link:
+            if type(rec) is schema.Link:
                 self.linked.append(s)
             origin = s.origin
             if origin is not None:
@@ -341,7 +341,7 @@ class Reading:
                     if t.children:
                         todo.extend(c for c in t.children.values() if c is not LEAF)
 
-    def _grave(self, seq: int, rec: S.Grave) -> None:
+    def _grave(self, seq: int, rec: schema.Grave) -> None:
         s = self._seen(rec.path, rec.ino)
         if s is not None:
             if s.origin is not None and self.start.get(s.origin) == rec.ino:
@@ -349,7 +349,7 @@ class Reading:
             self.names.remove(rec.path)
         self.graves.setdefault(rec.ino, []).append(rec.grave)
 
-    def _rename(self, seq: int, rec: S.Rename) -> None:
+    def _rename(self, seq: int, rec: schema.Rename) -> None:
         s = self._seen(rec.src, rec.ino)
         self._seen(rec.dst, None)
         self.names.move(rec.src, rec.dst)
@@ -360,12 +360,12 @@ class Reading:
             s.made = True
             self.names.made_slots.append(s)
 
-    def _exchange(self, seq: int, rec: S.Exchange) -> None:
+    def _exchange(self, seq: int, rec: schema.Exchange) -> None:
         self._seen(rec.a, rec.ino_a)
         self._seen(rec.b, rec.ino_b)
         self.names.exchange(rec.a, rec.b)
 
-    def _meta(self, seq: int, rec: S.Meta) -> None:
+    def _meta(self, seq: int, rec: schema.Meta) -> None:
         self._seen(rec.loc, rec.ino)
         if rec.ino not in self.meta:
             self.meta[rec.ino] = MetaAt(seq, rec)
@@ -374,25 +374,25 @@ class Reading:
             if low is None or rec.size < low:
                 self.low[rec.ino] = rec.size
 
-    def _chunk(self, seq: int, rec: S.Chunk) -> None:
+    def _chunk(self, seq: int, rec: schema.Chunk) -> None:
         m = self.chunks.get(rec.ino)
         if m is None:
             m = self.chunks[rec.ino] = ChunkMap(self.C)
         m.add(rec.chunk, rec.length, rec.digest)
 
-    def _xattrs(self, seq: int, rec: S.Xattrs) -> None:
+    def _xattrs(self, seq: int, rec: schema.Xattrs) -> None:
         self.xattrs.setdefault(rec.ino, rec.blob)
 
     # what each kind of record says (by type: this runs for every record)
     _READ: dict[type, Callable[[Reading, int, Any], None]] = {
-        S.Create: _create,
-        S.Link: _create,
-        S.Grave: _grave,
-        S.Rename: _rename,
-        S.Exchange: _exchange,
-        S.Meta: _meta,
-        S.Chunk: _chunk,
-        S.Xattrs: _xattrs,
+        schema.Create: _create,
+        schema.Link: _create,
+        schema.Grave: _grave,
+        schema.Rename: _rename,
+        schema.Exchange: _exchange,
+        schema.Meta: _meta,
+        schema.Chunk: _chunk,
+        schema.Xattrs: _xattrs,
     }
 
     def touched(self) -> set[bytes]:
@@ -429,7 +429,7 @@ class _Entry:
         self.upto = start
         self.count = count  # records read (fed or waiting)
         self.reading = reading if reading is not None else Reading((), chunk_size)
-        self.waiting: list[tuple[int, S.Record]] = []
+        self.waiting: list[tuple[int, schema.Record]] = []
 
     def catch_up(self) -> None:
         if self.waiting:
@@ -479,7 +479,7 @@ class Readings:
                 e = self._still_held(start) or _Entry(st.epoch, start, st.chunk_size)
             e.catch_up()
             if e.upto < end:
-                records: Iterable[tuple[int, S.Record]] = st.records(e.upto, end)
+                records: Iterable[tuple[int, schema.Record]] = st.records(e.upto, end)
                 if collect is not None and e.upto == start:
                     records = list(records)
                     collect.extend(records)
@@ -522,7 +522,7 @@ class Readings:
             self._kept.clear()
             self._held.clear()
 
-    def _appended(self, first: int, records: list[tuple[int, S.Record]]) -> None:
+    def _appended(self, first: int, records: list[tuple[int, schema.Record]]) -> None:
         with self._lock:
             epoch = self.store.epoch
             trim = False

@@ -26,7 +26,7 @@ import xxhash
 from ..errors import AlreadyMounted, NoStore, StoreError
 from ..system import trust
 from ..system.mounts import not_owner
-from . import schema as S
+from . import schema
 from .schema import PendingRecord
 
 MAP_SIZE = 64 << 30
@@ -84,7 +84,7 @@ def need(txn: lmdb.Transaction[bytes], key: bytes, db: lmdb._Database | None = N
 def meta_int(txn: lmdb.Transaction[bytes], key: bytes) -> int:
     """A counter or setting of the meta database (*txn* opened on it),
     which a sound store has, intact."""
-    return S.meta_int(key, need(txn, key))
+    return schema.meta_int(key, need(txn, key))
 
 
 def scan(
@@ -122,7 +122,7 @@ def read_identity(dirfd: int) -> dict | None:
     finally:
         os.close(fd)
     try:
-        ident = S.from_json(raw)
+        ident = schema.from_json(raw)
         if isinstance(ident["store"], str) and isinstance(ident["generation"], int):
             return {"store": ident["store"], "generation": ident["generation"]}
     except (ValueError, KeyError, TypeError):
@@ -143,7 +143,7 @@ def write_identity(dirfd: int, ident: dict) -> None:
         dir_fd=dirfd,
     )
     try:
-        os.write(fd, S.to_json(ident) + b"\n")
+        os.write(fd, schema.to_json(ident) + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -208,14 +208,14 @@ class Writer:
         self.used: int | None = None  # store bytes in use, once --max-store asks
         # what was appended (for Store.on_append); None once a record already
         # written is deleted or put back (the journal's epoch moves on)
-        self.written: list[tuple[int, S.Record]] | None = []
+        self.written: list[tuple[int, schema.Record]] | None = []
 
-    def record(self, rec: S.Change) -> int:
+    def record(self, rec: schema.Change) -> int:
         """Append *rec* to the journal; return its sequence number."""
-        data = S.encode_record(rec)
+        data = schema.encode_record(rec)
         self.reserve(len(data) + RECORD_OVERHEAD)
         seq = self.seq
-        self.txn.put(S.u64(seq), data, db=self.store.db_journal)
+        self.txn.put(schema.u64(seq), data, db=self.store.db_journal)
         self.seq += 1
         if self.written is not None:
             self.written.append((seq, rec))
@@ -228,14 +228,14 @@ class Writer:
     def delete_record(self, seq: int) -> None:
         """Delete one journal record and release what it references."""
         self.rewrites()
-        key = S.u64(seq)
+        key = schema.u64(seq)
         data = self.txn.get(key, db=self.store.db_journal)
         if data is None:
             return
-        rec = S.decode_or_damaged(data)
-        if isinstance(rec, S.Chunk) and rec.digest:
+        rec = schema.decode_or_damaged(data)
+        if isinstance(rec, schema.Chunk) and rec.digest:
             self.deref(rec.digest)
-        elif isinstance(rec, S.Grave):
+        elif isinstance(rec, schema.Grave):
             self.drop_grave(rec.grave)
         self.txn.delete(key, db=self.store.db_journal)
 
@@ -261,14 +261,14 @@ class Writer:
         if refs is None:
             self.reserve(len(data) + RECORD_OVERHEAD)
             self.txn.put(h, data, db=self.store.db_chunks)
-        self.set_refcount(h, 1 if refs is None else S.from_u64(refs) + 1)
+        self.set_refcount(h, 1 if refs is None else schema.from_u64(refs) + 1)
         return h
 
     def deref(self, h: bytes) -> None:
         refs = self.txn.get(h, db=self.store.db_refs)
         if refs is None:
             return
-        n = S.from_u64(refs) - 1
+        n = schema.from_u64(refs) - 1
         if n <= 0:
             self.drop_chunk(h)
         else:
@@ -279,7 +279,7 @@ class Writer:
         if n is None:
             self.txn.delete(h, db=self.store.db_refs)
         else:
-            self.txn.put(h, S.u64(n), db=self.store.db_refs)
+            self.txn.put(h, schema.u64(n), db=self.store.db_refs)
 
     def drop_chunk(self, h: bytes) -> None:
         """Chunk *h* goes, whatever its reference count says."""
@@ -290,8 +290,11 @@ class Writer:
         """Forget what layer *layer_id* captured but for the entries of the
         records *keep* (seqs): later changes of those objects are captured
         again, unless a record kept holds their state already."""
-        for key, val in list(scan(self.txn, self.store.db_index, S.index_prefix(layer_id))):
-            if S.split_index_key(key).kind in S.INDEX_FLAGS or S.index_seq(key, val) not in keep:
+        for key, val in list(scan(self.txn, self.store.db_index, schema.index_prefix(layer_id))):
+            if (
+                schema.split_index_key(key).kind in schema.INDEX_FLAGS
+                or schema.index_seq(key, val) not in keep
+            ):
                 self.txn.delete(key, db=self.store.db_index)
 
     def drop_index_entry(self, key: bytes) -> None:
@@ -304,8 +307,8 @@ class Writer:
     def index_put(
         self, layer: int, ino: int, kind: bytes, seq: int, chunk: int | None = None
     ) -> None:
-        key = S.index_key(layer, ino, kind, chunk)
-        self.txn.put(key, S.index_value(key, seq), db=self.store.db_index)
+        key = schema.index_key(layer, ino, kind, chunk)
+        self.txn.put(key, schema.index_value(key, seq), db=self.store.db_index)
 
     def new_grave(self, ino: int, st: os.stat_result | None = None) -> int:
         """A grave entry for object *ino*, which the caller moves into the
@@ -313,7 +316,7 @@ class Writer:
         regular file's bytes are then hashed later, see ``gravesum``)."""
         gid = self.store._next_grave
         self.store._next_grave += 1  # (written when the transaction ends)
-        self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
+        self.txn.put(schema.u64(gid), schema.u64(ino), db=self.store.db_graves)
         if st is not None:
             self._pending_sum(gid, st)
         return gid
@@ -322,7 +325,7 @@ class Writer:
         """Grave entry *gid* holds object *ino* again (a redo moved it back
         there).  A hash taken before is kept (it was never removed if the
         object never left); otherwise the object is hashed again."""
-        self.txn.put(S.u64(gid), S.u64(ino), db=self.store.db_graves)
+        self.txn.put(schema.u64(gid), schema.u64(ino), db=self.store.db_graves)
         if self.store.db_sums is not None and self.grave_sum(gid) is None:
             st = os.stat(str(gid), dir_fd=self.store.grave_fd, follow_symlinks=False)
             if st.st_ino == ino:
@@ -332,31 +335,33 @@ class Writer:
         if stat.S_ISREG(st.st_mode):
             self.put_grave_sum(
                 gid,
-                S.encode_sum(
-                    S.GraveSum(S.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns())
+                schema.encode_sum(
+                    schema.GraveSum(
+                        schema.SUM_PENDING, st.st_ino, st.st_size, st.st_mtime_ns, time.time_ns()
+                    )
                 ),
             )
 
     def drop_grave(self, gid: int) -> None:
         """Grave entry *gid* no longer holds anything (and its hash goes)."""
-        self.txn.delete(S.u64(gid), db=self.store.db_graves)
+        self.txn.delete(schema.u64(gid), db=self.store.db_graves)
         self.drop_sum(gid)
 
     # (the hash entries of grave files: see gravesum)
 
     def grave_sum(self, gid: int) -> bytes | None:
-        """The hash entry of grave file *gid*, as stored (see ``S.decode_sum``)."""
+        """The hash entry of grave file *gid*, as stored (see ``schema.decode_sum``)."""
         if self.store.db_sums is None:
             return None
-        return self.txn.get(S.u64(gid), db=self.store.db_sums)
+        return self.txn.get(schema.u64(gid), db=self.store.db_sums)
 
     def put_grave_sum(self, gid: int, raw: bytes) -> None:
         if self.store.db_sums is not None:
-            self.txn.put(S.u64(gid), raw, db=self.store.db_sums)
+            self.txn.put(schema.u64(gid), raw, db=self.store.db_sums)
 
     def drop_sum(self, gid: int) -> None:
         if self.store.db_sums is not None:
-            self.txn.delete(S.u64(gid), db=self.store.db_sums)
+            self.txn.delete(schema.u64(gid), db=self.store.db_sums)
 
     def drop_layer(self, layer_id: int) -> None:
         """Delete a layer's row, what it captured (index) and who did it."""
@@ -366,16 +371,16 @@ class Writer:
         """Delete a layer's row, index entries and attributions; with
         *park*, into the redo database."""
         st = self.store
-        for db, kind in ((st.db_index, S.REDO_INDEX), (st.db_who, S.REDO_WHO)):
-            for key, val in list(scan(self.txn, db, S.index_prefix(layer_id))):
+        for db, kind in ((st.db_index, schema.REDO_INDEX), (st.db_who, schema.REDO_WHO)):
+            for key, val in list(scan(self.txn, db, schema.index_prefix(layer_id))):
                 if park:
-                    self.redo_put(S.redo_kept_key(kind, key), val)
+                    self.redo_put(schema.redo_kept_key(kind, key), val)
                 self.txn.delete(key, db=db)
-        row = self.txn.get(S.u64(layer_id), db=st.db_layers)
+        row = self.txn.get(schema.u64(layer_id), db=st.db_layers)
         if row is not None:
             if park:
-                self.redo_put(S.redo_layer_key(layer_id), row)
-            self.txn.delete(S.u64(layer_id), db=st.db_layers)
+                self.redo_put(schema.redo_layer_key(layer_id), row)
+            self.txn.delete(schema.u64(layer_id), db=st.db_layers)
 
     # -- the redo database (what the last rollback kept: see redo.py) ----------
 
@@ -399,12 +404,12 @@ class Writer:
     def park_record(self, seq: int) -> bool:
         """Move journal record *seq* into the redo database (kept for a
         redo); False when it is not in the journal (moved already)."""
-        raw = self.txn.get(S.u64(seq), db=self.store.db_journal)
+        raw = self.txn.get(schema.u64(seq), db=self.store.db_journal)
         if raw is None:
             return False
         self.rewrites()
-        self.redo_put(S.redo_record_key(seq), raw)
-        self.txn.delete(S.u64(seq), db=self.store.db_journal)
+        self.redo_put(schema.redo_record_key(seq), raw)
+        self.txn.delete(schema.u64(seq), db=self.store.db_journal)
         return True
 
     def park_layer(self, layer_id: int) -> None:
@@ -419,14 +424,14 @@ class Writer:
         st = self.store
         self.rewrites()
         targets = {
-            S.REDO_LAYER: st.db_layers,
-            S.REDO_RECORD: st.db_journal,
-            S.REDO_INDEX: st.db_index,
-            S.REDO_WHO: st.db_who,
+            schema.REDO_LAYER: st.db_layers,
+            schema.REDO_RECORD: st.db_journal,
+            schema.REDO_INDEX: st.db_index,
+            schema.REDO_WHO: st.db_who,
         }
         back = []
         for key, val in self.redo_entries():
-            kind, original = S.split_redo_key(key)
+            kind, original = schema.split_redo_key(key)
             if kind in targets:
                 self.txn.put(original, val, db=targets[kind])
                 back.append((kind, original, val))
@@ -435,18 +440,20 @@ class Writer:
 
     def holds_grave(self, gid: int) -> bool:
         """Whether grave entry *gid* is in use."""
-        return self.txn.get(S.u64(gid), db=self.store.db_graves) is not None
+        return self.txn.get(schema.u64(gid), db=self.store.db_graves) is not None
 
     def layer_row(self, layer_id: int) -> dict | None:
-        key = S.u64(layer_id)
-        return S.meta_json(S.DB_LAYERS, key, self.txn.get(key, db=self.store.db_layers))
+        key = schema.u64(layer_id)
+        return schema.meta_json(schema.DB_LAYERS, key, self.txn.get(key, db=self.store.db_layers))
 
     def put_layer_row(self, layer_id: int, row: dict) -> None:
-        key = S.u64(layer_id)
-        self.txn.put(key, S.seal(S.DB_LAYERS, key, S.to_json(row)), db=self.store.db_layers)
+        key = schema.u64(layer_id)
+        self.txn.put(
+            key, schema.seal(schema.DB_LAYERS, key, schema.to_json(row)), db=self.store.db_layers
+        )
 
     def delete_layer_row(self, layer_id: int) -> None:
-        self.txn.delete(S.u64(layer_id), db=self.store.db_layers)
+        self.txn.delete(schema.u64(layer_id), db=self.store.db_layers)
 
     def merge_index(self, upper: int, lower: int) -> None:
         """What layer *upper* captured (index entries, attributions) becomes
@@ -465,37 +472,38 @@ class Writer:
         own size (uncaptured) is cut off first."""
         txn, st = self.txn, self.store
         created_below: dict[int, bool] = {}
-        for key, val in list(scan(txn, st.db_index, S.index_prefix(upper))):
-            _, ino, kind, chunk = S.split_index_key(key)
+        for key, val in list(scan(txn, st.db_index, schema.index_prefix(upper))):
+            _, ino, kind, chunk = schema.split_index_key(key)
             txn.delete(key, db=st.db_index)
-            seq = S.index_seq(key, val)
+            seq = schema.index_seq(key, val)
             if seq is None:  # (damaged: its record, if any, stays where it is)
                 continue
             if ino not in created_below:
                 created_below[ino] = (
-                    txn.get(S.index_key(lower, ino, S.IDX_CREATED), db=st.db_index) is not None
+                    txn.get(schema.index_key(lower, ino, schema.IDX_CREATED), db=st.db_index)
+                    is not None
                 )
-            if kind == S.IDX_ZEROS and chunk is not None and not created_below[ino]:
+            if kind == schema.IDX_ZEROS and chunk is not None and not created_below[ino]:
                 self._merge_zeros(lower, ino, chunk, seq)
                 continue
-            below = S.index_key(lower, ino, kind, chunk)
+            below = schema.index_key(lower, ino, kind, chunk)
             lower_val = txn.get(below, db=st.db_index)
-            if kind not in S.INDEX_FLAGS and (created_below[ino] or lower_val is not None):
+            if kind not in schema.INDEX_FLAGS and (created_below[ino] or lower_val is not None):
                 if not (
-                    kind == S.IDX_META
+                    kind == schema.IDX_META
                     and lower_val is not None
                     and not created_below[ino]
-                    and self._cuts_first(seq, S.index_seq(below, lower_val))
+                    and self._cuts_first(seq, schema.index_seq(below, lower_val))
                 ):
                     self.delete_record(seq)
             elif lower_val is None or (
-                kind == S.IDX_CREATED and seq and S.index_seq(below, lower_val) == 0
-            ):  # (made at a captured path above pins it below too: ``S.pins``)
-                txn.put(below, S.index_value(below, seq), db=st.db_index)
+                kind == schema.IDX_CREATED and seq and schema.index_seq(below, lower_val) == 0
+            ):  # (made at a captured path above pins it below too: ``schema.pins``)
+                txn.put(below, schema.index_value(below, seq), db=st.db_index)
         if st.db_who is not None:
-            for key, writer in list(scan(txn, st.db_who, S.index_prefix(upper))):
+            for key, writer in list(scan(txn, st.db_who, schema.index_prefix(upper))):
                 txn.delete(key, db=st.db_who)
-                lower_key = S.with_layer(key, lower)
+                lower_key = schema.with_layer(key, lower)
                 if txn.get(lower_key, db=st.db_who) is None:
                     txn.put(lower_key, writer, db=st.db_who)
 
@@ -510,26 +518,26 @@ class Writer:
         it covers no more -- a step for each such lower range."""
         txn, st = self.txn, self.store
         C = st.chunk_size
-        raw = txn.get(S.u64(seq), db=st.db_journal)
-        rec = S.decode_or_damaged(raw) if raw is not None else None
-        if not isinstance(rec, S.Chunk) or rec.digest:  # (not one: as any entry)
-            key = S.index_key(lower, ino, S.IDX_ZEROS, chunk)
+        raw = txn.get(schema.u64(seq), db=st.db_journal)
+        rec = schema.decode_or_damaged(raw) if raw is not None else None
+        if not isinstance(rec, schema.Chunk) or rec.digest:  # (not one: as any entry)
+            key = schema.index_key(lower, ino, schema.IDX_ZEROS, chunk)
             if txn.get(key, db=st.db_index) is None:
-                txn.put(key, S.index_value(key, seq), db=st.db_index)
+                txn.put(key, schema.index_value(key, seq), db=st.db_index)
             elif raw is not None:
                 self.delete_record(seq)
             return
         end = rec.chunk * C + rec.length
         k = rec.chunk
         while True:
-            key = S.index_key(lower, ino, S.IDX_ZEROS, k)
+            key = schema.index_key(lower, ino, schema.IDX_ZEROS, k)
             got = txn.get(key, db=st.db_index)
             if got is None:
                 break
-            lseq = S.index_seq(key, got)
-            lraw = txn.get(S.u64(lseq), db=st.db_journal) if lseq is not None else None
-            lrec = S.decode_or_damaged(lraw) if lraw is not None else None
-            if isinstance(lrec, S.Chunk) and not lrec.digest:
+            lseq = schema.index_seq(key, got)
+            lraw = txn.get(schema.u64(lseq), db=st.db_journal) if lseq is not None else None
+            lrec = schema.decode_or_damaged(lraw) if lraw is not None else None
+            if isinstance(lrec, schema.Chunk) and not lrec.digest:
                 reach = lrec.chunk * C + lrec.length
             else:  # (damaged: it holds the one chunk, at least)
                 reach = (k + 1) * C
@@ -543,34 +551,34 @@ class Writer:
         if k != rec.chunk:
             self.rewrites()
             cut = rec._replace(chunk=k, length=end - k * C)
-            txn.put(S.u64(seq), S.encode_record(cut), db=st.db_journal)
-        txn.put(key, S.index_value(key, seq), db=st.db_index)
+            txn.put(schema.u64(seq), schema.encode_record(cut), db=st.db_journal)
+        txn.put(key, schema.index_value(key, seq), db=st.db_index)
 
     def _cuts_first(self, upper_seq: int, lower_seq: int | None) -> bool:
         """Whether META record *upper_seq* (the upper layer's, of a regular
         file) says a smaller size than *lower_seq* (the lower layer's; None
         or damaged: it may)."""
         journal = self.store.db_journal
-        up = S.decode_or_damaged(self.txn.get(S.u64(upper_seq), db=journal) or b"")
-        if not isinstance(up, S.Meta) or not stat.S_ISREG(up.mode):
+        up = schema.decode_or_damaged(self.txn.get(schema.u64(upper_seq), db=journal) or b"")
+        if not isinstance(up, schema.Meta) or not stat.S_ISREG(up.mode):
             return False
-        raw = self.txn.get(S.u64(lower_seq), db=journal) if lower_seq is not None else None
-        low = S.decode_or_damaged(raw or b"")
-        return not isinstance(low, S.Meta) or up.size < low.size
+        raw = self.txn.get(schema.u64(lower_seq), db=journal) if lower_seq is not None else None
+        low = schema.decode_or_damaged(raw or b"")
+        return not isinstance(low, schema.Meta) or up.size < low.size
 
     def who_put(self, layer: int, ino: int, writer: int) -> None:
         """Attribute *ino*'s changes in *layer* to *writer*, unless it is
         attributed already (the first writer wins)."""
-        key = S.who_key(layer, ino)
+        key = schema.who_key(layer, ino)
         if self.txn.get(key, db=self.store.db_who) is None:
-            self.txn.put(key, S.u64(writer), db=self.store.db_who)
+            self.txn.put(key, schema.u64(writer), db=self.store.db_who)
 
     def new_writer(self, info: dict) -> int:
         meta = self.store.db_meta
-        raw = self.txn.get(S.K_NEXT_WRITER, db=meta)
-        wid = S.meta_int(S.K_NEXT_WRITER, raw) if raw else 1
-        self.set_meta(S.K_NEXT_WRITER, S.u64(wid + 1))
-        self.txn.put(S.u64(wid), S.to_json(info), db=self.store.db_writers)
+        raw = self.txn.get(schema.K_NEXT_WRITER, db=meta)
+        wid = schema.meta_int(schema.K_NEXT_WRITER, raw) if raw else 1
+        self.set_meta(schema.K_NEXT_WRITER, schema.u64(wid + 1))
+        self.txn.put(schema.u64(wid), schema.to_json(info), db=self.store.db_writers)
         return wid
 
     def set_meta(self, key: bytes, value: bytes | None) -> None:
@@ -578,25 +586,27 @@ class Writer:
         if value is None:
             self.txn.delete(key, db=self.store.db_meta)
         else:
-            self.txn.put(key, S.seal(S.DB_META, key, value), db=self.store.db_meta)
+            self.txn.put(key, schema.seal(schema.DB_META, key, value), db=self.store.db_meta)
 
     def meta_json(self, key: bytes) -> Any:
-        return S.meta_json(S.DB_META, key, self.txn.get(key, db=self.store.db_meta))
+        return schema.meta_json(schema.DB_META, key, self.txn.get(key, db=self.store.db_meta))
 
     # -- the pending record: the group operation under way (written only
     # through cowfs/layers/pending.py, which says who changes it when) --
 
     def pending(self) -> PendingRecord | None:
-        raw = self.meta_json(S.K_PENDING)
+        raw = self.meta_json(schema.K_PENDING)
         return PendingRecord.from_json(raw) if raw is not None else None
 
     def set_pending(self, record: PendingRecord | None) -> None:
         """Write the pending record (None: the group operation is over).
         The files are about to change by cowfs's own hand: what the last
         unmount recorded of them (drift detection) no longer holds."""
-        self.set_meta(S.K_PENDING, S.to_json(record.to_json()) if record is not None else None)
+        self.set_meta(
+            schema.K_PENDING, schema.to_json(record.to_json()) if record is not None else None
+        )
         if record is not None:
-            self.set_meta(S.K_DRIFT, None)
+            self.set_meta(schema.K_DRIFT, None)
 
     def update_pending(self, step: int | None = None, **fields: Any) -> None:
         """Update fields of the pending record, or of its step *step*."""
@@ -632,7 +642,7 @@ class Store:
                 self.db_chunks,
                 self.db_refs,
                 self.db_graves,
-            ) = [env.open_db(name, create=not readonly) for name in S.ALL_DBS[:7]]
+            ) = [env.open_db(name, create=not readonly) for name in schema.ALL_DBS[:7]]
         except lmdb.Error as e:
             env.close()
             raise StoreError(f"store {path} is damaged or incomplete: {e}") from None
@@ -644,24 +654,24 @@ class Store:
         try:  # attribution, audit (newer: absent from older stores opened read-only)
             self.db_who, self.db_writers, self.db_audit = [
                 env.open_db(name, create=not readonly)
-                for name in (S.DB_WHO, S.DB_WRITERS, S.DB_AUDIT)
+                for name in (schema.DB_WHO, schema.DB_WRITERS, schema.DB_AUDIT)
             ]
         except lmdb.Error:
             self.db_who = self.db_writers = self.db_audit = None
         try:  # what the last rollback kept for redo (newer, likewise)
-            self.db_redo = env.open_db(S.DB_REDO, create=not readonly)
+            self.db_redo = env.open_db(schema.DB_REDO, create=not readonly)
         except lmdb.Error:
             self.db_redo = None
         try:  # hashes of the files kept in the grave (newer, likewise)
-            self.db_sums = env.open_db(S.DB_GRAVESUMS, create=not readonly)
+            self.db_sums = env.open_db(schema.DB_GRAVESUMS, create=not readonly)
         except lmdb.Error:
             self.db_sums = None
         self.grave_fd = os.open("grave", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
         with env.begin(db=self.db_meta) as txn:
-            self.chunk_size = meta_int(txn, S.K_CHUNK_SIZE)
-            self._next_seq = meta_int(txn, S.K_NEXT_SEQ)
-            self._next_layer = meta_int(txn, S.K_NEXT_LAYER)
-            self._next_grave = meta_int(txn, S.K_NEXT_GRAVE)
+            self.chunk_size = meta_int(txn, schema.K_CHUNK_SIZE)
+            self._next_seq = meta_int(txn, schema.K_NEXT_SEQ)
+            self._next_layer = meta_int(txn, schema.K_NEXT_LAYER)
+            self._next_grave = meta_int(txn, schema.K_NEXT_GRAVE)
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
         # The journal's epoch: it moves on when a record already written is
@@ -669,7 +679,7 @@ class Store:
         # Records appended in a transaction are passed to on_append (first
         # sequence number, records) once it commits.
         self.epoch = 0
-        self.on_append: Callable[[int, list[tuple[int, S.Record]]], None] | None = None
+        self.on_append: Callable[[int, list[tuple[int, schema.Record]]], None] | None = None
 
     # -- opening ------------------------------------------------------------
 
@@ -738,7 +748,7 @@ class Store:
         ``check_identity``)."""
         with self.env.begin(db=self.db_meta) as txn:
             self._validate(txn, self.path, ws_st)
-            db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
+            db = schema.meta_json(schema.DB_META, schema.K_IDENTITY, txn.get(schema.K_IDENTITY))
         check_identity(shown, read_identity(self.dirfd), db)
 
     @staticmethod
@@ -814,7 +824,7 @@ class Store:
         env = lmdb.open(
             os.path.join(path, "db"),
             map_size=MAP_SIZE,
-            max_dbs=len(S.ALL_DBS) + 2,
+            max_dbs=len(schema.ALL_DBS) + 2,
             sync=False,
             metasync=False,
             writemap=False,
@@ -904,15 +914,18 @@ class Store:
         and move the generation on: the database first, then the file, each
         durably (a crash between leaves the database one ahead, which is
         accepted)."""
-        meta = env.open_db(S.DB_META)
+        meta = env.open_db(schema.DB_META)
         file = read_identity(dirfd)
         with env.begin(db=meta) as txn:
-            db = S.meta_json(S.DB_META, S.K_IDENTITY, txn.get(S.K_IDENTITY))
+            db = schema.meta_json(schema.DB_META, schema.K_IDENTITY, txn.get(schema.K_IDENTITY))
         check_identity(shown, file, db)
 
         def put(ident: dict) -> None:
             with env.begin(write=True, db=meta) as txn:
-                txn.put(S.K_IDENTITY, S.seal(S.DB_META, S.K_IDENTITY, S.to_json(ident)))
+                txn.put(
+                    schema.K_IDENTITY,
+                    schema.seal(schema.DB_META, schema.K_IDENTITY, schema.to_json(ident)),
+                )
             env.sync(True)
 
         try:
@@ -940,16 +953,16 @@ class Store:
     ) -> None:
         if not create:  # an existing store: ours and this workspace's, before anything is made
             try:
-                meta = env.open_db(S.DB_META, create=False)
+                meta = env.open_db(schema.DB_META, create=False)
             except lmdb.Error:
                 raise StoreError(f"store {path} is not initialised") from None
             with env.begin(db=meta) as txn:
                 Store._validate(txn, path, ws_st)
-        meta = env.open_db(S.DB_META)
-        for name in S.ALL_DBS:
+        meta = env.open_db(schema.DB_META)
+        for name in schema.ALL_DBS:
             env.open_db(name)
         with env.begin(write=True, db=meta) as txn:
-            fmt = txn.get(S.K_FORMAT)
+            fmt = txn.get(schema.K_FORMAT)
             if fmt is None and used:
                 raise StoreError(
                     f"store {path} has lost its database (db/data.mdb holds none of cowfs's "
@@ -964,27 +977,29 @@ class Store:
                     "ino": ws_st.st_ino,
                 }
                 for key, value in (
-                    (S.K_FORMAT, S.u64(S.FORMAT)),
-                    (S.K_WORKSPACE, S.to_json(owner)),
-                    (S.K_CHUNK_SIZE, S.u64(chunk_size)),
-                    (S.K_NEXT_SEQ, S.u64(1)),
-                    (S.K_NEXT_LAYER, S.u64(1)),
-                    (S.K_NEXT_GRAVE, S.u64(1)),
+                    (schema.K_FORMAT, schema.u64(schema.FORMAT)),
+                    (schema.K_WORKSPACE, schema.to_json(owner)),
+                    (schema.K_CHUNK_SIZE, schema.u64(chunk_size)),
+                    (schema.K_NEXT_SEQ, schema.u64(1)),
+                    (schema.K_NEXT_LAYER, schema.u64(1)),
+                    (schema.K_NEXT_GRAVE, schema.u64(1)),
                 ):
-                    txn.put(key, S.seal(S.DB_META, key, value))
+                    txn.put(key, schema.seal(schema.DB_META, key, value))
                 return
             Store._validate(txn, path, ws_st)
 
     @staticmethod
     def _validate(txn: lmdb.Transaction[bytes], path: str, ws_st: os.stat_result) -> None:
         """The store's format is ours and it belongs to this workspace."""
-        raw = txn.get(S.K_FORMAT)
+        raw = txn.get(schema.K_FORMAT)
         if raw is None:
             raise StoreError(f"store {path} is not initialised")
-        fmt = S.meta_int(S.K_FORMAT, raw)
-        if fmt != S.FORMAT:
-            raise StoreError(f"store {path} has format {fmt}, this cowfs reads format {S.FORMAT}")
-        owner = S.meta_json(S.DB_META, S.K_WORKSPACE, need(txn, S.K_WORKSPACE))
+        fmt = schema.meta_int(schema.K_FORMAT, raw)
+        if fmt != schema.FORMAT:
+            raise StoreError(
+                f"store {path} has format {fmt}, this cowfs reads format {schema.FORMAT}"
+            )
+        owner = schema.meta_json(schema.DB_META, schema.K_WORKSPACE, need(txn, schema.K_WORKSPACE))
         if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
             raise StoreError(f"store {path} belongs to another workspace ({owner['path']})")
 
@@ -1031,9 +1046,9 @@ class Store:
                 graves = self._next_grave
                 yield w
                 if w.seq != self._next_seq:
-                    w.set_meta(S.K_NEXT_SEQ, S.u64(w.seq))
+                    w.set_meta(schema.K_NEXT_SEQ, schema.u64(w.seq))
                 if self._next_grave != graves:
-                    w.set_meta(S.K_NEXT_GRAVE, S.u64(self._next_grave))
+                    w.set_meta(schema.K_NEXT_GRAVE, schema.u64(self._next_grave))
             first, self._next_seq = self._next_seq, w.seq
             if w.written is None:
                 self.epoch += 1
@@ -1054,10 +1069,10 @@ class Store:
             out = []
             with self.env.begin(db=self.db_layers) as txn:
                 for k, v in txn.cursor():
-                    d = S.meta_json(S.DB_LAYERS, k, v)
+                    d = schema.meta_json(schema.DB_LAYERS, k, v)
                     out.append(
                         Layer(
-                            S.from_u64(k),
+                            schema.from_u64(k),
                             d["start"],
                             d["created"],
                             d["message"],
@@ -1115,7 +1130,7 @@ class Store:
         with self.write() as w:
             w.put_layer_row(layer.id, record)
             self._next_layer += 1
-            w.set_meta(S.K_NEXT_LAYER, S.u64(self._next_layer))
+            w.set_meta(schema.K_NEXT_LAYER, schema.u64(self._next_layer))
         self._layers = None
         return layer
 
@@ -1159,17 +1174,17 @@ class Store:
 
     def records(
         self, start: int, end: int, reverse: bool = False
-    ) -> Iterator[tuple[int, S.Record]]:
+    ) -> Iterator[tuple[int, schema.Record]]:
         """Journal records with start <= seq < end (a short read txn per
         batch, so callers may write between items)."""
-        decode, from_u64 = S.decode_or_damaged, S.from_u64
+        decode, from_u64 = schema.decode_or_damaged, schema.from_u64
         batch = self.RECORDS_BATCH
         while start < end:
-            items: list[tuple[int, S.Record]] = []
+            items: list[tuple[int, schema.Record]] = []
             with self.env.begin(db=self.db_journal) as txn:
                 cur = txn.cursor()
                 if reverse:
-                    if cur.set_range(S.u64(end)):
+                    if cur.set_range(schema.u64(end)):
                         ok = cur.prev()
                     else:
                         ok = cur.last()
@@ -1180,7 +1195,7 @@ class Store:
                                 break
                             if seq < end:
                                 items.append((seq, decode(value)))
-                elif cur.set_range(S.u64(start)):
+                elif cur.set_range(schema.u64(start)):
                     for key, value in cur.iternext():
                         seq = from_u64(key)
                         if seq >= end or len(items) == batch:
@@ -1201,8 +1216,8 @@ class Store:
         n = 0
         with self.env.begin(db=self.db_journal) as txn:
             cur = txn.cursor()
-            if cur.set_range(S.u64(start)):
-                stop = S.u64(end)
+            if cur.set_range(schema.u64(start)):
+                stop = schema.u64(end)
                 for key in cur.iternext(values=False):
                     if key >= stop or n == limit:
                         break
@@ -1216,7 +1231,7 @@ class Store:
     def last_layer_id(self) -> int:
         return self._next_layer - 1
 
-    def layer_records(self, layer_id: int) -> list[tuple[int, S.Record]]:
+    def layer_records(self, layer_id: int) -> list[tuple[int, schema.Record]]:
         layer = self.get_layer(layer_id)
         return list(self.records(layer.start, self.layer_end(layer_id)))
 
@@ -1237,11 +1252,11 @@ class Store:
         with self.env.begin() as txn:
             for _seq, rec in self.records(layer.start, self.layer_end(layer_id)):
                 total += 16
-                if isinstance(rec, S.Chunk) and rec.digest and rec.digest not in seen:
+                if isinstance(rec, schema.Chunk) and rec.digest and rec.digest not in seen:
                     seen.add(rec.digest)
                     data = txn.get(rec.digest, db=self.db_chunks)
                     total += len(data) if data is not None else 0
-                elif isinstance(rec, S.Grave):
+                elif isinstance(rec, schema.Grave):
                     try:
                         st = os.stat(str(rec.grave), dir_fd=self.grave_fd, follow_symlinks=False)
                         total += st.st_blocks * 512
@@ -1252,14 +1267,14 @@ class Store:
     # -- space -------------------------------------------------------------------
 
     def limits(self) -> dict:
-        return self.get_meta_json(S.K_LIMITS) or {}
+        return self.get_meta_json(schema.K_LIMITS) or {}
 
     def set_limits(self, **limits: int | str) -> None:
         """Set --max-store / --max-layers (0 removes a limit) / --audit."""
         if not limits:
             return
         current = self.limits() | limits
-        self.set_meta_json(S.K_LIMITS, {k: v for k, v in current.items() if v})
+        self.set_meta_json(schema.K_LIMITS, {k: v for k, v in current.items() if v})
         self.max_store = self.limits().get("max_store") or 0
 
     def data_bytes(self, txn: lmdb.Transaction[bytes] | None = None) -> int:
@@ -1306,15 +1321,15 @@ class Store:
 
     def get_meta_json(self, key: bytes) -> Any:
         with self.env.begin(db=self.db_meta) as txn:
-            return S.meta_json(S.DB_META, key, txn.get(key))
+            return schema.meta_json(schema.DB_META, key, txn.get(key))
 
     def set_meta_json(self, key: bytes, value: Any) -> None:
         with self.write() as w:
-            w.set_meta(key, S.to_json(value) if value is not None else None)
+            w.set_meta(key, schema.to_json(value) if value is not None else None)
 
     def pending(self) -> PendingRecord | None:
         """The pending record (see cowfs/layers/pending.py), or None."""
-        raw = self.get_meta_json(S.K_PENDING)
+        raw = self.get_meta_json(schema.K_PENDING)
         return PendingRecord.from_json(raw) if raw is not None else None
 
     def grave_counts(self) -> dict[int, int]:
@@ -1322,7 +1337,7 @@ class Store:
         counts: dict[int, int] = {}
         with self.env.begin(db=self.db_graves) as txn:
             for _, v in txn.cursor():
-                ino = S.from_u64(v)
+                ino = schema.from_u64(v)
                 counts[ino] = counts.get(ino, 0) + 1
         return counts
 
@@ -1369,9 +1384,11 @@ class Store:
         try:
             with self.write() as w:
                 cur = w.txn.cursor(db=self.db_audit)
-                n = S.from_u64(cur.key()) + 1 if cur.last() else 1
+                n = schema.from_u64(cur.key()) + 1 if cur.last() else 1
                 for e in itertools.chain([first], it):
-                    w.txn.put(S.u64(n), S.to_json({"n": n, "time": now, **e}), db=self.db_audit)
+                    w.txn.put(
+                        schema.u64(n), schema.to_json({"n": n, "time": now, **e}), db=self.db_audit
+                    )
                     n += 1
         except OSError:
             pass
@@ -1381,9 +1398,9 @@ class Store:
             return
         with self.env.begin(db=self.db_audit) as txn:
             cur = txn.cursor()
-            ok = cur.set_range(S.u64(after + 1))
+            ok = cur.set_range(schema.u64(after + 1))
             while ok:
-                yield S.from_json(cur.value())
+                yield schema.from_json(cur.value())
                 ok = cur.next()
 
     def failure_errno(self) -> int:
@@ -1433,7 +1450,7 @@ class Store:
         with self.write() as w:
             cur = w.txn.cursor(db=self.db_audit)
             cur.first()
-            while cur.key() and S.from_json(cur.value())["time"] < before:
+            while cur.key() and schema.from_json(cur.value())["time"] < before:
                 cur.delete()  # (moves to the next; past the last, the key is empty)
                 dropped += 1
         return dropped
@@ -1446,7 +1463,7 @@ class Store:
             return out
         writers: dict[bytes, dict] = {}
         layers = sorted(layers)
-        key, db = S.who_key, self.db_who
+        key, db = schema.who_key, self.db_who
         with self.env.begin() as txn:
             get = txn.get
             for ino in inos:
@@ -1455,8 +1472,8 @@ class Store:
                     if wid is not None:
                         if wid not in writers:
                             info = txn.get(wid, db=self.db_writers)
-                            writers[wid] = (S.from_json(info) if info else {}) | {
-                                "id": S.from_u64(wid)
+                            writers[wid] = (schema.from_json(info) if info else {}) | {
+                                "id": schema.from_u64(wid)
                             }
                         out[ino] = writers[wid]
                         break
