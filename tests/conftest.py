@@ -1,6 +1,6 @@
 """Fixtures: real FUSE mounts driven through the real ``cowfs`` command
 (the helpers they use are in tests/helpers.py; the docker and libvirt
-fixtures in tests/engines.py, loaded as a plugin), and the test tiers.
+fixtures in tests/provider_daemons.py, loaded as a plugin), and the test tiers.
 
 Every mount made through ``Workspace`` is unmounted and its daemon killed at
 teardown, whether the test passed or not.
@@ -20,7 +20,7 @@ from cowfs.system.mounts import mount_table
 
 from .helpers import managed_workspace, view_processes
 
-pytest_plugins = ["tests.engines"]  # docker_client, busybox, libvirt_conn, tiny_vm
+pytest_plugins = ["tests.provider_daemons"]  # docker_client, busybox, libvirt_conn, tiny_vm
 
 settings.register_profile(
     "ci",

@@ -6,14 +6,14 @@ from __future__ import annotations
 import subprocess
 
 from cowfs.layers import treesnap
-from tools import provider_engines as engines
+from tools import provider_daemons as daemons
 
 
 def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(
     mounted, docker_client, busybox
 ):
     ws = mounted
-    name = engines.unique_name("agent")
+    name = daemons.unique_name("agent")
     # Created after the mount: its bind mount must see the cowfs view.
     c = docker_client.containers.run(
         busybox,
@@ -22,7 +22,7 @@ def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(
         detach=True,
         working_dir="/work",
         environment={"STAGE": "build"},
-        labels={engines.LABEL: "1", "role": "agent"},
+        labels={daemons.LABEL: "1", "role": "agent"},
         volumes={str(ws.path): {"bind": "/work", "mode": "rw"}},
         network_mode="none",
     )
@@ -86,13 +86,13 @@ def test_a_failed_install_is_rolled_back_in_the_container_and_the_workspace(
 
 def test_run_container_shorthand(mounted, docker_client, busybox):
     ws = mounted
-    name = engines.unique_name("short")
+    name = daemons.unique_name("short")
     docker_client.containers.run(
         busybox,
         ["sleep", "3600"],
         name=name,
         detach=True,
-        labels={engines.LABEL: "1"},
+        labels={daemons.LABEL: "1"},
         network_mode="none",
     )
     try:

@@ -4,7 +4,7 @@ a running VM's memory) is reverted together with the workspace."""
 from __future__ import annotations
 
 from cowfs.layers import treesnap
-from tools import provider_engines as engines
+from tools import provider_daemons as daemons
 
 from .test_providers import KillSwitch, crash_during
 
@@ -19,11 +19,11 @@ def test_shut_off_vm_disk_is_reverted_with_the_files(mounted, tiny_vm):
     before = ws.snapshot()
     layer = ws.json("checkpoint", "-m", "fix /etc", "--provider", "vm")
     assert layer["snapshots"][0]["data"]["snapshot"] in dom.snapshotListNames()
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     (ws / "a.txt").write_text("fixed\n")
-    assert engines.has_marker(dom)
+    assert daemons.has_marker(dom)
     ws.rollback()
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
     treesnap.assert_same(before, ws.snapshot())
     assert dom.snapshotListNames() == []  # dropped with its layer
 
@@ -37,9 +37,9 @@ def test_running_vm_is_reverted_and_merges_keep_the_chain_short(mounted, tiny_vm
     assert len(dom.snapshotListNames()) == 2
     ws.commit()  # the upper snapshot is no longer needed
     assert dom.snapshotListNames() == [f"cowfs-layer-{first}"]
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     ws.rollback()
-    assert dom.isActive() and not engines.has_marker(dom)
+    assert dom.isActive() and not daemons.has_marker(dom)
     assert dom.snapshotListNames() == []
 
 
@@ -59,10 +59,10 @@ def test_diagnostics_are_kept_and_a_failed_health_check_is_loud(mounted, tiny_vm
         'test -n "$COWFS_DOMAIN"',
     )
     ws.json("checkpoint", "-m", "risky", "--provider", "vm")
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     res = ws.rollback()
     assert res["postmortems"][0]["output"].strip() == f"post-mortem of {dom.name()}: disk full"
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
     base = ws.log()[-1]
     assert base["postmortems"][0]["domain"] == dom.name()
     assert "post-mortem of" in ws.cowfs("log").stdout
@@ -90,9 +90,9 @@ def test_checkpoint_vm_shorthand_registers_the_domain(mounted, tiny_vm):
     layer = ws.json("checkpoint", "--vm", dom.name())
     name = layer["snapshots"][0]["provider"]
     assert [p["domain"] for p in ws.json("provider", "list") if p["name"] == name] == [dom.name()]
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     ws.rollback()
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
     ws.json("checkpoint", "--vm", dom.name())  # the same provider is reused
     assert len(ws.json("provider", "list")) == 1
 
@@ -113,11 +113,11 @@ def test_a_failed_health_check_keeps_the_post_mortem(mounted, tiny_vm):
         "false",
     )
     layer = ws.json("checkpoint", "--provider", "sick")["id"]
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     r = ws.cowfs("rollback", check=False)
     assert r.returncode == 10
     assert f"restore sick of layer {layer}: reverted, but the health check failed" in r.stderr
-    assert not engines.has_marker(dom)  # the revert itself happened
+    assert not daemons.has_marker(dom)  # the revert itself happened
     postmortems = ws.log()[-1]["postmortems"]
     assert [(p["provider"], p["domain"], p["layer"], p["output"].strip()) for p in postmortems] == [
         ("sick", dom.name(), layer, "diag-output")
@@ -143,11 +143,11 @@ def test_a_rollback_killed_before_the_revert_is_finished_by_the_next_mount(
     )
     before = ws.snapshot()
     layer = ws.json("checkpoint", "--provider", "vm")["id"]
-    engines.write_marker(dom)
+    daemons.write_marker(dom)
     (ws / "a.txt").write_text("changed\n")
     err = crash_during(ws, switch, f"vm {layer}", "rollback")
     assert f"restore vm of layer {layer} (again: it was interrupted)" in err
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
     assert dom.snapshotListNames() == []
     treesnap.assert_same(before, ws.snapshot())
     assert [p["output"].strip() for p in ws.log()[-1]["postmortems"]] == ["diag-output"]

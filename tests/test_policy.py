@@ -12,7 +12,7 @@ import pytest
 from cowfs.errors import USAGE
 from cowfs.escalation.policy import Policy, PolicyError, Where
 from cowfs.layers import treesnap
-from tools import provider_engines as engines
+from tools import provider_daemons as daemons
 
 from .helpers import COWFS
 
@@ -250,14 +250,14 @@ def test_policy_run_scope_setting_is_the_default(mounted, tmp_path):
 @pytest.fixture
 def box(mounted, docker_client, busybox):
     """A running container with the workspace bind-mounted at /work."""
-    name = engines.unique_name("policy")
+    name = daemons.unique_name("policy")
     docker_client.containers.run(
         busybox,
         ["sleep", "3600"],
         name=name,
         detach=True,
         working_dir="/work",
-        labels={engines.LABEL: "1"},
+        labels={daemons.LABEL: "1"},
         network_mode="none",
         volumes={str(mounted.path): {"bind": "/work", "mode": "rw"}},
     )
@@ -344,7 +344,7 @@ def test_auto_escalates_to_the_registered_vm_by_a_user_rule(mounted, tiny_vm, tm
     ws.cowfs("provider", "add", "web", "--type", "libvirt", "--domain", dom.name())
     rule = tmp_path / "site.toml"
     rule.write_text('[[rule]]\nname = "disk surgery"\nscope = "system"\nprograms = ["qemu-io"]\n')
-    disk = engines.domain_disk(dom)
+    disk = daemons.domain_disk(dom)
     before = ws.snapshot()
     r = ws.cowfs(
         "--json",
@@ -357,13 +357,13 @@ def test_auto_escalates_to_the_registered_vm_by_a_user_rule(mounted, tiny_vm, tm
         "sh",
         "-c",
         f"echo fixed > a.txt && qemu-io -f qcow2 -c 'write -P 0x5a "
-        f"{engines.MARKER_OFFSET} {engines.MARKER_LEN}' {disk} && exit 1",
+        f"{daemons.MARKER_OFFSET} {daemons.MARKER_LEN}' {disk} && exit 1",
         check=False,
     )
     assert r.returncode == 1, r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
     assert (result["scope"], result["snapshots"]) == ("system", ["web"])
     assert "disk surgery" in result["reasons"][0]
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
     treesnap.assert_same(before, ws.snapshot())
     assert dom.snapshotListNames() == []

@@ -50,7 +50,7 @@ in the provider's state, rollback (restore), checkpoint, change, commit (merge:
 the snapshot is discarded), checking every result.  It reports the provider's
 own time from the reply, the daemon's time of the whole operation and the
 command's wall clock, against the files-only cycle.  dockerd and libvirtd are
-started when they are not running (tools/provider_engines.py; they are left running,
+started when they are not running (tools/provider_daemons.py; they are left running,
 as the tests leave them); an engine that cannot run here is reported as
 skipped, with the reason.  The container, every snapshot image, the domains
 with their snapshots and disks, and a busybox image built for the run are

@@ -31,12 +31,12 @@ class BenchError(Exception):
     """A failed step: a command's error, a wrong result, a hang, a dead daemon."""
 
 
-def provider_engines():
-    """tools/provider_engines.py (starts dockerd/libvirtd, makes images and
+def provider_daemons():
+    """tools/provider_daemons.py (starts dockerd/libvirtd, makes images and
     domains): only the providers need it."""
-    from tools import provider_engines
+    from tools import provider_daemons
 
-    return provider_engines
+    return provider_daemons
 
 
 def perf() -> float:

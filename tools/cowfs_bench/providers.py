@@ -11,7 +11,7 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from .helpers import BenchError, perf, provider_engines, summarize
+from .helpers import BenchError, perf, provider_daemons, summarize
 from .targets import Cowfs
 from .workloads import Ctx
 
@@ -150,7 +150,7 @@ class DockerState(Subject):
     def setup(self, t):
         import docker.errors
 
-        eng = provider_engines()
+        eng = provider_daemons()
         self.client = eng.ensure_docker()
         try:
             self.client.images.get(BENCH_IMAGE)
@@ -260,7 +260,7 @@ class LibvirtState(Subject):
         return 1 + tag % 255
 
     def setup(self, t):
-        eng = provider_engines()
+        eng = provider_daemons()
         self.conn = eng.ensure_libvirt()
         vtype = eng.virt_type(self.conn)
         self.dom = eng.tiny_domain(
@@ -278,14 +278,14 @@ class LibvirtState(Subject):
         )
 
     def change(self, tag):
-        provider_engines().write_marker(self.dom, self.pattern(tag))
+        provider_daemons().write_marker(self.dom, self.pattern(tag))
 
     def check(self, tag, present):
         if bool(self.dom.isActive()) != self.running:
             raise BenchError(
                 f"domain {self.name} is {'running' if self.dom.isActive() else 'shut off'}"
             )
-        if provider_engines().has_marker(self.dom, self.pattern(tag)) != present:
+        if provider_daemons().has_marker(self.dom, self.pattern(tag)) != present:
             raise BenchError(
                 f"domain {self.name}: the disk marker of change {tag} is "
                 f"{'missing' if present else 'still there'}"
@@ -298,7 +298,7 @@ class LibvirtState(Subject):
     def cleanup(self):
         if self.conn is None:
             return
-        provider_engines().remove_domain(self.conn, self.name, delete_disk=True)
+        provider_daemons().remove_domain(self.conn, self.name, delete_disk=True)
         self.conn.close()
         self.conn = None
 
@@ -334,7 +334,7 @@ class ProviderRuns:
                 try:
                     s.setup(t)
                     p["info"][s.kind] = s.info
-                except provider_engines().EngineUnavailable as e:
+                except provider_daemons().DaemonUnavailable as e:
                     p["skipped"][s.kind] = str(e)
                     self.note(f"providers: {s.label} skipped: {summarize(str(e), 1)}")
                 except KeyboardInterrupt:

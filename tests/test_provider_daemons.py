@@ -1,4 +1,4 @@
-"""The real-engine test helpers work: a local busybox image in a real dockerd,
+"""The provider-daemon test helpers work: a local busybox image in a real dockerd,
 ``docker commit`` and recreating a container from the committed image, and
 libvirt internal snapshots of a tiny qemu domain, shut off and running, proven
 by a marker on its disk that a revert takes away."""
@@ -10,18 +10,18 @@ import time
 
 import pytest
 
-from tools import provider_engines as engines
+from tools import provider_daemons as daemons
 
 # ------------------------------------------------------------------ docker
 
 
 def test_busybox_image_runs_with_the_cli_and_the_sdk(docker_client, busybox):
-    assert engines.busybox_image(docker_client) == busybox  # reused, not rebuilt
+    assert daemons.busybox_image(docker_client) == busybox  # reused, not rebuilt
     img = docker_client.images.get(busybox)
-    assert img.labels.get(engines.LABEL) == "1"
+    assert img.labels.get(daemons.LABEL) == "1"
     try:
-        cli = engines.docker_cli()
-    except engines.EngineUnavailable as e:
+        cli = daemons.docker_cli()
+    except daemons.DaemonUnavailable as e:
         pytest.skip(str(e))
     r = subprocess.run(
         [cli, "run", "--rm", busybox, "sh", "-c", "echo ok"],
@@ -64,7 +64,7 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
     ws = tmp_path / "workspace"
     ws.mkdir()
     (ws / "README").write_text("workspace\n")
-    name = engines.unique_name("ctr")
+    name = daemons.unique_name("ctr")
     c = docker_client.containers.run(
         busybox,
         ["sleep", "3600"],
@@ -72,13 +72,13 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
         detach=True,
         environment={"STAGE": "build"},
         working_dir="/work",
-        labels={engines.LABEL: "1", "role": "agent"},
+        labels={daemons.LABEL: "1", "role": "agent"},
         volumes={str(ws): {"bind": "/work", "mode": "rw"}},
     )
     assert c.exec_run(["cat", "README"]).output == b"workspace\n"
 
     t0 = time.monotonic()
-    ckpt = f"{engines.IMAGE_REPO_PREFIX}ckpt:{name}-1"
+    ckpt = f"{daemons.IMAGE_REPO_PREFIX}ckpt:{name}-1"
     c.commit(repository=ckpt.rsplit(":", 1)[0], tag=ckpt.rsplit(":", 1)[1])
     capture_s = time.monotonic() - t0
 
@@ -110,21 +110,21 @@ def test_commit_then_recreate_from_the_image_undoes_a_change(docker_client, busy
 
 
 def test_cleanup_docker_removes_what_tests_made(docker_client, busybox):
-    name = engines.unique_name("gone")
+    name = daemons.unique_name("gone")
     c = docker_client.containers.create(busybox, ["true"], name=name)
-    c.commit(repository=f"{engines.IMAGE_REPO_PREFIX}gone", tag=name)
-    removed = engines.cleanup_docker(docker_client, keep_base=True)
+    c.commit(repository=f"{daemons.IMAGE_REPO_PREFIX}gone", tag=name)
+    removed = daemons.cleanup_docker(docker_client, keep_base=True)
     assert f"container {name}" in removed
     assert not [
-        c for c in docker_client.containers.list(all=True) if c.name.startswith(engines.PREFIX)
+        c for c in docker_client.containers.list(all=True) if c.name.startswith(daemons.PREFIX)
     ]
     left = [
         t
         for i in docker_client.images.list()
         for t in i.tags
-        if t.startswith(engines.IMAGE_REPO_PREFIX)
+        if t.startswith(daemons.IMAGE_REPO_PREFIX)
     ]
-    assert left == [engines.BUSYBOX_TAG]
+    assert left == [daemons.BUSYBOX_TAG]
 
 
 # ------------------------------------------------------------------ libvirt
@@ -132,20 +132,20 @@ def test_cleanup_docker_removes_what_tests_made(docker_client, busybox):
 
 def test_shut_off_domain_disk_snapshot_revert_removes_the_marker(libvirt_conn, tiny_vm):
     dom = tiny_vm
-    disk = engines.domain_disk(dom)
-    assert not dom.isActive() and not engines.has_marker(dom)
+    disk = daemons.domain_disk(dom)
+    assert not dom.isActive() and not daemons.has_marker(dom)
 
-    snap = engines.snapshot(dom, "base")
+    snap = daemons.snapshot(dom, "base")
     assert "<state>shutoff</state>" in snap.getXMLDesc(0)
-    assert engines.qcow2_snapshots(disk) == ["base"]
+    assert daemons.qcow2_snapshots(disk) == ["base"]
 
-    engines.write_marker(dom)
-    assert engines.has_marker(dom)
+    daemons.write_marker(dom)
+    assert daemons.has_marker(dom)
     dom.revertToSnapshot(snap, 0)
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
 
     snap.delete(0)
-    assert engines.qcow2_snapshots(disk) == [] and dom.listAllSnapshots(0) == []
+    assert daemons.qcow2_snapshots(disk) == [] and dom.listAllSnapshots(0) == []
 
 
 def test_running_domain_memory_snapshot_revert(libvirt_conn, tiny_vm):
@@ -156,36 +156,36 @@ def test_running_domain_memory_snapshot_revert(libvirt_conn, tiny_vm):
     assert dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
 
     t0 = time.monotonic()
-    snap = engines.snapshot(dom, "live")
+    snap = daemons.snapshot(dom, "live")
     capture_s = time.monotonic() - t0
     desc = snap.getXMLDesc(0)
     assert "<state>running</state>" in desc and "<memory snapshot='internal'/>" in desc
 
-    engines.write_marker(dom)  # through the monitor: the domain runs
-    assert engines.has_marker(dom)
-    extra = engines.snapshot(dom, "extra")  # taken and dropped while running
+    daemons.write_marker(dom)  # through the monitor: the domain runs
+    assert daemons.has_marker(dom)
+    extra = daemons.snapshot(dom, "extra")  # taken and dropped while running
     extra.delete(0)
-    assert engines.qcow2_snapshots(engines.domain_disk(dom)) == ["live"]
+    assert daemons.qcow2_snapshots(daemons.domain_disk(dom)) == ["live"]
     t0 = time.monotonic()
     dom.revertToSnapshot(snap, 0)
     restore_s = time.monotonic() - t0
     print(
-        f"libvirt ({engines.virt_type(libvirt_conn)}) running snapshot {capture_s:.2f}s, "
+        f"libvirt ({daemons.virt_type(libvirt_conn)}) running snapshot {capture_s:.2f}s, "
         f"revert {restore_s:.2f}s"
     )
     assert dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
-    assert not engines.has_marker(dom)
+    assert not daemons.has_marker(dom)
 
     dom.destroy()
     snap.delete(0)
-    assert engines.qcow2_snapshots(engines.domain_disk(dom)) == []
+    assert daemons.qcow2_snapshots(daemons.domain_disk(dom)) == []
 
 
 def test_cleanup_libvirt_removes_domains_snapshots_and_disks(libvirt_conn, tmp_path):
-    name = engines.unique_name("gone")
-    dom = engines.tiny_domain(libvirt_conn, name, tmp_path, start=True)
-    engines.snapshot(dom, "one")
-    disk = engines.domain_disk(dom)
-    assert f"domain {name}" in engines.cleanup_libvirt(libvirt_conn)
+    name = daemons.unique_name("gone")
+    dom = daemons.tiny_domain(libvirt_conn, name, tmp_path, start=True)
+    daemons.snapshot(dom, "one")
+    disk = daemons.domain_disk(dom)
+    assert f"domain {name}" in daemons.cleanup_libvirt(libvirt_conn)
     assert name not in [d.name() for d in libvirt_conn.listAllDomains(0)]
     assert not disk.exists()

@@ -1,6 +1,6 @@
-"""Real container and VM engines for tests and benchmarks: dockerd and libvirtd.
+"""Real container and VM daemons for tests and benchmarks: dockerd and libvirtd.
 
-Shared by the test suite (its fixtures, in ``tests/engines.py``) and
+Shared by the test suite (its fixtures, in ``tests/provider_daemons.py``) and
 ``tools/bench`` (the provider benchmarks), which does not import the tests.
 
 Nothing here installs anything: the Debian and pip packages come from
@@ -15,12 +15,12 @@ helpers remove exactly that. ``tools/bench`` makes its image and domains under
 names and a label of its own (the ``label`` and ``prefix`` arguments), so a
 test session's cleanup leaves a benchmark running alongside alone.
 
-``EngineUnavailable`` says an engine cannot run on this machine, with the
-reason (the test fixtures turn it into a skip, or a failure when the engine
+``DaemonUnavailable`` says a provider's daemon cannot run on this machine, with the
+reason (the test fixtures turn it into a skip, or a failure when the provider
 is required).
 
-Logs of daemons started here go to ``LOG_DIR`` (``/tmp/cowfs-engines`` unless
-``COWFS_ENGINES_DIR`` says otherwise).
+Logs of daemons started here go to ``LOG_DIR`` (``/tmp/cowfs-daemons`` unless
+``COWFS_DAEMONS_DIR`` says otherwise).
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ PREFIX = "cowfs-test-"
 IMAGE_REPO_PREFIX = "cowfs-test/"
 LABEL = "org.cowfs.test"
 BUSYBOX_TAG = "cowfs-test/busybox:1"
-LOG_DIR = Path(os.environ.get("COWFS_ENGINES_DIR", "/tmp/cowfs-engines"))
+LOG_DIR = Path(os.environ.get("COWFS_DAEMONS_DIR", "/tmp/cowfs-daemons"))
 DAEMON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine cannot run on this machine; ``str()`` is the reason."""
+class DaemonUnavailable(RuntimeError):
+    """The daemon cannot run on this machine; ``str()`` is the reason."""
 
 
 def unique_name(what: str = "") -> str:
@@ -129,10 +129,10 @@ def _pidfile_alive(path: str) -> bool:
         return False
 
 
-def _need_root(engine: str) -> None:
+def _need_root(name: str) -> None:
     if os.geteuid() != 0:
-        raise EngineUnavailable(
-            f"{engine}: starting the daemon needs root (running as uid {os.geteuid()})"
+        raise DaemonUnavailable(
+            f"{name}: starting the daemon needs root (running as uid {os.geteuid()})"
         )
 
 
@@ -174,18 +174,18 @@ def ensure_docker(timeout: float = 60.0):
     in the background if none is running. Idempotent.
 
     With ``DOCKER_HOST`` set, that daemon is used as it is (never started).
-    Raises ``EngineUnavailable`` when docker cannot run here.
+    Raises ``DaemonUnavailable`` when docker cannot run here.
     """
     try:
         import docker  # noqa: F401
     except ImportError:
-        raise EngineUnavailable(
+        raise DaemonUnavailable(
             "docker: the Python package 'docker' is not installed (pip install docker)"
         ) from None
     if os.environ.get("DOCKER_HOST"):
         c = _docker_ping()
         if c is None:
-            raise EngineUnavailable(
+            raise DaemonUnavailable(
                 f"docker: DOCKER_HOST={os.environ['DOCKER_HOST']} does not answer"
             )
         return c
@@ -193,10 +193,10 @@ def ensure_docker(timeout: float = 60.0):
         return c
     dockerd = _find("dockerd")
     if dockerd is None:
-        raise EngineUnavailable("docker: dockerd is not installed (Debian package docker.io)")
+        raise DaemonUnavailable("docker: dockerd is not installed (Debian package docker.io)")
     for helper in ("containerd", "runc"):
         if _find(helper) is None:
-            raise EngineUnavailable(
+            raise DaemonUnavailable(
                 f"docker: {helper} is not installed (Debian package "
                 f"{helper}, a dependency of docker.io)"
             )
@@ -212,7 +212,7 @@ def ensure_docker(timeout: float = 60.0):
                     return c
                 time.sleep(0.25)
             if _pidfile_alive("/var/run/docker.pid"):
-                raise EngineUnavailable(
+                raise DaemonUnavailable(
                     f"docker: a dockerd is running but does not answer on "
                     f"{DOCKER_SOCK} within {timeout:.0f}s"
                 )
@@ -243,7 +243,7 @@ def ensure_docker(timeout: float = 60.0):
                 failures.append(
                     f"dockerd {' '.join(flags) or '(defaults)'}: exited {proc.returncode}"
                 )
-        raise EngineUnavailable(
+        raise DaemonUnavailable(
             "docker: dockerd could not be started: "
             + "; ".join(failures)
             + f"\nlast lines of {log}:\n{_tail(log)}"
@@ -251,10 +251,10 @@ def ensure_docker(timeout: float = 60.0):
 
 
 def docker_cli() -> str:
-    """Path of the ``docker`` command-line client, or ``EngineUnavailable``."""
+    """Path of the ``docker`` command-line client, or ``DaemonUnavailable``."""
     path = _find("docker")
     if path is None:
-        raise EngineUnavailable(
+        raise DaemonUnavailable(
             "docker: the docker CLI is not installed (Debian package docker.io)"
         )
     return path
@@ -283,7 +283,7 @@ def find_static_busybox() -> str:
     for cand in (os.environ.get("COWFS_BUSYBOX"), "/bin/busybox", "/usr/bin/busybox"):
         if cand and os.path.exists(cand) and _is_static_elf(cand):
             return cand
-    raise EngineUnavailable(
+    raise DaemonUnavailable(
         "docker: no statically linked busybox for the test image "
         "(Debian package busybox-static provides /bin/busybox)"
     )
@@ -492,11 +492,11 @@ def _ensure_qemu_account() -> None:
 def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
     """A ``libvirt.virConnect`` to ``qemu:///system``, starting virtlogd and
     libvirtd in the background when they are not running. Idempotent.
-    Raises ``EngineUnavailable`` when libvirt/qemu cannot run here."""
+    Raises ``DaemonUnavailable`` when libvirt/qemu cannot run here."""
     try:
         _quiet_libvirt()
     except ImportError:
-        raise EngineUnavailable(
+        raise DaemonUnavailable(
             "libvirt: the Python package 'libvirt-python' is not "
             "installed (pip install libvirt-python; it builds "
             "against Debian's libvirt-dev)"
@@ -508,7 +508,7 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
         try:
             _ensure_qemu_account()
         except (subprocess.CalledProcessError, OSError) as e:
-            raise EngineUnavailable(
+            raise DaemonUnavailable(
                 f"libvirt: cannot create the {QEMU_USER} account or fix /dev/kvm: {e}"
             ) from None
     if _socket_accepts(LIBVIRT_SOCK) and (conn := _libvirt_open(uri)):
@@ -519,7 +519,7 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
         if _find(b) is None
     ]
     if missing:
-        raise EngineUnavailable(
+        raise DaemonUnavailable(
             f"libvirt: not installed: {', '.join(missing)} (Debian packages "
             "libvirt-daemon libvirt-daemon-driver-qemu qemu-system-x86 "
             "qemu-utils)"
@@ -534,7 +534,7 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
             proc = _spawn([_find("virtlogd")], log)
             while not _socket_accepts(VIRTLOGD_SOCK):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise EngineUnavailable(f"libvirt: virtlogd did not start\n{_tail(log)}")
+                    raise DaemonUnavailable(f"libvirt: virtlogd did not start\n{_tail(log)}")
                 time.sleep(0.1)
         log = LOG_DIR / "libvirtd.log"
         proc = _spawn([_find("libvirtd")], log)
@@ -545,9 +545,9 @@ def ensure_libvirt(uri: str = LIBVIRT_URI, timeout: float = 60.0):
                 # Lost a race with a libvirtd started elsewhere? Then it answers.
                 if conn := _libvirt_open(uri):
                     return conn
-                raise EngineUnavailable(f"libvirt: libvirtd exited {proc.returncode}\n{_tail(log)}")
+                raise DaemonUnavailable(f"libvirt: libvirtd exited {proc.returncode}\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise EngineUnavailable(
+                raise DaemonUnavailable(
                     f"libvirt: libvirtd gave no connection within {timeout:.0f}s\n{_tail(log)}"
                 )
             time.sleep(0.2)

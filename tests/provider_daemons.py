@@ -1,11 +1,11 @@
-"""pytest fixtures over the real container and VM engines
-(``tools/provider_engines.py``, which ``tools/bench`` shares): tests/conftest.py
+"""pytest fixtures over the real container and VM daemons
+(``tools/provider_daemons.py``, which ``tools/bench`` shares): tests/conftest.py
 loads this module as a plugin (pytest_plugins), so every test module can use
 them.
 
-``EngineUnavailable`` becomes ``pytest.skip`` -- or a failure when
-``COWFS_REQUIRE_ENGINES`` names the engine ("docker", "libvirt", a
-comma-separated list, or "1"/"all"), so a CI that must exercise the engines
+``DaemonUnavailable`` becomes ``pytest.skip`` -- or a failure when
+``COWFS_REQUIRE_PROVIDERS`` names the provider ("docker", "libvirt", a
+comma-separated list, or "1"/"all"), so a CI that must exercise the daemons
 cannot pass by skipping them.
 """
 
@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from tools.provider_engines import (
-    EngineUnavailable,
+from tools.provider_daemons import (
+    DaemonUnavailable,
     busybox_image,
     cleanup_docker,
     cleanup_libvirt,
@@ -28,15 +28,15 @@ from tools.provider_engines import (
 )
 
 
-def _required(engine: str) -> bool:
-    req = {w.strip().lower() for w in os.environ.get("COWFS_REQUIRE_ENGINES", "").split(",")}
-    return bool(req & {engine, "1", "all", "yes", "true"})
+def _required(provider: str) -> bool:
+    req = {w.strip().lower() for w in os.environ.get("COWFS_REQUIRE_PROVIDERS", "").split(",")}
+    return bool(req & {provider, "1", "all", "yes", "true"})
 
 
-def skip_unless_available(engine: str, e: EngineUnavailable):
-    """``pytest.skip`` with the reason, or fail when the engine is required."""
-    if _required(engine):
-        pytest.fail(f"{e} (COWFS_REQUIRE_ENGINES requires {engine})", pytrace=False)
+def skip_unless_available(provider: str, e: DaemonUnavailable):
+    """``pytest.skip`` with the reason, or fail when the provider is required."""
+    if _required(provider):
+        pytest.fail(f"{e} (COWFS_REQUIRE_PROVIDERS requires {provider})", pytrace=False)
     pytest.skip(str(e))
 
 
@@ -46,7 +46,7 @@ def docker_client():
     containers and images are removed at the end."""
     try:
         client = ensure_docker()
-    except EngineUnavailable as e:
+    except DaemonUnavailable as e:
         skip_unless_available("docker", e)
     cleanup_docker(client, keep_base=True)  # leftovers of a killed run
     yield client
@@ -59,7 +59,7 @@ def busybox(docker_client) -> str:
     """Tag of the local busybox image."""
     try:
         return busybox_image(docker_client)
-    except EngineUnavailable as e:
+    except DaemonUnavailable as e:
         skip_unless_available("docker", e)
 
 
@@ -69,7 +69,7 @@ def libvirt_conn():
     removed at the end."""
     try:
         conn = ensure_libvirt()
-    except EngineUnavailable as e:
+    except DaemonUnavailable as e:
         skip_unless_available("libvirt", e)
     cleanup_libvirt(conn)
     yield conn
