@@ -10,6 +10,7 @@ directories renamed while a rollback runs.  The victim must stay untouched
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -608,3 +609,105 @@ def test_a_directory_a_rollback_moved_twice_records_its_changes_at_its_own_path(
             assert not (ag / "B" / "X" / "z").exists()
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+@contextlib.contextmanager
+def agent_work(prefix: str):
+    """A mounted workspace ignoring ``*.tmp``, with a directory work/ the
+    agent (nobody) owns that holds root's file work/data.txt (the agent may
+    rename it, not change it), and a runner of commands as the agent."""
+    import pwd
+    import tempfile
+
+    agent = pwd.getpwnam("nobody")
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("*.tmp\n")
+            (ws / "work").mkdir()
+            os.chown(ws / "work", agent.pw_uid, agent.pw_gid)
+            (ws / "work" / "data.txt").write_text("root's data\n")
+            ws.mount()
+            yield ws, lambda *argv: as_user(agent, *argv)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def _copies_of(root: Path, data: bytes) -> list[Path]:
+    return [
+        p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and p.read_bytes() == data
+    ]
+
+
+@pytest.mark.parametrize("blocker", [False, True], ids=["plain", "blocker"])
+def test_a_rollback_never_removes_a_known_file_moved_into_a_directory_the_layer_made(blocker):
+    """The agent makes a directory p (recorded), moves root's file into an
+    ignored directory inside it (recorded: the file is pinned) and renames
+    that ignored directory (uncaptured: the agent made it at an ignored
+    path), perhaps putting an empty one at the old name.  The rename step
+    finds nothing to move back; the step removing p must not take root's
+    file with what it takes for the layer's own ignored creations -- it
+    fails by name and keeps its record (exit 10), and the file is still
+    there (it was removed, and with the blocker the rollback said it
+    succeeded)."""
+    with agent_work("cowfs-known-") as (ws, agent):
+        work = ws / "work"
+        ws.checkpoint()
+        agent("mkdir", str(work / "p"))
+        agent("mkdir", str(work / "p" / "z.tmp"))
+        agent("mv", str(work / "data.txt"), str(work / "p" / "z.tmp" / "data.txt"))
+        agent("mv", str(work / "p" / "z.tmp"), str(work / "p" / "w.tmp"))
+        if blocker:
+            agent("mkdir", str(work / "p" / "z.tmp"))
+        r = ws.cowfs("rollback", "--yes", check=False)
+        copies = _copies_of(ws.path, b"root's data\n")
+        assert copies, (r.returncode, r.stdout, r.stderr)
+        if r.returncode == 0:
+            assert copies == [work / "data.txt"], r.stdout
+        else:
+            assert r.returncode == 10, r.stderr
+            assert "p" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("blocker", [False, True], ids=["plain", "blocker"])
+def test_a_file_made_at_a_captured_path_on_a_number_an_ignored_one_freed_stays_pinned(blocker):
+    """An object made at an ignored path and removed there (uncaptured)
+    frees its inode number; the filesystem gives it to the next directory
+    the agent makes, at a captured path.  That directory is pinned like any
+    made there: moving it to an ignored path is recorded, so the rollback
+    puts root's file, moved into it, back exactly -- or, when the agent
+    made a new directory at its old name (at an ignored path: uncaptured),
+    fails by name and keeps root's file (before, the earlier
+    object's state left the directory unpinned, and the rollback removed
+    root's file and said it succeeded)."""
+    with agent_work("cowfs-reuse-") as (ws, agent):
+        work = ws / "work"
+        before = ws.snapshot()
+        ws.checkpoint()
+        agent("mkdir", str(work / "p"))
+        for _ in range(20):
+            agent("mkdir", str(work / "p" / "a.tmp"))
+            freed = os.lstat(work / "p" / "a.tmp").st_ino
+            agent("rmdir", str(work / "p" / "a.tmp"))
+            agent("mkdir", str(work / "p" / "x"))
+            if os.lstat(work / "p" / "x").st_ino == freed:
+                break
+            agent("rmdir", str(work / "p" / "x"))
+        else:
+            pytest.skip("the filesystem gave the freed inode number to no new directory")
+        agent("mv", str(work / "data.txt"), str(work / "p" / "x" / "data.txt"))
+        agent("mv", str(work / "p"), str(work / "p.tmp"))
+        agent("mv", str(work / "p.tmp" / "x"), str(work / "p.tmp" / "z.tmp"))
+        if blocker:
+            agent("mkdir", str(work / "p.tmp" / "x"))
+        r = ws.cowfs("rollback", "--yes", check=False)
+        if not blocker:
+            assert r.returncode == 0, r.stderr
+            treesnap.assert_same(before, ws.snapshot())
+            return
+        assert r.returncode == 10, r.stderr
+        assert "work/p.tmp/x" in r.stderr, r.stderr
+        copies = _copies_of(ws.path, b"root's data\n")
+        assert len(copies) == 1 and copies[0].name == "data.txt", copies

@@ -306,3 +306,57 @@ def test_a_file_open_in_a_view_never_reads_another_object_put_at_its_ignored_nam
     finally:
         clear_views(base)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_view_never_serves_a_freed_numbers_cached_bytes_to_the_next_object():
+    """Root reads its 0600 file through a view (at an ignored path: the
+    view shows it as it is now) and removes it (uncaptured); the agent
+    makes a file in the same directory, which the filesystem gives the
+    freed inode number, with the size and mtime root's had.  Reading it
+    through the view must give the agent its own bytes: the view numbers
+    an object by its inode number, and the kernel's cached pages of that
+    number were root's (the view kept them between opens)."""
+    import tempfile
+
+    secret = b"ROOT SECRET 0123456789abcdef\n"
+    base = Path(tempfile.mkdtemp(prefix="cowfs-viewcache-"))
+    os.chmod(base, 0o755)
+    view_dir = base / "view"
+    view_dir.mkdir()
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            (ws / ".cowfsignore").write_text("cache/\n")
+            cache = agents_dir(ws / "cache")
+            ws.mount()
+            layer = ws.checkpoint()
+            ws.cowfs("view", layer, view_dir)
+            try:
+                reused = False
+                for i in range(20):
+                    fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    os.write(fd, secret)
+                    os.close(fd)
+                    st = os.stat(cache / "root")
+                    assert (view_dir / "cache" / "root").read_bytes() == secret
+                    os.unlink(cache / "root")
+                    mine = f"y{i}"
+
+                    def make_and_read(name: str = mine, st: os.stat_result = st) -> tuple:
+                        path = cache / name
+                        path.write_bytes(b"x" * len(secret))
+                        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+                        return os.stat(path).st_ino, (view_dir / "cache" / name).read_bytes()
+
+                    ino, seen = as_agent(make_and_read)
+                    assert seen == b"x" * len(secret), (ino == st.st_ino, seen)
+                    if ino == st.st_ino:
+                        reused = True
+                        break
+                if not reused:
+                    pytest.skip("the filesystem gave the freed inode number to no new file")
+            finally:
+                ws.cowfs("unmount", view_dir, check=False)
+    finally:
+        clear_views(base)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -316,7 +316,9 @@ class View(pyfuse3.Operations):
         fh = self.next_fh
         self.next_fh += 1
         self.files[fh] = opened
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        # (no cached pages kept between opens: an inode number the view shows
+        # at an ignored path can be a later object's, given a freed number)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:

@@ -26,7 +26,6 @@ import errno
 import itertools
 import os
 import stat
-import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,8 +38,6 @@ from . import redo
 from .ignore import IgnoreRules
 
 Loc = Callable[[], bytes]
-
-_LAYER_INO = struct.Struct(">QQ")  # (the prefix of an object's index keys in a layer)
 
 
 class Obj:
@@ -300,9 +297,14 @@ class Recorder:
         transaction; if they are lost in a crash, later changes are merely
         captured needlessly.)"""
         o = self.objs.get(ino)
-        if o is None:  # (new: whatever the store says of an earlier ino is moot)
+        if o is None or not o.pinned and named:
+            # (new: whatever memory or the store says of an earlier object
+            # given this number is moot -- one made at an ignored path and
+            # removed there uncaptured, say, which would leave a file made
+            # at a captured path unpinned)
             o = self.objs[ino] = Obj()
             o.older = False  # (nor what older layers say of it)
+            self.skipped.discard(ino)
         if not o.created:
             o.created = True
             o.attributed = True
@@ -361,24 +363,9 @@ class Recorder:
         return o.older
 
     def _known_below(self, ino: int) -> bool:
-        layers = [layer.id for layer in self.store.layers() if layer.id != self.layer]
-        if not layers:
-            return False
-        pack, made = _LAYER_INO.pack, schema.IDX_CREATED[0]
-        with self.store.read() as txn:
-            cur = txn.cursor(db=self.store.db_index)
-            for layer in reversed(layers):
-                prefix = pack(layer, ino)  # (``schema.index_prefix``)
-                if not cur.set_range(prefix):
-                    continue
-                key = cur.key()
-                while key[:16] == prefix:
-                    if key[16] != made or schema.index_seq(key, cur.value()) != 0:
-                        return True  # (an entry but a lone N of value 0: ``schema.pins``)
-                    if not cur.next():
-                        break
-                    key = cur.key()
-        return False
+        return self.store.knows(
+            ino, [layer.id for layer in self.store.layers() if layer.id != self.layer]
+        )
 
     def _skip(self, ino: int, o: Obj, loc: Loc, is_dir: bool) -> bool:
         """An object first changed at an ignored path is treated as new in

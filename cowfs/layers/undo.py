@@ -237,20 +237,28 @@ class Undoer:
         self._buried(st.st_ino, gid)
         return True
 
-    def _only_ignored(self, d: int, n: bytes, path: bytes) -> bool:
+    def _only_ignored(self, d: int, n: bytes, path: bytes, inside: bool = False) -> bool:
         """Whether directory *n* holds nothing but ignored paths (true when
-        it is empty)."""
+        it is empty; *inside*: it is below an ignored directory) and no
+        object a layer knows (``Store.knows``): a known object in a
+        directory made in the layer is no creation of that layer's to
+        remove with it -- something moved it there that the records do not
+        say (their steps would have taken it out first), and removing it
+        would lose it."""
         fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
-                    if self.ignored is None:
+                    if self.ignored is None or self.store.knows(entry.inode()):
                         return False
-                    child = path + b"/" + os.fsencode(entry.name)
+                    name = os.fsencode(entry.name)
+                    child = path + b"/" + name
                     is_dir = entry.is_dir(follow_symlinks=False)
-                    if not self.ignored(child, is_dir) and not (
-                        is_dir and self._only_ignored(fd, os.fsencode(entry.name), child)
-                    ):
+                    here = inside or self.ignored(child, is_dir)
+                    if is_dir:
+                        if not self._only_ignored(fd, name, child, here):
+                            return False
+                    elif not here:
                         return False
         finally:
             os.close(fd)

@@ -13,6 +13,7 @@ import fcntl
 import itertools
 import os
 import stat
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -85,6 +86,9 @@ def meta_int(txn: lmdb.Transaction[bytes], key: bytes) -> int:
     """A counter or setting of the meta database (*txn* opened on it),
     which a sound store has, intact."""
     return schema.meta_int(key, need(txn, key))
+
+
+_LAYER_INO = struct.Struct(">QQ")  # (the prefix of an object's index keys in a layer)
 
 
 def scan(
@@ -1063,6 +1067,31 @@ class Store:
         return self.env.begin()
 
     # -- layers ----------------------------------------------------------------
+
+    def knows(self, ino: int, layers: Iterable[int] | None = None) -> bool:
+        """Whether a layer (of *layers*; default: every layer) knows object
+        *ino*: holds any index entry of it but the mark of one made at an
+        ignored path (an ``N`` of value 0: ``schema.pins``) -- what such a
+        layer's records name must stay where they put it (a lookup per
+        layer)."""
+        ids = [layer.id for layer in self.layers()] if layers is None else list(layers)
+        if not ids:
+            return False
+        pack, made = _LAYER_INO.pack, schema.IDX_CREATED[0]
+        with self.read() as txn:
+            cur = txn.cursor(db=self.db_index)
+            for layer in reversed(ids):
+                prefix = pack(layer, ino)  # (``schema.index_prefix``)
+                if not cur.set_range(prefix):
+                    continue
+                key = cur.key()
+                while key[:16] == prefix:
+                    if key[16] != made or schema.index_seq(key, cur.value()) != 0:
+                        return True
+                    if not cur.next():
+                        break
+                    key = cur.key()
+        return False
 
     def layers(self) -> list[Layer]:
         if self._layers is None:
