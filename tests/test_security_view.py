@@ -248,16 +248,14 @@ def test_a_directory_swapped_for_a_symlink_meanwhile_is_never_left_for_the_link(
     assert set(outcomes) <= {0, USAGE}, outcomes
 
 
-def test_a_file_open_in_a_view_never_reads_another_object_put_at_its_ignored_name():
-    """The agent opens its own file in a view (its name at an ignored path:
-    nothing it does there is captured), then renames root's 0600 file --
-    made in the same ignored directory, which the agent may write -- over
-    that name.  Reading the descriptor it opened must not give it root's
-    bytes: the view read the object the name leads to now, as root, past
-    the permission check it made at open."""
+@contextlib.contextmanager
+def cache_workspace(prefix: str) -> Iterator[tuple]:
+    """A workspace whose directory cache/ (ignored, the agent's to write)
+    is seen through views at VIEW: (workspace, cache, VIEW); views and the
+    workspace go away afterwards, whatever happened."""
     import tempfile
 
-    base = Path(tempfile.mkdtemp(prefix="cowfs-viewswap-"))
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     os.chmod(base, 0o755)
     view_dir = base / "view"
     view_dir.mkdir()
@@ -265,47 +263,57 @@ def test_a_file_open_in_a_view_never_reads_another_object_put_at_its_ignored_nam
         with managed_workspace(base / "ws") as ws:
             os.chmod(ws.path, 0o755)
             (ws / ".cowfsignore").write_text("cache/\n")
-            cache = agents_dir(ws / "cache")
-            (cache / "mine").write_text("the agent's own\n")
-            os.chown(cache / "mine", AGENT.pw_uid, AGENT.pw_gid)
-            (cache / "other").write_text("the agent's other\n")
-            os.chown(cache / "other", AGENT.pw_uid, AGENT.pw_gid)
-            ws.mount()
-            layer = ws.checkpoint()
-            fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            os.write(fd, b"ROOT SECRET\n")
-            os.close(fd)
-            ws.cowfs("view", layer, view_dir)
-            try:
-
-                def swap_and_read() -> bytes:
-                    fd = os.open(view_dir / "cache" / "mine", os.O_RDONLY)
-                    try:
-                        os.rename(cache / "root", cache / "mine")
-                        time.sleep(1.5)  # (the view's entry and attribute timeout)
-                        return os.pread(fd, 100, 0)
-                    except OSError as e:
-                        return f"error {e.errno}".encode()
-                    finally:
-                        os.close(fd)
-
-                def wait_and_read() -> bytes:
-                    fd = os.open(view_dir / "cache" / "other", os.O_RDONLY)
-                    try:
-                        time.sleep(1.5)
-                        return os.pread(fd, 100, 0)
-                    finally:
-                        os.close(fd)
-
-                # with nothing swapped, a file open in the view reads its bytes
-                assert as_agent(wait_and_read) == b"the agent's other\n"
-                seen = as_agent(swap_and_read)
-                assert b"ROOT SECRET" not in seen, seen
-            finally:
-                ws.cowfs("unmount", view_dir, check=False)
+            yield ws, agents_dir(ws / "cache"), view_dir
     finally:
         clear_views(base)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def test_a_file_open_in_a_view_never_reads_another_object_put_at_its_ignored_name():
+    """The agent opens its own file in a view (its name at an ignored path:
+    nothing it does there is captured), then renames root's 0600 file --
+    made in the same ignored directory, which the agent may write -- over
+    that name.  Reading the descriptor it opened must not give it root's
+    bytes: the view read the object the name leads to now, as root, past
+    the permission check it made at open."""
+    with cache_workspace("cowfs-viewswap-") as (ws, cache, view_dir):
+        (cache / "mine").write_text("the agent's own\n")
+        os.chown(cache / "mine", AGENT.pw_uid, AGENT.pw_gid)
+        (cache / "other").write_text("the agent's other\n")
+        os.chown(cache / "other", AGENT.pw_uid, AGENT.pw_gid)
+        ws.mount()
+        layer = ws.checkpoint()
+        fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"ROOT SECRET\n")
+        os.close(fd)
+        ws.cowfs("view", layer, view_dir)
+        try:
+
+            def swap_and_read() -> bytes:
+                fd = os.open(view_dir / "cache" / "mine", os.O_RDONLY)
+                try:
+                    os.rename(cache / "root", cache / "mine")
+                    time.sleep(1.5)  # (the view's entry and attribute timeout)
+                    return os.pread(fd, 100, 0)
+                except OSError as e:
+                    return f"error {e.errno}".encode()
+                finally:
+                    os.close(fd)
+
+            def wait_and_read() -> bytes:
+                fd = os.open(view_dir / "cache" / "other", os.O_RDONLY)
+                try:
+                    time.sleep(1.5)
+                    return os.pread(fd, 100, 0)
+                finally:
+                    os.close(fd)
+
+            # with nothing swapped, a file open in the view reads its bytes
+            assert as_agent(wait_and_read) == b"the agent's other\n"
+            seen = as_agent(swap_and_read)
+            assert b"ROOT SECRET" not in seen, seen
+        finally:
+            ws.cowfs("unmount", view_dir, check=False)
 
 
 def test_a_view_never_serves_a_freed_numbers_cached_bytes_to_the_next_object():
@@ -316,47 +324,34 @@ def test_a_view_never_serves_a_freed_numbers_cached_bytes_to_the_next_object():
     through the view must give the agent its own bytes: the view numbers
     an object by its inode number, and the kernel's cached pages of that
     number were root's (the view kept them between opens)."""
-    import tempfile
-
     secret = b"ROOT SECRET 0123456789abcdef\n"
-    base = Path(tempfile.mkdtemp(prefix="cowfs-viewcache-"))
-    os.chmod(base, 0o755)
-    view_dir = base / "view"
-    view_dir.mkdir()
-    try:
-        with managed_workspace(base / "ws") as ws:
-            os.chmod(ws.path, 0o755)
-            (ws / ".cowfsignore").write_text("cache/\n")
-            cache = agents_dir(ws / "cache")
-            ws.mount()
-            layer = ws.checkpoint()
-            ws.cowfs("view", layer, view_dir)
-            try:
-                reused = False
-                for i in range(20):
-                    fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    os.write(fd, secret)
-                    os.close(fd)
-                    st = os.stat(cache / "root")
-                    assert (view_dir / "cache" / "root").read_bytes() == secret
-                    os.unlink(cache / "root")
-                    mine = f"y{i}"
+    with cache_workspace("cowfs-viewcache-") as (ws, cache, view_dir):
+        ws.mount()
+        layer = ws.checkpoint()
+        ws.cowfs("view", layer, view_dir)
+        try:
+            reused = False
+            for i in range(20):
+                fd = os.open(cache / "root", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.write(fd, secret)
+                os.close(fd)
+                st = os.stat(cache / "root")
+                assert (view_dir / "cache" / "root").read_bytes() == secret
+                os.unlink(cache / "root")
+                mine = f"y{i}"
 
-                    def make_and_read(name: str = mine, st: os.stat_result = st) -> tuple:
-                        path = cache / name
-                        path.write_bytes(b"x" * len(secret))
-                        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-                        return os.stat(path).st_ino, (view_dir / "cache" / name).read_bytes()
+                def make_and_read(name: str = mine, st: os.stat_result = st) -> tuple:
+                    path = cache / name
+                    path.write_bytes(b"x" * len(secret))
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    return os.stat(path).st_ino, (view_dir / "cache" / name).read_bytes()
 
-                    ino, seen = as_agent(make_and_read)
-                    assert seen == b"x" * len(secret), (ino == st.st_ino, seen)
-                    if ino == st.st_ino:
-                        reused = True
-                        break
-                if not reused:
-                    pytest.skip("the filesystem gave the freed inode number to no new file")
-            finally:
-                ws.cowfs("unmount", view_dir, check=False)
-    finally:
-        clear_views(base)
-        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+                ino, seen = as_agent(make_and_read)
+                assert seen == b"x" * len(secret), (ino == st.st_ino, seen)
+                if ino == st.st_ino:
+                    reused = True
+                    break
+            if not reused:
+                pytest.skip("the filesystem gave the freed inode number to no new file")
+        finally:
+            ws.cowfs("unmount", view_dir, check=False)
