@@ -17,6 +17,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
+import cowfs
 from cowfs.interface.mcpserver import MAX_LINE
 from cowfs.layers import treesnap
 from cowfs.system.mounts import is_cowfs_mount
@@ -76,9 +77,10 @@ async def fails(session: ClientSession, tool: str, **args) -> tuple[int, str]:
 
 def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
     async def steps(s):
-        return {t.name: t for t in (await s.list_tools()).tools}
+        return s.server_info, {t.name: t for t in (await s.list_tools()).tools}
 
-    tools = serve(mounted.path, steps)
+    info, tools = serve(mounted.path, steps)
+    assert (info.name, info.version) == ("cowfs", cowfs.__version__)  # (was "")
     assert set(tools) == TOOLS
     for t in tools.values():
         assert t.description and t.input_schema["type"] == "object"

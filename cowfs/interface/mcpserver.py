@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, BinaryIO, get_args, get_origin
 
-from .. import errors
+from .. import __version__, errors
 from ..errors import CowfsError
 from ..service import control
 from ..system.mounts import find_mount
@@ -121,7 +121,7 @@ def build(root: str, tools: Sequence[Command]) -> Any:
     of the commands *tools* (see commands.TOOLS)."""
     from mcp.server.mcpserver import MCPServer
 
-    server = MCPServer("cowfs", instructions=INSTRUCTIONS.format(root=root))
+    server = MCPServer("cowfs", version=__version__, instructions=INSTRUCTIONS.format(root=root))
     for command in tools:
         server.add_tool(tool_function(root, command), name=command.name)
     return server
