@@ -29,6 +29,7 @@ def test_changes_made_while_unmounted_are_refused_then_accepted(mounted):
     r = ws.cowfs("mount", ws.path, check=False)
     assert r.returncode == DRIFT, r.stderr
     assert "a.txt" in r.stderr and "dir/b.txt" in r.stderr and "--accept-drift" in r.stderr
+    assert "paths the layers changed were changed while" in r.stderr, r.stderr
     assert "untouched-by-layers" not in r.stderr
     assert not is_cowfs_mount(str(ws.path))
     assert ws.cowfs("rollback", check=False).returncode == DRIFT  # offline neither
@@ -50,6 +51,7 @@ def test_a_replaced_file_with_the_same_size_and_times_is_drift(mounted):
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = ws.cowfs("mount", ws.path, check=False)
     assert r.returncode == DRIFT and "a.txt" in r.stderr
+    assert "1 path the layers changed was changed while" in r.stderr, r.stderr
 
 
 def test_no_drift_mounts_and_offline_commands_keep_the_record(mounted):

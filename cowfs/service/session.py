@@ -336,8 +336,9 @@ class Session:
                 f" and {len(drift) - 10} more" if len(drift) > 10 else ""
             )
             raise Drift(
-                f"{len(drift)} path{'s' if len(drift) > 1 else ''} the layers changed "
-                f"were changed while the workspace was not mounted: {shown}; a "
+                f"{count(len(drift), 'path')} the layers changed "
+                f"{'was' if len(drift) == 1 else 'were'} changed while the workspace "
+                f"was not mounted: {shown}; a "
                 "rollback would mix both; mount with --accept-drift to go on anyway"
             )
         if drift:
