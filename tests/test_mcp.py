@@ -84,6 +84,7 @@ def test_the_tools_are_listed_with_schemas_named_as_the_cli_options(mounted):
     assert set(tools) == TOOLS
     for t in tools.values():
         assert t.description and t.input_schema["type"] == "object"
+        assert "\n " not in t.description, t.description  # (no docstring indentation)
     props = {name: set(t.input_schema.get("properties", {})) for name, t in tools.items()}
     assert {"to", "dry_run", "no_redo", "yes", "skip_damaged"} <= props["rollback"]
     assert {"layer", "paths", "stat", "name_status", "max_bytes"} <= props["diff"]

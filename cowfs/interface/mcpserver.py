@@ -123,7 +123,9 @@ def build(root: str, tools: Sequence[Command]) -> Any:
 
     server = MCPServer("cowfs", version=__version__, instructions=INSTRUCTIONS.format(root=root))
     for command in tools:
-        server.add_tool(tool_function(root, command), name=command.name)
+        fn = tool_function(root, command)
+        # (the docstring without its indentation: clients show it as it is)
+        server.add_tool(fn, name=command.name, description=inspect.cleandoc(fn.__doc__ or ""))
     return server
 
 
