@@ -150,13 +150,13 @@ class DockerState(Subject):
     def setup(self, t):
         import docker.errors
 
-        eng = provider_daemons()
-        self.client = eng.ensure_docker()
+        daemons = provider_daemons()
+        self.client = daemons.ensure_docker()
         try:
             self.client.images.get(BENCH_IMAGE)
         except docker.errors.ImageNotFound:
             self.built_base = True
-        image = eng.busybox_image(self.client, BENCH_IMAGE, BENCH_LABEL)
+        image = daemons.busybox_image(self.client, BENCH_IMAGE, BENCH_LABEL)
         self.repo = f"cowfs/{os.path.basename(t.dir).lower()}"
         self.ws_file = os.path.join(t.dir, WS_FILE)
         # Created after the mount, so the bind mount sees the cowfs view.
@@ -260,10 +260,10 @@ class LibvirtState(Subject):
         return 1 + tag % 255
 
     def setup(self, t):
-        eng = provider_daemons()
-        self.conn = eng.ensure_libvirt()
-        vtype = eng.virt_type(self.conn)
-        self.dom = eng.tiny_domain(
+        daemons = provider_daemons()
+        self.conn = daemons.ensure_libvirt()
+        vtype = daemons.virt_type(self.conn)
+        self.dom = daemons.tiny_domain(
             self.conn,
             self.name,
             self.b.fresh_dir(self.kind),
