@@ -711,3 +711,31 @@ def test_a_file_made_at_a_captured_path_on_a_number_an_ignored_one_freed_stays_p
         assert "work/p.tmp/x" in r.stderr, r.stderr
         copies = _copies_of(ws.path, b"root's data\n")
         assert len(copies) == 1 and copies[0].name == "data.txt", copies
+
+
+def test_what_the_layer_made_goes_with_the_directory_it_made_whatever_was_recorded_of_it():
+    """A file written under an ignored name, renamed to a captured one and
+    back to an ignored one (each rename recorded: the file is pinned), in a
+    directory the layer made, is the layer's own: the rollback removes it
+    with the directory -- as it does a file at an ignored path given the
+    inode number of a file the layer made and removed (the agent cannot
+    make the rollback of its layer fail by that reuse)."""
+    with agent_work("cowfs-ownmade-") as (ws, agent):
+        work = ws / "work"
+        before = ws.snapshot()
+        ws.checkpoint()
+        agent("mkdir", str(work / "d"))
+        agent("sh", "-c", f"echo hi > {work / 'd' / 'f.tmp'}")
+        agent("mv", str(work / "d" / "f.tmp"), str(work / "d" / "f"))
+        agent("mv", str(work / "d" / "f"), str(work / "d" / "g.tmp"))
+        for i in range(30):
+            agent("sh", "-c", f"echo x > {work / f'c{i}'}")
+            freed = os.lstat(work / f"c{i}").st_ino
+            agent("rm", str(work / f"c{i}"))
+            agent("sh", "-c", f"echo y > {work / 'd' / 't.tmp'}")
+            if os.lstat(work / "d" / "t.tmp").st_ino == freed:
+                break
+            agent("rm", str(work / "d" / "t.tmp"))
+        r = ws.cowfs("rollback", "--yes", check=False)
+        assert r.returncode == 0, r.stderr
+        treesnap.assert_same(before, ws.snapshot())

@@ -110,7 +110,11 @@ class Rollback:
         self.board = acting.board
         self.on_removed = acting.on_removed
         self.layers = [layer for layer in self.store.layers() if layer.id >= to]
-        self.undo = Undoer(self.store, files.resolver, report.touched, acting.ignored)
+        undone = {layer.id for layer in self.layers}
+        seg = redo.segment(self.store)  # (the changes since a rollback that can be redone)
+        if seg is not None:
+            undone.add(seg)
+        self.undo = Undoer(self.store, files.resolver, report.touched, acting.ignored, undone)
         # what a redo needs, kept as the steps are taken (None: given up)
         self.keeper = (
             redo.RedoInverses(self.store, files.resolver) if redo.building(self.store, to) else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import assert_never
@@ -60,11 +60,15 @@ class Undoer:
         resolver: backing.Resolver,
         touched: Touched | None = None,
         ignored: Callable[[bytes | Callable[[], bytes], bool], bool] | None = None,
+        undone: Collection[int] = (),
     ):
         self.store = store
         self.r = resolver
         self.touched = touched if touched is not None else Touched()
         self.ignored = ignored  # (path, is_dir) -> bool: the capture filter, if any
+        # the layers whose changes the steps take away (a rollback's): what
+        # they made goes with a directory they made (``_only_ignored``)
+        self.undone = undone
 
     def apply(self, rec: schema.Record, keep: tuple[int, int] | None = None) -> bool:
         """Apply one undo record.  *keep*: (grave id, inode): move the object
@@ -240,16 +244,12 @@ class Undoer:
     def _only_ignored(self, d: int, n: bytes, path: bytes, inside: bool = False) -> bool:
         """Whether directory *n* holds nothing but ignored paths (true when
         it is empty; *inside*: it is below an ignored directory) and no
-        object a layer knows (``Store.knows``): a known object in a
-        directory made in the layer is no creation of that layer's to
-        remove with it -- something moved it there that the records do not
-        say (their steps would have taken it out first), and removing it
-        would lose it."""
+        object that is not the undone layers' to take away (``_foreign``)."""
         fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
         try:
             with os.scandir(fd) as entries:
                 for entry in entries:
-                    if self.ignored is None or self.store.knows(entry.inode()):
+                    if self.ignored is None or self._foreign(entry.inode()):
                         return False
                     name = os.fsencode(entry.name)
                     child = path + b"/" + name
@@ -263,6 +263,17 @@ class Undoer:
         finally:
             os.close(fd)
         return True
+
+    def _foreign(self, ino: int) -> bool:
+        """Whether object *ino*, found in a directory the undone layers
+        made, is no creation of theirs but an object a layer knows
+        (``Store.knows``): something moved it there that the records do not
+        say (their steps would have taken it out first), and removing it
+        with the directory would lose it.  (What the undone layers made is
+        theirs to remove, whatever they recorded of it since -- a file
+        written under an ignored name and renamed, or one given the number
+        of a file they made and removed.)"""
+        return not self.store.created_in(ino, self.undone) and self.store.knows(ino)
 
     def _grave(self, path: bytes, gid: int, ino: int, want: int = 0) -> bool:
         g = str(gid).encode()

@@ -1093,6 +1093,16 @@ class Store:
                     key = cur.key()
         return False
 
+    def created_in(self, ino: int, layers: Iterable[int]) -> bool:
+        """Whether one of *layers* made an object numbered *ino* (its ``N``
+        entry, of any value)."""
+        with self.read() as txn:
+            return any(
+                txn.get(schema.index_key(layer, ino, schema.IDX_CREATED), db=self.db_index)
+                is not None
+                for layer in layers
+            )
+
     def layers(self) -> list[Layer]:
         if self._layers is None:
             out = []
