@@ -764,3 +764,71 @@ def test_many_programs_checkpoints_commit_and_rollback_to_first(workspace, tmp_p
     assert not (ws / ".git").exists()
     # Nothing from any of the steps is left, and s1 really differed.
     changed(s0, s1)
+
+
+def make_npm_packages(root: Path, names: list[str]) -> dict[str, str]:
+    """Local npm packages packed as tarballs (npm ci installs them with no
+    registry): name -> the tarball's file: spec."""
+    specs = {}
+    for i, name in enumerate(names):
+        src = root / name
+        (src / "lib").mkdir(parents=True)
+        (src / "package.json").write_text(
+            f'{{"name": "{name}", "version": "1.0.{i}", "main": "lib/index.js"}}\n'
+        )
+        for k in range(8):
+            (src / "lib" / f"m{k}.js").write_text(f"module.exports = {k * (i + 1)};\n")
+        (src / "lib" / "index.js").write_text("module.exports = require('./m1');\n")
+        (src / "bin.js").write_text("#!/usr/bin/env node\n")
+        os.chmod(src / "bin.js", 0o755)
+        packed = sh(root, "npm", "pack", "--silent", "--pack-destination", root, src).stdout
+        specs[name] = "file:" + str(root / packed.strip().splitlines()[-1])
+    return specs
+
+
+def npm_env(tmp_path: Path) -> dict[str, str]:
+    home = tmp_path / "npm-home"
+    home.mkdir(exist_ok=True)
+    return {
+        **os.environ,
+        "HOME": str(home),
+        "npm_config_cache": str(home / "cache"),
+        "npm_config_update_notifier": "false",
+        "npm_config_fund": "false",
+        "npm_config_audit": "false",
+    }
+
+
+def test_npm_ci_over_the_same_tree_is_no_change_then_a_rollback(workspace, tmp_path):
+    """`npm ci` removes node_modules and installs it again: over a lock
+    file that did not change, the tree it makes is the one that was there,
+    and `status`, `diff` and `log` say so (no change); a rollback after a
+    real change of a dependency is exact."""
+    ws = workspace
+    ws.mount()
+    env = npm_env(tmp_path)
+    specs = make_npm_packages(tmp_path / "pkgs", ["left-pad-local", "util-local", "tool-local"])
+    deps = ", ".join(f'"{n}": "{s}"' for n, s in specs.items())
+    (ws / "package.json").write_text(
+        f'{{"name": "app", "version": "1.0.0", "dependencies": {{{deps}}}}}\n'
+    )
+    sh(ws.path, "npm", "install", "--offline", env=env)
+    assert (ws / "node_modules" / "util-local" / "lib" / "m7.js").exists()
+    ws.commit()
+    before = ws.snapshot()
+    layer = ws.checkpoint("npm ci")
+    sh(ws.path, "npm", "ci", "--offline", env=env)
+    assert [(c["path"], c["kind"]) for c in ws.json("status")["changes"]] == []
+    assert ws.json("diff")["changes"] == []
+    assert [x["changes"] for x in ws.json("log") if x["id"] == layer] == [0]
+    # a dependency at another version: only what differs is listed
+    pkg = tmp_path / "pkgs" / "util-local"
+    (pkg / "lib" / "m3.js").write_text("module.exports = 'three';\n")
+    (pkg / "package.json").write_text('{"name": "util-local", "version": "1.1.0"}\n')
+    packed = sh(tmp_path / "pkgs", "npm", "pack", "--silent", pkg, env=env).stdout.strip()
+    sh(ws.path, "npm", "install", "--offline", f"file:{tmp_path / 'pkgs' / packed}", env=env)
+    paths = {c["path"] for c in ws.json("status")["changes"]}
+    assert "node_modules/util-local/lib/m3.js" in paths
+    assert not any(p.startswith("node_modules/left-pad-local") for p in paths), paths
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot())

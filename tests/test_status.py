@@ -1,8 +1,10 @@
 """What counts as a change: `status`, `diff`, `rollback --dry-run` and
 `run`'s summary list a path only when its state differs from its state at
-the layer's start -- bytes, type, mode, owner, xattrs, mtime, symlink
-target -- however many times it changed in between.  Equal bytes with other
-attributes is an attribute change (``m``), not ``M``."""
+the layer's start -- bytes, type, mode, owner, xattrs, symlink target --
+however many times it changed in between, and whichever objects held it.
+Equal bytes with another mode, owner or xattrs is an attribute change
+(``m``), not ``M``; one with another mtime only is ``t``, counted and
+listed with --times."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def test_a_restored_subtree_is_no_change(mounted):
     assert ws.json("rollback", "--dry-run")["changes"] == []
 
 
-def test_equal_bytes_with_new_times_is_an_attribute_change(mounted):
+def test_equal_bytes_with_a_new_time_is_a_time_change_listed_when_asked(mounted):
     ws = mounted
     (ws / "same.txt").write_text("one\ntwo\n")
     (ws / "edited.txt").write_text("one\ntwo\n")
@@ -53,7 +55,21 @@ def test_equal_bytes_with_new_times_is_an_attribute_change(mounted):
     # written in place with the same bytes again
     (ws / "a.txt").write_text("changed\n")
     (ws / "a.txt").write_text("alpha\n")
-    assert kinds(ws, "status") == {"same.txt": "m", "edited.txt": "M", "a.txt": "m"}
+    # the same bytes with another mtime: left out, counted, listed with --times
+    assert kinds(ws, "status") == {"edited.txt": "M"}
+    assert ws.json("status")["times_only"] == 2
+    assert kinds(ws, "status", "--times") == {"same.txt": "t", "edited.txt": "M", "a.txt": "t"}
+    assert "# 2 more paths differ only in modification time (--times lists them)" in (
+        ws.cowfs("status").stdout
+    )
+    assert {c["path"]: c["kind"] for c in ws.json("diff", "--times")["changes"]} == kinds(
+        ws, "status", "--times"
+    )
+    assert "mtime " in ws.cowfs("diff", "--times", "--", "same.txt").stdout
+    assert ws.json("rollback", "--dry-run")["times_only"] == 2
+    # another mode with them: an attribute change
+    os.chmod(ws / "same.txt", 0o600)
+    assert kinds(ws, "status") == {"edited.txt": "M", "same.txt": "m"}
 
 
 def test_a_path_whose_whole_state_is_back_is_no_change(mounted):
@@ -170,3 +186,101 @@ def test_status_from_kept_readings_is_status_read_afresh_after_every_operation(m
     ws.status()
     ws.commit()  # (into the base layer)
     assert _kept_and_fresh(ws)
+
+
+def _tree(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+
+
+def _link(ws, target: str) -> None:
+    os.symlink(target, ws / "t" / "d" / "ln")
+    os.utime(ws / "t" / "d" / "ln", ns=(1_000_000_000, 1_000_000_000), follow_symlinks=False)
+
+
+def test_a_tree_removed_and_made_again_as_it_was_is_no_change(mounted):
+    """Net changes compare what each path holds at the layer's start with
+    what it holds now, whatever happened to the objects in between: a
+    directory removed with everything in it and made again holding the same
+    (the way `rm -rf node_modules && npm ci` does) is no change; where it
+    differs, the path is M, T or m; A and D only where the path does not
+    exist on one side."""
+    ws = mounted
+    files = {f"t/d/{n}/f{i}.txt": f"{n} {i}\n" for n in ("x", "y") for i in range(6)}
+    files["t/d/g"] = "b\n"
+    _tree(ws, files)
+    _link(ws, "g")
+    ws.commit()
+    layer = ws.checkpoint("again")
+    subprocess.run(["rm", "-rf", str(ws / "t" / "d")], check=True)
+    _tree(ws, files)
+    _link(ws, "g")
+    assert kinds(ws, "status") == {}
+    assert ws.json("diff")["changes"] == []
+    assert ws.json("rollback", "--dry-run")["changes"] == []
+    assert [x["changes"] for x in ws.json("log") if x["id"] == layer] == [0]
+    # now some of it differs
+    subprocess.run(["rm", "-rf", str(ws / "t" / "d")], check=True)
+    changed = dict(files)
+    changed["t/d/x/f1.txt"] = "other\n"  # other bytes
+    del changed["t/d/y/f2.txt"]  # gone
+    changed["t/d/y/new.txt"] = "new\n"  # new
+    _tree(ws, changed)
+    os.chmod(ws / "t" / "d" / "x" / "f3.txt", 0o600)  # another mode
+    (ws / "t" / "d" / "g").unlink()
+    (ws / "t" / "d" / "g").mkdir()  # another type
+    _link(ws, "elsewhere")  # another target
+    assert kinds(ws, "status") == {
+        "t/d/x/f1.txt": "M",
+        "t/d/x/f3.txt": "m",
+        "t/d/y/f2.txt": "D",
+        "t/d/y/new.txt": "A",
+        "t/d/g": "T",
+        "t/d/ln": "M",
+    }
+    diff = {c["path"]: c for c in ws.json("diff")["changes"]}
+    assert set(diff) == set(kinds(ws, "status"))
+    ws.rollback()
+    assert kinds(ws, "status") == {}
+
+
+def test_a_layers_count_in_log_is_what_it_changed_whatever_the_layers_above_do(mounted):
+    """`log` counts each layer's own net changes -- its start compared with
+    its end, the tree when the layer above was opened -- so what a layer
+    above does to the same paths, and rolling it back, leaves the count of
+    the layer below as it was."""
+    ws = mounted
+
+    def counts() -> dict[int, tuple[int, int]]:
+        return {x["id"]: (x["changes"], x["times_only"]) for x in ws.json("log")}
+
+    one = ws.checkpoint("one")
+    (ws / "made").mkdir()
+    for i in range(12):
+        (ws / "made" / f"f{i}").write_text(f"{i}\n")
+    (ws / "a.txt").write_text("one\n")
+    os.chmod(ws / "dir" / "b.txt", 0o600)
+    (ws / "c.txt").write_text("gamma\n")
+    two = ws.checkpoint("two")
+    after_one = counts()
+    assert after_one[one] == (16, 0), after_one  # (made, its 12 files, a, b, c)
+    # the layer above changes the same paths every way it can
+    subprocess.run(["rm", "-rf", str(ws / "made" / "f1"), str(ws / "made" / "f2")], check=True)
+    os.rename(ws / "made", ws / "moved")
+    (ws / "a.txt").write_text("two\n")
+    os.chmod(ws / "dir" / "b.txt", 0o644)
+    os.unlink(ws / "c.txt")
+    os.mkdir(ws / "c.txt")
+    (ws / "more").write_text("more\n")
+    assert counts()[one] == after_one[one]
+    assert counts()[two][0] == 7, counts()  # (R, D, D, M, m, T, A)
+    ws.checkpoint("three")
+    (ws / "moved" / "f3").write_text("three\n")
+    assert counts()[one] == after_one[one]
+    ws.rollback()  # three
+    assert counts()[one] == after_one[one]
+    ws.rollback()  # two: one is the open layer again
+    assert counts() == {k: v for k, v in after_one.items() if k != two}

@@ -14,7 +14,18 @@ from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
 from ..text import ago, count, duration, human_size, printable, quote
-from .command import Arg, Command, Layer, Limit, call, layer_id, out, parse_number, workspace_paths
+from .command import (
+    Arg,
+    Command,
+    Layer,
+    Limit,
+    call,
+    layer_id,
+    out,
+    parse_number,
+    times,
+    workspace_paths,
+)
 from .render import (
     TEXT_LIMIT,
     agent_lines,
@@ -25,6 +36,7 @@ from .render import (
     format_event,
     format_who,
     redo_line,
+    times_line,
     utf8,
 )
 
@@ -56,6 +68,12 @@ class Status(Command):
             "--limit", type=parse_number, metavar="N", help="list at most N lines (default: all)"
         )
         s.add_argument(
+            "--times",
+            action="store_true",
+            help="also list the paths whose modification time alone differs (kind t; "
+            "left out by default and counted: a tree made again as it was is no change)",
+        )
+        s.add_argument(
             "--collapse",
             action="store_true",
             help="with --json: directories added or deleted as a whole as one entry "
@@ -72,7 +90,7 @@ class Status(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         paths = workspace_paths(args, args.paths)
-        res = call(args, "status", **({"paths": paths} if paths else {}))
+        res = call(args, "status", **({"paths": paths} if paths else {}), **times(args))
         res["counts"] = listing.counts(res["changes"])
         if args.json:
             if args.collapse:
@@ -83,7 +101,7 @@ class Status(Command):
                 res["changes"] = shown
             out(args, None, res)
             return 0
-        lines = [f"# {listing.headline(res['counts'])}"]
+        lines = [f"# {listing.headline(res['counts'])}", *times_line(res)]
         lines += change_lines(
             res["changes"],
             args.all,
@@ -208,6 +226,12 @@ class Diff(Command):
             "added or deleted as a whole",
         )
         s.add_argument(
+            "--times",
+            action="store_true",
+            help="also list the paths whose modification time alone differs (kind t; "
+            "left out by default and counted: a tree made again as it was is no change)",
+        )
+        s.add_argument(
             "layer",
             nargs="?",
             type=layer_id,
@@ -225,18 +249,20 @@ class Diff(Command):
     def run(self, args: argparse.Namespace) -> int:
         layer, paths = args.layer, workspace_paths(args, args.paths)
         if args.name_status and not args.json:  # (kinds and paths: no contents to read)
-            res = call(args, "changes", since=layer, **({"paths": paths} if paths else {}))
+            res = call(
+                args, "changes", since=layer, **({"paths": paths} if paths else {}), **times(args)
+            )
             rows = change_lines(
                 res["changes"],
                 args.all,
                 suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
                 line=lambda c: listing.line(c).replace(" ", "\t", 1),
             )
-            out(args, "\n".join(rows) or None, res)
+            out(args, "\n".join(rows + times_line(res)) or None, res)
             return 0
-        res = call(args, "diff", since=layer, paths=paths)
+        res = call(args, "diff", since=layer, paths=paths, **times(args))
         rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
-        out(args, "\n".join(rows) or None, res)
+        out(args, "\n".join(rows + times_line(res)) or None, res)
         return 0
 
     # (B006: the default list is never changed; the tool's schema is its signature)

@@ -11,8 +11,18 @@ from .. import errors
 from ..errors import CowfsError
 from ..text import count, quote
 from .client import Client
-from .command import Arg, Command, Layer, ask, call, out, snapshot_options, workspace_paths
-from .render import clean, format_change
+from .command import (
+    Arg,
+    Command,
+    Layer,
+    ask,
+    call,
+    out,
+    snapshot_options,
+    times,
+    workspace_paths,
+)
+from .render import clean, format_change, times_line
 
 if TYPE_CHECKING:
     from .api import Workspace
@@ -77,6 +87,12 @@ class Rollback(Command):
             help="list what the rollback would change (path and kind); change nothing",
         )
         s.add_argument(
+            "--times",
+            action="store_true",
+            help="with --dry-run: also list the paths whose modification time alone "
+            "differs (the rollback puts their times back; counted otherwise)",
+        )
+        s.add_argument(
             "--no-redo",
             action="store_true",
             help="keep nothing for `cowfs redo` (faster; frees the undo data at once)",
@@ -97,8 +113,9 @@ class Rollback(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         if args.dry_run:
-            res = call(args, "changes", since=args.to)
-            out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
+            res = call(args, "changes", since=args.to, **times(args))
+            rows = [format_change(c) for c in res["changes"]] + times_line(res)
+            out(args, "\n".join(rows) or None, res)
             return 0
         try:
             res = call(args, "rollback", **rollback_args(args, args.yes))

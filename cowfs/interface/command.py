@@ -343,6 +343,12 @@ def ask(question: str, choices: str, timeout: float) -> str | None:
     return answer[:1] if answer[:1] in choices else ""
 
 
+def times(args: argparse.Namespace) -> dict:
+    """The request's "times" argument for --times (none without it: a
+    daemon of an older cowfs takes no such argument)."""
+    return {"times": True} if getattr(args, "times", False) else {}
+
+
 def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
     """PATHs as the workspace names them (relative to its root, "." for the
     root), from paths relative to the current directory when it is inside

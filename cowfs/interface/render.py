@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layers import listing
-from ..text import printable, quote
+from ..text import count, printable, quote
 
 
 def format_event(e: dict) -> str:
@@ -44,6 +44,19 @@ def format_who(c: dict) -> str:
         return "(unknown)"
     cmd = " ".join(quote(a) if printable(a) != a else shlex.quote(a) for a in w.get("cmd") or ["?"])
     return f"pid {w.get('pid')} uid {w.get('uid')}: {cmd}"
+
+
+def times_line(res: dict) -> list[str]:
+    """The line saying how many paths were left out because their
+    modification time alone differs (op status's, changes' and diff's
+    "times_only"), and how to list them."""
+    n = res.get("times_only") or 0
+    if not n:
+        return []
+    return [
+        f"# {count(n, 'more path')} {'differs' if n == 1 else 'differ'} only in "
+        "modification time (--times lists them)"
+    ]
 
 
 def redo_line(info: dict | None) -> list[str]:

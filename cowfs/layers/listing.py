@@ -25,7 +25,11 @@ KINDS = {
     "R": "renamed",
     "T": "type changed",
     "m": "attributes",
+    "t": "times only",
 }
+# a path whose modification time alone differs: listed only when asked for
+# (``StackView.shown``), and counted apart otherwise
+TIMES = "t"
 
 
 class Row(NamedTuple):
@@ -33,7 +37,7 @@ class Row(NamedTuple):
     holds them in columns)."""
 
     path: bytes
-    kind: str  # A, D, M, T, R or m
+    kind: str  # A, D, M, T, R, m or t
     was: bytes | None  # where it came from (R)
     is_dir: bool
     ino: int | None  # the object (None: none)
@@ -61,6 +65,7 @@ class Changes(Sequence[dict]):
         "who",
         "whos",
         "_who_index",
+        "times_only",
     )
 
     def __init__(self, rows: Iterable[Row] = ()):
@@ -74,6 +79,7 @@ class Changes(Sequence[dict]):
         self.who = array("i")  # row -> its writer in ``whos`` (-1: none)
         self.whos: list[dict] = []
         self._who_index: dict[int, int] = {}  # id(a writer's dict) -> its index
+        self.times_only = 0  # the paths left out whose times alone differ (``without_times``)
         for r in rows:
             self.append_in(-1, r.path, r.kind, r.was, r.is_dir, r.ino, r.who)
 
@@ -223,12 +229,43 @@ class Changes(Sequence[dict]):
 
     def where(self, wanted: Callable[[str, str | None], bool]) -> Changes:
         """The changes whose path (or the path they came from) is *wanted*."""
+        out = self.select(
+            i
+            for i in range(len(self.names))
+            if wanted(
+                _path(self.path(i)),
+                os.fsdecode(self.was[i]) if i in self.was else None,
+            )
+        )
+        out.times_only = self.times_only
+        return out
+
+    def without_times(self) -> Changes:
+        """These changes but those of a path whose modification time alone
+        differs (kind t), counted in ``times_only``."""
+        t = ord(TIMES)
+        if t not in self.kinds:
+            return self
+        out = self.select(i for i, k in enumerate(self.kinds) if k != t)
+        out.times_only = self.times_only + len(self) - len(out)
+        return out
+
+    def select(self, rows: Iterable[int]) -> Changes:
+        """The rows *rows* (indices, in order), as a table of their own
+        (sharing the directories' paths and the writers)."""
         out = Changes()
-        for i in range(len(self.names)):
-            was = self.was.get(i)
-            if wanted(_path(self.path(i)), os.fsdecode(was) if was is not None else None):
-                r = self.row(i)
-                out.append(r.path, r.kind, r.was, r.is_dir, r.ino, r.who)
+        out.parents = self.parents
+        for i in rows:
+            k = self.who[i]
+            out.append_in(
+                self.heads[i],
+                self.names[i],
+                chr(self.kinds[i]),
+                self.was.get(i),
+                bool(self.dirs[i]),
+                self.ino(i),
+                self.whos[k] if k >= 0 else None,
+            )
         return out
 
 

@@ -11,8 +11,9 @@ import gc
 import os
 import stat
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+from ..errors import CowfsError
 from ..storage import schema
 from ..storage.journal import MetaAt, Reading, Readings
 from ..storage.store import Store, digest
@@ -20,7 +21,42 @@ from ..storage.zeros import ChunkMap
 from ..system import backing
 from . import fsck, redo
 from .listing import Changes, Row
-from .past import filter_paths
+from .past import History, Past, filter_paths
+
+
+class Stat(Protocol):
+    """What net changes read of an object's status (``os.stat_result``, or
+    ``PastStat`` for the tree when a layer was opened)."""
+
+    @property
+    def st_ino(self) -> int: ...
+    @property
+    def st_mode(self) -> int: ...
+    @property
+    def st_uid(self) -> int: ...
+    @property
+    def st_gid(self) -> int: ...
+    @property
+    def st_size(self) -> int: ...
+    @property
+    def st_mtime_ns(self) -> int: ...
+    @property
+    def st_ctime_ns(self) -> int: ...
+    @property
+    def st_rdev(self) -> int: ...
+
+
+class PastStat(NamedTuple):
+    """An object's status as it was when a layer was opened."""
+
+    st_ino: int
+    st_mode: int
+    st_uid: int
+    st_gid: int
+    st_size: int
+    st_mtime_ns: int
+    st_ctime_ns: int  # (now: what a cache of comparisons keys on)
+    st_rdev: int
 
 
 class Ahead(NamedTuple):
@@ -47,6 +83,8 @@ class StackView:
         self.readings = Readings(store)  # readings of the journal up to now
         # the records the audit of the rollback planned now read (see `undone`)
         self._ahead: Ahead | None = None
+        # (layer, start, end, epoch) -> its counts (``_count``)
+        self._counts: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
     def check(self) -> list[str]:
         """Quick consistency check of the stack (run when recovering a mount
@@ -138,25 +176,47 @@ class StackView:
         layers = self.store.layers()
         for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
-            d["changes"] = len(self._changes(layer.id))  # (counted, not attributed)
+            d["changes"], d["times_only"] = self._count(layer.id)
             d["records"] = self.store.count_records(layer.start, self.store.layer_end(layer.id))
             d["bytes"] = self.store.layer_bytes(layer.id)
             out.append(d)
         return out
 
-    def status(self, layer_id: int | None = None, paths: Iterable[str] = ()) -> dict:
-        """The open layer's net changes (under *paths*, if given)."""
-        layer_id = self.store.open_layer().id if layer_id is None else layer_id
-        return {
-            "id": layer_id,
-            "changes": self.attribute(filter_paths(self._changes(layer_id), list(paths)), layer_id),
-        }
+    def _count(self, layer_id: int) -> tuple[int, int]:
+        """How many net changes layer *layer_id* made, and how many paths
+        whose time alone it changed.  That of a layer below the open one is
+        kept while its records are as they were: what it changed stays what
+        it changed, whatever happens above it."""
+        store = self.store
+        end = store.layer_end(layer_id)
+        key = (layer_id, store.get_layer(layer_id).start, end, store.epoch)
+        found = self._counts.get(key)
+        if found is None:
+            changes = self._changes(layer_id).without_times()  # (counted, not attributed)
+            found = (len(changes), changes.times_only)
+            if layer_id != store.open_layer().id:
+                self._counts[key] = found
+        return found
 
-    def changes_since(self, layer_id: int, paths: Iterable[str] = ()) -> Changes:
+    def status(
+        self, layer_id: int | None = None, paths: Iterable[str] = (), times: bool = False
+    ) -> dict:
+        """The open layer's net changes (under *paths*, if given; with
+        *times*, also the paths whose modification time alone differs,
+        else their number: "times_only")."""
+        layer_id = self.store.open_layer().id if layer_id is None else layer_id
+        changes = self.changes_since(layer_id, paths, times, since=False)
+        return {"id": layer_id, "changes": changes, "times_only": changes.times_only}
+
+    def changes_since(
+        self, layer_id: int, paths: Iterable[str] = (), times: bool = False, since: bool = True
+    ) -> Changes:
         """Net changes since layer *layer_id* was opened (what a rollback
-        --to it would undo), under *paths* if given."""
-        changes = self._changes(layer_id, since=True)
-        return self.attribute(filter_paths(changes, list(paths)), layer_id)
+        --to it would undo), under *paths* if given; those of a path whose
+        modification time alone differs only with *times* (else counted in
+        the result's ``times_only``)."""
+        changes = filter_paths(self._changes(layer_id, since=since), list(paths))
+        return self.attribute(changes if times else changes.without_times(), layer_id)
 
     def undone(self, to: int) -> Changes:
         """What the rollback planned now undoes (``changes_since`` layer
@@ -207,13 +267,27 @@ class StackView:
     def _changes(self, layer_id: int, since: bool = False, collect: list | None = None) -> Changes:
         """Net changes of a layer (with *since*: since it was opened),
         like ``git status --short``: A added, D deleted, M modified, T type
-        changed, R renamed, m attributes only.
+        changed, R renamed, m attributes only, t the modification time only.
 
         Records name paths as they were when written; ``journal.Reading``
-        maps them to the layer's start and to now, in one pass."""
+        maps them to the layer's start and to its end, in one pass.  The
+        tree at the end of a layer below the open one is the tree when the
+        layer above it was opened (``SamenessAt``): a layer's changes are
+        what it changed, whatever the layers above it did since."""
         j = self.reading(layer_id, since, collect)
+        same = self.same
+        if not since:
+            layers = self.store.layers()
+            above = [x.id for x in layers if x.id > layer_id]
+            if above:  # (a reading of its own: the kept ones serve the open layer)
+                start = self.store.get_layer(above[0]).start
+                reading = Reading(
+                    self.store.records(start, self.store.next_seq), self.store.chunk_size
+                )
+                h = History(self.store, self.resolver, above[0], reading=reading)
+                same = SamenessAt(self.store, self.resolver, h)
         with self.resolver.reading():
-            changes = self._net(j)
+            changes = self._net(j, same)
         if len(changes) > self.WHO_BATCH and not self.readings.holds(j):
             # (a reading not kept is garbage in cycles -- a tree of slots --
             # now: collected before the changes are sorted and sent, not
@@ -223,7 +297,7 @@ class StackView:
         changes.sort()  # (stable: a deletion before what stands there now)
         return changes
 
-    def _net(self, j: Reading) -> Changes:
+    def _net(self, j: Reading, same: Sameness) -> Changes:
         """The net changes *j* describes (unsorted), compared with the tree now.  An
         object counts as renamed (R) when its own name or directory changed,
         not when it moved only with a directory above it; one that is gone
@@ -232,8 +306,8 @@ class StackView:
         objects are added (A)."""
         names = j.names
 
-        def now(path: bytes | None) -> os.stat_result | None:
-            return self.resolver.lstat(path) if path is not None else None
+        def now(path: bytes | None) -> Stat | None:
+            return same.lstat(path) if path is not None else None
 
         def was_dir(ino: int) -> bool:
             """Whether the object *ino* the layer removed was a directory."""
@@ -244,13 +318,21 @@ class StackView:
             st = backing.lstat_at(self.store.grave_fd, str(gids[0]).encode()) if gids else None
             return st is not None and stat.S_ISDIR(st.st_mode)
 
-        def place(sp: bytes) -> bytes | None:
-            """Where path *sp* (at T) is now: its directory moved or not."""
+        places: dict[bytes, bytes] = {}  # directory at T -> where it is now
+
+        def place(sp: bytes) -> bytes:
+            """Where path *sp* (at T) is now: in its directory, wherever
+            that went -- or, where the directory itself was removed, at
+            the path the directory had (what stands there now is compared
+            with what was at *sp*, whatever object it is)."""
             head, _, name = sp.rpartition(b"/")
             if not head:
                 return sp
-            here = names.now(head)
-            return None if here is None else (here + b"/" + name if here else name)
+            here = places.get(head)
+            if here is None:
+                found = names.now(head)
+                here = places[head] = place(head) if found is None else found
+            return here + b"/" + name if here else name
 
         # path -> its change
         out: dict[bytes, Row] = {}
@@ -269,23 +351,21 @@ class StackView:
             if cur != place(sp):
                 out[cur] = Row(cur, "R", sp, stat.S_ISDIR(st.st_mode), was)
             elif cur:
-                kind = self.same.modified(
-                    cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was)
-                )
+                kind = same.modified(cur, st, j.meta.get(was), j.chunks.get(was), j.xattrs.get(was))
                 if kind:
                     out[cur] = Row(cur, kind, None, stat.S_ISDIR(st.st_mode), was)
         stands_in: set[bytes] = set()  # where a new object replaced the one there at T
         for sp, was in gone:
             at = place(sp)
             st = now(at)
-            if at is None or st is None or at in out:  # (no path, no object)
+            if st is None or at in out:  # (no object)
                 if st is None or st.st_ino not in present:
                     if sp not in deleted:
                         deleted[sp] = Row(sp, "D", None, was_dir(was), was)
                 continue  # (else: a renamed object took its place)
             m = j.meta.get(was)
             gids = j.graves.get(was)
-            kind = self.same.replaced(
+            kind = same.replaced(
                 at,
                 st,
                 gids[0] if gids else None,
@@ -344,15 +424,19 @@ class Sameness:
         self.resolver = resolver
         self.cache: dict[tuple, bool] = {}
 
+    def lstat(self, path: bytes) -> Stat | None:
+        """The status of what is at workspace path *path* (None: nothing)."""
+        return self.resolver.lstat(path)
+
     def modified(
         self,
         path: bytes,
-        st: os.stat_result,
+        st: Stat,
         meta: MetaAt | None,
         chunks: ChunkMap | None,
         xattrs: bytes | None,
     ) -> str | None:
-        """M, m or None for the object at *path* (*st*), which was there at
+        """M, m, t or None for the object at *path* (*st*), which was there at
         the start: *meta* (and its seq), *chunks* and *xattrs* are the
         oldest records the range holds of it."""
         m = meta.rec if meta is not None else None
@@ -371,17 +455,17 @@ class Sameness:
             return "m"
         if m is None:
             return None
-        return "m" if self._attrs_differ(st, m.mode, m.uid, m.gid, m.mtime_ns) else None
+        return self._attrs_differ(st, m.mode, m.uid, m.gid, m.mtime_ns)
 
     def replaced(
         self,
         path: bytes,
-        st: os.stat_result,
+        st: Stat,
         gid: int | None,
         meta: schema.Meta | None,
         xattrs: bytes | None,
     ) -> str | None:
-        """T, M, m or None for *path*, where another object (*st*) now stands
+        """T, M, m, t or None for *path*, where another object (*st*) now stands
         in for the one the layer removed into grave *gid*."""
         old = backing.lstat_at(self.store.grave_fd, str(gid).encode()) if gid is not None else None
         if gid is None or old is None:
@@ -405,16 +489,17 @@ class Sameness:
         if was != self._xattrs_now(path):
             return "m"
         if meta is not None:
-            differ = self._attrs_differ(st, meta.mode, meta.uid, meta.gid, meta.mtime_ns)
-        else:
-            differ = self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid, old.st_mtime_ns)
-        return "m" if differ else None
+            return self._attrs_differ(st, meta.mode, meta.uid, meta.gid, meta.mtime_ns)
+        return self._attrs_differ(st, old.st_mode, old.st_uid, old.st_gid, old.st_mtime_ns)
 
     @staticmethod
-    def _attrs_differ(st: os.stat_result, mode: int, uid: int, gid: int, mtime: int) -> bool:
+    def _attrs_differ(st: Stat, mode: int, uid: int, gid: int, mtime: int) -> str | None:
+        """m (mode or owner), t (the modification time only) or None.  A
+        directory's time is not compared (every entry made or removed in
+        it moves it)."""
         if (mode, uid, gid) != (st.st_mode, st.st_uid, st.st_gid):
-            return True
-        return not stat.S_ISDIR(st.st_mode) and mtime != st.st_mtime_ns
+            return "m"
+        return "t" if not stat.S_ISDIR(st.st_mode) and mtime != st.st_mtime_ns else None
 
     def _cached(self, key: tuple, compute: Callable[[], bool]) -> bool:
         found = self.cache.get(key)
@@ -491,4 +576,104 @@ class Sameness:
             with self.resolver.at(loc) as (d, n):
                 return sorted(backing.list_xattrs(*backing.xattr_target(d, n)))
         except OSError:
+            return None
+
+
+class SamenessAt(Sameness):
+    """``Sameness`` with the tree as it was when a layer was opened (the
+    end of the layer below it) for the tree now: each path's object, status,
+    bytes, symlink target and xattrs as ``past.History`` reads them.  What
+    the layer below removed is in the grave, as it was then."""
+
+    def __init__(self, store: Store, resolver: backing.Resolver, history: History):
+        super().__init__(store, resolver)
+        self.h = history
+        self.objects: dict[bytes, Past] = {}
+
+    def lstat(self, path: bytes) -> Stat | None:
+        try:
+            obj = self.h.object_at(path)
+        except CowfsError:  # (not where the records say: a change nothing captured)
+            obj = None
+        if obj is None:
+            return None
+        self.objects[path] = obj
+        return PastStat(
+            obj.ino,
+            obj.mode,
+            obj.uid,
+            obj.gid,
+            obj.size,
+            obj.mtime_ns,
+            obj.now.st_ctime_ns,
+            obj.now.st_rdev,
+        )
+
+    def _cached(self, key: tuple, compute: Callable[[], bool]) -> bool:
+        try:
+            return compute()
+        except (OSError, CowfsError):
+            return False
+
+    def _spans(self, obj: Past, fd: int, size: int) -> list[tuple[int, int]]:
+        """Where *obj*'s bytes then may be other than zeros, within *size*:
+        where its live object holds data, and its recorded pre-images."""
+        C = self.store.chunk_size
+        held = [(k * C, k * C + n) for k, (n, h) in obj.chunks.one.items() if h]
+        return sorted(backing.data_ranges(fd, size) + held)
+
+    def _chunks_back(self, path: bytes, chunks: ChunkMap) -> bool:
+        obj = self.objects[path]
+        with self.h.opened(obj) as fd:
+            size = self.store.chunk_size
+            for index, (length, h) in chunks.one.items():
+                data = self.h.read(obj, index * size, length, fd)
+                if len(data) != length or (digest(data) != h if h else data.count(0) != length):
+                    return False
+            spans = self._spans(obj, fd, obj.size)
+            for lo, hi in chunks.zero_spans(obj.size):
+                for a, b in spans:
+                    a, b = max(a, lo), min(b, hi)
+                    for off in range(a, b, 1 << 20):
+                        n = min(1 << 20, b - off)
+                        if self.h.read(obj, off, n, fd).count(0) != n:
+                            return False
+        return True
+
+    def _same_file(self, a: bytes, b: bytes) -> bool:
+        """*a*: a grave entry (as it was then: nothing changes it), *b*: a
+        workspace path; compared where either may hold data."""
+        obj = self.objects[b]
+        size = obj.size
+        fa = self._open(a)
+        try:
+            if os.fstat(fa).st_size != size:
+                return False
+            with self.h.opened(obj) as fb:
+                spans = sorted(backing.data_ranges(fa, size) + self._spans(obj, fb, size))
+                done = 0
+                for lo, hi in spans:
+                    for off in range(max(lo, done), hi, 1 << 20):
+                        n = min(1 << 20, hi - off)
+                        if os.pread(fa, n, off) != self.h.read(obj, off, n, fb):
+                            return False
+                    done = max(done, hi)
+            return True
+        finally:
+            os.close(fa)
+
+    def _readlink(self, loc: bytes) -> bytes | None:
+        if loc.startswith(backing.GRAVE_PREFIX):
+            return super()._readlink(loc)
+        try:
+            return self.h.readlink(self.objects[loc])
+        except (OSError, CowfsError):
+            return None
+
+    def _xattrs_now(self, loc: bytes) -> list[tuple[bytes, bytes]] | None:
+        if loc.startswith(backing.GRAVE_PREFIX):
+            return super()._xattrs_now(loc)
+        try:
+            return sorted(self.h.xattrs_of(self.objects[loc]))
+        except (OSError, CowfsError):
             return None

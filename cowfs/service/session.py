@@ -885,11 +885,13 @@ class Session:
 
     # -- looking at the stack -------------------------------------------------------------
 
-    async def status(self, paths: list | None = None) -> dict:
-        """The open layer's net changes (under *paths*), the store's usage,
-        the changes --max-store refused since the mount, the redo note."""
+    async def status(self, paths: list | None = None, times: bool = False) -> dict:
+        """The open layer's net changes (under *paths*; with *times*, also
+        the paths whose modification time alone differs), the store's
+        usage, the changes --max-store refused since the mount, the redo
+        note."""
         await self.flush()
-        result = self.stackview.status(paths=path_list(paths))
+        result = self.stackview.status(paths=path_list(paths), times=bool(times))
         result["changes"] = self._writers_shown(result["changes"])
         return result | {
             "usage": self.stackview.usage(),
@@ -906,13 +908,19 @@ class Session:
         self.recorder.reset(fresh=False)
         return result
 
-    async def changes(self, since: int | None = None, paths: list | None = None) -> dict:
+    async def changes(
+        self, since: int | None = None, paths: list | None = None, times: bool = False
+    ) -> dict:
         """Net changes since layer *since* was opened (default: the top),
-        under *paths* if given."""
+        under *paths* if given (*times*: see ``status``)."""
         await self.flush()
         since = self.store.open_layer().id if since is None else since
-        changes = self.stackview.changes_since(since, path_list(paths))
-        return {"since": since, "changes": self._writers_shown(changes)}
+        changes = self.stackview.changes_since(since, path_list(paths), bool(times))
+        return {
+            "since": since,
+            "changes": self._writers_shown(changes),
+            "times_only": changes.times_only,
+        }
 
     def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
         """*changes* as the requester may see them: the command line of a
@@ -981,14 +989,19 @@ class Session:
         return describe_past(h, obj, offset, max(0, min(size, SHOW_PAGE))) | {"layer": h.layer}
 
     async def diff(
-        self, since: int | None = None, paths: list | None = None, text_limit: int = 8 << 20
+        self,
+        since: int | None = None,
+        paths: list | None = None,
+        text_limit: int = 8 << 20,
+        times: bool = False,
     ) -> dict:
         """Changes since layer *since* was opened, each with both sides'
-        sizes and hashes and, for text, a unified diff."""
+        sizes and hashes and, for text, a unified diff (*times*: see
+        ``status``)."""
         await self.flush()
         text_limit = max(0, min(text_limit, MAX_TEXT))
         h = self._history(since)
-        changes = self.stackview.changes_since(h.layer, path_list(paths))
+        changes = self.stackview.changes_since(h.layer, path_list(paths), bool(times))
         who = self.requester
 
         # Every side is read while the tree holds still (one instant); the
@@ -1028,7 +1041,7 @@ class Session:
 
         if todo:
             await self.hooks.blocking(texts)
-        return {"since": h.layer, "changes": entries}
+        return {"since": h.layer, "changes": entries, "times_only": changes.times_only}
 
     async def restore(self, paths: list, layer: int | None = None) -> dict:
         """Put *paths* back as they were when *layer* (default: the open
