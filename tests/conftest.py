@@ -96,7 +96,7 @@ def fuse():
 # chosen by the fixtures a test uses: `fuse` for those that use ``fuse``
 # (tests that mount), `engines` for those run on each FUSE engine
 # (``each_engine``), `slow` for those that need dockerd or libvirtd (these
-# fixtures) and the modules marked so (crash, scale and model tests).
+# fixtures) and the modules marked so (crash, scale, model and install tests).
 CONTAINER_FIXTURES = {"docker_client", "busybox", "libvirt_conn", "tiny_vm"}
 
 

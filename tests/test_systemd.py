@@ -111,6 +111,7 @@ def test_unit_declares_notify_and_clean_stop():
     ):
         assert key not in svc, f"{key}= would put the mount in a private namespace"
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    assert "tools/install (as root)" in UNIT.read_text()
     assert "ln -s /path/to/repo/.venv/bin/cowfs /usr/local/bin/cowfs" in UNIT.read_text()
 
 
