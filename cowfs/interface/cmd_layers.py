@@ -108,7 +108,8 @@ class Rollback(Command):
             "--yes",
             action="store_true",
             help="roll back the base layer (everything since the mount) without "
-            "asking; without a terminal it is refused otherwise (exit 14)",
+            "asking; without a terminal it is refused otherwise (exit 14); --to naming "
+            "the base layer needs no --yes",
         )
 
     def run(self, args: argparse.Namespace) -> int:

@@ -85,7 +85,11 @@ class Mount(Command):
     )
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
-        s.add_argument("--store", metavar="DIR", help="layer store (default: WORKSPACE/.cowfs)")
+        s.add_argument(
+            "--store",
+            metavar="DIR",
+            help="layer store, on the workspace's filesystem (default: WORKSPACE/.cowfs)",
+        )
         s.add_argument("--foreground", action="store_true", help="do not daemonise")
         s.add_argument(
             "--chunk-size",
@@ -192,7 +196,12 @@ class Unmount(Command):
     )
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
-        s.add_argument("--lazy", action="store_true", help="detach even while busy")
+        s.add_argument(
+            "--lazy",
+            action="store_true",
+            help="detach even while busy, naming the processes still using it; the "
+            "daemon serves them and exits when the last one leaves",
+        )
         s.add_argument(
             "target",
             nargs="?",

@@ -84,19 +84,22 @@ class Run(Command):
         s.add_argument(
             "--approve",
             action="store_true",
-            help="after success, ask on the terminal whether to keep the changes",
+            help="after success, show the changes and ask on the terminal: keep, discard or "
+            "show all (no terminal, or no answer within --timeout: discard)",
         )
         s.add_argument(
             "--timeout",
             type=float,
             default=300,
             metavar="SECONDS",
-            help="with --approve (and --workspace): no answer in time means discard",
+            help="with --approve (and --workspace): no answer in time means discard (default 300)",
         )
         s.add_argument(
             "--workspace",
             metavar="DIR",
-            help="mount DIR just for this command, then ask whether to keep",
+            help="mount DIR just for this command, then ask whether to keep the changes "
+            "(kept: committed for good; either way DIR is unmounted and the store made "
+            "for it removed)",
         )
         yn = s.add_mutually_exclusive_group()
         yn.add_argument("--yes", action="store_true", help="with --workspace: keep the changes")

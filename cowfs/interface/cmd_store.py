@@ -45,7 +45,8 @@ class Check(Command):
         s.add_argument(
             "--repair",
             action="store_true",
-            help="repair what can be repaired without inventing data (asks first)",
+            help="repair what can be repaired without inventing data, then check again "
+            "(asks first; without a terminal, refused unless --yes)",
         )
         s.add_argument("--yes", action="store_true", help="with --repair: do not ask")
 

@@ -109,8 +109,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--store",
         dest="offline_store",
         metavar="DIR",
-        help="status, log, rollback, commit on a workspace that is not mounted: "
-        "its store (default: the outermost trusted WORKSPACE/.cowfs above PATH)",
+        help="for commands on a workspace that is not mounted: its store (default: the "
+        "outermost trusted WORKSPACE/.cowfs above PATH)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for command in COMMANDS.values():
