@@ -1,5 +1,6 @@
-"""Words for people: counts with their nouns, ages, durations, and names
-quoted so that no file name can reach a terminal raw."""
+"""Words for people: counts with their nouns, ages, durations, names
+quoted so that no file name can reach a terminal raw, and workspace paths
+as seen from the current directory."""
 
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def printable(text: str) -> str:
     CONTROL matches escaped as ``quote`` escapes it; quotes and backslashes
     left as they are."""
     return CONTROL.sub(_escape, text)
+
+
+def relative(path: str, base: str) -> str:
+    """Workspace path *path* (from the workspace's root, "." the root) as
+    seen from the directory *base* (a workspace path too; "" or "." the
+    root: *path* as it is), as ``git status`` names paths: "src/x" from
+    above it, "../other/x" from beside it, "." for *base* itself."""
+    if base in ("", "."):
+        return path
+    to = [] if path in ("", ".") else path.split("/")
+    here = base.split("/")
+    n = 0
+    while n < min(len(to), len(here)) and to[n] == here[n]:
+        n += 1
+    return "/".join([".."] * (len(here) - n) + to[n:]) or "."

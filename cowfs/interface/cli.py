@@ -13,7 +13,7 @@ import sys
 
 from .. import errors
 from ..errors import CowfsError
-from ..text import quote
+from ..text import quote, relative
 from .command import (  # (the argument types, for their users)
     Parser,
     layer_id,
@@ -22,6 +22,7 @@ from .command import (  # (the argument types, for their users)
     parse_limit,
     parse_number,
     parse_size,
+    seen_from,
 )
 from .commands import COMMANDS, build_parser
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except CowfsError as e:
         if args.json:
             print(json.dumps(e.to_dict()))
-        print(f"cowfs: {e}", file=sys.stderr)
+        base = seen_from(args) if e.path is not None else ""
+        print(f"cowfs: {e.shown(lambda p: relative(p, base))}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("cowfs: interrupted", file=sys.stderr)

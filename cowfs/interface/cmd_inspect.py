@@ -13,8 +13,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
-from ..text import ago, count, duration, human_size, printable, quote
-from .command import Arg, Command, Layer, Limit, call, layer_id, out, parse_number, workspace_paths
+from ..text import ago, count, duration, human_size, printable, quote, relative
+from .command import (
+    Arg,
+    Command,
+    Layer,
+    Limit,
+    call,
+    layer_id,
+    out,
+    parse_number,
+    seen_from,
+    workspace_paths,
+)
 from .render import (
     TEXT_LIMIT,
     agent_lines,
@@ -37,6 +48,7 @@ class Status(Command):
     help = "list the open layer's changes"
     examples = "  cowfs status\n  cowfs --json status | jq '.changes | length'"
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
+    prints_paths = True
     ops = ("status",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -83,12 +95,14 @@ class Status(Command):
                 res["changes"] = shown
             out(args, None, res)
             return 0
+        base = seen_from(args)
         lines = [f"# {listing.headline(res['counts'])}"]
         lines += change_lines(
             res["changes"],
             args.all,
             args.limit,
             (lambda c: f"\t{format_who(c)}") if args.who else None,
+            base=base,
         )
         u = res["usage"]
         lines.append(
@@ -103,7 +117,7 @@ class Status(Command):
             lines.append(
                 f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
                 f"the mount, the last {ago(refused['time'], time.time())}"
-                + (f": {quote(refused['path'])}" if refused.get("path") else "")
+                + (f": {quote(relative(refused['path'], base))}" if refused.get("path") else "")
             )
         lines += redo_line(res.get("redo"))
         out(args, "\n".join(lines), res)
@@ -125,6 +139,7 @@ class Log(Command):
     name = "log"
     help = "list the layers, newest first, with their messages and runs"
     examples = "  cowfs log\n  cowfs log -n 5"
+    prints_paths = True
     ops = ("log",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -138,6 +153,7 @@ class Log(Command):
             out(args, None, res["layers"])
             return 0
         now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
+        base = seen_from(args) if any(layer.get("drift") for layer in res["layers"]) else ""
         rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
         below = " " * 47  # (lines under a layer start at its MESSAGE)
         for layer in reversed(res["layers"]):
@@ -150,7 +166,8 @@ class Log(Command):
             for d in layer.get("drift", []):
                 rows.append(
                     f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
-                    f"while not mounted): {', '.join(map(quote, d['paths'][:5]))}"
+                    f"while not mounted): "
+                    + ", ".join(quote(relative(p, base)) for p in d["paths"][:5])
                 )
             for pm in layer.get("postmortems", []):
                 first = (pm.get("output") or "").strip().splitlines()[:1]
@@ -189,6 +206,7 @@ class Diff(Command):
     )
     examples = "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/"
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
+    prints_paths = True
     ops = ("diff", "changes")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -224,6 +242,7 @@ class Diff(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         layer, paths = args.layer, workspace_paths(args, args.paths)
+        base = "" if args.json else seen_from(args)
         if args.name_status and not args.json:  # (kinds and paths: no contents to read)
             res = call(args, "changes", since=layer, **({"paths": paths} if paths else {}))
             rows = change_lines(
@@ -231,11 +250,12 @@ class Diff(Command):
                 args.all,
                 suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
                 line=lambda c: listing.line(c).replace(" ", "\t", 1),
+                base=base,
             )
             out(args, "\n".join(rows) or None, res)
             return 0
         res = call(args, "diff", since=layer, paths=paths)
-        rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
+        rows = diff_rows(res["changes"], args.name_status, args.stat, args.who, base)
         out(args, "\n".join(rows) or None, res)
         return 0
 

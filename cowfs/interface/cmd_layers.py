@@ -9,9 +9,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from .. import errors
 from ..errors import CowfsError
-from ..text import count, quote
+from ..text import count, quote, relative
 from .client import Client
-from .command import Arg, Command, Layer, ask, call, out, snapshot_options, workspace_paths
+from .command import (
+    Arg,
+    Command,
+    Layer,
+    ask,
+    call,
+    out,
+    seen_from,
+    snapshot_options,
+    workspace_paths,
+)
 from .render import clean, format_change
 
 if TYPE_CHECKING:
@@ -62,6 +72,7 @@ class Rollback(Command):
         "  cowfs rollback                 # the open layer\n"
         "  cowfs rollback --to 3 --dry-run   # what undoing layers 3 and up would change"
     )
+    prints_paths = True
     ops = ("rollback", "changes")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -98,7 +109,8 @@ class Rollback(Command):
     def run(self, args: argparse.Namespace) -> int:
         if args.dry_run:
             res = call(args, "changes", since=args.to)
-            out(args, "\n".join(format_change(c) for c in res["changes"]) or None, res)
+            base = seen_from(args)
+            out(args, "\n".join(format_change(c, base) for c in res["changes"]) or None, res)
             return 0
         try:
             res = call(args, "rollback", **rollback_args(args, args.yes))
@@ -208,6 +220,7 @@ class Restore(Command):
         "new change of the open layer"
     )
     examples = "  cowfs restore config.yaml\n  cowfs restore --from 2 -- src/"
+    prints_paths = True
     ops = ("restore",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -229,12 +242,14 @@ class Restore(Command):
     def run(self, args: argparse.Namespace) -> int:
         paths = workspace_paths(args, args.paths)
         res = call(args, "restore", paths=paths, layer=args.layer)
-        done = res["restored"]
+        done, base = res["restored"], seen_from(args)
         out(
             args,
             f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
             + (
-                ": " + ", ".join(map(quote, done[:10])) + (" ..." if len(done) > 10 else "")
+                ": "
+                + ", ".join(quote(relative(p, base)) for p in done[:10])
+                + (" ..." if len(done) > 10 else "")
                 if done
                 else ""
             ),

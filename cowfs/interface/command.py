@@ -25,7 +25,7 @@ from .. import errors
 from ..errors import CowfsError, NotMounted
 from ..service import control, operations
 from ..system.mounts import find_mount, locate
-from ..text import count, duration
+from ..text import count, duration, quote
 from .client import Client
 
 # = policy.RunScope (the policy is loaded by the commands that use it: every
@@ -131,6 +131,17 @@ def json_option(s: argparse.ArgumentParser) -> None:
     )
 
 
+ROOT_HELP = (
+    "print paths relative to the workspace's root (default: to the current directory "
+    "when it is inside the workspace, as git status does; --json always names them "
+    "from the root)"
+)
+
+
+def root_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--root", action="store_true", default=argparse.SUPPRESS, help=ROOT_HELP)
+
+
 class Arg:
     """How an MCP tool's argument is described (the tool's method
     annotates it with ``Annotated[type, Arg(...)]``); the MCP server turns
@@ -159,6 +170,7 @@ class Command:
     examples: ClassVar[str] = ""
     ops: ClassVar[tuple[str, ...]] = ()
     paths_after_dashdash: ClassVar[bool] = False  # PATHs may follow "--" (see cli.parse)
+    prints_paths: ClassVar[bool] = False  # names workspace paths for people (takes --root)
     tool: ClassVar[Callable[..., Any] | None] = None
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -351,11 +363,10 @@ def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
     if not paths:
         return []
     root = workspace_root(args)
-    cwd = os.path.realpath(os.getcwd())
-    inside = cwd == root or cwd.startswith(root.rstrip("/") + "/")
+    here = cwd_in(root)
     out = []
     for p in paths:
-        full = p if os.path.isabs(p) else os.path.join(cwd if inside else root, p)
+        full = p if os.path.isabs(p) else os.path.join(root, here or "", p)
         head, tail = os.path.split(os.path.normpath(full))
         full = os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
         if full == root:
@@ -363,8 +374,39 @@ def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
         elif full.startswith(root.rstrip("/") + "/"):
             out.append(os.path.relpath(full, root))
         else:
-            raise CowfsError(f"{p}: outside the workspace {root}", errors.USAGE)
+            raise CowfsError(f"{quote(p)}: outside the workspace {quote(root)}", errors.USAGE)
     return out
+
+
+def cwd_in(root: str) -> str | None:
+    """The current directory as a path of the workspace at *root* (its
+    real path): "" for the root itself; None when it is outside (or
+    gone)."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        return None
+    if cwd == root:
+        return ""
+    if cwd.startswith(root.rstrip("/") + "/"):
+        return os.path.relpath(cwd, root)
+    return None
+
+
+def seen_from(args: argparse.Namespace, root: str | None = None) -> str:
+    """The directory that workspace paths printed for people are relative
+    to (a workspace path; "" the root): the current directory when it is
+    inside the workspace (that of -C PATH, or *root*), as git status names
+    paths; the root with --root, or when it is outside.  (JSON names them
+    from the root always.)"""
+    if getattr(args, "root", False):
+        return ""
+    if root is None:
+        try:
+            root = workspace_root(args)
+        except (CowfsError, OSError):
+            return ""
+    return cwd_in(os.path.realpath(root)) or ""
 
 
 def workspace_root(args: argparse.Namespace) -> str:

@@ -307,7 +307,7 @@ class History:
         obj = self.object_at(path)
         if obj is None:
             raise NotThere(
-                f"{schema.show_loc(path)} did not exist when layer {self.layer} was opened"
+                f"did not exist when layer {self.layer} was opened", path=os.fsdecode(path) or "."
             )
         return obj
 

@@ -972,8 +972,9 @@ class Session:
         h = self._history(layer)
         if not h.readable(wpath(path), self.requester):
             raise Denied(
-                f"{path}: not yours to read as it was when layer {h.layer} was opened "
-                f"(uid {self.requester.uid})"
+                f"not yours to read as it was when layer {h.layer} was opened "
+                f"(uid {self.requester.uid})",
+                path=os.fsdecode(wpath(path)) or ".",
             )
         obj = h.need(wpath(path)) if not missing_ok else h.object_at(wpath(path))
         if obj is None:

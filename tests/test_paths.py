@@ -1,0 +1,226 @@
+"""Paths as people and programs give them back: lines for people name
+workspace paths from the current directory when it is inside the
+workspace (as git status does; --root: from the root), so that a line can
+be pasted back as a PATH; errors name a path the same way; JSON names
+paths from the root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from cowfs.errors import NOTHING_TO_DO
+from cowfs.text import relative
+
+from .helpers import COWFS
+
+
+def cowfs_in(cwd, *args, code: int = 0) -> subprocess.CompletedProcess:
+    """The real ``cowfs`` run in *cwd* (arguments as str or bytes), its
+    output as bytes; it must exit *code*."""
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    r = subprocess.run([*COWFS, *argv], cwd=cwd, capture_output=True, timeout=120)
+    assert r.returncode == code, f"cowfs {argv} exited {r.returncode}: {r.stderr!r}"
+    return r
+
+
+def lines(out: bytes) -> list[str]:
+    return out.decode("utf-8").splitlines()  # (strict: nothing raw that is not UTF-8)
+
+
+def strict_json(out: bytes):
+    """*out* parsed as a strict parser would: UTF-8, and no string that
+    holds a lone surrogate (which Python's json would let through)."""
+    data = json.loads(out.decode("utf-8"))
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo += list(x) + list(x.values())
+        elif isinstance(x, list):
+            todo += x
+        elif isinstance(x, str):
+            x.encode("utf-8")  # (raises on a lone surrogate)
+    return data
+
+
+# -- the rules, without a mount ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, base, shown",
+    [
+        ("click/src/x.py", "", "click/src/x.py"),
+        ("click/src/x.py", "click", "src/x.py"),
+        ("other/x", "click", "../other/x"),
+        ("other/x", "click/src", "../../other/x"),
+        ("click", "click", "."),
+        ("click/srcs/y", "click/src", "../srcs/y"),  # a name, not a prefix of one
+        (".", "click/src", "../.."),
+        ("a", ".", "a"),
+    ],
+)
+def test_a_path_seen_from_a_directory(path, base, shown):
+    assert relative(path, base) == shown
+
+
+# -- from the current directory ----------------------------------------------------------
+
+
+@pytest.fixture
+def project(workspace):
+    """A mounted workspace (click/src/click/utils.py, click/README,
+    other/x, a.txt) whose open layer modifies utils.py and other/x, adds
+    click/new.txt and renames a.txt to click/moved.txt."""
+    ws = workspace
+    (ws / "click" / "src" / "click").mkdir(parents=True)
+    (ws / "click" / "src" / "click" / "utils.py").write_text("def f():\n    pass\n")
+    (ws / "click" / "README").write_text("click\n")
+    (ws / "other").mkdir()
+    (ws / "other" / "x").write_text("x\n")
+    (ws / "a.txt").write_text("alpha\n")
+    ws.mount()
+    with open(ws / "click" / "src" / "click" / "utils.py", "a") as f:
+        f.write("def g():\n    pass\n")
+    with open(ws / "other" / "x", "a") as f:
+        f.write("more\n")
+    (ws / "click" / "new.txt").write_text("new\n")
+    os.rename(ws / "a.txt", ws / "click" / "moved.txt")
+    return ws
+
+
+FROM_CLICK = [
+    "R ../a.txt -> moved.txt",
+    "A new.txt",
+    "M src/click/utils.py",
+    "M ../other/x",
+]
+FROM_ROOT = [
+    "R a.txt -> click/moved.txt",
+    "A click/new.txt",
+    "M click/src/click/utils.py",
+    "M other/x",
+]
+
+
+def test_status_names_paths_from_the_current_directory(project):
+    ws = project
+    click = ws / "click"
+    assert lines(cowfs_in(click, "status").stdout)[1:-1] == FROM_CLICK
+    assert lines(cowfs_in(click / "src", "status").stdout)[1:-1] == [
+        "R ../../a.txt -> ../moved.txt",
+        "A ../new.txt",
+        "M click/utils.py",
+        "M ../../other/x",
+    ]
+    assert lines(cowfs_in(ws.path, "status").stdout)[1:-1] == FROM_ROOT
+    # --root (global, or the command's): from the root, as before
+    assert lines(cowfs_in(click, "--root", "status").stdout)[1:-1] == FROM_ROOT
+    assert lines(cowfs_in(click, "status", "--root").stdout)[1:-1] == FROM_ROOT
+    # outside the workspace (-C PATH): from the root
+    assert lines(cowfs_in("/", "-C", click, "status").stdout)[1:-1] == FROM_ROOT
+    # JSON: from the root, always
+    data = strict_json(cowfs_in(click, "--json", "status").stdout)
+    assert [c["path"] for c in data["changes"]] == [
+        "click/moved.txt",
+        "click/new.txt",
+        "click/src/click/utils.py",
+        "other/x",
+    ]
+
+
+def test_diff_and_rollback_dry_run_name_paths_from_the_current_directory(project):
+    click = project / "click"
+    name_status = lines(cowfs_in(click, "diff", "--name-status").stdout)
+    assert name_status == [line.replace(" ", "\t", 1) for line in FROM_CLICK]
+    stat = lines(cowfs_in(click, "diff", "--stat").stdout)
+    assert [row.split("|")[0].strip() for row in stat] == [
+        "../a.txt -> moved.txt",
+        "new.txt",
+        "src/click/utils.py",
+        "../other/x",
+    ]
+    diff = lines(cowfs_in(click, "diff").stdout)
+    for header in (
+        "diff --cowfs M src/click/utils.py",
+        "--- a/src/click/utils.py",
+        "+++ b/src/click/utils.py",
+        "diff --cowfs M ../other/x",
+        "--- a/../other/x",
+        "+++ b/../other/x",
+        "diff --cowfs A new.txt",
+        "+++ b/new.txt",
+    ):
+        assert header in diff
+    assert "+def g():" in diff
+    assert "diff --cowfs M click/src/click/utils.py" in lines(
+        cowfs_in(click, "diff", "--root").stdout
+    )
+    # its JSON keeps the diff's own text, from the root
+    [entry] = strict_json(cowfs_in(click, "--json", "diff", "--", "../other/x").stdout)["changes"]
+    assert entry["diff"].startswith("--- a/other/x\n+++ b/other/x\n")
+    assert lines(cowfs_in(click, "rollback", "--dry-run").stdout) == FROM_CLICK
+
+
+def test_a_line_printed_pastes_back_as_a_path(project):
+    ws = project
+    click = ws / "click"
+    printed = lines(cowfs_in(click, "status").stdout)[1:-1]
+    for line in printed:
+        kind, path = line.split(" ", 1)
+        path = path.split(" -> ")[-1]
+        shown = lines(cowfs_in(click, "status", "--", path).stdout)
+        assert shown[1:-1] == [line], path
+        assert lines(cowfs_in(click, "diff", "--name-status", "--", path).stdout) == [
+            line.replace(" ", "\t", 1)
+        ]
+        assert f"diff --cowfs {line}" in lines(cowfs_in(click, "diff", "--", path).stdout)
+    # and restore takes them: the file, and one outside the current directory
+    said = lines(cowfs_in(click, "restore", "src/click/utils.py", "../other/x").stdout)
+    assert said == ["restored 2 paths: src/click/utils.py, ../other/x"]
+    assert (click / "src" / "click" / "utils.py").read_text() == "def f():\n    pass\n"
+    assert (ws / "other" / "x").read_text() == "x\n"
+    assert lines(cowfs_in(click, "status").stdout)[1:-1] == FROM_CLICK[:2]
+
+
+def test_errors_name_the_path_from_the_current_directory(project):
+    ws = project
+    click = ws / "click"
+    layer = json.loads(cowfs_in(ws.path, "--json", "status").stdout)["id"]
+    nothing = f"no such path, now or when layer {layer} was opened; nothing restored"
+    r = cowfs_in(click, "restore", "nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr) == [f"cowfs: nothere: {nothing}"]
+    r = cowfs_in(click, "restore", "../nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr) == [f"cowfs: ../nothere: {nothing}"]
+    r = cowfs_in(click, "--root", "restore", "nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr) == [f"cowfs: click/nothere: {nothing}"]
+    r = cowfs_in(click, "--json", "restore", "nothere", code=NOTHING_TO_DO)
+    assert json.loads(r.stdout) == {
+        "error": f"click/nothere: {nothing}",
+        "code": NOTHING_TO_DO,
+        "path": "click/nothere",
+    }
+    r = cowfs_in(click, "show", f"{layer}:nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr) == [f"cowfs: nothere: did not exist when layer {layer} was opened"]
+
+
+def test_run_and_log_name_paths_from_the_current_directory(project):
+    ws = project
+    click = ws / "click"
+    r = cowfs_in(click, "run", "--", "sh", "-c", "echo >> ../other/x; echo > made")
+    said = lines(r.stderr)
+    assert said[:3] == ["2 changes: 1 added, 1 modified", "  A made", "  M ../other/x"]
+    r = cowfs_in(click, "--root", "run", "--", "touch", "made2")
+    assert lines(r.stderr)[1] == "  A click/made2"
+    # drift accepted at mount, in log
+    ws.unmount()
+    with open(ws / "other" / "x", "a") as f:
+        f.write("while not mounted\n")
+    ws.mount("--accept-drift")
+    log = lines(cowfs_in(click, "log").stdout)
+    assert any(line.strip().endswith("while not mounted): ../other/x") for line in log), log
+    log = lines(cowfs_in(click, "log", "--root").stdout)
+    assert any(line.strip().endswith("while not mounted): other/x") for line in log), log
