@@ -1,8 +1,8 @@
 """Paths as people and programs give them back: lines for people name
 workspace paths from the current directory when it is inside the
 workspace (as git status does; --root: from the root), so that a line can
-be pasted back as a PATH; errors name a path the same way; JSON names
-paths from the root."""
+be pasted back as a PATH; a PATH that names nothing, now or when the layer
+was opened, is an error naming it; JSON names paths from the root."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import subprocess
 
 import pytest
 
-from cowfs.errors import NOTHING_TO_DO
+from cowfs.errors import NOTHING_TO_DO, USAGE
 from cowfs.text import relative
 
 from .helpers import COWFS
+from .test_grants import agent, granted  # noqa: F401 (fixture)
 
 
 def cowfs_in(cwd, *args, code: int = 0) -> subprocess.CompletedProcess:
@@ -184,6 +185,66 @@ def test_a_line_printed_pastes_back_as_a_path(project):
     assert (click / "src" / "click" / "utils.py").read_text() == "def f():\n    pass\n"
     assert (ws / "other" / "x").read_text() == "x\n"
     assert lines(cowfs_in(click, "status").stdout)[1:-1] == FROM_CLICK[:2]
+
+
+def test_a_path_that_names_nothing_is_an_error_naming_it(project):
+    ws = project
+    click = ws / "click"
+    layer = strict_json(cowfs_in(ws.path, "--json", "status").stdout)["id"]
+    nothing = f"no such path, now or when layer {layer} was opened"
+    # the root's name of a path, pasted in a subdirectory: click/click/...
+    for args in (
+        ["status", "--", "click/src/click/utils.py"],
+        ["diff", "--", "click/src/click/utils.py"],
+        ["diff", "--name-status", "--", "click/src/click/utils.py"],
+        ["diff", "--stat", "--", "click/src/click/utils.py"],
+    ):
+        r = cowfs_in(click, *args, code=NOTHING_TO_DO)
+        assert r.stdout == b""
+        assert lines(r.stderr) == [f"cowfs: click/src/click/utils.py: {nothing}"]
+    r = cowfs_in(click, "--json", "status", "--", "click/src/click/utils.py", code=NOTHING_TO_DO)
+    assert strict_json(r.stdout) == {
+        "error": f"click/click/src/click/utils.py: {nothing}",
+        "code": NOTHING_TO_DO,
+        "path": "click/click/src/click/utils.py",
+    }
+    r = cowfs_in(click, "--root", "status", "--", "nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr) == [f"cowfs: click/nothere: {nothing}"]
+    # one that matches next to one that does not: still an error
+    cowfs_in(click, "status", "--", "new.txt", "nothere", code=NOTHING_TO_DO)
+
+    # a path that exists, now or then, with no change under it
+    said = lines(cowfs_in(click, "status", "--", "README").stdout)
+    assert said[0] == "# no changes under README" and len(said) == 2
+    said = lines(cowfs_in(click, "status", "--", "README", "../other/x").stdout)
+    assert said[:2] == ["# 1 change: 1 modified", "M ../other/x"]
+    assert cowfs_in(click, "diff", "--", "README").stdout == b""
+    assert lines(cowfs_in(click, "status", "--", "../a.txt").stdout)[1] == FROM_CLICK[0]
+    (click / "README").unlink()
+    assert lines(cowfs_in(click, "status", "--", "README").stdout)[1] == "D README"
+    # made and removed again inside the layer: there neither now nor then
+    (click / "tmp").write_text("tmp\n")
+    (click / "tmp").unlink()
+    cowfs_in(click, "status", "--", "tmp", code=NOTHING_TO_DO)
+    # the store is no path of the workspace's
+    cowfs_in(ws.path, "status", "--", ".cowfs", code=NOTHING_TO_DO)
+    # outside the workspace: a usage error, as before
+    r = cowfs_in(click, "status", "--", "/etc", code=USAGE)
+    assert "/etc: outside the workspace" in r.stderr.decode()
+
+
+def test_a_path_below_a_directory_one_may_not_search_is_not_told_absent(granted):  # noqa: F811
+    """An agent granted `step` learns nothing of what a directory it may
+    not search holds: a PATH there that names nothing is "no changes
+    under" it, as one that names something is; root is told."""
+    ws = granted
+    for path in ("private/notes", "private/nothere"):
+        code, out, err = agent(ws, "status", "--", path)
+        assert (code, out.splitlines()[0]) == (0, f"# no changes under {path}"), err
+    code, out, err = agent(ws, "status", "--", "nothere")
+    assert code == NOTHING_TO_DO and err.startswith("cowfs: nothere: no such path"), err
+    r = cowfs_in(ws.path, "status", "--", "private/nothere", code=NOTHING_TO_DO)
+    assert lines(r.stderr)[0].startswith("cowfs: private/nothere: no such path")
 
 
 def test_errors_name_the_path_from_the_current_directory(project):

@@ -97,6 +97,9 @@ class Status(Command):
             return 0
         base = seen_from(args)
         lines = [f"# {listing.headline(res['counts'])}"]
+        if paths and not res["changes"]:  # (a path that names nothing is an error)
+            under = ", ".join(quote(relative(p, base)) for p in paths)
+            lines = [f"# no changes under {under}"]
         lines += change_lines(
             res["changes"],
             args.all,

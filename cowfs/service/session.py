@@ -32,7 +32,15 @@ from typing import Any
 import trio
 
 from .. import errors
-from ..errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
+from ..errors import (
+    AlreadyMounted,
+    BadWorkspace,
+    CowfsError,
+    Drift,
+    NoStore,
+    NothingToDo,
+    StoreError,
+)
 from ..escalation.providers import Registry
 from ..fuse.ops import Ops
 from ..layers import fsck, pending, redo
@@ -890,6 +898,7 @@ class Session:
         the changes --max-store refused since the mount, the redo note."""
         await self.flush()
         result = self.stackview.status(paths=path_list(paths))
+        self._paths_found(None, path_list(paths), result["changes"])
         result["changes"] = self._writers_shown(result["changes"])
         return result | {
             "usage": self.stackview.usage(),
@@ -912,7 +921,28 @@ class Session:
         await self.flush()
         since = self.store.open_layer().id if since is None else since
         changes = self.stackview.changes_since(since, path_list(paths))
+        self._paths_found(since, path_list(paths), changes)
         return {"since": since, "changes": self._writers_shown(changes)}
+
+    def _paths_found(self, layer: int | None, paths: list[str], changes: Sequence[dict]) -> None:
+        """Each of *paths* (that *changes*, since *layer* was opened, were
+        filtered by) that no change is under names something, now or then;
+        else NothingToDo naming it (as git's "pathspec did not match")."""
+        left = {os.fsdecode(wpath(p)) for p in paths}
+        if "" in left:  # (the root)
+            return
+        for c in changes:
+            if not left:
+                return
+            for p in (c["path"], c.get("from")):
+                if p is not None:
+                    left = {w for w in left if p != w and not p.startswith(w + "/")}
+        if not left:
+            return
+        h = self._history(layer)
+        for w in sorted(left):
+            if not h.named(os.fsencode(w), self.requester):
+                raise NothingToDo(f"no such path, now or when layer {h.layer} was opened", path=w)
 
     def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
         """*changes* as the requester may see them: the command line of a
@@ -990,6 +1020,7 @@ class Session:
         text_limit = max(0, min(text_limit, MAX_TEXT))
         h = self._history(since)
         changes = self.stackview.changes_since(h.layer, path_list(paths))
+        self._paths_found(h.layer, path_list(paths), changes)
         who = self.requester
 
         # Every side is read while the tree holds still (one instant); the
