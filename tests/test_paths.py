@@ -2,18 +2,22 @@
 workspace paths from the current directory when it is inside the
 workspace (as git status does; --root: from the root), so that a line can
 be pasted back as a PATH; a PATH that names nothing, now or when the layer
-was opened, is an error naming it; JSON names paths from the root."""
+was opened, is an error naming it; and JSON, always from the root, carries
+a name that is not UTF-8 as valid Unicode with its bytes beside it
+(KEY_bytes, base64), which give the name back as an argument."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
 
 from cowfs.errors import NOTHING_TO_DO, USAGE
-from cowfs.text import relative
+from cowfs.text import lossless, relative
 
 from .helpers import COWFS
 from .test_grants import agent, granted  # noqa: F401 (fixture)
@@ -66,6 +70,28 @@ def strict_json(out: bytes):
 )
 def test_a_path_seen_from_a_directory(path, base, shown):
     assert relative(path, base) == shown
+
+
+def test_json_strings_are_valid_unicode_with_the_bytes_beside_them():
+    name = os.fsdecode(b"latin\xe9.txt")
+    data = {
+        "changes": [{"path": name, "kind": "R", "from": "plain"}, {"path": "ok", "kind": "A"}],
+        "restored": ["ok", name],
+        "n": 3,
+    }
+    safe = lossless(data)
+    assert safe["changes"][0] == {
+        "path": "latin\ufffd.txt",
+        "path_bytes": base64.b64encode(b"latin\xe9.txt").decode(),
+        "kind": "R",
+        "from": "plain",
+    }
+    assert safe["changes"][1] is data["changes"][1]  # (untouched: not copied)
+    assert safe["restored"] == ["ok", "latin\ufffd.txt"]
+    assert safe["restored_bytes"] == [None, base64.b64encode(b"latin\xe9.txt").decode()]
+    assert lossless({"plain": ["a", "é"]}) == {"plain": ["a", "é"]}
+    json.dumps(safe).encode().decode("utf-8")
+    assert "\\ud" not in json.dumps(safe)
 
 
 # -- from the current directory ----------------------------------------------------------
@@ -285,3 +311,95 @@ def test_run_and_log_name_paths_from_the_current_directory(project):
     assert any(line.strip().endswith("while not mounted): ../other/x") for line in log), log
     log = lines(cowfs_in(click, "log", "--root").stdout)
     assert any(line.strip().endswith("while not mounted): other/x") for line in log), log
+
+
+# -- names that are not UTF-8 ---------------------------------------------------------------
+
+LATIN = b"latin\xe9.txt"
+
+
+def b64(name: bytes) -> str:
+    return base64.b64encode(name).decode()
+
+
+@pytest.fixture
+def latin(workspace):
+    """A mounted workspace whose open layer adds LATIN (and dir/a.txt) and
+    renames dir/old\\xff to dir/new\\xfe."""
+    ws = workspace
+    (ws / "dir").mkdir()
+    (ws / "dir" / "a.txt").write_text("a\n")
+    root = os.fsencode(ws.path)
+    with open(root + b"/dir/old\xff", "w") as f:
+        f.write("old\n")
+    ws.mount()
+    with open(root + b"/" + LATIN, "w") as f:
+        f.write("latin\n")
+    os.rename(root + b"/dir/old\xff", root + b"/dir/new\xfe")
+    return ws
+
+
+def test_a_name_that_is_not_utf8_round_trips_through_json(latin):
+    ws = latin
+    out = cowfs_in(ws.path, "--json", "status").stdout
+    data = strict_json(out)
+    by_path = {c["path"]: c for c in data["changes"]}
+    assert set(by_path) == {"latin\ufffd.txt", "dir/new\ufffd"}
+    added = by_path["latin\ufffd.txt"]
+    assert base64.b64decode(added["path_bytes"]) == LATIN
+    renamed = by_path["dir/new\ufffd"]
+    assert base64.b64decode(renamed["path_bytes"]) == b"dir/new\xfe"
+    assert base64.b64decode(renamed["from_bytes"]) == b"dir/old\xff"
+    assert renamed["from"] == "dir/old\ufffd"
+    if shutil.which("jq"):  # a strict parser: the bytes come through it whole
+        jq = subprocess.run(
+            ["jq", "-r", '.changes[] | select(.kind == "A") | .path_bytes'],
+            input=out,
+            capture_output=True,
+            check=True,
+        )
+        assert base64.b64decode(jq.stdout.strip()) == LATIN
+
+    # the bytes, given back as an argument, name the file
+    name = base64.b64decode(added["path_bytes"])
+    [entry] = strict_json(cowfs_in(ws.path, "--json", "diff", "--", name).stdout)["changes"]
+    assert base64.b64decode(entry["path_bytes"]) == LATIN and entry["kind"] == "A"
+    assert base64.b64decode(entry["diff_bytes"]).startswith(b"--- /dev/null\n+++ b/" + LATIN)
+    human = lines(cowfs_in(ws.path, "diff", "--", name).stdout)
+    assert human[:3] == [
+        r'diff --cowfs A "latin\351.txt"',
+        "--- /dev/null",
+        r'+++ "b/latin\351.txt"',
+    ]
+    assert lines(cowfs_in(ws.path, "status", "--", name).stdout)[1] == r'A "latin\351.txt"'
+
+    dry = strict_json(cowfs_in(ws.path, "--json", "rollback", "--dry-run").stdout)
+    assert {base64.b64decode(c["path_bytes"]) for c in dry["changes"]} == {
+        LATIN,
+        b"dir/new\xfe",
+    }
+    done = strict_json(cowfs_in(ws.path, "--json", "restore", "--", name).stdout)
+    assert [base64.b64decode(b) for b in done["restored_bytes"]] == [LATIN]
+    assert not os.path.lexists(os.fsencode(ws.path) + b"/" + LATIN)
+    said = lines(cowfs_in(ws.path / "dir", "restore", b"new\xfe", b"old\xff").stdout)
+    assert said[0].startswith("restored 2 paths: ")
+    assert set(said[0].split(": ", 1)[1].split(", ")) == {r'"new\376"', r'"old\377"'}
+    assert sorted(os.listdir(os.fsencode(ws.path / "dir"))) == [b"a.txt", b"old\xff"]
+    assert strict_json(cowfs_in(ws.path, "--json", "status").stdout)["changes"] == []
+
+
+def test_run_and_errors_carry_names_that_are_not_utf8(latin):
+    ws = latin
+    r = cowfs_in(ws.path, "--json", "run", "--", "touch", b"made\xfe")
+    record = strict_json(r.stdout)
+    made = [c for c in record["changes"] if c["path"] == "made\ufffd"]
+    assert base64.b64decode(made[0]["path_bytes"]) == b"made\xfe"
+    assert r'  A "made\376"' in lines(r.stderr)
+
+    r = cowfs_in(ws.path, "status", "--", b"nothere\xe9", code=NOTHING_TO_DO)
+    assert lines(r.stderr)[0].startswith(r'cowfs: "nothere\351": no such path')
+    r = cowfs_in(ws.path, "--json", "status", "--", b"nothere\xe9", code=NOTHING_TO_DO)
+    err = strict_json(r.stdout)
+    assert base64.b64decode(err["path_bytes"]) == b"nothere\xe9"
+    r = cowfs_in(ws.path, "status", "--", b"/etc/x\xe9", code=USAGE)
+    assert r'"/etc/x\351": outside the workspace' in lines(r.stderr)[0]

@@ -7,13 +7,12 @@ Exit codes are listed in ``errors`` and documented in README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from .. import errors
 from ..errors import CowfsError
-from ..text import quote, relative
+from ..text import json_text, printable, quote, relative
 from .command import (  # (the argument types, for their users)
     Parser,
     layer_id,
@@ -67,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command].run(args)
     except CowfsError as e:
         if args.json:
-            print(json.dumps(e.to_dict()))
+            print(json_text(e.to_dict()))
         base = seen_from(args) if e.path is not None else ""
-        print(f"cowfs: {e.shown(lambda p: relative(p, base))}", file=sys.stderr)
+        # (a name the message holds unquoted reaches the terminal escaped all the same)
+        message = "\n".join(map(printable, e.shown(lambda p: relative(p, base)).split("\n")))
+        print(f"cowfs: {message}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("cowfs: interrupted", file=sys.stderr)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import sys
 import time
 from typing import TYPE_CHECKING, Annotated, Any
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
-from ..text import ago, count, duration, human_size, printable, quote, relative
+from ..text import ago, count, duration, human_size, json_text, printable, quote, relative
 from .command import (
     Arg,
     Command,
@@ -403,7 +402,7 @@ class Audit(Command):
                 return 0
             for e in events:
                 if args.jsonl or args.json:
-                    print(json.dumps(e))
+                    print(json_text(e))
                 else:
                     print(format_event(e))
             after = events[-1]["n"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from .. import errors
 from ..errors import BadWorkspace, CowfsError
 from ..system.mounts import default_store, find_mount, is_cowfs_mount
+from ..text import json_text
 from .command import (
     RUN_SCOPES,
     Arg,
@@ -233,7 +233,7 @@ class Run(Command):
         )
         print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
         if args.json:
-            print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
+            print(json_text(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
 
     def tool(
         self,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from .. import errors
 from ..errors import CowfsError, NotMounted
 from ..service import control, operations
 from ..system.mounts import find_mount, locate
-from ..text import count, duration, quote
+from ..text import count, duration, json_text, quote
 from .client import Client
 
 # = policy.RunScope (the policy is loaded by the commands that use it: every
@@ -39,7 +38,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # one line and the documented code, not a usage dump
         if Parser.json_errors:
-            print(json.dumps({"error": message, "code": errors.USAGE}))
+            print(json_text({"error": message, "code": errors.USAGE}))
         name = self.prog.partition(" ")[2]
         self.exit(
             errors.USAGE, f"cowfs: {message} (see 'cowfs {name + ' ' if name else ''}--help')\n"
@@ -192,7 +191,7 @@ class Command:
 
 def out(args: argparse.Namespace, human: str | None, data: object) -> None:
     if args.json:
-        print(json.dumps(data))
+        print(json_text(data))
     elif human:
         print(human)
 

@@ -1318,7 +1318,7 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
             drift = session.current_drift()
             if drift:
                 raise Drift(
-                    f"{', '.join(drift[:10])}: changed while not mounted, after the "
+                    f"{', '.join(map(quote, drift[:10]))}: changed while not mounted, after the "
                     "layers changed them; mount with --accept-drift first"
                 )
             recorded = session.store.get_meta_json(schema.K_DRIFT) is not None
