@@ -17,10 +17,12 @@ import subprocess
 import pytest
 
 from cowfs.errors import NOTHING_TO_DO, USAGE
+from cowfs.interface.api import Workspace
 from cowfs.text import lossless, relative
 
 from .helpers import COWFS
 from .test_grants import agent, granted  # noqa: F401 (fixture)
+from .test_mcp import fails, ok, serve
 
 
 def cowfs_in(cwd, *args, code: int = 0) -> subprocess.CompletedProcess:
@@ -403,3 +405,31 @@ def test_run_and_errors_carry_names_that_are_not_utf8(latin):
     assert base64.b64decode(err["path_bytes"]) == b"nothere\xe9"
     r = cowfs_in(ws.path, "status", "--", b"/etc/x\xe9", code=USAGE)
     assert r'"/etc/x\351": outside the workspace' in lines(r.stderr)[0]
+
+
+def test_the_api_and_mcp_take_a_name_that_is_not_utf8_back(latin):
+    ws = latin
+    api = Workspace.attach(ws.path)
+    [added] = [c for c in api.changes() if c.kind == "A"]
+    assert os.fsencode(added.path) == LATIN  # (the API's names: os.fsdecode's)
+    assert api.restore([LATIN]) == [os.fsdecode(LATIN)]
+    assert not os.path.lexists(os.fsencode(ws.path) + b"/" + LATIN)
+
+    with open(os.fsencode(ws.path) + b"/" + LATIN, "w") as f:
+        f.write("again\n")
+
+    async def steps(s):
+        changes = (await ok(s, "status"))["changes"]
+        [added] = [c for c in changes if c["kind"] == "A"]
+        assert added["path"] == "latin\ufffd.txt"
+        diff = await ok(s, "diff", paths_bytes=[added["path_bytes"]])
+        assert diff["text"].startswith('diff --cowfs A "latin\\351.txt"')
+        done = await ok(s, "restore", paths_bytes=[added["path_bytes"]])
+        assert [base64.b64decode(b) for b in done["restored_bytes"]] == [LATIN]
+        code, text = await fails(s, "restore", paths_bytes=["not base64!"])
+        assert code == USAGE and "base64" in text
+        code, _ = await fails(s, "restore")
+        assert code == USAGE
+
+    serve(ws.path, steps)
+    assert not os.path.lexists(os.fsencode(ws.path) + b"/" + LATIN)

@@ -18,7 +18,9 @@ from .command import (
     Command,
     Layer,
     Limit,
+    PathsBytes,
     call,
+    given_paths,
     layer_id,
     out,
     parse_number,
@@ -267,6 +269,7 @@ class Diff(Command):
         ws: Workspace,
         layer: Layer = None,
         paths: Annotated[list[str], Arg("only these paths (relative to the workspace root)")] = [],  # noqa: B006
+        paths_bytes: PathsBytes = [],  # noqa: B006
         stat: Annotated[bool, Arg("lines added and removed per file instead of the diff")] = False,
         name_status: Annotated[bool, Arg("only the kind and path of each change")] = False,
         max_bytes: Limit = TEXT_LIMIT,
@@ -275,7 +278,7 @@ class Diff(Command):
         the last checkpoint) with their content: a unified diff for text files,
         sizes and hashes for binary ones. Large output is cut at max_bytes:
         narrow it with paths, or use stat or name_status."""
-        res = ws.call("diff", since=layer, paths=list(paths))
+        res = ws.call("diff", since=layer, paths=given_paths(paths, paths_bytes))
         text = "\n".join(diff_rows(res["changes"], name_status, stat, False))
         text, cut_ = cut(
             text or "no changes", max_bytes, "ask for fewer paths, or use stat or name_status"

@@ -15,8 +15,10 @@ from .command import (
     Arg,
     Command,
     Layer,
+    PathsBytes,
     ask,
     call,
+    given_paths,
     out,
     seen_from,
     snapshot_options,
@@ -257,12 +259,14 @@ class Restore(Command):
         )
         return 0
 
+    # (B006: the default lists are never changed; the tool's schema is its signature)
     def tool(
         self,
         ws: Workspace,
         paths: Annotated[
-            list[str], Arg("files or directories, relative to the workspace root", min_length=1)
-        ],
+            list[str], Arg("files or directories, relative to the workspace root")
+        ] = [],  # noqa: B006
+        paths_bytes: PathsBytes = [],  # noqa: B006
         from_: Annotated[
             int | None, Arg("the layer (default: the open layer)", alias="from")
         ] = None,
@@ -270,4 +274,7 @@ class Restore(Command):
         """Put some paths back as they were when a layer was opened (the rest
         of the workspace stays as it is); the restore is itself a change of
         the open layer."""
-        return {"restored": ws.restore(paths, from_)}
+        names = given_paths(paths, paths_bytes)
+        if not names:
+            raise CowfsError("restore needs paths (or paths_bytes)", errors.USAGE)
+        return {"restored": ws.restore(names, from_)}

@@ -153,6 +153,13 @@ class Arg:
 
 # the MCP tools' common arguments
 Layer = Annotated[int | None, Arg("a layer id (from checkpoint or log)")]
+PathsBytes = Annotated[
+    list[str],
+    Arg(
+        "more paths, each as the base64 of its bytes: for a name that is not UTF-8 "
+        "(a change's path_bytes)"
+    ),
+]
 Limit = Annotated[int, Arg("most bytes of text to return; the rest is cut", ge=256, le=4 << 20)]
 
 
@@ -417,6 +424,19 @@ def workspace_root(args: argparse.Namespace) -> str:
         if args.offline_store:
             return os.path.realpath(args.path)
         return os.path.realpath(locate(args.path).unmounted(args.path)[0])
+
+
+def given_paths(paths: list[str], paths_bytes: list[str]) -> list[str]:
+    """*paths* and the paths in *paths_bytes* (base64 of their bytes: an MCP
+    tool's arguments), as the workspace's names (os.fsdecode's)."""
+    import base64
+    import binascii
+
+    try:
+        raw = [base64.b64decode(p, validate=True) for p in paths_bytes]
+    except (binascii.Error, ValueError):
+        raise CowfsError("paths_bytes holds base64 strings", errors.USAGE) from None
+    return [*paths, *map(os.fsdecode, raw)]
 
 
 def command_argv(args: argparse.Namespace) -> list[str]:
