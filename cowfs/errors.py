@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from .text import quote
+
 # Exit codes (documented in README.md, "Exit codes").
 OK = 0
 NOTHING_TO_DO = 1
@@ -24,17 +28,28 @@ INTERRUPTED = 130
 
 
 class CowfsError(Exception):
-    """An error with a one-line message and an exit code."""
+    """An error with a one-line message and an exit code; *path*: the
+    workspace path (from the workspace's root, "." the root) it is about,
+    which begins the message, quoted ("PATH: no such path, ...") -- lines
+    for people name it from the current directory (``shown``)."""
 
     code = DAEMON_ERROR
 
-    def __init__(self, message: str, code: int | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, code: int | None = None, path: str | None = None):
+        self.path = path
+        self.detail = message
+        super().__init__(message if path is None else f"{quote(path)}: {message}")
         if code is not None:
             self.code = code
 
+    def shown(self, name: Callable[[str], str]) -> str:
+        """The message, with its path as *name* gives it."""
+        return str(self) if self.path is None else f"{quote(name(self.path))}: {self.detail}"
+
     def to_dict(self) -> dict:
-        return {"error": str(self), "code": self.code}
+        return {"error": str(self), "code": self.code} | (
+            {"path": self.path} if self.path is not None else {}
+        )
 
 
 class NothingToDo(CowfsError):
@@ -124,4 +139,7 @@ def from_dict(d: dict) -> CowfsError:
     message, code = d.get("error", "unknown error"), int(d.get("code", DAEMON_ERROR))
     if code == NOT_ANSWERING and isinstance(d.get("pid"), int):  # (a new daemon's report)
         return NotAnswering(message, d["pid"], str(d.get("mountpoint", "")))
+    path = d.get("path")
+    if isinstance(path, str) and message.startswith(f"{quote(path)}: "):
+        return CowfsError(message[len(quote(path)) + 2 :], code, path)
     return CowfsError(message, code)

@@ -1,11 +1,16 @@
-"""Words for people: counts with their nouns, ages, durations, and names
-quoted so that no file name can reach a terminal raw."""
+"""Words for people: counts with their nouns, ages, durations, names
+quoted so that no file name can reach a terminal raw, and workspace paths
+as seen from the current directory; and JSON that carries every name
+exactly yet is valid Unicode (``lossless``)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import time
+from typing import Any
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:
@@ -102,3 +107,83 @@ def printable(text: str) -> str:
     CONTROL matches escaped as ``quote`` escapes it; quotes and backslashes
     left as they are."""
     return CONTROL.sub(_escape, text)
+
+
+def relative(path: str, base: str) -> str:
+    """Workspace path *path* (from the workspace's root, "." the root) as
+    seen from the directory *base* (a workspace path too; "" or "." the
+    root: *path* as it is), as ``git status`` names paths: "src/x" from
+    above it, "../other/x" from beside it, "." for *base* itself."""
+    if base in ("", "."):
+        return path
+    to = [] if path in ("", ".") else path.split("/")
+    here = base.split("/")
+    n = 0
+    while n < min(len(to), len(here)) and to[n] == here[n]:
+        n += 1
+    return "/".join([".."] * (len(here) - n) + to[n:]) or "."
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def raw(text: str) -> bytes:
+    """The bytes *text* stands for, as os.fsencode gives them (a surrogate
+    U+DC80..U+DCFF: the byte of a name that is not UTF-8); any other
+    surrogate, which no byte stands for, as its own UTF-8 form."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return b"".join(
+            bytes([ord(ch) - 0xDC00])
+            if "\udc80" <= ch <= "\udcff"
+            else ch.encode("utf-8", "surrogatepass")
+            for ch in text
+        )
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(raw(text)).decode()
+
+
+def lossless(obj: Any) -> Any:
+    r"""*obj*, what a JSON output says, with every string valid Unicode, so
+    that strict parsers take it (jq, and any that decodes UTF-8): each
+    surrogate in a string -- a byte of a name that is not UTF-8, as
+    os.fsdecode carries it -- becomes U+FFFD, and beside the member KEY
+    of an object that holds such a string, KEY_bytes holds its bytes in
+    base64 ("path": "latin\ufffd.txt", "path_bytes": "bGF0aW7pLnR4dA=="); beside
+    a list of strings with such a string in it, KEY_bytes is a list of the
+    same length with the base64 of each such string and null for the
+    others.  *obj* itself when no string needs it."""
+    if isinstance(obj, str):
+        return SURROGATE.sub("\ufffd", obj) if SURROGATE.search(obj) else obj
+    if isinstance(obj, dict):
+        out: dict = {}
+        changed = False
+        for k, v in obj.items():
+            key = lossless(k) if isinstance(k, str) else k
+            new = lossless(v)
+            out[key] = new
+            changed |= new is not v or key is not k
+            if isinstance(v, str) and new is not v:
+                out[f"{key}_bytes"] = _b64(v)
+            elif isinstance(v, list) and any(isinstance(x, str) and SURROGATE.search(x) for x in v):
+                out[f"{key}_bytes"] = [
+                    _b64(x) if isinstance(x, str) and SURROGATE.search(x) else None for x in v
+                ]
+        return out if changed else obj
+    if isinstance(obj, (list, tuple)):
+        items = [lossless(x) for x in obj]
+        return items if any(a is not b for a, b in zip(items, obj, strict=True)) else obj
+    return obj
+
+
+def json_text(obj: Any) -> str:
+    """*obj* as JSON text for an output (``lossless``: names that are not
+    UTF-8 carried as KEY_bytes); as json.dumps gives it when no string
+    holds a surrogate (its escapes are the only place one could show)."""
+    text = json.dumps(obj)
+    return json.dumps(lossless(obj)) if "\\ud" in text else text

@@ -4,6 +4,7 @@ on real mounts, and its stdio transport spoken to in raw lines."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
@@ -449,13 +450,16 @@ def test_a_5_mb_checkpoint_message_is_refused_to_the_sdk_client(mounted):
     serve(mounted.path, steps)
 
 
-def test_an_answer_utf8_cannot_carry_is_an_error_and_the_server_goes_on(mounted):
+def test_a_name_that_is_not_utf8_comes_back_with_its_bytes(mounted):
     os.close(os.open(os.fsencode(mounted.path) + b"/new\xfe", os.O_CREAT | os.O_WRONLY, 0o644))
 
     async def steps(s):
-        with pytest.raises(MCPError) as e:
-            await s.call_tool("status", {})
-        assert e.value.code == -32603 and '"new\\376"' in e.value.message
+        [change] = (await ok(s, "status"))["changes"]
+        assert change["path"] == "new\ufffd"  # (UTF-8 cannot carry the byte itself)
+        assert base64.b64decode(change["path_bytes"]) == b"new\xfe"
+        diff = await ok(s, "diff")
+        assert 'diff --cowfs A "new\\376"' in diff["text"]
+        assert base64.b64decode(diff["changes"][0]["path_bytes"]) == b"new\xfe"
         assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
 
     serve(mounted.path, steps)

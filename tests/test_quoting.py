@@ -3,10 +3,11 @@ path quotes it as git's core.quotePath does (text.quote) -- a name with a
 newline cannot forge a line, an escape sequence in a name never reaches the
 terminal, a name that is not UTF-8 prints as octal bytes -- while names
 with nothing to escape print as they always did and JSON carries every
-name exactly."""
+name exactly (one that is not UTF-8 in KEY_bytes)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -59,6 +60,14 @@ def test_quote(name, shown):
 )
 def test_printable(text, shown):
     assert printable(text) == shown
+
+
+def exact(c: dict, key: str = "path") -> str:
+    """The name *key* of JSON change *c* exactly: from KEY_bytes when it
+    is not UTF-8 (KEY then holds U+FFFD for its bytes that are not)."""
+    if f"{key}_bytes" in c:
+        return os.fsdecode(base64.b64decode(c[f"{key}_bytes"]))
+    return c[key]
 
 
 def raw(ws, *args) -> subprocess.CompletedProcess:
@@ -153,12 +162,12 @@ def test_status_quotes_names_and_its_json_is_exact(hostile):
     assert not any("f3" in line for line in default)
 
     data = ws.json("status")
-    assert {c["path"] for c in data["changes"]} == EXACT
+    assert {exact(c) for c in data["changes"]} == EXACT
     [renamed] = [c for c in data["changes"] if c["kind"] == "R"]
     assert (renamed["from"], renamed["path"]) == ("dir/b.txt", RENAMED)
-    assert os.fsencode([c["path"] for c in data["changes"] if c["path"].startswith("bad")][0]) == (
-        b"bad\xffname"
-    )
+    [bad] = [c for c in data["changes"] if c["path"].startswith("bad")]
+    assert bad["path"] == "bad\ufffdname"  # (valid Unicode: strict parsers take it)
+    assert base64.b64decode(bad["path_bytes"]) == b"bad\xffname"
 
     who = clean_lines(raw(ws, "status", "-u", "--who").stdout, tabs=True)
     [forged] = [line for line in who if line.startswith('A "x\\nM fake"\t')]
@@ -172,7 +181,7 @@ def test_diff_quotes_names_in_every_line_that_has_one(hostile):
     names = clean_lines(raw(ws, "diff", "--name-status", "-u").stdout, tabs=True)
     assert {tuple(line.split("\t", 1)) for line in names} == EVERY
     assert len(names) == len(EVERY)
-    assert {c["path"] for c in ws.json("diff", "--name-status")["changes"]} == EXACT
+    assert {exact(c) for c in ws.json("diff", "--name-status")["changes"]} == EXACT
 
     out = clean_lines(raw(ws, "diff").stdout)
     headers = [line for line in out if line.startswith(("diff --cowfs ", "--- ", "+++ "))]
@@ -197,11 +206,11 @@ def test_diff_quotes_names_in_every_line_that_has_one(hostile):
     assert "M fake" not in out and "+++ b/x" not in out
     assert "+gamma" in out and "-before" in out and "+after" in out
 
-    changes = {c["path"]: c for c in ws.json("diff")["changes"]}
+    changes = {exact(c): c for c in ws.json("diff")["changes"]}
     assert set(changes) == EXACT
     assert changes[FORGED]["diff"].startswith(f"--- /dev/null\n+++ b/{FORGED}\n@@")
     assert changes[CLEARS]["diff"].startswith(f"--- a/{CLEARS}\n+++ b/{CLEARS}\n@@")
-    assert changes[BAD]["diff"].startswith(f"--- /dev/null\n+++ b/{BAD}\n@@")
+    assert exact(changes[BAD], "diff").startswith(f"--- /dev/null\n+++ b/{BAD}\n@@")
 
     stat = clean_lines(raw(ws, "diff", "--stat").stdout)
     assert any(line.startswith(r' "x\nM fake" ') and line.endswith("| +1 -0") for line in stat)
@@ -213,7 +222,7 @@ def test_rollback_dry_run_restore_and_log_quote_names(hostile):
     dry = clean_lines(raw(ws, "rollback", "--dry-run").stdout)
     assert {tuple(line.split(" ", 1)) for line in dry} == EVERY
     assert len(dry) == len(EVERY)
-    assert {c["path"] for c in ws.json("rollback", "--dry-run")["changes"]} == EXACT
+    assert {exact(c) for c in ws.json("rollback", "--dry-run")["changes"]} == EXACT
 
     said = clean_lines(raw(ws, "restore", "--", CLEARS, FORGED).stdout)
     assert said == [r'restored 2 paths: "m\033[2Jod", "x\nM fake"']

@@ -492,10 +492,11 @@ class Workspace(Client):
             for d in self.call("log")["layers"]
         ]
 
-    def show(self, path: str, layer: int | None = None) -> bytes:
-        """The bytes of file *path* (workspace-relative) as they were when
-        *layer* (default: the open layer) was opened."""
-        return b"".join(self._pages(layer, path))
+    def show(self, path: str | bytes, layer: int | None = None) -> bytes:
+        """The bytes of file *path* (workspace-relative; bytes: a name that
+        need not be UTF-8) as they were when *layer* (default: the open
+        layer) was opened."""
+        return b"".join(self._pages(layer, os.fsdecode(path)))
 
     def _pages(self, layer: int | None, path: str, first: dict | None = None) -> Iterator[bytes]:
         res = first or self.call("show", layer=layer, path=path)
@@ -505,15 +506,16 @@ class Workspace(Client):
             res, lambda offset: self.call("show", layer=layer, path=path, offset=offset)
         )
 
-    def restore(self, paths: Sequence[str], layer: int | None = None) -> list[str]:
-        """Put *paths* (files or whole subtrees, workspace-relative) back as
-        they were when *layer* (default: the open layer) was opened.  The
+    def restore(self, paths: Sequence[str | bytes], layer: int | None = None) -> list[str]:
+        """Put *paths* (files or whole subtrees, workspace-relative; bytes: a
+        name that need not be UTF-8) back as they were when *layer*
+        (default: the open layer) was opened.  The
         daemon does it, with the rights of the user who asks, as a change of
         the open layer like any other (it can itself be rolled back).
         Returns the paths it changed.  Names that were one object then (hard
         links) within what is restored are linked again; a name is never
         written through to others it shares its object with now."""
-        return self.call("restore", paths=list(paths), layer=layer)["restored"]
+        return self.call("restore", paths=[os.fsdecode(p) for p in paths], layer=layer)["restored"]
 
     def top(self) -> int:
         return self.call("status")["id"]

@@ -7,13 +7,12 @@ Exit codes are listed in ``errors`` and documented in README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from .. import errors
 from ..errors import CowfsError
-from ..text import quote
+from ..text import json_text, printable, quote, relative
 from .command import (  # (the argument types, for their users)
     Parser,
     layer_id,
@@ -22,6 +21,7 @@ from .command import (  # (the argument types, for their users)
     parse_limit,
     parse_number,
     parse_size,
+    seen_from,
 )
 from .commands import COMMANDS, build_parser
 
@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command].run(args)
     except CowfsError as e:
         if args.json:
-            print(json.dumps(e.to_dict()))
-        print(f"cowfs: {e}", file=sys.stderr)
+            print(json_text(e.to_dict()))
+        base = seen_from(args) if e.path is not None else ""
+        # (a name the message holds unquoted reaches the terminal escaped all the same)
+        message = "\n".join(map(printable, e.shown(lambda p: relative(p, base)).split("\n")))
+        print(f"cowfs: {message}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         print("cowfs: interrupted", file=sys.stderr)

@@ -11,7 +11,17 @@ from .. import errors
 from ..errors import BadWorkspace, CowfsError, NotMounted
 from ..system.mounts import find_mount, locate
 from ..text import count, printable
-from .command import Command, Parser, ask, call, json_option, out, parse_count, workspace_option
+from .command import (
+    Command,
+    Parser,
+    ask,
+    call,
+    json_option,
+    out,
+    parse_count,
+    seen_from,
+    workspace_option,
+)
 from .render import agent_lines, format_change
 
 
@@ -158,6 +168,7 @@ class Rewind(Command):
     examples = (
         "  cowfs rewind --dry-run 3\n  cowfs rewind          # the last turn, after a question"
     )
+    prints_paths = True
     ops = ("log", "changes", "rollback")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -185,7 +196,8 @@ class Rewind(Command):
             lines.append(f"  {layer['id']:>4}  {printable(layer['message'])}")
             lines += [f"        {line}" for line in agent_lines(layer)]
         lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
-        lines += [f"  {format_change(c)}" for c in changes[:50]]
+        base = seen_from(args)
+        lines += [f"  {format_change(c, base)}" for c in changes[:50]]
         if len(changes) > 50:
             lines.append(f"  ... and {len(changes) - 50} more")
         plan = {"to": target, "layers": undone, "changes": changes}

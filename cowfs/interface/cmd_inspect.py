@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import sys
 import time
 from typing import TYPE_CHECKING, Annotated, Any
@@ -13,16 +12,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
-from ..text import ago, count, duration, human_size, printable, quote
+from ..text import ago, count, duration, human_size, json_text, printable, quote, relative
 from .command import (
     Arg,
     Command,
     Layer,
     Limit,
+    PathsBytes,
     call,
+    given_paths,
     layer_id,
     out,
     parse_number,
+    seen_from,
     times,
     workspace_paths,
 )
@@ -49,6 +51,7 @@ class Status(Command):
     help = "list the open layer's changes"
     examples = "  cowfs status\n  cowfs --json status | jq '.changes | length'"
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
+    prints_paths = True
     ops = ("status",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -101,12 +104,17 @@ class Status(Command):
                 res["changes"] = shown
             out(args, None, res)
             return 0
+        base = seen_from(args)
         lines = [f"# {listing.headline(res['counts'])}", *times_line(res)]
+        if paths and not res["changes"]:  # (a path that names nothing is an error)
+            under = ", ".join(quote(relative(p, base)) for p in paths)
+            lines = [f"# no changes under {under}", *times_line(res)]
         lines += change_lines(
             res["changes"],
             args.all,
             args.limit,
             (lambda c: f"\t{format_who(c)}") if args.who else None,
+            base=base,
         )
         u = res["usage"]
         lines.append(
@@ -121,7 +129,7 @@ class Status(Command):
             lines.append(
                 f"# --max-store refused {count(refused['count'], 'change')} (ENOSPC) since "
                 f"the mount, the last {ago(refused['time'], time.time())}"
-                + (f": {quote(refused['path'])}" if refused.get("path") else "")
+                + (f": {quote(relative(refused['path'], base))}" if refused.get("path") else "")
             )
         lines += redo_line(res.get("redo"))
         out(args, "\n".join(lines), res)
@@ -143,6 +151,7 @@ class Log(Command):
     name = "log"
     help = "list the layers, newest first, with their messages and runs"
     examples = "  cowfs log\n  cowfs log -n 5"
+    prints_paths = True
     ops = ("log",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -156,6 +165,7 @@ class Log(Command):
             out(args, None, res["layers"])
             return 0
         now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
+        base = seen_from(args) if any(layer.get("drift") for layer in res["layers"]) else ""
         rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
         below = " " * 47  # (lines under a layer start at its MESSAGE)
         for layer in reversed(res["layers"]):
@@ -168,7 +178,8 @@ class Log(Command):
             for d in layer.get("drift", []):
                 rows.append(
                     f"{below}drift accepted at mount ({count(len(d['paths']), 'path')} changed "
-                    f"while not mounted): {', '.join(map(quote, d['paths'][:5]))}"
+                    f"while not mounted): "
+                    + ", ".join(quote(relative(p, base)) for p in d["paths"][:5])
                 )
             for pm in layer.get("postmortems", []):
                 first = (pm.get("output") or "").strip().splitlines()[:1]
@@ -207,6 +218,7 @@ class Diff(Command):
     )
     examples = "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/"
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
+    prints_paths = True
     ops = ("diff", "changes")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -248,6 +260,7 @@ class Diff(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         layer, paths = args.layer, workspace_paths(args, args.paths)
+        base = "" if args.json else seen_from(args)
         if args.name_status and not args.json:  # (kinds and paths: no contents to read)
             res = call(
                 args, "changes", since=layer, **({"paths": paths} if paths else {}), **times(args)
@@ -257,11 +270,12 @@ class Diff(Command):
                 args.all,
                 suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
                 line=lambda c: listing.line(c).replace(" ", "\t", 1),
+                base=base,
             )
             out(args, "\n".join(rows + times_line(res)) or None, res)
             return 0
         res = call(args, "diff", since=layer, paths=paths, **times(args))
-        rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
+        rows = diff_rows(res["changes"], args.name_status, args.stat, args.who, base)
         out(args, "\n".join(rows + times_line(res)) or None, res)
         return 0
 
@@ -271,6 +285,7 @@ class Diff(Command):
         ws: Workspace,
         layer: Layer = None,
         paths: Annotated[list[str], Arg("only these paths (relative to the workspace root)")] = [],  # noqa: B006
+        paths_bytes: PathsBytes = [],  # noqa: B006
         stat: Annotated[bool, Arg("lines added and removed per file instead of the diff")] = False,
         name_status: Annotated[bool, Arg("only the kind and path of each change")] = False,
         max_bytes: Limit = TEXT_LIMIT,
@@ -279,7 +294,7 @@ class Diff(Command):
         the last checkpoint) with their content: a unified diff for text files,
         sizes and hashes for binary ones. Large output is cut at max_bytes:
         narrow it with paths, or use stat or name_status."""
-        res = ws.call("diff", since=layer, paths=list(paths))
+        res = ws.call("diff", since=layer, paths=given_paths(paths, paths_bytes))
         text = "\n".join(diff_rows(res["changes"], name_status, stat, False))
         text, cut_ = cut(
             text or "no changes", max_bytes, "ask for fewer paths, or use stat or name_status"
@@ -406,7 +421,7 @@ class Audit(Command):
                 return 0
             for e in events:
                 if args.jsonl or args.json:
-                    print(json.dumps(e))
+                    print(json_text(e))
                 else:
                     print(format_event(e))
             after = events[-1]["n"]

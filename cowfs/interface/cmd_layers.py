@@ -9,15 +9,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from .. import errors
 from ..errors import CowfsError
-from ..text import count, quote
+from ..text import count, quote, relative
 from .client import Client
 from .command import (
     Arg,
     Command,
     Layer,
+    PathsBytes,
     ask,
     call,
+    given_paths,
     out,
+    seen_from,
     snapshot_options,
     times,
     workspace_paths,
@@ -72,6 +75,7 @@ class Rollback(Command):
         "  cowfs rollback                 # the open layer\n"
         "  cowfs rollback --to 3 --dry-run   # what undoing layers 3 and up would change"
     )
+    prints_paths = True
     ops = ("rollback", "changes")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -115,7 +119,8 @@ class Rollback(Command):
     def run(self, args: argparse.Namespace) -> int:
         if args.dry_run:
             res = call(args, "changes", since=args.to, **times(args))
-            rows = [format_change(c) for c in res["changes"]] + times_line(res)
+            base = seen_from(args)
+            rows = [format_change(c, base) for c in res["changes"]] + times_line(res)
             out(args, "\n".join(rows) or None, res)
             return 0
         try:
@@ -226,6 +231,7 @@ class Restore(Command):
         "new change of the open layer"
     )
     examples = "  cowfs restore config.yaml\n  cowfs restore --from 2 -- src/"
+    prints_paths = True
     ops = ("restore",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -247,12 +253,14 @@ class Restore(Command):
     def run(self, args: argparse.Namespace) -> int:
         paths = workspace_paths(args, args.paths)
         res = call(args, "restore", paths=paths, layer=args.layer)
-        done = res["restored"]
+        done, base = res["restored"], seen_from(args)
         out(
             args,
             f"restored {len(done)} path{'s' if len(done) != 1 else ''}"
             + (
-                ": " + ", ".join(map(quote, done[:10])) + (" ..." if len(done) > 10 else "")
+                ": "
+                + ", ".join(quote(relative(p, base)) for p in done[:10])
+                + (" ..." if len(done) > 10 else "")
                 if done
                 else ""
             ),
@@ -260,12 +268,14 @@ class Restore(Command):
         )
         return 0
 
+    # (B006: the default lists are never changed; the tool's schema is its signature)
     def tool(
         self,
         ws: Workspace,
         paths: Annotated[
-            list[str], Arg("files or directories, relative to the workspace root", min_length=1)
-        ],
+            list[str], Arg("files or directories, relative to the workspace root")
+        ] = [],  # noqa: B006
+        paths_bytes: PathsBytes = [],  # noqa: B006
         from_: Annotated[
             int | None, Arg("the layer (default: the open layer)", alias="from")
         ] = None,
@@ -273,4 +283,7 @@ class Restore(Command):
         """Put some paths back as they were when a layer was opened (the rest
         of the workspace stays as it is); the restore is itself a change of
         the open layer."""
-        return {"restored": ws.restore(paths, from_)}
+        names = given_paths(paths, paths_bytes)
+        if not names:
+            raise CowfsError("restore needs paths (or paths_bytes)", errors.USAGE)
+        return {"restored": ws.restore(names, from_)}

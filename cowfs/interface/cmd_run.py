@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from .. import errors
 from ..errors import BadWorkspace, CowfsError
 from ..system.mounts import default_store, find_mount, is_cowfs_mount
+from ..text import json_text
 from .command import (
     RUN_SCOPES,
     Arg,
@@ -21,6 +21,7 @@ from .command import (
     ask,
     command_argv,
     out,
+    seen_from,
     snapshot_options,
 )
 from .render import TEXT_LIMIT, summary
@@ -29,10 +30,11 @@ if TYPE_CHECKING:
     from .api import RunResult, Workspace
 
 
-def approve(result: RunResult, timeout: float, keep: str) -> str:
+def approve(result: RunResult, timeout: float, keep: str, base: str = "") -> str:
     """keep / discard / show-diff loop for --approve; *keep*: what keeping
-    means (--on-success: "keep" as its own layer, or "commit")."""
-    print(summary(result.changes), file=sys.stderr)
+    means (--on-success: "keep" as its own layer, or "commit"); paths
+    seen from *base* (render.relative_change)."""
+    print(summary(result.changes, base=base), file=sys.stderr)
     while True:
         answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds", timeout)
         if answer is None:
@@ -43,7 +45,7 @@ def approve(result: RunResult, timeout: float, keep: str) -> str:
         if answer == "d":
             return "rollback"
         if answer == "s":
-            print(summary(result.changes, limit=None, every=True), file=sys.stderr)
+            print(summary(result.changes, limit=None, every=True, base=base), file=sys.stderr)
 
 
 def ephemeral_store_is_empty(ws_path: str) -> bool:
@@ -63,6 +65,7 @@ class Run(Command):
         "  cowfs run --verify 'make test' -- make upgrade\n"
         "  cowfs run --workspace /etc --approve -- apt-get upgrade"
     )
+    prints_paths = True
     ops = ("checkpoint", "rollback", "commit", "changes", "annotate", "provider_list", "log")
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -135,6 +138,7 @@ class Run(Command):
         policy = Policy.load(args.policy)
         scope = args.scope or policy.settings["run_scope"]
         ws, ephemeral = self.workspace(args)
+        args.base = seen_from(args, ws.root)  # (where the summaries name paths from)
         shown: list[bool] = []  # (the changes were shown when deciding)
         try:
             result = ws.run(
@@ -189,7 +193,7 @@ class Run(Command):
 
             def decide(result: Any) -> str:
                 shown.append(True)
-                print(summary(result.changes), file=sys.stderr)
+                print(summary(result.changes, base=args.base), file=sys.stderr)
                 if args.yes or args.no:
                     return "commit" if args.yes else "rollback"
                 answer = ask("cowfs: keep these changes? [y/N] ", "yn", args.timeout)
@@ -202,7 +206,7 @@ class Run(Command):
 
             def approved(result: Any) -> str:
                 shown.append(True)
-                return approve(result, args.timeout, args.on_success)
+                return approve(result, args.timeout, args.on_success, args.base)
 
             return approved
         return None
@@ -215,7 +219,7 @@ class Run(Command):
                 file=sys.stderr,
             )
         elif not shown:
-            print(summary(result.changes), file=sys.stderr)
+            print(summary(result.changes, base=args.base), file=sys.stderr)
         why = (
             ""
             if result.ok
@@ -232,7 +236,7 @@ class Run(Command):
         )
         print(f"cowfs: {result.outcome}{where}{why}", file=sys.stderr)
         if args.json:
-            print(json.dumps(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
+            print(json_text(result.record() | {"changes": [c.__dict__ for c in result.changes]}))
 
     def tool(
         self,

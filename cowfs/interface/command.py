@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from .. import errors
 from ..errors import CowfsError, NotMounted
 from ..service import control, operations
 from ..system.mounts import find_mount, locate
-from ..text import count, duration
+from ..text import count, duration, json_text, quote
 from .client import Client
 
 # = policy.RunScope (the policy is loaded by the commands that use it: every
@@ -39,7 +38,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # one line and the documented code, not a usage dump
         if Parser.json_errors:
-            print(json.dumps({"error": message, "code": errors.USAGE}))
+            print(json_text({"error": message, "code": errors.USAGE}))
         name = self.prog.partition(" ")[2]
         self.exit(
             errors.USAGE, f"cowfs: {message} (see 'cowfs {name + ' ' if name else ''}--help')\n"
@@ -131,6 +130,17 @@ def json_option(s: argparse.ArgumentParser) -> None:
     )
 
 
+ROOT_HELP = (
+    "print paths relative to the workspace's root (default: to the current directory "
+    "when it is inside the workspace, as git status does; --json always names them "
+    "from the root)"
+)
+
+
+def root_option(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--root", action="store_true", default=argparse.SUPPRESS, help=ROOT_HELP)
+
+
 class Arg:
     """How an MCP tool's argument is described (the tool's method
     annotates it with ``Annotated[type, Arg(...)]``); the MCP server turns
@@ -143,6 +153,13 @@ class Arg:
 
 # the MCP tools' common arguments
 Layer = Annotated[int | None, Arg("a layer id (from checkpoint or log)")]
+PathsBytes = Annotated[
+    list[str],
+    Arg(
+        "more paths, each as the base64 of its bytes: for a name that is not UTF-8 "
+        "(a change's path_bytes)"
+    ),
+]
 Limit = Annotated[int, Arg("most bytes of text to return; the rest is cut", ge=256, le=4 << 20)]
 
 
@@ -159,6 +176,7 @@ class Command:
     examples: ClassVar[str] = ""
     ops: ClassVar[tuple[str, ...]] = ()
     paths_after_dashdash: ClassVar[bool] = False  # PATHs may follow "--" (see cli.parse)
+    prints_paths: ClassVar[bool] = False  # names workspace paths for people (takes --root)
     tool: ClassVar[Callable[..., Any] | None] = None
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
@@ -180,7 +198,7 @@ class Command:
 
 def out(args: argparse.Namespace, human: str | None, data: object) -> None:
     if args.json:
-        print(json.dumps(data))
+        print(json_text(data))
     elif human:
         print(human)
 
@@ -357,11 +375,10 @@ def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
     if not paths:
         return []
     root = workspace_root(args)
-    cwd = os.path.realpath(os.getcwd())
-    inside = cwd == root or cwd.startswith(root.rstrip("/") + "/")
+    here = cwd_in(root)
     out = []
     for p in paths:
-        full = p if os.path.isabs(p) else os.path.join(cwd if inside else root, p)
+        full = p if os.path.isabs(p) else os.path.join(root, here or "", p)
         head, tail = os.path.split(os.path.normpath(full))
         full = os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(head)
         if full == root:
@@ -369,8 +386,39 @@ def workspace_paths(args: argparse.Namespace, paths: list[str]) -> list[str]:
         elif full.startswith(root.rstrip("/") + "/"):
             out.append(os.path.relpath(full, root))
         else:
-            raise CowfsError(f"{p}: outside the workspace {root}", errors.USAGE)
+            raise CowfsError(f"{quote(p)}: outside the workspace {quote(root)}", errors.USAGE)
     return out
+
+
+def cwd_in(root: str) -> str | None:
+    """The current directory as a path of the workspace at *root* (its
+    real path): "" for the root itself; None when it is outside (or
+    gone)."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        return None
+    if cwd == root:
+        return ""
+    if cwd.startswith(root.rstrip("/") + "/"):
+        return os.path.relpath(cwd, root)
+    return None
+
+
+def seen_from(args: argparse.Namespace, root: str | None = None) -> str:
+    """The directory that workspace paths printed for people are relative
+    to (a workspace path; "" the root): the current directory when it is
+    inside the workspace (that of -C PATH, or *root*), as git status names
+    paths; the root with --root, or when it is outside.  (JSON names them
+    from the root always.)"""
+    if getattr(args, "root", False):
+        return ""
+    if root is None:
+        try:
+            root = workspace_root(args)
+        except (CowfsError, OSError):
+            return ""
+    return cwd_in(os.path.realpath(root)) or ""
 
 
 def workspace_root(args: argparse.Namespace) -> str:
@@ -382,6 +430,19 @@ def workspace_root(args: argparse.Namespace) -> str:
         if args.offline_store:
             return os.path.realpath(args.path)
         return os.path.realpath(locate(args.path).unmounted(args.path)[0])
+
+
+def given_paths(paths: list[str], paths_bytes: list[str]) -> list[str]:
+    """*paths* and the paths in *paths_bytes* (base64 of their bytes: an MCP
+    tool's arguments), as the workspace's names (os.fsdecode's)."""
+    import base64
+    import binascii
+
+    try:
+        raw = [base64.b64decode(p, validate=True) for p in paths_bytes]
+    except (binascii.Error, ValueError):
+        raise CowfsError("paths_bytes holds base64 strings", errors.USAGE) from None
+    return [*paths, *map(os.fsdecode, raw)]
 
 
 def command_argv(args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,7 @@ from .cmd_layers import Checkpoint, Commit, Redo, Restore, Rollback
 from .cmd_mount import Mount, Unmount, View
 from .cmd_run import Policy, Run
 from .cmd_store import Check, Doctor, Gc, Provider
-from .command import Command, Parser, json_option, workspace_option
+from .command import ROOT_HELP, Command, Parser, json_option, root_option, workspace_option
 
 
 class Mcp(Command):
@@ -99,6 +99,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         help="a path inside the workspace (default: the current directory)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--root", action="store_true", help=ROOT_HELP)
     p.add_argument(
         "--version",
         action="version",
@@ -124,5 +125,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         json_option(s)
+        if command.prints_paths:
+            root_option(s)
         command.add_options(s)
     return p

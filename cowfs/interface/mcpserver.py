@@ -27,7 +27,7 @@ from .. import __version__, errors
 from ..errors import CowfsError
 from ..service import control
 from ..system.mounts import find_mount
-from ..text import quote
+from ..text import lossless, quote
 from .api import Workspace
 from .command import Arg, Command
 
@@ -46,7 +46,7 @@ def answer(root: str, work: Callable[[Workspace], Any], text: Callable[[Any], st
     from mcp_types import CallToolResult, TextContent
 
     try:
-        result = work(Workspace.attach(root))
+        result = lossless(work(Workspace.attach(root)))  # (names not UTF-8: KEY_bytes)
         return CallToolResult(
             content=[TextContent(type="text", text=text(result))],
             structured_content=result if isinstance(result, dict) else {"result": result},

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layers import listing
-from ..text import count, printable, quote
+from ..text import count, printable, quote, relative
 
 
 def format_event(e: dict) -> str:
@@ -27,9 +27,19 @@ def format_event(e: dict) -> str:
     )
 
 
-def format_change(c: dict) -> str:
+def relative_change(c: dict, base: str) -> dict:
+    """Change *c* with its paths as seen from the directory *base* (a
+    workspace path; "" the root: *c* itself), as lines for people name
+    them."""
+    if not base:
+        return c
+    return c | {k: relative(c[k], base) for k in ("path", "from") if c.get(k) is not None}
+
+
+def format_change(c: dict, base: str = "") -> str:
     """'M a.txt', 'R old -> new': names quoted (text.quote), each side of
-    a rename on its own."""
+    a rename on its own; seen from *base* (``relative_change``)."""
+    c = relative_change(c, base)
     if c["kind"] == "R":
         return f"R {quote(c['from'])} -> {quote(c['path'])}"
     return f"{c['kind']} {quote(c['path'])}"
@@ -79,20 +89,27 @@ def change_lines(
     limit: int | None = None,
     suffix: Callable[[dict], str] | None = None,
     line: Callable[[dict], str] = listing.line,
+    base: str = "",
 ) -> list[str]:
     """The lines of a list of changes: directories added or deleted as a
     whole as one line each (after the single changes), unless *every*;
-    at most *limit* lines; *suffix* adds to each (--who)."""
+    at most *limit* lines; *suffix* adds to each (--who); paths seen from
+    *base* (``relative_change``)."""
     shown = changes if every else listing.individual_first(listing.collapse(changes))
     shown, more = listing.cut(shown, limit)
-    return [line(c) + (suffix(c) if suffix else "") for c in shown] + ([more] if more else [])
+    return [line(relative_change(c, base)) + (suffix(c) if suffix else "") for c in shown] + (
+        [more] if more else []
+    )
 
 
-def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> list[str]:
-    """The lines `cowfs diff` prints for *changes* (op diff's)."""
+def diff_rows(
+    changes: list[dict], name_status: bool, stat: bool, who: bool, base: str = ""
+) -> list[str]:
+    """The lines `cowfs diff` prints for *changes* (op diff's), paths seen
+    from *base* (``relative_change``)."""
     rows = []
     for c in changes:
-        name = format_change(c)
+        name = format_change(c, base)
         if name_status:
             rows.append(name.replace(" ", "\t", 1) + (f"\t{format_who(c)}" if who else ""))
         elif stat:
@@ -121,7 +138,7 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             elif c.get("too_large"):
                 rows.append(f"Text, too many lines to diff: {side_sizes(c)}")
             elif c.get("diff"):
-                rows.append(quoted_headers(c).rstrip("\n"))
+                rows.append(quoted_headers(c, base).rstrip("\n"))
             elif c["binary"] and not same:
                 rows.append(f"Binary: {side_sizes(c)}")
             elif same:
@@ -130,17 +147,27 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
     return rows
 
 
-def quoted_headers(c: dict) -> str:
+def quoted_headers(c: dict, base: str = "") -> str:
     """The unified diff of change *c* with the names in its ---/+++ lines
-    quoted as git quotes them ('--- "a/x\\ny"'): they are the one place
-    where the diff names a path (op diff's JSON keeps them exact)."""
-    old = "a/" + (c.get("from") or (c["path"] if c["path"] != "." else "")) if "old" in c else None
-    new = f"b/{c['path']}" if "new" in c else None
-    sides = [side or "/dev/null" for side in (old, new)]
-    head = f"--- {sides[0]}\n+++ {sides[1]}\n"
+    quoted as git quotes them ('--- "a/x\\ny"'), seen from *base*
+    (``relative_change``): they are the one place where the diff names a path
+    (op diff's JSON keeps them exact, from the root)."""
+
+    def sides(c: dict) -> list[str]:
+        old = (
+            "a/" + (c.get("from") or (c["path"] if c["path"] != "." else ""))
+            if "old" in c
+            else None
+        )
+        new = f"b/{c['path']}" if "new" in c else None
+        return [side or "/dev/null" for side in (old, new)]
+
+    exact = sides(c)
+    head = f"--- {exact[0]}\n+++ {exact[1]}\n"
     if not c["diff"].startswith(head):  # (past.diff_entry writes it so; else no name raw)
         return "\n".join(map(printable, c["diff"].split("\n")))
-    return f"--- {quote(sides[0])}\n+++ {quote(sides[1])}\n" + c["diff"][len(head) :]
+    shown = sides(relative_change(c, base))
+    return f"--- {quote(shown[0])}\n+++ {quote(shown[1])}\n" + c["diff"][len(head) :]
 
 
 def same_content(c: dict) -> bool:
@@ -184,16 +211,16 @@ def side_sizes(c: dict) -> str:
     return f"{one('old')} -> {one('new')}"
 
 
-def summary(changes: list, limit: int | None = 10, every: bool = False) -> str:
+def summary(changes: list, limit: int | None = 10, every: bool = False, base: str = "") -> str:
     """Counts by kind, then the single changes and after them the
     directories added or deleted as a whole, one line each (*every*: each
-    path), at most *limit* lines."""
+    path), at most *limit* lines; paths seen from *base* (``relative_change``)."""
     if not changes:
         return "no changes"
     dicts = [c.to_dict() for c in changes]
     return "\n".join(
         [listing.headline(listing.counts(dicts))]
-        + [f"  {line}" for line in change_lines(dicts, every, limit)]
+        + [f"  {line}" for line in change_lines(dicts, every, limit, base=base)]
     )
 
 

@@ -302,12 +302,46 @@ class History:
                 return False
         return True
 
+    def named(self, path: bytes, who: Requester) -> bool:
+        """Whether *path* names something now, or named something at T, as
+        far as *who* may tell: below a directory it may not search (now, or
+        then), a path counts as named (its absence is not revealed)."""
+        comps = path.split(b"/") if path else []
+        if not comps:
+            return True
+        if comps[0] == self.hidden:
+            return False
+        for i in range(len(comps)):
+            loc = b"/".join(comps[:i])
+            st = self.r.lstat(loc)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                break
+            if not who.root and not access.permitted(
+                who, st.st_mode, st.st_uid, st.st_gid, access.X, self._acl_now(loc, st)
+            ):
+                return True
+        else:
+            if self.r.lstat(path) is not None:
+                return True
+        try:
+            for i in range(len(comps)):
+                d = self.object_at(b"/".join(comps[:i]))
+                if d is None or not stat.S_ISDIR(d.mode):
+                    return False
+                if not who.root and not access.permitted(
+                    who, d.mode, d.uid, d.gid, access.X, self._acl(d)
+                ):
+                    return True
+            return self.object_at(path) is not None
+        except CowfsError:  # (what it held then cannot be found: it held something)
+            return True
+
     def need(self, path: bytes) -> Past:
         """The object at *path* at T; NotThere if there was none."""
         obj = self.object_at(path)
         if obj is None:
             raise NotThere(
-                f"{schema.show_loc(path)} did not exist when layer {self.layer} was opened"
+                f"did not exist when layer {self.layer} was opened", path=os.fsdecode(path) or "."
             )
         return obj
 

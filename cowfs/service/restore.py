@@ -96,8 +96,8 @@ class Restore:
         for rel in rels:
             if self._now(rel) is None and self.h.object_at(rel) is None:
                 raise NothingToDo(
-                    f"{_show(rel)}: no such path, now or when layer "
-                    f"{self.h.layer} was opened; nothing restored"
+                    f"no such path, now or when layer {self.h.layer} was opened; nothing restored",
+                    path=os.fsdecode(rel) or ".",
                 )
 
     def run(self, rels: list[bytes]) -> list[str]:

@@ -32,7 +32,15 @@ from typing import Any
 import trio
 
 from .. import errors
-from ..errors import AlreadyMounted, BadWorkspace, CowfsError, Drift, NoStore, StoreError
+from ..errors import (
+    AlreadyMounted,
+    BadWorkspace,
+    CowfsError,
+    Drift,
+    NoStore,
+    NothingToDo,
+    StoreError,
+)
 from ..escalation.providers import Registry
 from ..fuse.ops import Ops
 from ..layers import fsck, pending, redo
@@ -892,6 +900,7 @@ class Session:
         note."""
         await self.flush()
         result = self.stackview.status(paths=path_list(paths), times=bool(times))
+        self._paths_found(None, path_list(paths), result["changes"])
         result["changes"] = self._writers_shown(result["changes"])
         return result | {
             "usage": self.stackview.usage(),
@@ -916,11 +925,32 @@ class Session:
         await self.flush()
         since = self.store.open_layer().id if since is None else since
         changes = self.stackview.changes_since(since, path_list(paths), bool(times))
+        self._paths_found(since, path_list(paths), changes)
         return {
             "since": since,
             "changes": self._writers_shown(changes),
             "times_only": changes.times_only,
         }
+
+    def _paths_found(self, layer: int | None, paths: list[str], changes: Sequence[dict]) -> None:
+        """Each of *paths* (that *changes*, since *layer* was opened, were
+        filtered by) that no change is under names something, now or then;
+        else NothingToDo naming it (as git's "pathspec did not match")."""
+        left = {os.fsdecode(wpath(p)) for p in paths}
+        if "" in left:  # (the root)
+            return
+        for c in changes:
+            if not left:
+                return
+            for p in (c["path"], c.get("from")):
+                if p is not None:
+                    left = {w for w in left if p != w and not p.startswith(w + "/")}
+        if not left:
+            return
+        h = self._history(layer)
+        for w in sorted(left):
+            if not h.named(os.fsencode(w), self.requester):
+                raise NothingToDo(f"no such path, now or when layer {h.layer} was opened", path=w)
 
     def _writers_shown(self, changes: Sequence[dict]) -> Sequence[dict]:
         """*changes* as the requester may see them: the command line of a
@@ -980,8 +1010,9 @@ class Session:
         h = self._history(layer)
         if not h.readable(wpath(path), self.requester):
             raise Denied(
-                f"{path}: not yours to read as it was when layer {h.layer} was opened "
-                f"(uid {self.requester.uid})"
+                f"not yours to read as it was when layer {h.layer} was opened "
+                f"(uid {self.requester.uid})",
+                path=os.fsdecode(wpath(path)) or ".",
             )
         obj = h.need(wpath(path)) if not missing_ok else h.object_at(wpath(path))
         if obj is None:
@@ -1002,6 +1033,7 @@ class Session:
         text_limit = max(0, min(text_limit, MAX_TEXT))
         h = self._history(since)
         changes = self.stackview.changes_since(h.layer, path_list(paths), bool(times))
+        self._paths_found(h.layer, path_list(paths), changes)
         who = self.requester
 
         # Every side is read while the tree holds still (one instant); the
@@ -1299,7 +1331,7 @@ def offline(workspace: str, store: str | None, op: str, **args: Any) -> dict:
             drift = session.current_drift()
             if drift:
                 raise Drift(
-                    f"{', '.join(drift[:10])}: changed while not mounted, after the "
+                    f"{', '.join(map(quote, drift[:10]))}: changed while not mounted, after the "
                     "layers changed them; mount with --accept-drift first"
                 )
             recorded = session.store.get_meta_json(schema.K_DRIFT) is not None
