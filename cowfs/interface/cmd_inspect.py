@@ -31,6 +31,22 @@ from .render import (
 if TYPE_CHECKING:
     from .api import Workspace
 
+# what every answer for people says of a workspace that is not mounted (its
+# store read directly): what was written there since is in no layer
+NOT_MOUNTED = "not mounted — changes since the last unmount are not captured"
+
+
+def offline_note(res: dict) -> list[str]:
+    """The comment line status and log begin with when the workspace is not
+    mounted (their JSON says "mounted": false)."""
+    return [f"# {NOT_MOUNTED}"] if res.get("mounted") is False else []
+
+
+def warn_offline(args: argparse.Namespace, res: dict) -> None:
+    """The same on stderr, for what prints contents (diff, show)."""
+    if res.get("mounted") is False and not args.json:
+        print(f"cowfs: warning: {NOT_MOUNTED}", file=sys.stderr)
+
 
 class Status(Command):
     name = "status"
@@ -83,7 +99,7 @@ class Status(Command):
                 res["changes"] = shown
             out(args, None, res)
             return 0
-        lines = [f"# {listing.headline(res['counts'])}"]
+        lines = offline_note(res) + [f"# {listing.headline(res['counts'])}"]
         lines += change_lines(
             res["changes"],
             args.all,
@@ -138,7 +154,8 @@ class Log(Command):
             out(args, None, res["layers"])
             return 0
         now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
-        rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
+        rows = offline_note(res)
+        rows.append(f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE")
         below = " " * 47  # (lines under a layer start at its MESSAGE)
         for layer in reversed(res["layers"]):
             rows.append(
@@ -232,10 +249,12 @@ class Diff(Command):
                 suffix=(lambda c: f"\t{format_who(c)}") if args.who else None,
                 line=lambda c: listing.line(c).replace(" ", "\t", 1),
             )
+            warn_offline(args, res)
             out(args, "\n".join(rows) or None, res)
             return 0
         res = call(args, "diff", since=layer, paths=paths)
         rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
+        warn_offline(args, res)
         out(args, "\n".join(rows) or None, res)
         return 0
 
@@ -291,6 +310,7 @@ class Show(Command):
             raise CowfsError(f"show takes ID:PATH, not {args.spec!r}", errors.USAGE)
         path = workspace_paths(args, [path])[0] if path not in ("", ".") else path
         res = call(args, "show", layer=int(layer), path=path, offset=0)
+        warn_offline(args, res)
         if res["kind"] == "file":
             if args.json:
                 out(args, None, res | {"data": None})
