@@ -102,3 +102,13 @@ def printable(text: str) -> str:
     CONTROL matches escaped as ``quote`` escapes it; quotes and backslashes
     left as they are."""
     return CONTROL.sub(_escape, text)
+
+
+def first_line(text: str) -> str:
+    """A message of many lines as one line for a table: its first line
+    that is not blank (``printable``), and " …" when more lines follow
+    (lines end at a newline: a carriage return alone is escaped)."""
+    lines = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
+    if not lines:
+        return printable(text.strip())
+    return printable(lines[0]) + (" …" if len(lines) > 1 else "")

@@ -10,7 +10,7 @@ import sys
 from .. import errors
 from ..errors import BadWorkspace, CowfsError, NotMounted
 from ..system.mounts import find_mount, locate
-from ..text import count, printable
+from ..text import count, first_line
 from .command import Command, Parser, ask, call, json_option, out, parse_count, workspace_option
 from .render import agent_lines, format_change
 
@@ -182,7 +182,7 @@ class Rewind(Command):
         ids = f"{target}" if len(undone) == 1 else f"{target} to {undone[-1]['id']}"
         lines = [f"rewinding {what} rolls back layer{'s' if len(undone) > 1 else ''} {ids}:"]
         for layer in undone:
-            lines.append(f"  {layer['id']:>4}  {printable(layer['message'])}")
+            lines.append(f"  {layer['id']:>4}  {first_line(layer['message'])}")
             lines += [f"        {line}" for line in agent_lines(layer)]
         lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
         lines += [f"  {format_change(c)}" for c in changes[:50]]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
-from ..text import ago, count, duration, human_size, printable, quote
+from ..text import ago, count, duration, first_line, human_size, printable, quote
 from .command import Arg, Command, Layer, Limit, call, layer_id, out, parse_number, workspace_paths
 from .render import (
     TEXT_LIMIT,
@@ -161,7 +161,7 @@ class Log(Command):
             rows.append(
                 f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
                 f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
-                f"{human_size(layer['bytes']):>10}  {printable(layer['message'])}"
+                f"{human_size(layer['bytes']):>10}  {first_line(layer['message'])}"
             )
             rows += [below + line for line in agent_lines(layer)]
             for d in layer.get("drift", []):
