@@ -62,3 +62,52 @@ def test_first_line_of_a_message():
     assert first_line("\n  \nfix it\r\nand more\n") == "fix it …"
     assert first_line("a\rb\x1b[2J") == r"a\rb\033[2J"  # (one line, escaped)
     assert first_line("") == "" and first_line("\n\n") == ""
+
+
+def test_a_text_file_too_large_to_diff_says_so_and_diff_text_diffs_it(mounted):
+    ws = mounted
+    line = "line 0 of a large log, long enough to make megabytes of it quickly\n"
+    big = "".join(line.replace("0", str(i), 1) for i in range((9 << 20) // len(line) + 1))
+    assert len(big) > 9 << 20  # over the 8 MiB limit
+    (ws / "big.log").write_text(big)
+    (ws / "blob.bin").write_bytes(b"\0\1\2" * (3 << 20))  # binary, as large
+    layer = ws.checkpoint("large files")
+    (ws / "big.log").write_text(big.replace(line, "an edited line\n", 1))
+    (ws / "blob.bin").write_bytes(b"\0\1\3" * (3 << 20))
+
+    r = ws.cowfs("diff")
+    rows = r.stdout.splitlines()
+    (text,) = [x for x in rows if x.startswith("Text")]
+    assert text.startswith("Text, too large to diff (over 8.0 MiB): ") and "xxh3" in text
+    (binary,) = [x for x in rows if x.startswith("Binary")]
+    assert rows[rows.index(binary) - 1] == "diff --cowfs M blob.bin"
+    assert "cowfs diff --text" in r.stderr
+    stat = ws.cowfs("diff", "--stat").stdout.splitlines()
+    assert stat[0].split("|")[1].strip() == "text too large to diff (over 8.0 MiB)"
+    assert stat[1].split("|")[1].strip().startswith("binary ")
+    (entry,) = [c for c in ws.json("diff")["changes"] if c["path"] == "big.log"]
+    assert (entry["binary"], entry["too_large"], entry["text_limit"]) == (False, True, 8 << 20)
+    assert "diff" not in entry
+
+    r = ws.cowfs("diff", "--text")
+    assert "-" + line + "+an edited line\n" in r.stdout and "Binary: " in r.stdout
+    assert r.stderr == ""
+    stat = ws.cowfs("diff", "--text", "--stat").stdout.splitlines()
+    assert stat[0].split("|")[1].strip() == "+1 -1"
+    assert "--text" in ws.cowfs("diff", "--help").stdout
+    assert ws.json("diff", str(layer))["changes"][0]["text_limit"] == 8 << 20
+
+    # past 64 MiB, --text too says it is too large
+    (ws / "huge.log").write_text(line * ((65 << 20) // len(line)))
+    (huge,) = [x for x in ws.cowfs("diff", "--text").stdout.splitlines() if x.startswith("Text")]
+    assert huge.startswith("Text, too large to diff (over 64.0 MiB): (none) -> ")
+
+
+def test_a_new_text_file_of_many_lines_is_diffed(mounted):
+    """(Its diff against nothing is quick whatever its size: it was said to
+    have too many lines to diff from some 5,500 lines on.)"""
+    ws = mounted
+    (ws / "numbers").write_text("".join(f"{i}\n" for i in range(50_000)))
+    (ws / "a.txt").unlink()
+    stat = ws.cowfs("diff", "--stat").stdout.splitlines()
+    assert [x.split("|")[1].strip() for x in stat] == ["+0 -1", "+50000 -0"]

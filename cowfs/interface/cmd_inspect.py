@@ -202,9 +202,12 @@ class Diff(Command):
     name = "diff"
     help = (
         "changes since layer ID was opened (default: the open layer), with their content: "
-        "unified diff for text, sizes and xxh3 for binary"
+        "unified diff for text (up to 8 MiB a file; --text: 64 MiB), sizes and xxh3 for "
+        "binary"
     )
-    examples = "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/"
+    examples = (
+        "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/\n  cowfs diff --text -- big.log"
+    )
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
     ops = ("diff", "changes")
 
@@ -212,6 +215,12 @@ class Diff(Command):
         fmt = s.add_mutually_exclusive_group()
         fmt.add_argument("--stat", action="store_true", help="lines added and removed per file")
         fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
+        s.add_argument(
+            "--text",
+            action="store_true",
+            help="diff text files larger than 8 MiB too, up to 64 MiB (larger ones, and "
+            "files that are not text, are still shown by size and hash)",
+        )
         s.add_argument(
             "--who",
             action="store_true",
@@ -252,9 +261,21 @@ class Diff(Command):
             warn_offline(args, res)
             out(args, "\n".join(rows) or None, res)
             return 0
-        res = call(args, "diff", since=layer, paths=paths)
+        limit = {}
+        if args.text:
+            from ..service.session import MAX_TEXT
+
+            limit["text_limit"] = MAX_TEXT
+        res = call(args, "diff", since=layer, paths=paths, **limit)
         rows = diff_rows(res["changes"], args.name_status, args.stat, args.who)
         warn_offline(args, res)
+        large = sum(1 for c in res["changes"] if c.get("text_limit"))
+        if large and not args.text and not args.json:
+            print(
+                f"cowfs: {count(large, 'text file')} too large to diff: cowfs diff --text "
+                "diffs text files up to 64 MiB",
+                file=sys.stderr,
+            )
         out(args, "\n".join(rows) or None, res)
         return 0
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layers import listing
-from ..text import printable, quote
+from ..text import human_size, printable, quote
 
 
 def format_event(e: dict) -> str:
@@ -86,6 +86,8 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             counts = (
                 "not readable by you"
                 if c.get("unreadable")
+                else f"text too large to diff{over(c)}"
+                if c.get("text_limit") is not None
                 else "too many lines to diff"
                 if c.get("too_large")
                 else "content unchanged"
@@ -105,6 +107,8 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             same = same_content(c)
             if c.get("unreadable"):
                 rows.append("(not readable by you: contents not shown)")
+            elif c.get("text_limit") is not None:
+                rows.append(f"Text, too large to diff{over(c)}: {side_sizes(c)}")
             elif c.get("too_large"):
                 rows.append(f"Text, too many lines to diff: {side_sizes(c)}")
             elif c.get("diff"):
@@ -115,6 +119,17 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
                 rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 {c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
     return rows
+
+
+def over(c: dict) -> str:
+    """What limit a text too large to diff was over (0: the diff had read
+    as much text as it holds at once before it)."""
+    limit = c["text_limit"]
+    return (
+        f" (over {human_size(limit)})"
+        if limit
+        else " (this diff read its most text already: ask for fewer paths)"
+    )
 
 
 def quoted_headers(c: dict) -> str:
