@@ -7,6 +7,7 @@ workspace, the directories `hooks uninstall` leaves, and the MCP tools'
 from __future__ import annotations
 
 import json
+import os
 
 from cowfs.text import first_line
 
@@ -111,3 +112,43 @@ def test_a_new_text_file_of_many_lines_is_diffed(mounted):
     (ws / "a.txt").unlink()
     stat = ws.cowfs("diff", "--stat").stdout.splitlines()
     assert [x.split("|")[1].strip() for x in stat] == ["+0 -1", "+50000 -0"]
+
+
+def test_a_symlinks_diff_shows_its_target(mounted):
+    ws = mounted
+    os.symlink("dir/b.txt", ws / "old-link")
+    os.symlink("a.txt", ws / "gone-link")
+    (ws / "was-a-file").write_text("text\n")
+    ws.checkpoint("links")
+    os.symlink("a.txt", ws / "new-link")
+    os.symlink("new\nline", ws / "odd-link")
+    (ws / "old-link").unlink()
+    os.symlink("a.txt", ws / "old-link")
+    (ws / "gone-link").unlink()
+    (ws / "was-a-file").unlink()
+    os.symlink("dir", ws / "was-a-file")
+
+    diff = ws.cowfs("diff").stdout
+    assert (
+        "diff --cowfs A new-link\nnew symlink mode 120777\n--- /dev/null\n+++ b/new-link\n"
+        "@@ -0,0 +1 @@\n+a.txt\n\\ No newline at end of file\n"
+    ) in diff
+    assert (
+        "diff --cowfs M old-link\nold symlink mode 120777\nnew symlink mode 120777\n"
+        "--- a/old-link\n+++ b/old-link\n@@ -1 +1 @@\n-dir/b.txt\n"
+        "\\ No newline at end of file\n+a.txt\n\\ No newline at end of file\n"
+    ) in diff
+    assert "+++ /dev/null\n@@ -1 +0,0 @@\n-a.txt\n" in diff  # gone-link
+    assert '+"new\\nline"\n' in diff  # (quoted in the lines; exact in JSON)
+    assert "new symlink mode 120777 -> dir\n" in diff  # a file became a symlink
+    stat = dict(x.split("|") for x in ws.cowfs("diff", "--stat").stdout.splitlines())
+    assert {k.strip(): v.strip() for k, v in stat.items() if "link" in k} == {
+        "gone-link": "+0 -1",
+        "new-link": "+1 -0",
+        "odd-link": "+1 -0",
+        "old-link": "+1 -1",
+    }
+    sides = {c["path"]: c for c in ws.json("diff")["changes"]}
+    assert sides["odd-link"]["new"]["target"] == "new\nline"
+    assert sides["old-link"]["old"]["target"] == "dir/b.txt"
+    assert sides["was-a-file"]["new"]["target"] == "dir"

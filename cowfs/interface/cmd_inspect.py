@@ -203,7 +203,7 @@ class Diff(Command):
     help = (
         "changes since layer ID was opened (default: the open layer), with their content: "
         "unified diff for text (up to 8 MiB a file; --text: 64 MiB), sizes and xxh3 for "
-        "binary"
+        "binary, a symlink's target"
     )
     examples = (
         "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/\n  cowfs diff --text -- big.log"

@@ -104,6 +104,8 @@ def diff_rows(changes: list[dict], name_status: bool, stat: bool, who: bool) -> 
             for side in ("old", "new"):
                 if side in c and c[side]["kind"] != "file":
                     rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
+                    if "target" in c[side] and not c.get("diff"):  # (a type change)
+                        rows[-1] += f" -> {quote(c[side]['target'])}"
             same = same_content(c)
             if c.get("unreadable"):
                 rows.append("(not readable by you: contents not shown)")

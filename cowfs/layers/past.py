@@ -21,7 +21,7 @@ import os
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import xxhash
@@ -33,7 +33,7 @@ from ..storage.store import Store
 from ..storage.zeros import ChunkMap
 from ..system import access, backing
 from ..system.access import Requester
-from ..text import quote
+from ..text import CONTROL, quote
 from .listing import Changes
 from .treesnap import KINDS
 
@@ -585,10 +585,10 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
 
 
 @contextmanager
-def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
-    """A descriptor to read the object *st* describes, found at *path* now:
-    the name opened once, following no symlink, checked to be that object,
-    and opened again through that descriptor."""
+def _held_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
+    """An O_PATH descriptor of the object *st* describes, found at *path*
+    now: the name opened once, following no symlink, checked to be that
+    object."""
     with h.r.at(path) as (d, n):
         pfd = os.open(n, backing.PATH_FLAGS, dir_fd=d)
     try:
@@ -598,9 +598,17 @@ def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
                 f"{schema.show_loc(path)}: another object is there than the one found a "
                 "moment ago (a change nothing captured); nothing read"
             )
-        fd = os.open(backing.proc(pfd), READ_FLAGS)
+        yield pfd
     finally:
         os.close(pfd)
+
+
+@contextmanager
+def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
+    """A descriptor to read the object *st* describes, found at *path* now
+    (``_held_now``, opened again through that descriptor)."""
+    with _held_now(h, path, st) as pfd:
+        fd = os.open(backing.proc(pfd), READ_FLAGS)
     try:
         yield fd
     finally:
@@ -634,8 +642,9 @@ def diff_entry(
     h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
 ) -> dict:
     """One change (from StackView.changes_since) with both sides: kind, mode,
-    size, mtime and xxh3 of regular files; for text no larger than
-    *text_limit*, a unified diff and the lines added and removed."""
+    size, mtime and xxh3 of regular files, the target of symlinks; for text
+    no larger than *text_limit*, a unified diff and the lines added and
+    removed (of a symlink: its target, as git shows it)."""
     out, finish = diff_sides(h, change, text_limit, hash_limit, data_limit)
     if finish is not None:
         finish()
@@ -684,6 +693,9 @@ def diff_sides(
                 old_bytes = h.read(old)
             elif sample:
                 heads["old"] = h.read(old, 0, TEXT_SAMPLE)
+        elif old.kind == stat.S_IFLNK:
+            with suppress(Replaced, OSError):  # (then no target: the rest still says it)
+                out["old"]["target"] = os.fsdecode(h.readlink(old))
     if new_st is not None:
 
         def read_new(o: int, n: int) -> bytes:
@@ -710,6 +722,9 @@ def diff_sides(
                 new_bytes = read_new(0, new_st.st_size)
             elif sample:
                 heads["new"] = read_new(0, TEXT_SAMPLE)
+        elif stat.S_ISLNK(new_st.st_mode):
+            with suppress(Replaced, OSError):
+                out["new"]["target"] = os.fsdecode(_readlink_now(h, new_path, new_st))
     names = (
         f"a/{os.fsdecode(old_path)}" if old else "/dev/null",
         f"b/{change['path']}" if new_st else "/dev/null",
@@ -718,6 +733,13 @@ def diff_sides(
         (side, data) for side, data in (("old", old_bytes), ("new", new_bytes)) if side in out
     ]
     kinds = {out[side]["kind"] for side, _ in present}
+    if kinds == {"symlink"} and all("target" in out[side] for side, _ in present):
+        # its target as the content, as git shows it
+        out["binary"] = False
+        a, b = ([printable_target(out[s]["target"])] if s in out else [] for s in ("old", "new"))
+        if a != b:
+            _unified(out, a, b, names)
+        return out, None
     files = bool(present) and kinds == {"file"}
 
     def text(side: str, data: bytes | None) -> bool:
@@ -757,3 +779,16 @@ def _unified(out: dict, a: list[str], b: list[str], names: tuple[str, str]) -> N
     )
     out["added"] = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
     out["removed"] = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+
+
+def printable_target(target: str) -> str:
+    """A symlink's target as a line of its diff: as it is, or quoted
+    (``text.quote``) when it holds what a line may not (a newline, bytes
+    that are not UTF-8); the side's "target" keeps it exactly."""
+    return quote(target) if CONTROL.search(target) else target
+
+
+def _readlink_now(h: History, path: bytes, st: os.stat_result) -> bytes:
+    """The target of the symlink *st* describes, found at *path* now."""
+    with _held_now(h, path, st) as fd:
+        return os.readlink(b"", dir_fd=fd)
