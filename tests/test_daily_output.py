@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 
+from cowfs.system.mounts import is_cowfs_mount
 from cowfs.text import first_line
+
+from .helpers import COWFS
 
 NOT_MOUNTED = "not mounted — changes since the last unmount are not captured"
 
@@ -152,3 +157,41 @@ def test_a_symlinks_diff_shows_its_target(mounted):
     assert sides["odd-link"]["new"]["target"] == "new\nline"
     assert sides["old-link"]["old"]["target"] == "dir/b.txt"
     assert sides["was-a-file"]["new"]["target"] == "dir"
+
+
+def test_unmount_from_inside_the_workspace_says_to_cd_out(mounted):
+    ws = mounted
+    cowfs = shlex.join(COWFS)
+
+    def from_a_shell(where, script: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["sh", "-c", script], cwd=where, capture_output=True, text=True, timeout=120
+        )
+
+    for where, script in (
+        (ws.path, f"{cowfs} unmount ."),  # the shell and cowfs in its root
+        (ws / "dir", f"{cowfs} unmount {ws.path}"),  # in a directory below it
+        (ws.path, f"sh -c 'cd / && {cowfs} unmount {ws.path}'"),  # only the shell above
+    ):
+        r = from_a_shell(where, f"echo $$; {script}; exit $?")  # (the shell stays)
+        shell = r.stdout.split()[0]
+        assert r.returncode == 5, r
+        assert r.stderr == (
+            f"cowfs: you are inside the workspace {ws.path}: cd out of it first "
+            f"({shell} (sh) has its working directory there)\n"
+        )
+        assert is_cowfs_mount(str(ws.path))
+
+    # another process in it is still named as what keeps it busy
+    other = subprocess.Popen(["sleep", "600"], cwd=ws.path)
+    try:
+        r = from_a_shell("/", f"{cowfs} unmount {ws.path}")
+        assert r.returncode == 5 and f"used by {other.pid} (sleep)" in r.stderr
+        assert "you are inside" not in r.stderr
+    finally:
+        other.kill()
+        other.wait()
+    r = from_a_shell(ws.path, f"cd / && exec {cowfs} unmount {ws.path}")  # (the shell left)
+    assert r.returncode == 0, r.stderr
+    ws.mounted = False
+    assert not is_cowfs_mount(str(ws.path))
