@@ -11,6 +11,9 @@ import os
 import shlex
 import subprocess
 
+import pytest
+
+from cowfs.interface import agents
 from cowfs.system.mounts import is_cowfs_mount
 from cowfs.text import first_line
 
@@ -195,3 +198,32 @@ def test_unmount_from_inside_the_workspace_says_to_cd_out(mounted):
     assert r.returncode == 0, r.stderr
     ws.mounted = False
     assert not is_cowfs_mount(str(ws.path))
+
+
+@pytest.mark.parametrize("agent", sorted(agents.AGENTS))
+def test_hooks_uninstall_removes_the_directory_install_made_and_only_that(mounted, agent):
+    ws = mounted
+    settings = ws / agents.AGENTS[agent].settings
+    folder = settings.parent
+    ws.cowfs("hooks", "install", agent)
+    assert settings.exists()
+    res = ws.json("hooks", "uninstall", agent)
+    assert res["removed"] and res["removed_dir"] == str(folder)
+    assert not folder.exists()
+
+    # a directory that was there before stays, empty as it was
+    folder.mkdir()
+    ws.cowfs("hooks", "install", agent)
+    r = ws.cowfs("hooks", "uninstall", agent)
+    assert "which install made" not in r.stdout
+    assert folder.is_dir() and not any(folder.iterdir())
+    folder.rmdir()
+
+    # one it made stays while the user keeps something in it
+    ws.cowfs("hooks", "install", "--per-tool", agent)
+    (folder / "notes.md").write_text("mine\n")
+    ws.cowfs("hooks", "uninstall", agent)
+    assert not settings.exists() and [p.name for p in folder.iterdir()] == ["notes.md"]
+    (folder / "notes.md").unlink()  # ... and goes with the next uninstall, once empty
+    assert "which install made" in ws.cowfs("hooks", "uninstall", agent).stdout
+    assert not folder.exists()

@@ -105,9 +105,14 @@ class Hooks(Command):
                 (
                     f"removed {a.name}'s cowfs hooks from {res['settings']}"
                     + (" (and the file, which only they filled)" if res["removed"] else "")
+                    if res["changed"]
+                    else f"no cowfs hooks of {a.name} in {res['settings']}"
                 )
-                if res["changed"]
-                else f"no cowfs hooks of {a.name} in {res['settings']}",
+                + (
+                    f"; removed {res['removed_dir']}, which install made"
+                    if res["removed_dir"]
+                    else ""
+                ),
                 res,
             )
         return 0
