@@ -18,6 +18,7 @@ from cowfs.system.mounts import is_cowfs_mount
 from cowfs.text import first_line
 
 from .helpers import COWFS
+from .test_mcp import ok, serve
 
 NOT_MOUNTED = "not mounted — changes since the last unmount are not captured"
 
@@ -227,3 +228,25 @@ def test_hooks_uninstall_removes_the_directory_install_made_and_only_that(mounte
     (folder / "notes.md").unlink()  # ... and goes with the next uninstall, once empty
     assert "which install made" in ws.cowfs("hooks", "uninstall", agent).stdout
     assert not folder.exists()
+
+
+def test_mcp_run_gives_changes_as_status_does_and_names_no_layer_it_has_not(mounted):
+    ws = mounted
+
+    async def steps(s):
+        r = await s.call_tool("run", {"command": "echo x > new.txt; exit 3"})
+        assert not r.is_error
+        head = r.content[0].text.splitlines()[0]
+        assert head == "rolled back: exit 3, 1 change(s)"  # (was "..., layer None")
+        assert r.structured_content["layer"] is None
+        assert r.structured_content["changes"] == [{"path": "new.txt", "kind": "A"}]
+
+        kept = await ok(s, "run", command="echo y >> a.txt; mkdir d; touch d/f", message="k")
+        layer = kept["layer"]
+        status = await ok(s, "status")
+        assert status["id"] == layer and kept["changes"] == status["changes"]
+        assert {"path": "a.txt", "kind": "M"} in kept["changes"]
+        text = (await s.call_tool("run", {"command": "true"})).content[0].text
+        assert text.startswith("kept: exit 0, 0 change(s), in layer ")
+
+    serve(ws.path, steps)
