@@ -18,7 +18,7 @@ from cowfs.system.mounts import is_cowfs_mount
 from cowfs.text import first_line
 
 from .helpers import COWFS
-from .test_mcp import ok, serve
+from .test_mcp import fails, ok, serve
 
 NOT_MOUNTED = "not mounted — changes since the last unmount are not captured"
 
@@ -248,5 +248,40 @@ def test_mcp_run_gives_changes_as_status_does_and_names_no_layer_it_has_not(moun
         assert {"path": "a.txt", "kind": "M"} in kept["changes"]
         text = (await s.call_tool("run", {"command": "true"})).content[0].text
         assert text.startswith("kept: exit 0, 0 change(s), in layer ")
+
+    serve(ws.path, steps)
+
+
+def test_mcp_arguments_of_the_wrong_type_are_a_one_line_usage_error(mounted):
+    ws = mounted
+
+    async def steps(s):
+        said = {}
+        for tool, args in (
+            ("diff", {"layer": "abc"}),
+            ("run", {"command": 5}),
+            ("show", {"path": "a.txt"}),
+            ("diff", {"paths": "a.txt", "max_bytes": 3}),
+            ("restore", {"paths": ["a.txt"], "from": "two"}),
+        ):
+            code, text = await fails(s, tool, **args)
+            assert code == 2 and "\n" not in text and "pydantic" not in text, text
+            said[tool, *args] = text
+        assert said["diff", "layer"] == (
+            'cowfs: diff: argument layer should be a valid integer, not "abc" (exit code 2)'
+        )
+        assert said["run", "command"] == (
+            "cowfs: run: argument command should be a valid string or a valid list, "
+            "not 5 (exit code 2)"
+        )
+        assert said["show", "path"] == "cowfs: show: argument layer is required (exit code 2)"
+        assert said["diff", "paths", "max_bytes"] == (
+            'cowfs: diff: argument paths should be a valid list, not "a.txt"; argument '
+            "max_bytes should be greater than or equal to 256, not 3 (exit code 2)"
+        )
+        assert (
+            'argument from should be a valid integer, not "two"' in said["restore", "paths", "from"]
+        )
+        assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
 
     serve(ws.path, steps)
