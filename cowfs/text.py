@@ -187,3 +187,13 @@ def json_text(obj: Any) -> str:
     holds a surrogate (its escapes are the only place one could show)."""
     text = json.dumps(obj)
     return json.dumps(lossless(obj)) if "\\ud" in text else text
+
+
+def first_line(text: str) -> str:
+    """A message of many lines as one line for a table: its first line
+    that is not blank (``printable``), and " …" when more lines follow
+    (lines end at a newline: a carriage return alone is escaped)."""
+    lines = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
+    if not lines:
+        return printable(text.strip())
+    return printable(lines[0]) + (" …" if len(lines) > 1 else "")

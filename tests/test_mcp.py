@@ -178,7 +178,8 @@ def test_run_captures_output_and_rolls_back_a_failing_step(mounted):
     async def steps(s):
         r = await ok(s, "run", command="echo out; echo err >&2; echo x > new.txt; exit 3")
         assert (r["outcome"], r["exit_status"], r["ok"]) == ("rolled back", 3, False)
-        assert (r["stdout"], r["stderr"], r["changes"]) == ("out\n", "err\n", ["A new.txt"])
+        assert (r["stdout"], r["stderr"]) == ("out\n", "err\n")
+        assert r["changes"] == [{"path": "new.txt", "kind": "A"}]
         treesnap.assert_same(before, ws.snapshot())
         r = await ok(
             s, "run", command=["sh", "-c", "cat; echo y >> a.txt"], verify="grep -q nothing a.txt"

@@ -59,7 +59,7 @@ def test_equal_bytes_with_a_new_time_is_a_time_change_listed_when_asked(mounted)
     assert kinds(ws, "status") == {"edited.txt": "M"}
     assert ws.json("status")["times_only"] == 2
     assert kinds(ws, "status", "--times") == {"same.txt": "t", "edited.txt": "M", "a.txt": "t"}
-    assert "# 2 more paths differ only in modification time (--times lists them)" in (
+    assert "# 2 paths differ only in their modification times (--times lists them)" in (
         ws.cowfs("status").stdout
     )
     assert {c["path"]: c["kind"] for c in ws.json("diff", "--times")["changes"]} == kinds(

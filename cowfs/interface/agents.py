@@ -28,6 +28,7 @@ What each agent documents (see README.md, "Agents"):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -235,6 +236,10 @@ def add_group(a: Agent, text: str, path: str, event: str, group: dict) -> str:
 
 EMPTY = "{}\n"  # what is left of a settings file that only we wrote
 
+# the mark `install` leaves on a settings directory it made (.codex/ ...), so
+# that `uninstall` takes away only such a directory, once nothing is left in it
+MADE = "user.cowfs.made"
+
 
 SETTINGS_LIMIT = 16 << 20  # bytes of an agent's settings file read (they are a few KiB)
 
@@ -259,15 +264,23 @@ class _Settings:
         from ..service.launch import PlantedLink, open_dir, open_entry
 
         self.path = settings_path(a, workspace)
+        self.workspace = workspace
         self.dirfd: int | None = None
         self.fd: int | None = None
         self.linked = False  # reached through a symlink of the user's (or root's)
         head, name = os.path.split(a.settings)
-        self.name = name
+        self.head, self.name = head, name
         try:
             root = open_dir(workspace)
             try:
-                d = open_dir(head, root, mkdir=0o777 if create else None)
+                try:
+                    d = open_dir(head, root)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    d = open_dir(head, root, mkdir=0o777)
+                    with contextlib.suppress(OSError):  # (no user xattrs there: it stays)
+                        os.setxattr(f"/proc/self/fd/{d}", MADE, b"cowfs hooks install")
             finally:
                 os.close(root)
             try:
@@ -353,6 +366,36 @@ class _Settings:
         finally:
             os.close(d)
 
+    def remove_made_dir(self) -> bool:
+        """Remove the settings directory if `install` made it (its mark)
+        and it is empty -- never one the user had, nor one reached through
+        a symlink; whether it was removed."""
+        from ..service.launch import open_dir
+
+        if self.dirfd is None or self.linked or not self.head:
+            return False
+        try:
+            made = os.getxattr(f"/proc/self/fd/{self.dirfd}", MADE)
+        except OSError:
+            return False
+        parent, leaf = os.path.split(self.head)
+        try:
+            d = open_dir(os.path.join(self.workspace, parent) if parent else self.workspace)
+        except OSError:
+            return False
+        try:
+            there, ours = os.stat(leaf, dir_fd=d, follow_symlinks=False), os.fstat(self.dirfd)
+            if not made or (there.st_dev, there.st_ino) != (ours.st_dev, ours.st_ino):
+                return False
+            if os.listdir(f"/proc/self/fd/{self.dirfd}"):
+                return False
+            os.rmdir(leaf, dir_fd=d)  # (ENOTEMPTY if something came meanwhile)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(d)
+
     def _create(self, mode: int) -> tuple[str, int]:
         """A new, empty file beside the settings, under a name nobody could
         guess (and plant something at) beforehand."""
@@ -393,19 +436,24 @@ def install(a: Agent, workspace: str, per_tool: bool = False) -> dict:
 
 
 def uninstall(a: Agent, workspace: str) -> dict:
-    """Remove our hooks from *a*'s settings; a file only we wrote goes."""
+    """Remove our hooks from *a*'s settings; a file only we wrote goes, and
+    then the directory `install` made for it if nothing else is in it."""
     path = settings_path(a, workspace)
     with _Settings(a, workspace, create=False) as settings:
         before = settings.read()
-        if before is None:
-            return {"agent": a.name, "settings": path, "changed": False, "removed": False}
-        text = strip_ours(a, before, path)
-        if text == before:
-            return {"agent": a.name, "settings": path, "changed": False, "removed": False}
+        text = before if before is None else strip_ours(a, before, path)
         # (a file reached through the user's own symlink is emptied, not removed)
-        removed = text == EMPTY and not settings.linked
-        settings.write(None if removed else text)
-    return {"agent": a.name, "settings": path, "changed": True, "removed": removed}
+        removed = text != before and text == EMPTY and not settings.linked
+        if text != before:
+            settings.write(None if removed else text)
+        gone = (before is None or removed) and settings.remove_made_dir()
+    return {
+        "agent": a.name,
+        "settings": path,
+        "changed": text != before,
+        "removed": removed,
+        "removed_dir": os.path.join(workspace, settings.head) if gone else None,
+    }
 
 
 # -- the hook itself ------------------------------------------------------------------

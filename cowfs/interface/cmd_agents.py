@@ -10,7 +10,7 @@ import sys
 from .. import errors
 from ..errors import BadWorkspace, CowfsError, NotMounted
 from ..system.mounts import find_mount, locate
-from ..text import count, printable
+from ..text import count, first_line
 from .command import (
     Command,
     Parser,
@@ -115,9 +115,14 @@ class Hooks(Command):
                 (
                     f"removed {a.name}'s cowfs hooks from {res['settings']}"
                     + (" (and the file, which only they filled)" if res["removed"] else "")
+                    if res["changed"]
+                    else f"no cowfs hooks of {a.name} in {res['settings']}"
                 )
-                if res["changed"]
-                else f"no cowfs hooks of {a.name} in {res['settings']}",
+                + (
+                    f"; removed {res['removed_dir']}, which install made"
+                    if res["removed_dir"]
+                    else ""
+                ),
                 res,
             )
         return 0
@@ -193,7 +198,7 @@ class Rewind(Command):
         ids = f"{target}" if len(undone) == 1 else f"{target} to {undone[-1]['id']}"
         lines = [f"rewinding {what} rolls back layer{'s' if len(undone) > 1 else ''} {ids}:"]
         for layer in undone:
-            lines.append(f"  {layer['id']:>4}  {printable(layer['message'])}")
+            lines.append(f"  {layer['id']:>4}  {first_line(layer['message'])}")
             lines += [f"        {line}" for line in agent_lines(layer)]
         lines.append(f"and undoes {count(len(changes), 'change')}" + (":" if changes else ""))
         base = seen_from(args)

@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 from .. import errors
 from ..errors import CowfsError
 from ..layers import listing
-from ..text import ago, count, duration, human_size, json_text, printable, quote, relative
+from ..text import (
+    ago,
+    count,
+    duration,
+    first_line,
+    human_size,
+    json_text,
+    printable,
+    quote,
+    relative,
+)
 from .command import (
     Arg,
     Command,
@@ -44,6 +54,22 @@ from .render import (
 
 if TYPE_CHECKING:
     from .api import Workspace
+
+# what every answer for people says of a workspace that is not mounted (its
+# store read directly): what was written there since is in no layer
+NOT_MOUNTED = "not mounted — changes since the last unmount are not captured"
+
+
+def offline_note(res: dict) -> list[str]:
+    """The comment line status and log begin with when the workspace is not
+    mounted (their JSON says "mounted": false)."""
+    return [f"# {NOT_MOUNTED}"] if res.get("mounted") is False else []
+
+
+def warn_offline(args: argparse.Namespace, res: dict) -> None:
+    """The same on stderr, for what prints contents (diff, show)."""
+    if res.get("mounted") is False and not args.json:
+        print(f"cowfs: warning: {NOT_MOUNTED}", file=sys.stderr)
 
 
 class Status(Command):
@@ -105,10 +131,10 @@ class Status(Command):
             out(args, None, res)
             return 0
         base = seen_from(args)
-        lines = [f"# {listing.headline(res['counts'])}", *times_line(res)]
+        lines = offline_note(res) + [f"# {listing.headline(res['counts'])}", *times_line(res)]
         if paths and not res["changes"]:  # (a path that names nothing is an error)
             under = ", ".join(quote(relative(p, base)) for p in paths)
-            lines = [f"# no changes under {under}", *times_line(res)]
+            lines = offline_note(res) + [f"# no changes under {under}", *times_line(res)]
         lines += change_lines(
             res["changes"],
             args.all,
@@ -166,13 +192,14 @@ class Log(Command):
             return 0
         now, top = time.time(), res["layers"][-1]["id"] if res["layers"] else None
         base = seen_from(args) if any(layer.get("drift") for layer in res["layers"]) else ""
-        rows = [f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE"]
+        rows = offline_note(res)
+        rows.append(f"  {'ID':>4}  {'CREATED':<16}  {'CHANGES':>7}  {'SIZE':>10}  MESSAGE")
         below = " " * 47  # (lines under a layer start at its MESSAGE)
         for layer in reversed(res["layers"]):
             rows.append(
                 f"{'*' if layer['id'] == top else ' '} {layer['id']:>4}  "
                 f"{ago(layer['created'], now):<16}  {layer['changes']:>7,}  "
-                f"{human_size(layer['bytes']):>10}  {printable(layer['message'])}"
+                f"{human_size(layer['bytes']):>10}  {first_line(layer['message'])}"
             )
             rows += [below + line for line in agent_lines(layer)]
             for d in layer.get("drift", []):
@@ -214,9 +241,12 @@ class Diff(Command):
     name = "diff"
     help = (
         "changes since layer ID was opened (default: the open layer), with their content: "
-        "unified diff for text, sizes and xxh3 for binary"
+        "unified diff for text (up to 8 MiB a file; --text: 64 MiB), sizes and xxh3 for "
+        "binary, a symlink's target"
     )
-    examples = "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/"
+    examples = (
+        "  cowfs diff --stat\n  cowfs diff 2 --name-status -- src/\n  cowfs diff --text -- big.log"
+    )
     paths_after_dashdash = True  # (the rest of the line is parsed as usual)
     prints_paths = True
     ops = ("diff", "changes")
@@ -225,6 +255,12 @@ class Diff(Command):
         fmt = s.add_mutually_exclusive_group()
         fmt.add_argument("--stat", action="store_true", help="lines added and removed per file")
         fmt.add_argument("--name-status", action="store_true", help="kind and path per change")
+        s.add_argument(
+            "--text",
+            action="store_true",
+            help="diff text files larger than 8 MiB too, up to 64 MiB (larger ones, and "
+            "files that are not text, are still shown by size and hash)",
+        )
         s.add_argument(
             "--who",
             action="store_true",
@@ -272,10 +308,24 @@ class Diff(Command):
                 line=lambda c: listing.line(c).replace(" ", "\t", 1),
                 base=base,
             )
+            warn_offline(args, res)
             out(args, "\n".join(rows + times_line(res)) or None, res)
             return 0
-        res = call(args, "diff", since=layer, paths=paths, **times(args))
+        limit = {}
+        if args.text:
+            from ..service.session import MAX_TEXT
+
+            limit["text_limit"] = MAX_TEXT
+        res = call(args, "diff", since=layer, paths=paths, **limit, **times(args))
         rows = diff_rows(res["changes"], args.name_status, args.stat, args.who, base)
+        warn_offline(args, res)
+        large = sum(1 for c in res["changes"] if c.get("text_limit"))
+        if large and not args.text and not args.json:
+            print(
+                f"cowfs: {count(large, 'text file')} too large to diff: cowfs diff --text "
+                "diffs text files up to 64 MiB",
+                file=sys.stderr,
+            )
         out(args, "\n".join(rows + times_line(res)) or None, res)
         return 0
 
@@ -332,6 +382,7 @@ class Show(Command):
             raise CowfsError(f"show takes ID:PATH, not {args.spec!r}", errors.USAGE)
         path = workspace_paths(args, [path])[0] if path not in ("", ".") else path
         res = call(args, "show", layer=int(layer), path=path, offset=0)
+        warn_offline(args, res)
         if res["kind"] == "file":
             if args.json:
                 out(args, None, res | {"data": None})

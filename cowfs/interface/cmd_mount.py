@@ -12,6 +12,7 @@ from .. import errors
 from ..errors import BadWorkspace, CowfsError
 from ..system.mounts import (
     VIEW_FSTYPE,
+    callers_inside,
     check_answering,
     find_mount,
     is_cowfs_mount,
@@ -216,6 +217,18 @@ class Unmount(Command):
             out(args, f"unmounted the view at {target}", {"unmounted": target})
             return 0
         rec = find_mount(args.target or args.path)
+        inside = [] if args.lazy else callers_inside(rec.mountpoint)
+        if inside:
+            shells = [pid for pid in inside if pid != os.getpid()]
+            raise errors.AlreadyMounted(
+                f"you are inside the workspace {rec.mountpoint}: cd out of it first"
+                + (
+                    f" ({processes(shells)} {'has its' if len(shells) == 1 else 'have their'} "
+                    "working directory there)"
+                    if shells
+                    else ""
+                )
+            )
         users = Client(rec).unmount(lazy=args.lazy)
         if not users:
             out(args, f"unmounted {rec.mountpoint}", {"unmounted": rec.mountpoint})

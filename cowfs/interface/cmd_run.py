@@ -24,7 +24,7 @@ from .command import (
     seen_from,
     snapshot_options,
 )
-from .render import TEXT_LIMIT, summary
+from .render import TEXT_LIMIT, clean, format_change, summary
 
 if TYPE_CHECKING:
     from .api import RunResult, Workspace
@@ -262,8 +262,9 @@ class Run(Command):
         """Run a command in the workspace as one step in its own layer: if it
         (or `verify`) fails, everything it changed is rolled back; otherwise
         its layer stays (rollback with `to` that layer undoes it later).
-        Returns the exit statuses, what changed, the outcome, the layer and
-        the command's and the verifier's stdout and stderr (stdin is
+        Returns the exit statuses, what changed (as status lists changes),
+        the outcome, the layer that holds the step (none once rolled back)
+        and the command's and the verifier's stdout and stderr (stdin is
         empty)."""
         where = os.path.normpath(os.path.join(ws.root, cwd or "."))
         if where != ws.root and not where.startswith(ws.root.rstrip("/") + "/"):
@@ -282,7 +283,7 @@ class Run(Command):
         )
         return r.record() | {
             "ok": r.ok,
-            "changes": [str(c) for c in r.changes],
+            "changes": clean([c.to_dict() for c in r.changes]),
             "stdout": r.stdout,
             "stderr": r.stderr,
             "verify_stdout": r.verify_stdout,
@@ -295,9 +296,11 @@ class Run(Command):
         head = (
             f"{r['outcome']}{why}: exit {r['exit_status']}"
             + (f", verify exit {r['verify_status']}" if r["verify_status"] is not None else "")
-            + f", {len(r['changes'])} change(s), layer {r['layer']}"
+            + f", {len(r['changes'])} change(s)"
+            # (a step rolled back, or run without a checkpoint, is in no layer)
+            + (f", in layer {r['layer']}" if r["layer"] is not None else "")
         )
-        parts = [head, *r["warnings"], *r["changes"][:50]]
+        parts = [head, *r["warnings"], *map(format_change, r["changes"][:50])]
         for key in ("stdout", "stderr", "verify_stdout", "verify_stderr"):
             if r[key]:
                 parts += [f"--- {key.replace('_', ' ')}", r[key].rstrip("\n")]

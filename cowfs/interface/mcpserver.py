@@ -39,6 +39,48 @@ run executes a command as its own step: rolled back if it (or its verify \
 command) fails. Layer ids come from checkpoint and log."""
 
 
+def failure(message: str, code: int) -> Any:
+    """A tool error for the model: one line with the cowfs message and
+    exit code, and both in its structured content."""
+    from mcp_types import CallToolResult, TextContent
+
+    return CallToolResult(
+        content=[TextContent(type="text", text=f"cowfs: {message} (exit code {code})")],
+        structured_content={"error": message, "code": code},
+        is_error=True,
+    )
+
+
+def argument_error(tool: str, args: dict[str, Any], error: Any) -> str:
+    """What was wrong with the arguments *args* of a call of *tool* that
+    pydantic refused (*error*, its ValidationError), in a line: each
+    argument named, with what it should be and what it was."""
+    wanted: dict[str, list[str]] = {}  # argument -> what it should be (the alternatives)
+    other: dict[str, list[str]] = {}  # argument -> pydantic's other words
+    for err in error.errors(include_url=False):
+        name = str(err["loc"][0]) if err["loc"] else ""
+        msg = " ".join(str(err["msg"]).split())
+        if err["type"] == "missing":
+            other.setdefault(name, []).append("required")
+        elif msg.startswith("Input should be "):  # "... a valid integer, unable to parse ..."
+            kind = msg.removeprefix("Input should be ").split(", ")[0]
+            if kind not in wanted.setdefault(name, []):
+                wanted[name].append(kind)
+        else:
+            other.setdefault(name, []).append(msg[:1].lower() + msg[1:])
+    parts = []
+    for name in dict.fromkeys([*wanted, *other]):
+        given = json.dumps(args.get(name), default=str)
+        given = given if len(given) <= 60 else given[:57] + "..."
+        if other.get(name) == ["required"]:
+            parts.append(f"argument {name} is required")
+        elif name in wanted:
+            parts.append(f"argument {name} should be {' or '.join(wanted[name])}, not {given}")
+        else:
+            parts.append(f"argument {name}: {'; '.join(other[name])} (given {given})")
+    return f"{tool}: " + "; ".join(parts)
+
+
 def answer(root: str, work: Callable[[Workspace], Any], text: Callable[[Any], str]) -> Any:
     """Run *work* on the workspace at *root* (attached afresh: the mount
     may have come and gone); a CowfsError becomes a tool error with its
@@ -58,11 +100,7 @@ def answer(root: str, work: Callable[[Workspace], Any], text: Callable[[Any], st
         message = (f"{os.fsdecode(e.filename)}: " if e.filename else "") + (e.strerror or str(e))
     except Exception as e:  # a bug: still one line for the model to read
         code, message = errors.DAEMON_ERROR, f"internal error: {type(e).__name__}: {e}"
-    return CallToolResult(
-        content=[TextContent(type="text", text=f"cowfs: {message} (exit code {code})")],
-        structured_content={"error": message, "code": code},
-        is_error=True,
-    )
+    return failure(message, code)
 
 
 def arguments(command: Command) -> list[inspect.Parameter]:
@@ -120,8 +158,21 @@ def build(root: str, tools: Sequence[Command]) -> Any:
     """The MCP server for the workspace mounted at *root*: a tool for each
     of the commands *tools* (see commands.TOOLS)."""
     from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+    from pydantic import ValidationError
 
-    server = MCPServer("cowfs", version=__version__, instructions=INSTRUCTIONS.format(root=root))
+    class Server(MCPServer):
+        async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+            """(Arguments of the wrong type or shape are said in a line, as
+            cowfs's usage errors are: the SDK passed pydantic's report on.)"""
+            try:
+                return await super().call_tool(name, arguments, context)
+            except ToolError as e:
+                if not isinstance(e.__cause__, ValidationError):
+                    raise
+                return failure(argument_error(name, arguments, e.__cause__), errors.USAGE)
+
+    server = Server("cowfs", version=__version__, instructions=INSTRUCTIONS.format(root=root))
     for command in tools:
         fn = tool_function(root, command)
         # (the docstring without its indentation: clients show it as it is)

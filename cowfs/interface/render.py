@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..layers import listing
-from ..text import count, printable, quote, relative
+from ..text import human_size, printable, quote, relative
 
 
 def format_event(e: dict) -> str:
@@ -63,10 +63,9 @@ def times_line(res: dict) -> list[str]:
     n = res.get("times_only") or 0
     if not n:
         return []
-    return [
-        f"# {count(n, 'more path')} {'differs' if n == 1 else 'differ'} only in "
-        "modification time (--times lists them)"
-    ]
+    if n == 1:
+        return ["# 1 path differs only in its modification time (--times lists it)"]
+    return [f"# {n:,} paths differ only in their modification times (--times lists them)"]
 
 
 def redo_line(info: dict | None) -> list[str]:
@@ -116,6 +115,8 @@ def diff_rows(
             counts = (
                 "not readable by you"
                 if c.get("unreadable")
+                else f"text too large to diff{over(c)}"
+                if c.get("text_limit") is not None
                 else "too many lines to diff"
                 if c.get("too_large")
                 else "content unchanged"
@@ -132,9 +133,13 @@ def diff_rows(
             for side in ("old", "new"):
                 if side in c and c[side]["kind"] != "file":
                     rows.append(f"{side} {c[side]['kind']} mode {c[side]['mode']:o}")
+                    if "target" in c[side] and not c.get("diff"):  # (a type change)
+                        rows[-1] += f" -> {quote(c[side]['target'])}"
             same = same_content(c)
             if c.get("unreadable"):
                 rows.append("(not readable by you: contents not shown)")
+            elif c.get("text_limit") is not None:
+                rows.append(f"Text, too large to diff{over(c)}: {side_sizes(c)}")
             elif c.get("too_large"):
                 rows.append(f"Text, too many lines to diff: {side_sizes(c)}")
             elif c.get("diff"):
@@ -145,6 +150,17 @@ def diff_rows(
                 rows.append(f"content unchanged ({c['new']['size']} bytes xxh3 {c['new']['xxh3']})")
             rows += attribute_changes(c, mtime=same)
     return rows
+
+
+def over(c: dict) -> str:
+    """What limit a text too large to diff was over (0: the diff had read
+    as much text as it holds at once before it)."""
+    limit = c["text_limit"]
+    return (
+        f" (over {human_size(limit)})"
+        if limit
+        else " (this diff read its most text already: ask for fewer paths)"
+    )
 
 
 def quoted_headers(c: dict, base: str = "") -> str:

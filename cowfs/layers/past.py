@@ -21,7 +21,7 @@ import os
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import xxhash
@@ -33,7 +33,7 @@ from ..storage.store import Store
 from ..storage.zeros import ChunkMap
 from ..system import access, backing
 from ..system.access import Requester
-from ..text import quote
+from ..text import CONTROL, quote
 from .listing import Changes
 from .treesnap import KINDS
 
@@ -619,10 +619,10 @@ def past_data(h: History, obj: Past, limit: int) -> list[tuple[int, int]] | None
 
 
 @contextmanager
-def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
-    """A descriptor to read the object *st* describes, found at *path* now:
-    the name opened once, following no symlink, checked to be that object,
-    and opened again through that descriptor."""
+def _held_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
+    """An O_PATH descriptor of the object *st* describes, found at *path*
+    now: the name opened once, following no symlink, checked to be that
+    object."""
     with h.r.at(path) as (d, n):
         pfd = os.open(n, backing.PATH_FLAGS, dir_fd=d)
     try:
@@ -632,23 +632,37 @@ def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
                 f"{schema.show_loc(path)}: another object is there than the one found a "
                 "moment ago (a change nothing captured); nothing read"
             )
-        fd = os.open(backing.proc(pfd), READ_FLAGS)
+        yield pfd
     finally:
         os.close(pfd)
+
+
+@contextmanager
+def _open_now(h: History, path: bytes, st: os.stat_result) -> Iterator[int]:
+    """A descriptor to read the object *st* describes, found at *path* now
+    (``_held_now``, opened again through that descriptor)."""
+    with _held_now(h, path, st) as pfd:
+        fd = os.open(backing.proc(pfd), READ_FLAGS)
     try:
         yield fd
     finally:
         os.close(fd)
 
 
-def _is_text(data: bytes) -> bool:
-    if b"\0" in data[:65536]:
+def _is_text(data: bytes, head: bool = False) -> bool:
+    """Whether *data* is text: no NUL in its first 64 KiB, and UTF-8 (*head*:
+    the first bytes of a longer file, which may end within a character)."""
+    if b"\0" in data[:TEXT_SAMPLE]:
         return False
     try:
         data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
+    except UnicodeDecodeError as e:
+        return head and e.start >= len(data) - 3 and e.reason == "unexpected end of data"
     return True
+
+
+# what is read of a file too large for a text diff to tell text from binary
+TEXT_SAMPLE = 64 << 10
 
 
 # difflib's matching costs about lines x changed lines (measured: 20,000
@@ -662,8 +676,9 @@ def diff_entry(
     h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
 ) -> dict:
     """One change (from StackView.changes_since) with both sides: kind, mode,
-    size, mtime and xxh3 of regular files; for text no larger than
-    *text_limit*, a unified diff and the lines added and removed."""
+    size, mtime and xxh3 of regular files, the target of symlinks; for text
+    no larger than *text_limit*, a unified diff and the lines added and
+    removed (of a symlink: its target, as git shows it)."""
     out, finish = diff_sides(h, change, text_limit, hash_limit, data_limit)
     if finish is not None:
         finish()
@@ -671,20 +686,29 @@ def diff_entry(
 
 
 def diff_sides(
-    h: History, change: dict, text_limit: int, hash_limit: int = 1 << 62, data_limit: int = 0
+    h: History,
+    change: dict,
+    text_limit: int,
+    hash_limit: int = 1 << 62,
+    data_limit: int = 0,
+    sample: bool = False,
 ) -> tuple[dict, Callable[[], None] | None]:
     """``diff_entry`` in two parts: what reads the tree and the store (to
     run while the tree holds still), and a function that computes the text
     diff from the bytes read (None: nothing to compute), which touches
     neither and may run while file requests are served.  A sparse side
     holding at most *data_limit* bytes of data (in 4 KiB blocks) gets the
-    digest of what it holds (``xxh3_data``, see ``datahash``)."""
+    digest of what it holds (``xxh3_data``, see ``datahash``).  *sample*:
+    a file larger than *text_limit* has its first TEXT_SAMPLE bytes read,
+    and when every side is text the change says so: not binary, too large
+    (``too_large``) for the limit (``text_limit``)."""
     out = dict(change)
     new_path = os.fsencode(change["path"]) if change["path"] != "." else b""
     old_path = os.fsencode(change["from"]) if change.get("from") else new_path
     old = h.object_at(old_path) if change["kind"] != "A" else None
     new_st = h.r.lstat(new_path) if change["kind"] != "D" else None
     old_bytes = new_bytes = None
+    heads: dict[str, bytes] = {}  # the first bytes of a side too large to diff
     if old is not None:
         held = old.now.st_blocks * 512 + len(old.chunks.one) * h.store.chunk_size
         old_dense = _dense(old.size, held)
@@ -698,8 +722,14 @@ def diff_sides(
             old_dense,
             (lambda size: past_data(h, old, data_limit)) if data_limit > 0 else None,
         )
-        if old.kind == stat.S_IFREG and old.size <= text_limit and old_dense:
-            old_bytes = h.read(old)
+        if old.kind == stat.S_IFREG and old_dense:
+            if old.size <= text_limit:
+                old_bytes = h.read(old)
+            elif sample:
+                heads["old"] = h.read(old, 0, TEXT_SAMPLE)
+        elif old.kind == stat.S_IFLNK:
+            with suppress(Replaced, OSError):  # (then no target: the rest still says it)
+                out["old"]["target"] = os.fsdecode(h.readlink(old))
     if new_st is not None:
 
         def read_new(o: int, n: int) -> bytes:
@@ -721,34 +751,78 @@ def diff_sides(
             new_dense,
             new_data if data_limit > 0 else None,
         )
-        if stat.S_ISREG(new_st.st_mode) and new_st.st_size <= text_limit and new_dense:
-            new_bytes = read_new(0, new_st.st_size)
-    present = [
-        (side, data) for side, data in (("old", old_bytes), ("new", new_bytes)) if side in out
-    ]
-    files = bool(present) and all(out[side]["kind"] == "file" for side, _ in present)
-    if not (files and all(data is not None and _is_text(data) for _, data in present)):
-        out["binary"] = any(out.get(s, {}).get("kind") == "file" for s in ("old", "new"))
-        return out, None
-    out["binary"] = False
-    heads = (
+        if stat.S_ISREG(new_st.st_mode) and new_dense:
+            if new_st.st_size <= text_limit:
+                new_bytes = read_new(0, new_st.st_size)
+            elif sample:
+                heads["new"] = read_new(0, TEXT_SAMPLE)
+        elif stat.S_ISLNK(new_st.st_mode):
+            with suppress(Replaced, OSError):
+                out["new"]["target"] = os.fsdecode(_readlink_now(h, new_path, new_st))
+    names = (
         f"a/{os.fsdecode(old_path)}" if old else "/dev/null",
         f"b/{change['path']}" if new_st else "/dev/null",
     )
+    present = [
+        (side, data) for side, data in (("old", old_bytes), ("new", new_bytes)) if side in out
+    ]
+    kinds = {out[side]["kind"] for side, _ in present}
+    if kinds == {"symlink"} and all("target" in out[side] for side, _ in present):
+        # its target as the content, as git shows it
+        out["binary"] = False
+        a, b = ([printable_target(out[s]["target"])] if s in out else [] for s in ("old", "new"))
+        if a != b:
+            _unified(out, a, b, names)
+        return out, None
+    files = bool(present) and kinds == {"file"}
+
+    def text(side: str, data: bytes | None) -> bool:
+        head = heads.get(side)
+        return _is_text(head, True) if head is not None else data is not None and _is_text(data)
+
+    if files and heads and all(text(side, data) for side, data in present):
+        out["binary"] = False
+        out["too_large"] = True  # (sizes and hashes say what changed)
+        out["text_limit"] = text_limit
+        return out, None
+    if not (files and all(text(side, data) for side, data in present)):
+        out["binary"] = any(out.get(s, {}).get("kind") == "file" for s in ("old", "new"))
+        return out, None
+    out["binary"] = False
 
     def finish() -> None:
         a = (old_bytes or b"").decode().splitlines(keepends=True)
         b = (new_bytes or b"").decode().splitlines(keepends=True)
-        changed = Counter(a)
-        changed.subtract(b)
-        if max(len(a), len(b)) * sum(map(abs, changed.values())) > MAX_DIFF_WORK:
-            out["too_large"] = True  # (sizes and hashes say what changed)
-            return
-        lines = list(difflib.unified_diff(a, b, *heads))
-        out["diff"] = "".join(
-            x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines
-        )
-        out["added"] = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
-        out["removed"] = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+        if a and b:  # (against nothing, difflib takes a moment whatever the size)
+            changed = Counter(a)
+            changed.subtract(b)
+            if max(len(a), len(b)) * sum(map(abs, changed.values())) > MAX_DIFF_WORK:
+                out["too_large"] = True  # (sizes and hashes say what changed)
+                return
+        _unified(out, a, b, names)
 
     return out, finish
+
+
+def _unified(out: dict, a: list[str], b: list[str], names: tuple[str, str]) -> None:
+    """The unified diff of lines *a* and *b* into change *out*: its text and
+    the lines added and removed."""
+    lines = list(difflib.unified_diff(a, b, *names))
+    out["diff"] = "".join(
+        x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in lines
+    )
+    out["added"] = sum(1 for x in lines if x.startswith("+") and not x.startswith("+++"))
+    out["removed"] = sum(1 for x in lines if x.startswith("-") and not x.startswith("---"))
+
+
+def printable_target(target: str) -> str:
+    """A symlink's target as a line of its diff: as it is, or quoted
+    (``text.quote``) when it holds what a line may not (a newline, bytes
+    that are not UTF-8); the side's "target" keeps it exactly."""
+    return quote(target) if CONTROL.search(target) else target
+
+
+def _readlink_now(h: History, path: bytes, st: os.stat_result) -> bytes:
+    """The target of the symlink *st* describes, found at *path* now."""
+    with _held_now(h, path, st) as fd:
+        return os.readlink(b"", dir_fd=fd)

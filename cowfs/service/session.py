@@ -1051,7 +1051,7 @@ class Session:
                 c["kind"] == "D" or h.readable_now(new, who)
             ):
                 room = text_limit if held < MAX_TEXT_HELD else 0
-                out, finish = diff_sides(h, c, room)
+                out, finish = diff_sides(h, c, room, sample=True)
                 if finish is not None:
                     size = sum(out.get(s, {}).get("size", 0) for s in ("old", "new"))
                     if size <= SMALL_TEXT:

@@ -565,13 +565,8 @@ def mount_users(mount: Mount) -> list[int]:
 
 
 def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
-    for link in ("cwd", "root"):
-        fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
-        try:
-            if _mnt_id(f"/proc/self/fdinfo/{fd}") == mnt_id:
-                return True
-        finally:
-            os.close(fd)
+    if _link_on(proc, "cwd", mnt_id) or _link_on(proc, "root", mnt_id):
+        return True
     for entry in os.listdir(f"{proc}/fdinfo"):
         try:
             if _mnt_id(f"{proc}/fdinfo/{entry}") == mnt_id:
@@ -580,6 +575,40 @@ def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
             continue
     with open(f"{proc}/maps", "rb") as f:
         return any(mapped in line for line in f)
+
+
+def _link_on(proc: str, link: str, mnt_id: int) -> bool:
+    """Whether the directory *link* (cwd, root) of process *proc* is on
+    mount *mnt_id* (its magic link opened, not the mount walked)."""
+    fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
+    try:
+        return _mnt_id(f"/proc/self/fdinfo/{fd}") == mnt_id
+    finally:
+        os.close(fd)
+
+
+def callers_inside(mountpoint: str) -> list[int]:
+    """This process and those it descends from (the shell that ran it, and
+    the shells that ran that) whose working directory is on the cowfs
+    mount at *mountpoint*: an unmount finds it busy while they are there,
+    and only they can leave."""
+    ours = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FSTYPE]
+    if not ours:
+        return []
+    found: list[int] = []
+    pid = os.getpid()
+    while pid > 1:  # (the chain of parents ends at 1, or at 0 outside our pid namespace)
+        try:
+            if _link_on(f"/proc/{pid}", "cwd", ours[-1].id):
+                found.append(pid)
+        except OSError:  # not ours to look at (sudo's), or gone
+            pass
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
 
 
 def _mnt_id(fdinfo: str) -> int | None:
