@@ -284,3 +284,19 @@ def test_a_layers_count_in_log_is_what_it_changed_whatever_the_layers_above_do(m
     assert counts()[one] == after_one[one]
     ws.rollback()  # two: one is the open layer again
     assert counts() == {k: v for k, v in after_one.items() if k != two}
+
+
+def test_run_says_a_step_that_only_touched_files_changed_nothing_but_their_times(mounted):
+    ws = mounted
+    r = ws.cowfs("run", "--", "touch", "a.txt", "dir/b.txt")
+    assert r.stderr.splitlines()[:2] == [
+        "no changes",
+        "2 paths differ only in their modification times (--times lists them)",
+    ], r.stderr
+    r = ws.cowfs("run", "--", "sh", "-c", "touch a.txt && echo x >> dir/b.txt")
+    assert r.stderr.splitlines()[:3] == [
+        "1 change: 1 modified",
+        "1 path differs only in its modification time (--times lists it)",
+        "  M dir/b.txt",
+    ], r.stderr
+    assert ws.json("run", "--", "touch", "a.txt")["times_only"] == 1

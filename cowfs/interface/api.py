@@ -140,6 +140,9 @@ class RunResult:
     stderr: str | None = None
     verify_stdout: str | None = None
     verify_stderr: str | None = None
+    # the paths whose modification time alone differs (not in ``changes``;
+    # a rollback puts their times back too)
+    times_only: int = 0
 
     @property
     def ok(self) -> bool:
@@ -659,11 +662,13 @@ class Workspace(Client):
             else Executed(None)
         )
         duration = round(time.monotonic() - t0, 3)
-        changes = (
-            self.changes(since=layer)
-            if plan.checkpoint
-            else [c for c in self.status().changes if _key(c) not in before]
-        )
+        times_only = 0
+        if plan.checkpoint:
+            found = self.call("changes", since=layer)
+            changes = [Change.from_dict(c) for c in found["changes"]]
+            times_only = found.get("times_only") or 0
+        else:
+            changes = [c for c in self.status().changes if _key(c) not in before]
         result = RunResult(
             line,
             cwd,
@@ -685,6 +690,7 @@ class Workspace(Client):
             ran.stderr,
             checked.stdout,
             checked.stderr,
+            times_only,
         )
         result.warnings += uncaptured_warnings(result.uncaptured)
         if not plan.checkpoint:

@@ -34,7 +34,7 @@ def approve(result: RunResult, timeout: float, keep: str, base: str = "") -> str
     """keep / discard / show-diff loop for --approve; *keep*: what keeping
     means (--on-success: "keep" as its own layer, or "commit"); paths
     seen from *base* (render.relative_change)."""
-    print(summary(result.changes, base=base), file=sys.stderr)
+    print(summary(result.changes, base=base, times_only=result.times_only), file=sys.stderr)
     while True:
         answer = ask("cowfs: keep these changes? [k]eep, [d]iscard, [s]how all: ", "kds", timeout)
         if answer is None:
@@ -45,7 +45,16 @@ def approve(result: RunResult, timeout: float, keep: str, base: str = "") -> str
         if answer == "d":
             return "rollback"
         if answer == "s":
-            print(summary(result.changes, limit=None, every=True, base=base), file=sys.stderr)
+            print(
+                summary(
+                    result.changes,
+                    limit=None,
+                    every=True,
+                    base=base,
+                    times_only=result.times_only,
+                ),
+                file=sys.stderr,
+            )
 
 
 def ephemeral_store_is_empty(ws_path: str) -> bool:
@@ -193,7 +202,10 @@ class Run(Command):
 
             def decide(result: Any) -> str:
                 shown.append(True)
-                print(summary(result.changes, base=args.base), file=sys.stderr)
+                print(
+                    summary(result.changes, base=args.base, times_only=result.times_only),
+                    file=sys.stderr,
+                )
                 if args.yes or args.no:
                     return "commit" if args.yes else "rollback"
                 answer = ask("cowfs: keep these changes? [y/N] ", "yn", args.timeout)
@@ -219,7 +231,10 @@ class Run(Command):
                 file=sys.stderr,
             )
         elif not shown:
-            print(summary(result.changes, base=args.base), file=sys.stderr)
+            print(
+                summary(result.changes, base=args.base, times_only=result.times_only),
+                file=sys.stderr,
+            )
         why = (
             ""
             if result.ok

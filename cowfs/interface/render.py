@@ -227,15 +227,23 @@ def side_sizes(c: dict) -> str:
     return f"{one('old')} -> {one('new')}"
 
 
-def summary(changes: list, limit: int | None = 10, every: bool = False, base: str = "") -> str:
+def summary(
+    changes: list,
+    limit: int | None = 10,
+    every: bool = False,
+    base: str = "",
+    times_only: int = 0,
+) -> str:
     """Counts by kind, then the single changes and after them the
     directories added or deleted as a whole, one line each (*every*: each
-    path), at most *limit* lines; paths seen from *base* (``relative_change``)."""
+    path), at most *limit* lines; paths seen from *base* (``relative_change``);
+    and how many paths differ only in their modification times."""
+    times = [line.removeprefix("# ") for line in times_line({"times_only": times_only})]
     if not changes:
-        return "no changes"
+        return "\n".join(["no changes", *times])
     dicts = [c.to_dict() for c in changes]
     return "\n".join(
-        [listing.headline(listing.counts(dicts))]
+        [listing.headline(listing.counts(dicts)), *times]
         + [f"  {line}" for line in change_lines(dicts, every, limit, base=base)]
     )
 
