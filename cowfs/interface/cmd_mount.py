@@ -217,8 +217,19 @@ class Unmount(Command):
             out(args, f"unmounted the view at {target}", {"unmounted": target})
             return 0
         rec = find_mount(args.target or args.path)
-        inside = [] if args.lazy else callers_inside(rec.mountpoint)
-        if inside:
+        try:
+            users = Client(rec).unmount(lazy=args.lazy)
+        except CowfsError as e:
+            # busy: say so plainly when it is this command, or a shell it
+            # descends from, that is in it (asked once the daemon took the
+            # request: whoever may not unmount is told that first)
+            inside = (
+                callers_inside(rec.mountpoint)
+                if e.code == errors.ALREADY_MOUNTED and not args.lazy
+                else []
+            )
+            if not inside:
+                raise
             shells = [pid for pid in inside if pid != os.getpid()]
             raise errors.AlreadyMounted(
                 f"you are inside the workspace {rec.mountpoint}: cd out of it first"
@@ -228,8 +239,7 @@ class Unmount(Command):
                     if shells
                     else ""
                 )
-            )
-        users = Client(rec).unmount(lazy=args.lazy)
+            ) from None
         if not users:
             out(args, f"unmounted {rec.mountpoint}", {"unmounted": rec.mountpoint})
             return 0
