@@ -486,3 +486,78 @@ def test_a_user_holding_control_connections_open_is_refused_more_and_no_one_else
         assert a["ok"] is False and "requests open" in a["error"], a
     code, out, err = agent(ws, "--json", "status")
     assert code == 0, err
+
+
+def _counted(ws) -> dict[int, tuple]:
+    """Layer -> what its row keeps of its count (unmounted)."""
+    from cowfs.storage.store import Store
+
+    store = Store.open(str(ws / ".cowfs"), str(ws.path), create=False, readonly=True)
+    try:
+        return {x.id: x.counted for x in store.layers()}
+    finally:
+        store.close()
+
+
+def test_a_layers_count_is_kept_once_counted_whatever_the_agent_does_above_it(granted):
+    """`log` counts a layer below the open one against the tree when the
+    layer above it was opened; that count is kept on the layer's row, so
+    neither the agent's rollbacks above it nor a remount make the daemon
+    read every later record again for each layer (which cost as many
+    layers times all their records, every time)."""
+    ws = granted
+
+    def files(d: str, m: int) -> None:
+        os.mkdir(d)
+        for k in range(m):
+            Path(d, f"f{k}").write_text(str(k))
+
+    for i in range(4):
+        users.run_as(AGENT.pw_uid, AGENT.pw_gid, files, str(ws / "mine" / f"t{i}"), 30)
+        ws.checkpoint(f"turn {i}")
+    code, out, err = agent(ws, "--json", "log")
+    assert code == 0, err
+    counts = {x["id"]: x["changes"] for x in json.loads(out)}
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / "mine" / "junk").write_text, "j")
+    code, _, err = agent(ws, "rollback", "--yes")
+    assert code == 0, err
+    ws.unmount()
+    kept = _counted(ws)
+    sealed = sorted(kept)[:-1]
+    assert all(kept[i] for i in sealed), kept
+    assert {i: kept[i][2] for i in sealed} == {i: counts[i] for i in sealed}
+    ws.mount("--allow", AGENT.pw_name)
+    code, out, err = agent(ws, "--json", "log")
+    assert code == 0, err
+    assert {x["id"]: x["changes"] for x in json.loads(out)} == {
+        i: n for i, n in counts.items() if i in kept
+    }
+    ws.unmount()
+    assert _counted(ws) == kept  # (read, not counted again)
+    ws.mount("--allow", AGENT.pw_name)
+
+
+def _peak(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise KeyError("VmHWM")
+
+
+def test_a_diff_of_a_new_text_file_costs_the_daemon_memory_in_its_size(granted):
+    """A new text file is diffed whatever its number of lines, made from
+    the text in one piece: 8 MB of two-byte lines (4,000,000 lines) cost
+    the daemon some times its size, not an object per line (600 MiB)."""
+    ws = granted
+    pid = ws.daemon_pid()
+    assert pid is not None
+    text = "".join(f"{i % 16:x}\n" for i in range(4_000_000))
+    users.run_as(AGENT.pw_uid, AGENT.pw_gid, (ws / "mine" / "big.txt").write_text, text)
+    before = _peak(pid)
+    code, out, err = agent(ws, "--json", "diff", "--", "mine/big.txt")
+    assert code == 0, err
+    (entry,) = json.loads(out)["changes"]
+    assert entry["added"] == 4_000_000
+    assert entry["diff"].split("\n")[3:6] == ["+0", "+1", "+2"]
+    assert _peak(pid) - before < 120 << 20, (_peak(pid) - before) >> 20

@@ -21,6 +21,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,6 +294,21 @@ def test_what_is_in_the_way_is_refused_and_left_alone(installed: Install, tmp_pa
     assert r.returncode == 3 and "other users cannot reach" in r.stderr, r.stderr
     assert not closed.exists()
 
+    # a directory another user made (or may write) is no place for what root runs
+    nobody = pwd.getpwnam("nobody")
+    planted = inst.base / "planted"
+    planted.mkdir()
+    os.chown(planted, nobody.pw_uid, nobody.pw_gid)
+    r = inst.tool(prefix=planted, bindir=inst.base / "bin3")
+    assert r.returncode == 3, r.stderr
+    assert f"{planted} belongs to uid {nobody.pw_uid}" in r.stderr, r.stderr
+    shared = inst.base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # (no sticky bit: anyone may rename what is in it)
+    r = inst.tool(prefix=shared / "cowfs", bindir=inst.base / "bin3")
+    assert r.returncode == 3 and f"others may write {shared} (mode 777)" in r.stderr, r.stderr
+    assert os.listdir(planted) == [] and os.listdir(shared) == []
+
     r = inst.tool("--frobnicate")
     assert r.returncode == 2 and "unknown argument --frobnicate" in r.stderr, r.stderr
 
@@ -312,8 +328,32 @@ def test_uninstall_removes_the_install_but_not_while_it_runs(installed: Install)
     finally:
         running.kill()
         running.wait()
-    r = inst.tool("--uninstall")
+    # another user's process named as the install's Python (anyone may name
+    # one so) is told of, and does not stop the uninstall
+    nobody = pwd.getpwnam("nobody")
+    named = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={nobody.pw_uid}",
+            f"--regid={nobody.pw_gid}",
+            "--clear-groups",
+            "bash",
+            "-c",
+            f"exec -a {inst.prefix}/bin/python sleep 300",
+        ],
+        env=clean_env(),
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while str(inst.prefix) not in Path(f"/proc/{named.pid}/cmdline").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = inst.tool("--uninstall")
+    finally:
+        named.kill()
+        named.wait()
     assert r.returncode == 0, r.stderr
+    assert f"processes of other users run cowfs of {inst.prefix} (pids {named.pid})" in r.stderr
     assert r.stdout == f"install: removed {inst.command} {inst.prefix}\n", r.stdout
     assert not inst.command.is_symlink() and not inst.prefix.exists()
     assert inst.bindir.is_dir()  # (the directory stays)

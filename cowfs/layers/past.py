@@ -791,17 +791,36 @@ def diff_sides(
     out["binary"] = False
 
     def finish() -> None:
-        a = (old_bytes or b"").decode().splitlines(keepends=True)
-        b = (new_bytes or b"").decode().splitlines(keepends=True)
-        if a and b:  # (against nothing, difflib takes a moment whatever the size)
-            changed = Counter(a)
-            changed.subtract(b)
-            if max(len(a), len(b)) * sum(map(abs, changed.values())) > MAX_DIFF_WORK:
-                out["too_large"] = True  # (sizes and hashes say what changed)
-                return
+        if not old_bytes or not new_bytes:  # (against nothing: every line, made at once)
+            _one_sided(out, (old_bytes or new_bytes or b"").decode(), bool(new_bytes), names)
+            return
+        a = old_bytes.decode().splitlines(keepends=True)
+        b = new_bytes.decode().splitlines(keepends=True)
+        changed = Counter(a)
+        changed.subtract(b)
+        if max(len(a), len(b)) * sum(map(abs, changed.values())) > MAX_DIFF_WORK:
+            out["too_large"] = True  # (sizes and hashes say what changed)
+            return
         _unified(out, a, b, names)
 
     return out, finish
+
+
+def _one_sided(out: dict, text: str, added: bool, names: tuple[str, str]) -> None:
+    """The unified diff of a text against nothing (*added*: the new side is
+    *text*), as difflib makes it, made from the text in one piece: some
+    three times its size at the most, not an object per line."""
+    if not text:
+        out["diff"], out["added"], out["removed"] = "", 0, 0
+        return
+    n = text.count("\n") + (not text.endswith("\n"))
+    sign = "+" if added else "-"
+    body = sign + text.replace("\n", "\n" + sign)
+    body = body[:-1] if text.endswith("\n") else body + "\n\\ No newline at end of file\n"
+    span = f"1,{n}" if n > 1 else "1"
+    hunk = f"@@ -0,0 +{span} @@\n" if added else f"@@ -{span} +0,0 @@\n"
+    out["diff"] = f"--- {names[0]}\n+++ {names[1]}\n{hunk}{body}"
+    out["added"], out["removed"] = (n, 0) if added else (0, n)
 
 
 def _unified(out: dict, a: list[str], b: list[str], names: tuple[str, str]) -> None:

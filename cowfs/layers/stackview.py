@@ -83,8 +83,6 @@ class StackView:
         self.readings = Readings(store)  # readings of the journal up to now
         # the records the audit of the rollback planned now read (see `undone`)
         self._ahead: Ahead | None = None
-        # (layer, start, end, epoch) -> its counts (``_count``)
-        self._counts: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
     def check(self) -> list[str]:
         """Quick consistency check of the stack (run when recovering a mount
@@ -176,26 +174,29 @@ class StackView:
         layers = self.store.layers()
         for layer in layers[-limit:] if limit else layers:
             d = layer.to_dict()
-            d["changes"], d["times_only"] = self._count(layer.id)
             d["records"] = self.store.count_records(layer.start, self.store.layer_end(layer.id))
+            d["changes"], d["times_only"] = self._count(layer.id, d["records"])
             d["bytes"] = self.store.layer_bytes(layer.id)
             out.append(d)
         return out
 
-    def _count(self, layer_id: int) -> tuple[int, int]:
-        """How many net changes layer *layer_id* made, and how many paths
-        whose time alone it changed.  That of a layer below the open one is
-        kept while its records are as they were: what it changed stays what
-        it changed, whatever happens above it."""
+    def _count(self, layer_id: int, records: int) -> tuple[int, int]:
+        """How many net changes layer *layer_id* made (it holds *records*),
+        and how many paths whose time alone it changed.  That of a layer
+        below the open one is kept on its row once counted (while its end
+        and records are as they were then): what it changed stays what it
+        changed, whatever happens above it, and it is counted once --
+        usually while the layer above it is still small."""
         store = self.store
+        layer = store.get_layer(layer_id)
         end = store.layer_end(layer_id)
-        key = (layer_id, store.get_layer(layer_id).start, end, store.epoch)
-        found = self._counts.get(key)
-        if found is None:
-            changes = self._changes(layer_id).without_times()  # (counted, not attributed)
-            found = (len(changes), changes.times_only)
-            if layer_id != store.open_layer().id:
-                self._counts[key] = found
+        sealed = layer_id != store.open_layer().id
+        if sealed and tuple(layer.counted[:2]) == (end, records):
+            return layer.counted[2], layer.counted[3]
+        changes = self._changes(layer_id).without_times()  # (counted, not attributed)
+        found = (len(changes), changes.times_only)
+        if sealed and not store.readonly:
+            store.set_counted(layer_id, [end, records, *found])
         return found
 
     def status(
@@ -328,10 +329,25 @@ class StackView:
             head, _, name = sp.rpartition(b"/")
             if not head:
                 return sp
+            # (up to the nearest directory whose place is known or found,
+            # then down: no recursion, whatever the depth)
+            todo = []
             here = places.get(head)
-            if here is None:
+            while here is None:
                 found = names.now(head)
-                here = places[head] = place(head) if found is None else found
+                if found is not None:
+                    here = places[head] = found
+                    break
+                todo.append(head)
+                up, _, _ = head.rpartition(b"/")
+                if not up:
+                    here = b""
+                    break
+                head = up
+                here = places.get(head)
+            for d in reversed(todo):
+                tail = d.rpartition(b"/")[2]
+                here = places[d] = here + b"/" + tail if here else tail
             return here + b"/" + name if here else name
 
         # path -> its change
@@ -617,10 +633,17 @@ class SamenessAt(Sameness):
 
     def _spans(self, obj: Past, fd: int, size: int) -> list[tuple[int, int]]:
         """Where *obj*'s bytes then may be other than zeros, within *size*:
-        where its live object holds data, and its recorded pre-images."""
+        where its live object holds data, and its recorded pre-images
+        (sorted, overlapping ones merged)."""
         C = self.store.chunk_size
         held = [(k * C, k * C + n) for k, (n, h) in obj.chunks.one.items() if h]
-        return sorted(backing.data_ranges(fd, size) + held)
+        out: list[tuple[int, int]] = []
+        for lo, hi in sorted(backing.data_ranges(fd, size) + held):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        return out
 
     def _chunks_back(self, path: bytes, chunks: ChunkMap) -> bool:
         obj = self.objects[path]
@@ -631,13 +654,19 @@ class SamenessAt(Sameness):
                 if len(data) != length or (digest(data) != h if h else data.count(0) != length):
                     return False
             spans = self._spans(obj, fd, obj.size)
-            for lo, hi in chunks.zero_spans(obj.size):
-                for a, b in spans:
-                    a, b = max(a, lo), min(b, hi)
+            zeros = chunks.zero_spans(obj.size)
+            i = 0  # (both sorted: one walk along the two)
+            for lo, hi in zeros:
+                while i < len(spans) and spans[i][1] <= lo:
+                    i += 1
+                k = i
+                while k < len(spans) and spans[k][0] < hi:
+                    a, b = max(spans[k][0], lo), min(spans[k][1], hi)
                     for off in range(a, b, 1 << 20):
                         n = min(1 << 20, b - off)
                         if self.h.read(obj, off, n, fd).count(0) != n:
                             return False
+                    k += 1
         return True
 
     def _same_file(self, a: bytes, b: bytes) -> bool:

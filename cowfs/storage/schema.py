@@ -64,7 +64,9 @@ Databases
              "postmortems", "drift" (lists), "agent" (the agent event that
              opened the layer: {"agent", "event", "kind": "prompt"|"tool",
              "session", ...}) and "turns" (the "agent" records of layers
-             merged into it, each with its "layer" and "message").  The stack
+             merged into it, each with its "layer" and "message"), and
+             "counted" ([its end, its records, changes, times only]: its
+             net changes, kept once counted below the open layer).  The stack
              is the layers in id order; a layer
              owns the journal records from its ``start`` up to the next
              layer's ``start`` (the top layer: to the end of the journal), so

@@ -54,6 +54,9 @@ class Layer:
     drift: tuple = ()  # accepted drift: paths changed while not mounted
     agent: dict | None = None  # the agent event (prompt, tool call) that opened the layer
     turns: tuple = ()  # agent events of layers merged into this one, oldest first
+    # its net changes, counted once it was below the open layer: (its end,
+    # its records, changes, paths whose times alone differ)
+    counted: tuple = ()
 
     def to_dict(self) -> dict:
         return {
@@ -1121,6 +1124,7 @@ class Store:
                             tuple(d.get("drift", ())),
                             d.get("agent"),
                             tuple(d.get("turns", ())),
+                            tuple(d.get("counted", ())),
                         )
                     )
             self._layers = out
@@ -1179,6 +1183,14 @@ class Store:
         d = self._row(w, layer_id)
         d["snapshots"] = snapshots
         w.put_layer_row(layer_id, d)
+        self._layers = None
+
+    def set_counted(self, layer_id: int, counted: list[int]) -> None:
+        """Keep what layer *layer_id* changed (``Layer.counted``)."""
+        with self.write() as w:
+            d = self._row(w, layer_id)
+            d["counted"] = counted
+            w.put_layer_row(layer_id, d)
         self._layers = None
 
     def append_to_layer(
