@@ -201,3 +201,29 @@ def test_file_over_4_gib(mounted):
     os.truncate(big, 100)
     ws.rollback()
     assert os.stat(big).st_size == BIG_SIZE and region(big, BIG_AT, 12) == b"beyond 4 GiB"
+
+
+def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mounted):
+    """Paths of 1,500 directories (3 KB): status, log, diff and a rollback
+    walk them without recursion."""
+    ws = mounted
+    before = ws.snapshot()
+    ws.checkpoint("deep")
+    fd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):
+            os.mkdir("a", dir_fd=fd)
+            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        with open("f", "w", opener=lambda p, f: os.open(p, f, 0o644, dir_fd=fd)) as f:
+            f.write("deep\n")
+    finally:
+        os.close(fd)
+    deep = "/".join(["a"] * 1500) + "/f"
+    changes = {c["path"]: c["kind"] for c in ws.json("status", "-u")["changes"]}
+    assert len(changes) == 1501 and changes[deep] == "A"
+    assert ws.json("diff", "--", deep)["changes"][0]["added"] == 1
+    assert [x["changes"] for x in ws.json("log")][-1] == 1501
+    ws.rollback()
+    treesnap.assert_same(before, ws.snapshot())

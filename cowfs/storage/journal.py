@@ -86,7 +86,21 @@ class Names:
         parent_path, _, name = path.rpartition(b"/")
         p = at.get(parent_path)
         if p is None:
-            p = at[parent_path] = self.slot(parent_path)
+            # (from the nearest directory above with a slot at hand, down:
+            # no recursion, whatever the depth)
+            above = [parent_path]
+            while True:
+                up = above[-1].rpartition(b"/")[0]
+                p = at.get(up)
+                if p is not None:
+                    break
+                above.append(up)
+            for d in reversed(above):
+                p = at[d] = self._child(p, d.rpartition(b"/")[2])
+        return self._child(p, name)
+
+    def _child(self, p: Slot, name: bytes) -> Slot:
+        """The slot of *name* in directory slot *p* (see ``slot``)."""
         children = p.children
         if children is None:
             children = p.children = {}

@@ -367,16 +367,28 @@ class Resolver:
             return self.rootfd
         assert self._dirs is not None
         fd = self._dirs.get(path)
-        if fd is None:
-            parent, name = split(path)
+        if fd is not None:
+            return fd
+        # up to the nearest directory at hand, then down, a name at a time
+        # (no recursion, whatever the depth)
+        down = []
+        p = path
+        while True:
+            parent, name = split(p)
             if name in (b"", b".", b".."):
                 raise OSError(errno.EINVAL, "bad path component", path)
-            pfd = self._dir(parent)
-            fd = os.open(name, DIR_FLAGS, dir_fd=pfd)
+            down.append((p, name))
+            found = self._dirs.get(parent) if parent else self.rootfd
+            if found is not None:
+                break
+            p = parent
+        pfd = found
+        for p, name in reversed(down):
+            pfd = os.open(name, DIR_FLAGS, dir_fd=pfd)
             if len(self._dirs) >= self.READ_CACHE:
-                self._close_dirs()
-            self._dirs[path] = fd
-        return fd
+                self._close_dirs()  # (pfd among them: it served its turn)
+            self._dirs[p] = pfd
+        return pfd
 
     @contextmanager
     def at(self, loc: bytes) -> Iterator[tuple[int, bytes]]:
