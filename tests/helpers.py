@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,6 +173,21 @@ def managed_workspace(path: Path) -> Iterator[Workspace]:
         ws.teardown()
     errors = ws.daemon_errors()
     assert not errors, f"the daemon of {path} logged errors:\n" + "\n".join(errors)
+
+
+@contextlib.contextmanager
+def reachable_workspace(prefix: str) -> Iterator[Workspace]:
+    """A ``managed_workspace`` (not mounted) in a new directory every user
+    can reach (it and the workspace mode 0755), for tests in which another
+    user works in it; removed afterwards (no mount followed)."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(base, 0o755)
+    try:
+        with managed_workspace(base / "ws") as ws:
+            os.chmod(ws.path, 0o755)
+            yield ws
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 
 def view_processes(where: Path) -> list[int]:

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from cowfs.errors import NOT_OWNER, USAGE
 from cowfs.system.mounts import VIEW_FSTYPE, mount_table, socket_path
 
 from . import users
-from .helpers import COWFS, managed_workspace
+from .helpers import COWFS, managed_workspace, reachable_workspace
 
 AGENT = pwd.getpwnam("nobody")
 STRANGER = 1234  # a user the workspace grants nothing
@@ -38,24 +36,18 @@ def granted(fuse):
     """A workspace mounted by root in a directory other users can reach,
     granting the agent `step` and group 1235 `read`; a root-only secret and
     a directory of the agent's own in its base layer."""
-    base = Path(tempfile.mkdtemp(prefix="cowfs-grants-"))
-    os.chmod(base, 0o755)
-    try:
-        with managed_workspace(base / "ws") as ws:
-            os.chmod(ws.path, 0o755)
-            (ws / "secret").write_text(SECRET)
-            os.chmod(ws / "secret", 0o600)
-            (ws / "private").mkdir(mode=0o700)
-            (ws / "private" / "notes").write_text("root's notes\n")
-            os.chmod(ws / "private" / "notes", 0o644)  # (readable, below a closed dir)
-            (ws / "mine").mkdir()
-            (ws / "mine" / "f").write_text("agent's file\n")
-            for p in (ws / "mine", ws / "mine" / "f"):
-                os.chown(p, AGENT.pw_uid, AGENT.pw_gid)
-            ws.mount("--allow", AGENT.pw_name, "--allow", "@1235:read")
-            yield ws
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with reachable_workspace("cowfs-grants-") as ws:
+        (ws / "secret").write_text(SECRET)
+        os.chmod(ws / "secret", 0o600)
+        (ws / "private").mkdir(mode=0o700)
+        (ws / "private" / "notes").write_text("root's notes\n")
+        os.chmod(ws / "private" / "notes", 0o644)  # (readable, below a closed dir)
+        (ws / "mine").mkdir()
+        (ws / "mine" / "f").write_text("agent's file\n")
+        for p in (ws / "mine", ws / "mine" / "f"):
+            os.chown(p, AGENT.pw_uid, AGENT.pw_gid)
+        ws.mount("--allow", AGENT.pw_name, "--allow", "@1235:read")
+        yield ws
 
 
 def agent(ws, *args: str, uid: int = AGENT.pw_uid, gid: int = AGENT.pw_gid):

@@ -25,7 +25,7 @@ import pytest
 from cowfs.errors import PARTIAL
 from cowfs.layers import treesnap
 
-from .helpers import managed_workspace, run
+from .helpers import managed_workspace, reachable_workspace, run
 
 
 @pytest.fixture
@@ -617,22 +617,15 @@ def agent_work(prefix: str):
     agent (nobody) owns that holds root's file work/data.txt (the agent may
     rename it, not change it), and a runner of commands as the agent."""
     import pwd
-    import tempfile
 
     agent = pwd.getpwnam("nobody")
-    base = Path(tempfile.mkdtemp(prefix=prefix))
-    os.chmod(base, 0o755)
-    try:
-        with managed_workspace(base / "ws") as ws:
-            os.chmod(ws.path, 0o755)
-            (ws / ".cowfsignore").write_text("*.tmp\n")
-            (ws / "work").mkdir()
-            os.chown(ws / "work", agent.pw_uid, agent.pw_gid)
-            (ws / "work" / "data.txt").write_text("root's data\n")
-            ws.mount()
-            yield ws, lambda *argv: as_user(agent, *argv)
-    finally:
-        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+    with reachable_workspace(prefix) as ws:
+        (ws / ".cowfsignore").write_text("*.tmp\n")
+        (ws / "work").mkdir()
+        os.chown(ws / "work", agent.pw_uid, agent.pw_gid)
+        (ws / "work" / "data.txt").write_text("root's data\n")
+        ws.mount()
+        yield ws, lambda *argv: as_user(agent, *argv)
 
 
 def _copies_of(root: Path, data: bytes) -> list[Path]:

@@ -33,7 +33,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 import cowfs
 
-from .helpers import Workspace, managed_workspace
+from .helpers import Workspace, reachable_workspace
 
 pytestmark = pytest.mark.slow
 
@@ -121,20 +121,14 @@ def shared_ws(installed: Install, fuse) -> Iterator[Workspace]:
     """A workspace that root mounts with the installed cowfs, granting the
     agent `step`, in a directory the agent can reach; a directory of the
     agent's own in it."""
-    base = Path(tempfile.mkdtemp(prefix="cowfs-install-ws-"))
-    os.chmod(base, 0o755)
-    try:
-        with managed_workspace(base / "ws") as ws:
-            os.chmod(ws.path, 0o755)
-            (ws / "a.txt").write_text("alpha\n")
-            (ws / "mine").mkdir()
-            os.chown(ws / "mine", AGENT.pw_uid, AGENT.pw_gid)
-            r = installed.run("mount", "--allow", AGENT.pw_name, str(ws.path))
-            ws.mounted = r.returncode == 0
-            assert ws.mounted, r.stderr
-            yield ws
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with reachable_workspace("cowfs-install-ws-") as ws:
+        (ws / "a.txt").write_text("alpha\n")
+        (ws / "mine").mkdir()
+        os.chown(ws / "mine", AGENT.pw_uid, AGENT.pw_gid)
+        r = installed.run("mount", "--allow", AGENT.pw_name, str(ws.path))
+        ws.mounted = r.returncode == 0
+        assert ws.mounted, r.stderr
+        yield ws
 
 
 def test_every_user_can_run_the_installed_command(installed: Install):

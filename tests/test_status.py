@@ -284,6 +284,18 @@ def test_a_layers_count_in_log_is_what_it_changed_whatever_the_layers_above_do(m
     assert counts()[one] == after_one[one]
     ws.rollback()  # two: one is the open layer again
     assert counts() == {k: v for k, v in after_one.items() if k != two}
+    # one grows and is closed again: counted afresh (its end moved), as is a
+    # layer a commit merged into one
+    (ws / "later").write_text("later\n")
+    ws.checkpoint("four")
+    assert counts()[one] == (after_one[one][0] + 1, 0)
+    (ws / "later2").write_text("later\n")
+    ws.checkpoint("five")
+    ws.commit()  # five (empty) into four
+    ws.commit()  # four into one
+    (ws / "later3").write_text("later\n")
+    ws.checkpoint("six")
+    assert counts()[one] == (after_one[one][0] + 3, 0)
 
 
 def test_run_says_a_step_that_only_touched_files_changed_nothing_but_their_times(mounted):

@@ -532,6 +532,12 @@ class Sameness:
         with self.resolver.at(loc) as (d, n):
             return backing.open_noatime(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
 
+    @staticmethod
+    def _is_pre_image(data: bytes, length: int, h: bytes) -> bool:
+        """Whether *data* is the pre-image a chunk record holds: *length*
+        bytes of digest *h* (empty: zeros)."""
+        return len(data) == length and (digest(data) == h if h else data.count(0) == length)
+
     def _chunks_back(self, path: bytes, chunks: ChunkMap) -> bool:
         """Whether every captured chunk of the file holds its pre-image again."""
         fd = self._open(path)
@@ -539,7 +545,7 @@ class Sameness:
             size = self.store.chunk_size
             for index, (length, h) in chunks.one.items():
                 data = os.pread(fd, length, index * size)
-                if len(data) != length or (digest(data) != h if h else data.count(0) != length):
+                if not self._is_pre_image(data, length, h):
                     return False
             end = os.fstat(fd).st_size
             for lo, hi in chunks.zero_spans(end):  # (the size is compared apart)
@@ -651,7 +657,7 @@ class SamenessAt(Sameness):
             size = self.store.chunk_size
             for index, (length, h) in chunks.one.items():
                 data = self.h.read(obj, index * size, length, fd)
-                if len(data) != length or (digest(data) != h if h else data.count(0) != length):
+                if not self._is_pre_image(data, length, h):
                     return False
             spans = self._spans(obj, fd, obj.size)
             zeros = chunks.zero_spans(obj.size)
