@@ -323,3 +323,21 @@ def test_name_records_carry_their_directories_and_old_ones_read_as_none():
     assert isinstance(S.decode_or_damaged(old_encode(S.CREATE, b"p", 1)[:-3]), S.Damaged)
     sealed = S.encode_record(S.Create(b"p", 1))
     assert isinstance(S.decode_or_damaged(sealed[:-9]), S.Damaged)
+
+
+@given(st.integers(2**63, 2**64 - 1), st.integers(0, 2**63 - 1))
+def test_inode_numbers_past_a_signed_integer_round_trip(ino, small):
+    """An overlay numbers its lower layer's objects with the layer in the
+    top bits (xino): such numbers are written with the ``u`` tag (format
+    2); every smaller number as before, byte for byte."""
+    rec = S.Meta(b"d/f", ino, 0o100644, 0, 0, 1, -5, 7)
+    data = S.encode_record(rec)
+    assert S.decode_record(data) == rec
+    body = data[S.SEAL_LEN :]
+    assert body[1 + 5 + 3] == ord("u")  # (kind, the path field, then the inode number)
+    plain = S.Meta(b"d/f", small, 0o100644, 0, 0, 1, -5, 7)
+    assert S.encode_record(plain) == S.seal(b"", b"", old_encode(plain.kind, *plain))
+    # a ``u`` where a field is bytes is damage, as any wrong tag is
+    bad = bytearray(body)
+    bad[1] = ord("u")
+    assert isinstance(S.decode_or_damaged(bytes(bad)), S.Damaged)

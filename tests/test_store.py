@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from cowfs.errors import StoreError
 from cowfs.layers import treesnap
 from cowfs.layers.capture import Recorder
 from cowfs.layers.layerfiles import Acting
@@ -275,3 +276,39 @@ def test_the_records_the_audit_of_a_rollback_read_serve_its_steps(h, changed_sin
     h.session.finish_pending()
     treesnap.assert_same(before, h.snapshot())
     assert h.view._ahead is None
+
+
+def test_a_format_1_store_is_read_as_it_is_and_upgraded_when_written(tmp_path):
+    """Format 2 only adds a way to write integers past 2**63 - 1: a format 1
+    store opens, stays format 1 while only read, and becomes format 2 at
+    its first writable open; a store of a format this cowfs does not know
+    is refused, saying so, and left as it is."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    store = str(root / ".cowfs")
+
+    def set_format(n: int) -> None:
+        s = Store.open(store, str(root))
+        with s.env.begin(write=True, db=s.db_meta) as txn:
+            txn.put(S.K_FORMAT, S.seal(S.DB_META, S.K_FORMAT, S.u64(n)))
+        s.close()
+
+    def get_format() -> int:
+        s = Store.open(store, str(root), readonly=True, locked=False)
+        try:
+            with s.env.begin(db=s.db_meta) as txn:
+                return S.meta_int(S.K_FORMAT, txn.get(S.K_FORMAT))
+        finally:
+            s.close()
+
+    Store.open(store, str(root)).close()
+    assert get_format() == S.FORMAT == 2
+    set_format(1)
+    assert get_format() == 1  # (a read-only open writes nothing)
+    Store.open(store, str(root), create=False).close()
+    assert get_format() == 2
+    set_format(3)
+    with pytest.raises(StoreError, match="has format 3, this cowfs reads formats 1, 2"):
+        Store.open(store, str(root), create=False)
+    with pytest.raises(StoreError, match="has format 3"):
+        Store.open(store, str(root), readonly=True, locked=False)

@@ -29,6 +29,7 @@ from typing import TypeVar, TypeVarTuple
 
 import trio
 
+from ..system import backing
 from ..system.backing import checked, libc
 from ..system.mounts import unmount
 from . import fuse_abi
@@ -544,10 +545,10 @@ class Engine:
                 MAX_PAGES,
                 0,
                 agreed >> 32,
-                1 if self.passthrough else 0,
+                self._stack_depth() if self.passthrough else 0,
                 0,
             ),
-        )  # (max_stack_depth: over one filesystem)
+        )
         log.info("FUSE 7.%d, kernel offers %#x, agreed %#x", minor, kernel, agreed)
         self._tune_bdi()  # (after INIT, which caps the read-ahead)
         if self.on_init is not None:
@@ -871,9 +872,31 @@ class Engine:
                     # (the kernel takes a reference to the file behind *bfd*,
                     # the node's O_PATH fd, and keeps it until the id is
                     # closed: the fd itself may be closed or evicted later)
-                    bid = self.backing_ids[node] = self._backing_open(bfd)
+                    try:
+                        bid = self.backing_ids[node] = self._backing_open(bfd)
+                    except OSError as e:
+                        # (the kernel would not take this file: it is served
+                        # through the daemon, the program's open unharmed)
+                        log.warning("passthrough refused for a file: %s", e.strerror)
+                        self.ops.passthrough_refused(fh)
+                        return fuse_abi.OPEN_OUT.pack(
+                            fh, fuse_abi.FOPEN_KEEP_CACHE if keep else 0, 0
+                        )
                 return fuse_abi.OPEN_OUT.pack(fh, fuse_abi.FOPEN_PASSTHROUGH, bid)
         return fuse_abi.OPEN_OUT.pack(fh, fuse_abi.FOPEN_KEEP_CACHE if keep else 0, 0)
+
+    def _stack_depth(self) -> int:
+        """How deep this mount stacks on other filesystems (INIT's
+        max_stack_depth): 1 over a plain one, 2 over one that is itself
+        stacked (an overlay: the kernel refuses passthrough to its files
+        otherwise, ELOOP).  The kernel allows 2 at most, and nothing can
+        then be stacked on this mount (an overlay over a workspace): so 2
+        only where it is needed."""
+        try:
+            kind = backing.fs_type(self.ops.root.fd)
+        except OSError:
+            return 1
+        return 2 if kind in backing.STACKED else 1
 
     def _backing_open(self, fd: int) -> int:
         arg = ctypes.create_string_buffer(

@@ -1087,6 +1087,21 @@ class Ops:
         h.counted = h.passthrough = True
         return node.fd
 
+    def passthrough_refused(self, fh: int) -> None:
+        """The kernel would not take the backing file ``passthrough`` gave
+        for *fh* (the first passthrough open of its node): *fh* is served
+        through the daemon instead, as if ``passthrough`` had said None."""
+        h = self._file(fh)
+        node = h.node
+        if h.writable:
+            n = self.pt_writers.get(node, 0) - 1
+            if n > 0:
+                self.pt_writers[node] = n
+            else:
+                self.pt_writers.pop(node, None)
+        node.pt -= 2  # (not the one passthrough open counted: one through the daemon)
+        h.passthrough = False
+
     def _capture_whole(self, node: Node, fd: int) -> None:
         """Capture every byte and the attributes of *node*'s file in the open
         layer (nothing, for a file made in it), so that writes the daemon

@@ -9,8 +9,13 @@ Databases
 ---------
 ``meta``     singleton settings and counters, keyed by a short ASCII name:
              ``format``      u64   schema version (FORMAT)
-             ``workspace``   JSON  {"path", "dev", "ino"} of the workspace root
-                                   the store belongs to
+             ``workspace``   JSON  {"path", "dev", "ino", "fs", "handle"} of
+                                   the workspace root the store belongs to
+                                   (``fs``: statfs f_type; ``handle``: its
+                                   file handle in hex, without the mount id:
+                                   on an overlay or btrfs, whose device
+                                   numbers change at each mount, the root is
+                                   known by ``ino`` and ``handle``)
              ``chunk_size``  u64   size of the fixed, aligned data chunks
              ``next_seq``    u64   next journal sequence number
              ``next_layer``  u64   next layer id
@@ -180,7 +185,12 @@ from ..errors import StoreError
 from ..system.backing import GRAVE_PREFIX, grave_id, grave_loc  # noqa: F401  (for the records' users)
 from ..text import quote
 
-FORMAT = 1
+# The store's format: 2 adds integers past 2**63 - 1 in records (tag ``u``:
+# inode numbers an overlay gives objects of its lower layers, the layer in
+# the top bits).  A format 1 store is read as it is and becomes format 2 when
+# it is first opened for writing (nothing else changes).
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 
 DB_META = b"meta"
 DB_LAYERS = b"layers"
@@ -912,12 +922,16 @@ def meta_record(loc: bytes, st: os.stat_result) -> Meta:
 
 
 _I = struct.Struct(">q")
+_U = struct.Struct(">Q")
 _L = struct.Struct(">I")
+_I_MAX = (1 << 63) - 1
 
 
 def encode_record(rec: Change) -> bytes:
     """A journal value: the record's fields (but trailing ones that are
-    optional and 0: see ``_REQUIRED``), sealed (see ``seal``)."""
+    optional and 0: see ``_REQUIRED``), sealed (see ``seal``).  A field is
+    ``i`` + a signed 64-bit integer, ``u`` + an unsigned one (past the
+    signed ones), or ``b`` + a u32 length + bytes."""
     out = [bytes((rec.kind,))]
     n = len(rec)
     least = _REQUIRED[rec.kind]
@@ -925,13 +939,15 @@ def encode_record(rec: Change) -> bytes:
         n -= 1
     for f in rec[:n] if n < len(rec) else rec:
         if isinstance(f, int):
-            out.append(b"i" + _I.pack(f))
+            # (an integer past a signed one: an inode number an overlay
+            # gives with its layer in the top bits -- format 2)
+            out.append(b"i" + _I.pack(f) if f <= _I_MAX else b"u" + _U.pack(f))
         else:
             out.append(b"b" + _L.pack(len(f)) + bytes(f))
     return seal(b"", b"", b"".join(out))
 
 
-_TAG_INT, _TAG_BYTES = ord("i"), ord("b")
+_TAG_INT, _TAG_BYTES, _TAG_UINT = ord("i"), ord("b"), ord("u")
 
 # kind -> how many of its fields every record has (the others, at the end,
 # are optional: absent, they are 0)
@@ -971,10 +987,11 @@ def _decode_fields(data: bytes) -> Change:
     for tag in tags:
         if pos == len(data) and len(fields) >= least:
             break  # (the optional fields after it are absent: 0)
-        if data[pos] != tag:
+        have = data[pos]
+        if have != tag and not (have == _TAG_UINT and tag == _TAG_INT):
             raise ValueError(f"corrupt journal record (kind {kind}: field {len(fields)})")
         if tag == _TAG_INT:
-            add(_I.unpack_from(data, pos + 1)[0])
+            add((_I if have == _TAG_INT else _U).unpack_from(data, pos + 1)[0])
             pos += 9
         else:
             end = pos + 5 + _L.unpack_from(data, pos + 1)[0]

@@ -25,7 +25,7 @@ import lmdb
 import xxhash
 
 from ..errors import AlreadyMounted, NoStore, StoreError
-from ..system import trust
+from ..system import backing, trust
 from ..system.mounts import not_owner
 from . import schema
 from .schema import PendingRecord
@@ -196,6 +196,43 @@ def check_map(env: lmdb.Environment, path: str, shown: str) -> None:
         raise StoreError(
             f"store {shown}: its database is truncated (db/data.mdb has {size} bytes, its "
             f"pages end at {need}): put db/ back from a backup"
+        )
+
+
+# Filesystems that number their devices anew at each mount (an overlay, a
+# btrfs subvolume): a workspace root there is known again by its inode
+# number and its file handle, which name the same directory whatever
+# device number the mount got.
+REMOUNTED_DEV = frozenset((backing.OVERLAYFS_MAGIC, 0x9123683E))  # (overlay, btrfs)
+
+
+@dataclass(frozen=True)
+class WorkspaceRoot:
+    """What a store knows its workspace's root directory by."""
+
+    st: os.stat_result
+    fs: int  # the filesystem's type (statfs f_type)
+    handle: bytes  # its file handle, without the mount's id (b"": none)
+
+    @classmethod
+    def of(cls, workspace: str) -> WorkspaceRoot:
+        fd = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return cls(os.fstat(fd), backing.fs_type(fd), backing.stable_handle(fd) or b"")
+        finally:
+            os.close(fd)
+
+    def is_owner(self, owner: dict) -> bool:
+        """Whether a store's record of its workspace (``owner``) names this
+        directory."""
+        if (owner["dev"], owner["ino"]) == (self.st.st_dev, self.st.st_ino):
+            return True
+        return (
+            self.fs in REMOUNTED_DEV
+            and owner.get("fs") == self.fs
+            and owner["ino"] == self.st.st_ino
+            and bool(self.handle)
+            and owner.get("handle") == self.handle.hex()
         )
 
 
@@ -712,7 +749,8 @@ class Store:
         process that opened (and checked) the store.  Without *create* a
         missing store is NoStore, and nothing is made."""
         create = create and not readonly
-        ws_st = os.stat(workspace)
+        ws = WorkspaceRoot.of(workspace)
+        ws_st = ws.st
         shown, path = path, path if checked else os.path.realpath(path)
         st = cls._trusted_dir(path, shown, ws_st, create, readonly, checked)
         # (a descriptor handed down is a /proc/self/fd link: followed)
@@ -734,7 +772,7 @@ class Store:
                 used = cls._not_lost(dirfd, shown)
             env = cls._open_env(path, shown, dirfd, readonly)
             if not readonly:
-                cls._prepare(env, dirfd, shown, workspace, ws_st, chunk_size, create, used)
+                cls._prepare(env, dirfd, shown, workspace, ws, chunk_size, create, used)
             store = cls(path, dirfd, lock_fd, env, readonly=readonly)
         except BaseException:
             if lock_fd >= 0:
@@ -743,18 +781,18 @@ class Store:
             raise
         if readonly:
             try:
-                store._check_readonly(shown, ws_st)
+                store._check_readonly(shown, ws)
             except BaseException:
                 store.close()  # (its descriptors with it)
                 raise
         return store
 
-    def _check_readonly(self, shown: str, ws_st: os.stat_result) -> None:
+    def _check_readonly(self, shown: str, ws: WorkspaceRoot) -> None:
         """A store opened read-only (nothing in it made or moved on): its
         settings are this workspace's and its database is the store's (see
         ``check_identity``)."""
         with self.env.begin(db=self.db_meta) as txn:
-            self._validate(txn, self.path, ws_st)
+            self._validate(txn, self.path, ws)
             db = schema.meta_json(schema.DB_META, schema.K_IDENTITY, txn.get(schema.K_IDENTITY))
         check_identity(shown, read_identity(self.dirfd), db)
 
@@ -854,7 +892,7 @@ class Store:
         dirfd: int,
         shown: str,
         workspace: str,
-        ws_st: os.stat_result,
+        ws: WorkspaceRoot,
         chunk_size: int,
         create: bool,
         used: bool,
@@ -864,7 +902,7 @@ class Store:
         generation moves on (see ``_next_generation``)."""
         env.reader_check()
         try:
-            cls._init_meta(env, shown, workspace, ws_st, chunk_size, create, used)
+            cls._init_meta(env, shown, workspace, ws, chunk_size, create, used)
             cls._next_generation(env, dirfd, shown)
         except BaseException:
             env.close()
@@ -953,7 +991,7 @@ class Store:
         env: lmdb.Environment,
         path: str,
         workspace: str,
-        ws_st: os.stat_result,
+        ws: WorkspaceRoot,
         chunk_size: int,
         create: bool = True,
         used: bool = False,
@@ -964,7 +1002,7 @@ class Store:
             except lmdb.Error:
                 raise StoreError(f"store {path} is not initialised") from None
             with env.begin(db=meta) as txn:
-                Store._validate(txn, path, ws_st)
+                Store._validate(txn, path, ws)
         meta = env.open_db(schema.DB_META)
         for name in schema.ALL_DBS:
             env.open_db(name)
@@ -980,8 +1018,10 @@ class Store:
             if fmt is None:
                 owner = {
                     "path": os.path.abspath(workspace),
-                    "dev": ws_st.st_dev,
-                    "ino": ws_st.st_ino,
+                    "dev": ws.st.st_dev,
+                    "ino": ws.st.st_ino,
+                    "fs": ws.fs,
+                    "handle": ws.handle.hex(),
                 }
                 for key, value in (
                     (schema.K_FORMAT, schema.u64(schema.FORMAT)),
@@ -993,22 +1033,40 @@ class Store:
                 ):
                     txn.put(key, schema.seal(schema.DB_META, key, value))
                 return
-            Store._validate(txn, path, ws_st)
+            owner = Store._validate(txn, path, ws)
+            if schema.meta_int(schema.K_FORMAT, fmt) < schema.FORMAT:
+                txn.put(
+                    schema.K_FORMAT,
+                    schema.seal(schema.DB_META, schema.K_FORMAT, schema.u64(schema.FORMAT)),
+                )
+            if "handle" not in owner or (owner["dev"], owner["ino"]) != (
+                ws.st.st_dev,
+                ws.st.st_ino,
+            ):
+                # (a store made before identities had a handle gets one; one
+                # whose filesystem's device number moved keeps the new one)
+                owner.update(dev=ws.st.st_dev, fs=ws.fs, handle=ws.handle.hex())
+                txn.put(
+                    schema.K_WORKSPACE,
+                    schema.seal(schema.DB_META, schema.K_WORKSPACE, schema.to_json(owner)),
+                )
 
     @staticmethod
-    def _validate(txn: lmdb.Transaction[bytes], path: str, ws_st: os.stat_result) -> None:
+    def _validate(txn: lmdb.Transaction[bytes], path: str, ws: WorkspaceRoot) -> dict:
         """The store's format is ours and it belongs to this workspace."""
         raw = txn.get(schema.K_FORMAT)
         if raw is None:
             raise StoreError(f"store {path} is not initialised")
         fmt = schema.meta_int(schema.K_FORMAT, raw)
-        if fmt != schema.FORMAT:
+        if fmt not in schema.READABLE_FORMATS:
             raise StoreError(
-                f"store {path} has format {fmt}, this cowfs reads format {schema.FORMAT}"
+                f"store {path} has format {fmt}, this cowfs reads formats "
+                f"{', '.join(map(str, schema.READABLE_FORMATS))}: a newer cowfs made it"
             )
         owner = schema.meta_json(schema.DB_META, schema.K_WORKSPACE, need(txn, schema.K_WORKSPACE))
-        if (owner["dev"], owner["ino"]) != (ws_st.st_dev, ws_st.st_ino):
+        if not ws.is_owner(owner):
             raise StoreError(f"store {path} belongs to another workspace ({owner['path']})")
+        return owner
 
     @staticmethod
     def destroy(path: str) -> None:

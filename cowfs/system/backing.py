@@ -491,6 +491,31 @@ def object_id(fd: int) -> bytes | None:
     return head + fh.handle_type.to_bytes(4, "little", signed=True) + bytes(fh.f_handle[:n])
 
 
+# Filesystems whose objects are themselves stacked on another filesystem:
+# the kernel counts such stacking (at most 2 deep), and FUSE passthrough to a
+# file on one of them needs a connection that says it may stack 2 deep.
+OVERLAYFS_MAGIC = 0x794C7630
+FUSE_MAGIC = 0x65735546
+ECRYPTFS_MAGIC = 0xF15F
+STACKED = frozenset((OVERLAYFS_MAGIC, FUSE_MAGIC, ECRYPTFS_MAGIC))
+libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def fs_type(fd: int) -> int:
+    """The f_type of the filesystem *fd* (O_PATH is enough) is on."""
+    buf = ctypes.create_string_buffer(256)  # (struct statfs: 120 bytes on 64-bit)
+    checked(libc.fstatfs(fd, buf), call="fstatfs")
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def stable_handle(fd: int) -> bytes | None:
+    """The file handle of the object behind *fd* without the mount's id: the
+    same after the filesystem is mounted again (an overlay's handles name
+    its layers' objects by their filesystems' uuids)."""
+    oid = object_id(fd)
+    return None if oid is None else oid[4:]
+
+
 def lstat_at(dirfd: int, name: bytes) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
