@@ -190,6 +190,44 @@ def reachable_workspace(prefix: str) -> Iterator[Workspace]:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 
+# what a fork's overlay (and a container runtime's, in part) is mounted with
+OVERLAY_OPTIONS = "index=on,redirect_dir=on,metacopy=on,xino=on"
+
+
+def mount(*args: str) -> None:
+    """mount(8) with *args*."""
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+
+
+def unmount_all(path: Path) -> None:
+    """Unmount whatever is mounted at *path* (lazily, each mount stacked there)."""
+    for _ in range(4):  # (stacked mounts come off one at a time)
+        if subprocess.run(["mountpoint", "-q", str(path)]).returncode != 0:
+            return
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+class Overlay:
+    """An overlay mounted at *merged* over *lower* (frozen), with a private
+    upper; ``unmount`` and ``mount`` again give it a new device number
+    where another mount took its old one meanwhile."""
+
+    def __init__(self, base: Path, lower: Path):
+        self.lower = lower  # (not written while mounted)
+        self.upper = base / "upper"
+        self.work = base / "work"
+        self.merged = base / "merged"
+        for d in (self.upper, self.work, self.merged):
+            d.mkdir()
+
+    def mount(self) -> None:
+        opts = f"lowerdir={self.lower},upperdir={self.upper},workdir={self.work},{OVERLAY_OPTIONS}"
+        mount("-t", "overlay", "cowfs-test", "-o", opts, str(self.merged))
+
+    def unmount(self) -> None:
+        unmount_all(self.merged)
+
+
 def view_processes(where: Path) -> list[int]:
     """Pids of the view processes (``python -m ...view``) started for the
     directory *where*."""

@@ -69,7 +69,7 @@ from cowfs.layers import treesnap
 from cowfs.service import control
 from cowfs.system.mounts import MountRecord, mount_table
 
-from .helpers import Workspace
+from .helpers import Overlay, Workspace, mount, unmount_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fuse")]
 
@@ -756,3 +756,49 @@ class TestCowfsModelSmallBatches(_Environment, TestCowfsModel):
     while the one before is taken by the daemon's helper process."""
 
     ENV = {"COWFS_UNDO_BATCH": "3"}
+
+
+class CowfsModelOnOverlay(CowfsModel):
+    """The same model with the workspace on an overlay (as a fork's is):
+    the base state is the overlay's lower layer, on a tmpfs of its own, so
+    every object the rules first meet is a lower object -- numbered past
+    2**63, copied up at its first change (whole data, metadata only, a
+    directory with a redirect), served by passthrough through the overlay."""
+
+    def __init__(self):
+        super().__init__()
+        base = Path(self.tmp)
+        os.rmdir(self.ws.path)
+        self.lower = base / "lower"
+        self.lower.mkdir()
+        mount("-t", "tmpfs", "-o", "mode=0755", "cowfs-model", str(self.lower))
+        self.overlay = Overlay(base, self.lower)
+        self.ws = Workspace(self.overlay.merged / "ws")
+        self.ws.store = self.overlay.merged / "store"
+
+    @initialize()
+    def mount(self):
+        lower_ws = str(self.lower / "ws")
+        os.mkdir(lower_ws)
+        self.populate(lower_ws)
+        copy_tree(lower_ws, self.shadow)
+        self.overlay.mount()
+        self.ws.mount("--store", self.ws.store)
+        layers = self.ws.log()
+        assert len(layers) == 1, layers
+        self.stack = [Layer(layers[0]["id"], self.ws.snapshot(), self.save_shadow())]
+
+    def teardown(self):
+        try:
+            self.ws.teardown()
+        finally:
+            self.overlay.unmount()
+            unmount_all(self.lower)
+        super().teardown()
+
+
+CowfsModelOnOverlay.TestCase.settings = CowfsModel.TestCase.settings
+
+
+class TestCowfsModelOnOverlay(CowfsModelOnOverlay.TestCase):
+    pass

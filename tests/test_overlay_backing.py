@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,45 +22,11 @@ import pytest
 
 from cowfs.layers import treesnap
 
-from .helpers import Workspace, run
+from .helpers import Overlay, Workspace, mount, run, unmount_all
 
 pytestmark = pytest.mark.usefixtures("each_engine")
 
-OPTIONS = "index=on,redirect_dir=on,metacopy=on,xino=on"
 BIG = 1 << 20  # (passthrough serves files from 256 KiB on)
-
-
-def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
-
-
-def _umount(path: Path) -> None:
-    for _ in range(4):  # (stacked mounts come off one at a time)
-        if subprocess.run(["mountpoint", "-q", str(path)]).returncode != 0:
-            return
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-class Overlay:
-    """An overlay mounted at *merged* over *lower* (frozen), with a private
-    upper; ``remount`` mounts it again (a new device number)."""
-
-    def __init__(self, base: Path, lower: Path):
-        self.lower = lower
-        self.upper = base / "upper"
-        self.work = base / "work"
-        self.merged = base / "merged"
-        for d in (self.upper, self.work, self.merged):
-            d.mkdir()
-        self.mounted: list[Path] = []
-
-    def mount(self) -> None:
-        opts = f"lowerdir={self.lower},upperdir={self.upper},workdir={self.work},{OPTIONS}"
-        _mount("-t", "overlay", "cowfs-test", "-o", opts, str(self.merged))
-        self.mounted.append(self.merged)
-
-    def unmount(self) -> None:
-        _umount(self.merged)
 
 
 @contextlib.contextmanager
@@ -76,7 +41,7 @@ def overlay_over(base: Path, lower_on: str) -> Iterator[Overlay]:
     held: list[Path] = []
     try:
         if lower_on == "tmpfs":
-            _mount("-t", "tmpfs", "-o", "mode=0755", "cowfs-test", str(lower))
+            mount("-t", "tmpfs", "-o", "mode=0755", "cowfs-test", str(lower))
             held.append(lower)
         elif lower_on == "overlay":
             inner = overlay_over_parts(base / "inner")
@@ -90,7 +55,7 @@ def overlay_over(base: Path, lower_on: str) -> Iterator[Overlay]:
         yield ov
     finally:
         for path in reversed(held):
-            _umount(path)
+            unmount_all(path)
 
 
 def overlay_over_parts(base: Path) -> Overlay:
@@ -211,7 +176,7 @@ def test_the_store_knows_its_workspace_when_the_overlay_comes_back_on_another_de
         # (a mount made meanwhile takes the freed device number)
         placeholder = tmp_path / "placeholder"
         placeholder.mkdir()
-        _mount("-t", "tmpfs", "cowfs-test", str(placeholder))
+        mount("-t", "tmpfs", "cowfs-test", str(placeholder))
         try:
             ov.mount()
             assert os.stat(ws.path).st_dev != old_dev
@@ -225,7 +190,7 @@ def test_the_store_knows_its_workspace_when_the_overlay_comes_back_on_another_de
             assert r.returncode != 0 and "belongs to another workspace" in r.stderr, r.stderr
         finally:
             ov.unmount()
-            _umount(placeholder)
+            unmount_all(placeholder)
             ov.mount()  # (for the fixtures' teardown, which unmounts it)
 
 

@@ -242,6 +242,53 @@ def test_view_is_the_past_read_only_and_ends_with_its_layer(mounted, tmp_path):
             raise AssertionError("a view outlived its layer")
 
 
+def test_a_view_follows_a_busy_workspace_and_stays_its_layers_past(mounted, tmp_path):
+    """A view reads the records the daemon appends since it last looked,
+    and all of them again only when records it read were deleted or put
+    back (a rollback or a commit above its layer): whichever, it shows the
+    tree as it was when its layer was opened."""
+    ws = mounted
+    for i in range(200):
+        (ws / "dir" / f"f{i}").write_text(f"file {i}\n")
+    os.link(ws / "a.txt", ws / "dir" / "hard")
+    layer = ws.checkpoint("viewed")
+    then = ws.snapshot()
+
+    def same_as_then(v) -> None:
+        time.sleep(1.1)  # (what the kernel holds of the view lasts a second)
+        treesnap.assert_same(then, treesnap.snapshot(v))
+
+    with view_of(ws, layer, tmp_path / "view") as v:
+        same_as_then(v)
+        # records appended: writes, renames, removals, new names
+        for i in range(0, 200, 2):
+            with open(ws / "dir" / f"f{i}", "a") as f:
+                f.write("more\n")
+        os.rename(ws / "dir", ws / "moved")
+        for i in range(1, 200, 3):
+            os.unlink(ws / "moved" / f"f{i}")
+        os.rename(ws / "moved" / "f0", ws / "a.txt")
+        (ws / "dir").mkdir()
+        (ws / "dir" / "b.txt").write_text("another b\n")
+        assert (v / "dir" / "f0").read_text() == "file 0\n"
+        same_as_then(v)
+        # a layer above rolled back: its records are deleted
+        above = ws.checkpoint("above")
+        (ws / "dir" / "b.txt").write_text("in the layer above\n")
+        os.unlink(ws / "a.txt")
+        same_as_then(v)  # (the view reads them before they go)
+        ws.rollback(to=above)
+        same_as_then(v)
+        # a layer above committed into the one below it
+        ws.checkpoint("to merge")
+        os.rename(ws / "dir" / "b.txt", ws / "dir" / "c.txt")
+        same_as_then(v)
+        ws.commit()
+        same_as_then(v)
+        (ws / "dir" / "c.txt").write_text("after the commit\n")
+        same_as_then(v)
+
+
 def test_a_view_counts_only_the_names_an_object_had_then(mounted, tmp_path):
     """A hard link made after the viewed layer opened, then replaced by a
     rename over it or removed, is no name the object had then: the view

@@ -99,21 +99,34 @@ class View(pyfuse3.Operations):
 
     # -- following the store -------------------------------------------------------
 
-    def _state(self) -> tuple:
+    def _state(self) -> tuple[int, int, tuple[int, ...]]:
+        """The journal's end and epoch, and the layers, as the store holds them."""
         with self.store.env.begin(db=self.store.db_meta) as txn:
             seq = meta_int(txn, schema.K_NEXT_SEQ)
+            raw = txn.get(schema.K_EPOCH)
+        epoch = 0 if raw is None else schema.meta_int(schema.K_EPOCH, raw)
         with self.store.env.begin(db=self.store.db_layers) as txn:
             layers = tuple(schema.from_u64(k) for k, _ in txn.cursor())
-        return seq, layers
+        return seq, epoch, layers
 
     def history(self) -> History:
+        """The history of the view's layer, following the store: records
+        appended since it was read are read alone (the workspace's daemon
+        writes all the time), all of them again only when a record already
+        read was deleted or put back (a rollback or commit above the layer)."""
         state = self._state()
-        if state != self.seen or self.h is None:
-            if self.layer not in state[1]:
-                raise fail(errno.ESTALE)
-            self.store.follow(state[0])
+        if state == self.seen and self.h is not None:
+            return self.h
+        seq, epoch, layers = state
+        if self.layer not in layers:
+            raise fail(errno.ESTALE)
+        seen = self.seen
+        self.store.follow(seq)
+        if self.h is not None and seen is not None and seen[1] == epoch and seen[0] <= seq:
+            self.h.extend(self.store.records(seen[0], seq))
+        else:
             self.h = History(self.store, self.resolver, self.layer, self.hidden)
-            self.seen = state
+        self.seen = state
         return self.h
 
     def past(self, path: bytes) -> Past:

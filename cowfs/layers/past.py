@@ -130,6 +130,13 @@ class History:
         self.graves = self.j.graves
         self._links: dict[int, int] | None = None
 
+    def extend(self, records: Iterable[tuple[int, schema.Record]]) -> None:
+        """Read *records*, the ones appended to the journal since those this
+        history read (none deleted or put back meanwhile: the journal's
+        epoch is the same): it then says what one made afresh would."""
+        self.j.feed(records)
+        self._links = None
+
     @property
     def links(self) -> dict[int, int]:
         """Object -> hard links made to it since T (that still exist)."""

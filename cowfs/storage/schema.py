@@ -21,6 +21,11 @@ Databases
              ``next_layer``  u64   next layer id
              ``next_grave``  u64   next grave id
              ``next_writer`` u64   next writer id (absent: 1)
+             ``epoch``       u64   moves on in every transaction that
+                                   deletes or puts back a journal record
+                                   (absent: 0), so that a process reading
+                                   the journal beside the daemon (a view)
+                                   knows when what it read may have changed
              ``pending``     JSON  the group operation under way, resumed
                                    by the next mount if a crash interrupts it
                                    (see ``cowfs/layers/pending.py``):
@@ -230,6 +235,7 @@ K_STATE = b"state"
 K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
+K_EPOCH = b"epoch"
 K_IGNORE = b"ignore"
 K_GRANTS = b"grants"
 K_IDENTITY = b"identity"

@@ -719,10 +719,11 @@ class Store:
         self._layers: list[Layer] | None = None
         self.max_store = self.limits().get("max_store") or 0
         # The journal's epoch: it moves on when a record already written is
-        # deleted or put back, so that what was read of it is read again.
+        # deleted or put back, so that what was read of it is read again
+        # (kept in meta for processes that read the store beside this one).
         # Records appended in a transaction are passed to on_append (first
         # sequence number, records) once it commits.
-        self.epoch = 0
+        self.epoch = self.journal_epoch()
         self.on_append: Callable[[int, list[tuple[int, schema.Record]]], None] | None = None
 
     # -- opening ------------------------------------------------------------
@@ -1114,6 +1115,8 @@ class Store:
                     w.set_meta(schema.K_NEXT_SEQ, schema.u64(w.seq))
                 if self._next_grave != graves:
                     w.set_meta(schema.K_NEXT_GRAVE, schema.u64(self._next_grave))
+                if w.written is None:
+                    w.set_meta(schema.K_EPOCH, schema.u64(self.epoch + 1))
             first, self._next_seq = self._next_seq, w.seq
             if w.written is None:
                 self.epoch += 1
@@ -1209,6 +1212,12 @@ class Store:
     def next_grave(self) -> int:
         """The id the next grave entry gets."""
         return self._next_grave
+
+    def journal_epoch(self) -> int:
+        """The journal's epoch as the store holds it (see ``epoch``)."""
+        with self.env.begin(db=self.db_meta) as txn:
+            raw = txn.get(schema.K_EPOCH)
+        return 0 if raw is None else schema.meta_int(schema.K_EPOCH, raw)
 
     def follow(self, next_seq: int) -> None:
         """Read the journal as ending before *next_seq* (a reader following
