@@ -216,3 +216,30 @@ def test_a_file_the_kernel_will_not_pass_through_is_served_by_the_daemon(tmp_pat
         ws.rollback(layer)
         assert treesnap.compare(before, ws.snapshot()) == []
         assert md5(ws / "big.bin") == expected
+
+
+def test_a_file_whose_metadata_alone_was_copied_up_keeps_its_times_through_a_rollback(
+    tmp_path, fuse
+):
+    """An overlay with metacopy copies up only the attributes of a file that
+    is renamed or chmod-ed; its data follows at its first open for writing,
+    and that copy gives the file the time of the copy as its mtime, before
+    anything is written.  The pre-image is taken before that open."""
+    with overlay_over(tmp_path, "tmpfs") as ov, workspace_on(ov) as ws:
+        ws.mount("--store", ws.store)
+        os.rename(ws / "src" / "b.txt", ws / "b.moved")  # (metadata copied up, a redirect)
+        os.chmod(ws / "big.bin", 0o600)  # (metadata copied up)
+        os.utime(ws / "b.moved", ns=(10**18, 2 * 10**18))
+        before = ws.snapshot()
+        layer = ws.checkpoint("write")
+        for name in ("b.moved", "big.bin"):
+            fd = os.open(ws / name, os.O_WRONLY)
+            try:
+                os.fstat(fd)
+                os.pwrite(fd, b"written", 3)
+            finally:
+                os.close(fd)
+        os.truncate(ws / "src" / "a.txt", 1)
+        ws.rollback(layer)
+        assert treesnap.compare(before, ws.snapshot()) == []
+        assert os.stat(ws / "b.moved").st_mtime_ns == 2 * 10**18

@@ -182,6 +182,12 @@ class Ops:
         self.is_root = os.geteuid() == 0
         self.euid, self.egid = os.geteuid(), os.getegid()
         self.noatime = bool(os.fstatvfs(rootfd).f_flag & os.ST_NOATIME)
+        # On an overlay, opening a file for writing can change its times
+        # before anything is written: a file whose metadata alone was
+        # copied up (metacopy: after a chmod, a rename) gets its data
+        # copied up then, and its mtime is the time of that copy.  Its
+        # attributes are captured before such an open, not at the first write.
+        self.open_changes_times = backing.fs_type(rootfd) == backing.OVERLAYFS_MAGIC
         self.table = table = InodeTable(rootfd, store.grave_fd, hidden)
         self.fds = table.fds
         self.root = table.root
@@ -420,6 +426,8 @@ class Ops:
             if fd is not None:
                 os.ftruncate(fd, size)
             else:
+                if self.open_changes_times:
+                    self._capture_meta(node)
                 wfd = os.open(backing.proc(node.fd), os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     os.ftruncate(wfd, size)
@@ -878,6 +886,8 @@ class Ops:
             self._capture_data(node, None, 0, 1 << 63, zeroing=True)
             self._rewriting(node)
         fl = self._open_flags(flags)
+        if self.open_changes_times and flags & os.O_ACCMODE != os.O_RDONLY:
+            self._capture_meta(node)
         try:
             fd = self.fds.open(backing.proc(node.fd), fl)
         except PermissionError:
