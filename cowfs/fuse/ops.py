@@ -223,7 +223,9 @@ class Ops:
             return st.st_nlink - buried
         if buried:
             return 0
-        return st.st_nlink - (node is self.root and self.hidden_dir)
+        # (a directory's count of 1 is "not counted": an overlay's merged
+        # directories, btrfs -- nothing to take away)
+        return st.st_nlink - (node is self.root and self.hidden_dir and st.st_nlink > 1)
 
     def _child(self, parent: Node, name: bytes) -> bytes:
         try:

@@ -32,6 +32,7 @@ import logging
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import pyfuse3
@@ -52,6 +53,11 @@ from .pyfuse3_engine import handler, statvfs_data
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
 TIMEOUT = 1.0  # the past does not change, but the view must notice its end
+PENDING_WAIT = 120.0  # (how long a request waits for a rollback to finish)
+# The metadata an overlay keeps in its layers' xattrs: never served from a
+# workspace's objects (a view is the lower layer of a fork's overlay, and
+# whoever may write the workspace could plant redirects there).
+OVERLAY_XATTR = b"trusted.overlay."
 
 
 Opened = tuple[bytes, int, bytes | None]
@@ -67,12 +73,16 @@ class View(pyfuse3.Operations):
         layer: int,
         hidden: bytes | None,
         on_init: Callable[[], None] | None = None,
+        start: int | None = None,
     ):
+        """*start*: the view is of the tree when the record at that journal
+        position was written (a fork point), not of the layer's start."""
         super().__init__()
         self.store = store
         self.rootfd = rootfd
         self.resolver = backing.Resolver(rootfd, store.grave_fd)
         self.layer = layer
+        self.start = start
         self.hidden = hidden
         self.on_init = on_init
         self.h: History | None = None
@@ -100,10 +110,19 @@ class View(pyfuse3.Operations):
     # -- following the store -------------------------------------------------------
 
     def _state(self) -> tuple[int, int, tuple[int, ...]]:
-        """The journal's end and epoch, and the layers, as the store holds them."""
-        with self.store.env.begin(db=self.store.db_meta) as txn:
-            seq = meta_int(txn, schema.K_NEXT_SEQ)
-            raw = txn.get(schema.K_EPOCH)
+        """The journal's end and epoch, and the layers, as the store holds
+        them -- once no rollback or redo is under way (it puts the tree back
+        before it deletes the records that say so: in between, neither says
+        where the objects of the past are), or after PENDING_WAIT seconds."""
+        deadline = time.monotonic() + PENDING_WAIT
+        while True:
+            with self.store.env.begin(db=self.store.db_meta) as txn:
+                seq = meta_int(txn, schema.K_NEXT_SEQ)
+                raw = txn.get(schema.K_EPOCH)
+                busy = txn.get(schema.K_PENDING) is not None
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         epoch = 0 if raw is None else schema.meta_int(schema.K_EPOCH, raw)
         with self.store.env.begin(db=self.store.db_layers) as txn:
             layers = tuple(schema.from_u64(k) for k, _ in txn.cursor())
@@ -118,14 +137,14 @@ class View(pyfuse3.Operations):
         if state == self.seen and self.h is not None:
             return self.h
         seq, epoch, layers = state
-        if self.layer not in layers:
+        if self.layer not in layers if self.start is None else not layers:
             raise fail(errno.ESTALE)
         seen = self.seen
         self.store.follow(seq)
         if self.h is not None and seen is not None and seen[1] == epoch and seen[0] <= seq:
             self.h.extend(self.store.records(seen[0], seq))
         else:
-            self.h = History(self.store, self.resolver, self.layer, self.hidden)
+            self.h = History(self.store, self.resolver, self.layer, self.hidden, start=self.start)
         self.seen = state
         return self.h
 
@@ -365,7 +384,11 @@ class View(pyfuse3.Operations):
     def _xattrs(self, inode: int) -> list[tuple[bytes, bytes]]:
         h = self.history()
         try:
-            return h.xattrs_of(h.need(self._path(inode)))
+            return [
+                (k, v)
+                for k, v in h.xattrs_of(h.need(self._path(inode)))
+                if not k.startswith(OVERLAY_XATTR)
+            ]
         except Replaced:
             raise fail(errno.ESTALE) from None
 
@@ -401,6 +424,7 @@ def serve(
     hidden: bytes | None,
     report: Callable[[dict], None],
     dirfd: int | None = None,
+    start: int | None = None,
 ) -> int:
     target = f"/proc/self/fd/{dirfd}" if dirfd is not None and os.geteuid() == 0 else mountpoint
     ws_path = os.readlink(f"/proc/self/fd/{rootfd}")
@@ -412,7 +436,8 @@ def serve(
             locked=False,
             checked=True,
         )
-        store.get_layer(layer)
+        if start is None:
+            store.get_layer(layer)
     except CowfsError as e:
         report({"ok": False, **e.to_dict()})
         return e.code
@@ -424,6 +449,7 @@ def serve(
         on_init=lambda: report(
             {"ok": True, "pid": os.getpid(), "mountpoint": mountpoint, "layer": layer}
         ),
+        start=start,
     )
     options = {
         "ro",
@@ -460,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", default="")
     p.add_argument("--layer", type=int, required=True)
     p.add_argument("--dir-fd", type=int, default=None)
+    p.add_argument("--since", type=int, default=None, help="a fork point's journal position")
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
     from ..service.launch import detach
@@ -472,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         os.fsencode(a.hidden) or None,
         detach(a.ready_fd),
         a.dir_fd,
+        a.since,
     )
 
 

@@ -13,6 +13,7 @@ import sys
 from .. import errors
 from ..errors import CowfsError
 from ..text import json_text, printable, quote, relative
+from .cmd_forks import FORK_COMMANDS, enter_fork
 from .command import (  # (the argument types, for their users)
     Parser,
     layer_id,
@@ -41,7 +42,7 @@ def command_of(argv: list[str]) -> str | None:
     """The subcommand named in *argv* (skipping the global options)."""
     tokens = iter(argv)
     for token in tokens:
-        if token in ("-C", "--store"):
+        if token in ("-C", "--store", "--fork"):
             next(tokens, None)
         elif not token.startswith("-"):
             return token
@@ -63,6 +64,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
+        if getattr(args, "fork", None) and args.command not in FORK_COMMANDS:
+            enter_fork(args)
         return COMMANDS[args.command].run(args)
     except CowfsError as e:
         if args.json:

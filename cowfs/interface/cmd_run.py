@@ -144,6 +144,16 @@ class Run(Command):
         cmd = command_argv(args)
         from ..escalation.policy import Policy
 
+        if getattr(args, "fork", None):
+            # (CMD sees the fork at the workspace's own path; this process's
+            # requests go to the fork's daemon at the fork's path)
+            from .cmd_forks import private_namespace
+
+            private_namespace(args.fork_root, args.fork_of)
+            here = os.getcwd()
+            inside = here == args.fork_of or here.startswith(args.fork_of + "/")
+            args.cwd = here if inside else args.fork_of
+
         policy = Policy.load(args.policy)
         scope = args.scope or policy.settings["run_scope"]
         ws, ephemeral = self.workspace(args)
@@ -162,6 +172,7 @@ class Run(Command):
                 vms=args.vm,
                 scope=scope,
                 policy=policy,
+                cwd=getattr(args, "cwd", None),
             )
             for warning in result.warnings:
                 print(f"cowfs: warning: {warning}", file=sys.stderr)

@@ -15,6 +15,7 @@ import argparse
 
 from .. import __version__
 from .cmd_agents import Hook, Hooks, Rewind
+from .cmd_forks import Drop, Fork, Forks
 from .cmd_inspect import Audit, Diff, Log, Show, Status
 from .cmd_layers import Checkpoint, Commit, Redo, Restore, Rollback
 from .cmd_mount import Mount, Unmount, View
@@ -76,6 +77,9 @@ COMMANDS: dict[str, Command] = {
         Check(),
         Doctor(),
         Log(),
+        Fork(),
+        Forks(),
+        Drop(),
         Mcp(),
         Hooks(),
         Hook(),
@@ -97,6 +101,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         default=".",
         metavar="PATH",
         help="a path inside the workspace (default: the current directory)",
+    )
+    p.add_argument(
+        "--fork",
+        metavar="NAME",
+        help="work on fork NAME of the workspace (see cowfs fork), at the same path in it",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--root", action="store_true", help=ROOT_HELP)
@@ -127,5 +136,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         json_option(s)
         if command.prints_paths:
             root_option(s)
+        if command.ops and command.name not in ("fork", "forks", "drop"):
+            s.add_argument(
+                "--fork",
+                metavar="NAME",
+                default=argparse.SUPPRESS,
+                help="work on fork NAME of the workspace (as the global --fork)",
+            )
         command.add_options(s)
     return p

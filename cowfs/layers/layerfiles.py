@@ -24,7 +24,7 @@ from ..storage import schema
 from ..storage.schema import PendingRecord, RedoState
 from ..storage.store import Layer, Store
 from ..system import backing
-from . import fsck, pending, redo
+from . import forkpoints, fsck, pending, redo
 from .rollback import Acting, Rollback, RollbackReport, seal_redo
 from .stackview import StackView
 from .undo import Undoer, describe
@@ -95,6 +95,10 @@ class LayerFiles:
             raise NothingToDo("nothing to commit: the base layer has no changes")
         self.discard_redo("a commit was made after it")
         if len(layers) == 1:
+            if not self.layer_is_empty(top.id):
+                forkpoints.refuse_below(
+                    self.store, top.start, f"a commit of the base layer {top.id}"
+                )
             freed = self._commit_base(top)
             fresh = self.store.push_layer("base")
             return {"committed": top.id, "into": None, "top": fresh.id, "freed": freed}
@@ -202,6 +206,7 @@ class LayerFiles:
                 f"no layer {to} (layers: {', '.join(str(layer.id) for layer in layers)})"
             )
         dropping = [layer for layer in reversed(layers) if layer.id >= to]
+        forkpoints.refuse_below(self.store, dropping[-1].start, f"a rollback to layer {to}")
         return to, dropping, [layer.id for layer in layers if layer.id < to]
 
     @staticmethod

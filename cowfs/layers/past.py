@@ -113,18 +113,22 @@ class History:
         layer_id: int,
         hidden: bytes | None = None,
         reading: Reading | None = None,
+        start: int | None = None,
     ):
         """*reading*: of the records since the layer was opened, if the
-        caller keeps one (``StackView.reading``)."""
+        caller keeps one (``StackView.reading``).  *start*: the moment is
+        when the record at that journal position was written (a fork
+        point: its layer may have been merged into the one below since)."""
         self.store = store
         self.r = resolver
         self.hidden = hidden  # the store's name in the root, when it is there
-        layer = store.get_layer(layer_id)
+        if start is None:
+            start = store.get_layer(layer_id).start
         self.layer = layer_id
         self.j = (
             reading
             if reading is not None
-            else Reading(store.records(layer.start, store.next_seq), store.chunk_size)
+            else Reading(store.records(start, store.next_seq), store.chunk_size)
         )
         self.start = self.j.start  # path at T -> object there (None: absent)
         self.graves = self.j.graves

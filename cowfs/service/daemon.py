@@ -309,10 +309,13 @@ class Daemon:
             await nursery.start(
                 control.serve, self.record.socket, self, 0o666 if self.record.shared else 0o600
             )
+            ours = [m for m in mounts() if m.mountpoint == self.mountpoint and m.fstype == FSTYPE]
+            self.record.dev = ours[-1].dev if ours else ""
             self.record.save()
             nursery.start_soon(self._signals)
             nursery.start_soon(self._periodic_sync)
             nursery.start_soon(self.hasher.run)
+            nursery.start_soon(self._resume_forks)
             await self.fuse.serve()
             with trio.move_on_after(5):
                 while self.inflight:
@@ -321,6 +324,13 @@ class Daemon:
             nursery.cancel_scope.cancel()
         # removed files not hashed yet are hashed before the store closes
         await self.hasher.drain()
+
+    async def _resume_forks(self) -> None:
+        """The workspace's forks are mounted again (with it, after the
+        control channel answers: a request waits for them)."""
+        async with self.lock:
+            for warning in await self.fuse.blocking(self.session.resume):
+                log.warning("%s", warning)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -334,6 +344,10 @@ class Daemon:
                 await self.session.flush()
                 with self.fuse.exclusive():
                     self.session.store.sync()
+                try:
+                    await self.fuse.blocking(self.session.stop_all, True)
+                except Exception:
+                    log.exception("unmounting the forks")
                 self.fuse.terminate()
 
     async def _periodic_sync(self) -> None:
@@ -420,9 +434,13 @@ class Daemon:
             for m in mounts()  # (not in the table any more once detached)
             if m.mountpoint == self.mountpoint and m.fstype == FSTYPE
         ]
+        # (the forks go first, and come back if the workspace stays mounted)
+        await self.fuse.blocking(self.session.stop_all, lazy)
         try:
             await self.fuse.blocking(unmount, self.mountpoint, lazy)
         except OSError as e:
+            for warning in await self.fuse.blocking(self.session.resume):
+                log.warning("%s", warning)
             if e.errno == errno.EBUSY:
                 users = await self.fuse.blocking(mount_users, ours[-1]) if ours else []
                 raise AlreadyMounted(

@@ -48,6 +48,7 @@ def start_view(
     mountpoint: str,
     hidden: bytes | None,
     invoker: int | None = None,
+    start: int | None = None,
 ) -> dict:
     """Start the view process (cowfs/fuse/view.py) with the workspace root, the
     store and the directory to mount on as open fds; return once its mount
@@ -66,6 +67,8 @@ def start_view(
             args += ["--dir-fd", str(dirfd)]
             if hidden:
                 args += ["--hidden", os.fsdecode(hidden)]
+            if start is not None:
+                args += ["--since", str(start)]
             return start_and_wait(
                 VIEW_MODULE,
                 args + [mp],

@@ -52,6 +52,9 @@ OPERATIONS = (
     Operation("repair", doing="repairing the store"),
     Operation("log", offline=True, grant="read"),
     Operation("restore", offline=True, long="restore", doing="restoring", grant="step"),
+    Operation("fork", doing="making the fork"),
+    Operation("forks", offline=True, grant="read"),
+    Operation("drop", offline=True, long="drop", doing="dropping the fork"),
 )
 
 # what each grant lets a user other than the owner ask for: the operations

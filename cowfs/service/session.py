@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..escalation.providers import Registry
 from ..fuse.ops import Ops
-from ..layers import fsck, pending, redo
+from ..layers import forkpoints, fsck, pending, redo
 from ..layers.capture import Recorder
 from ..layers.ignore import IgnoreRules
 from ..layers.layerfiles import Acting, LayerFiles, RollbackReport
@@ -68,6 +68,7 @@ from ..system.mounts import (
 )
 from ..text import count, quote
 from . import operations
+from .forkops import Forking
 from .launch import start_view
 from .restore import Denied, Invalid, restore
 
@@ -163,7 +164,7 @@ class MountHooks:
 NO_MOUNT = MountHooks()
 
 
-class Session:
+class Session(Forking):
     def __init__(
         self,
         workspace: str,
@@ -280,7 +281,7 @@ class Session:
         self.grants = self.store.get_meta_json(schema.K_GRANTS) or []
         self.resume_files()
         self.recorder = Recorder(self.store)
-        self.recorder.ignore = self.rules
+        self.capture_filter()
 
     def inspect(self, readonly: bool = True) -> None:
         """Open the workspace and its store as they are, for `cowfs check`
@@ -339,6 +340,13 @@ class Session:
         if recorded is None:
             return
         drift = self.stackview.drift(recorded)
+        if drift and self.accept_drift and forkpoints.forks(self.store):
+            raise Drift(
+                f"{len(drift)} path(s) the layers changed were changed while the workspace "
+                "was not mounted, and it has forks "
+                f"({', '.join(sorted(forkpoints.forks(self.store)))}) whose fork points "
+                "that would change: drop them first, or put the paths back"
+            )
         if drift and not self.accept_drift:
             shown = ", ".join(map(quote, drift[:10])) + (
                 f" and {len(drift) - 10} more" if len(drift) > 10 else ""

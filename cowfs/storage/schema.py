@@ -21,6 +21,8 @@ Databases
              ``next_layer``  u64   next layer id
              ``next_grave``  u64   next grave id
              ``next_writer`` u64   next writer id (absent: 1)
+             ``forks``       JSON  the workspace's forks and the layers
+                                   they pin (cowfs/layers/forkpoints.py)
              ``epoch``       u64   moves on in every transaction that
                                    deletes or puts back a journal record
                                    (absent: 0), so that a process reading
@@ -236,6 +238,7 @@ K_LIMITS = b"limits"
 K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_EPOCH = b"epoch"
+K_FORKS = b"forks"
 K_IGNORE = b"ignore"
 K_GRANTS = b"grants"
 K_IDENTITY = b"identity"

@@ -102,6 +102,11 @@ def _key(mountpoint: str) -> str:
     return xxhash.xxh3_64_hexdigest(os.fsencode(mountpoint))
 
 
+def path_key(path: str) -> str:
+    """A short name for *path* in file names (runtime directories)."""
+    return _key(path)
+
+
 def socket_path(mountpoint: str, shared: bool = False) -> str:
     """The control socket's path; *shared*: one other users may reach."""
     base = shared_runtime_dir() if shared else runtime_dir()
@@ -194,7 +199,7 @@ class MountRecord:
     plain class: the command line reads it first thing, and dataclasses cost
     milliseconds to import)."""
 
-    __slots__ = ("mountpoint", "workspace", "store", "pid", "socket", "finishing")
+    __slots__ = ("mountpoint", "workspace", "store", "pid", "socket", "finishing", "dev")
 
     def __init__(
         self,
@@ -204,6 +209,7 @@ class MountRecord:
         pid: int,
         socket: str,
         finishing: bool = False,
+        dev: str = "",
     ):
         self.mountpoint = mountpoint
         self.workspace = workspace
@@ -211,6 +217,10 @@ class MountRecord:
         self.pid = pid
         self.socket = socket
         self.finishing = finishing  # unmounted; the daemon records its state and exits
+        # the mount's device ("major:minor"), which names it in every mount
+        # namespace ("": not known yet) -- in another namespace another
+        # cowfs mount may be at the same path (a fork, ``run --fork``)
+        self.dev = dev
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -393,7 +403,22 @@ def record_at(mountpoint: str) -> MountRecord | None:
     """The record of the daemon of the cowfs mount at *mountpoint*, if it
     left one: this user's, or (root) that of the user who mounted it, or
     one the workspace shares with other users.  Another user's mount that
-    shares nothing with this one is NotOwner."""
+    shares nothing with this one is NotOwner.  The mount at that path in
+    this process's mount namespace is the one meant: where it is another
+    cowfs mount than the record's (a fork bound there), that mount's own
+    record, found by its device."""
+    rec = _record_at(mountpoint)
+    found = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FSTYPE]
+    if rec is None or not rec.dev or not found or found[-1].dev == rec.dev:
+        return rec
+    dev = found[-1].dev
+    for other in MountRecord.all():
+        if other.dev == dev:
+            return other
+    return None
+
+
+def _record_at(mountpoint: str) -> MountRecord | None:
     rec = MountRecord.load(mountpoint)
     owner = mount_owner(mountpoint) if rec is None else None
     if owner is not None and owner != os.geteuid():

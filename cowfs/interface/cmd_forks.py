@@ -1,0 +1,164 @@
+"""The commands of forks: ``cowfs fork``, ``forks``, ``drop``, and the
+global ``--fork NAME`` that points any other command at a fork (see
+cowfs/service/forkops.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import time
+
+from .. import errors
+from ..errors import CowfsError
+from ..system.mounts import find_mount
+from ..text import ago, human_size, quote
+from .client import Client
+from .command import Command, out
+
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_SLAVE, MS_BIND = 0x4000, 0x80000, 0x1000
+
+
+class Fork(Command):
+    name = "fork"
+    help = (
+        "make fork NAME of the workspace as it is now: a private copy at once, whatever "
+        "its size, with layers of its own (the workspace gets a layer there)"
+    )
+    examples = (
+        "  cowfs fork try-a -m 'upgrade the parser'\n"
+        "  cowfs run --fork try-a -- make test\n"
+        "  cowfs --fork try-a status"
+    )
+    ops = ("fork",)
+
+    def add_options(self, s: argparse.ArgumentParser) -> None:
+        s.add_argument("-m", "--message", default="", help="what the fork is for (forks shows it)")
+        s.add_argument(
+            "--at",
+            metavar="DIR",
+            help="also mount the fork at DIR (an empty directory outside the workspace)",
+        )
+        s.add_argument("name", metavar="NAME", help="the fork's name (letters, digits, . _ -)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        res = Client.attach(args.path).call(
+            "fork",
+            name=args.name,
+            message=args.message,
+            at=os.path.abspath(args.at) if args.at else None,
+        )
+        out(
+            args,
+            f"fork {args.name} made from layer {res['layer']}"
+            + (f", mounted at {quote(res['at'])}" if args.at else "")
+            + f" ('cowfs run --fork {args.name} -- CMD' works in it)",
+            res,
+        )
+        return 0
+
+
+class Forks(Command):
+    name = "forks"
+    help = "list the workspace's forks: fork point, message, disk space, processes using each"
+    ops = ("forks",)
+
+    def run(self, args: argparse.Namespace) -> int:
+        res = Client.find(args.path, args.offline_store).call("forks")
+        rows = res["forks"]
+        if args.json:
+            out(args, None, rows)
+            return 0
+        if not rows:
+            print("# no forks")
+            return 0
+        print(f"{'NAME':<16} {'LAYER':>5}  {'CREATED':<16} {'SIZE':>9}  {'USERS':<12} MESSAGE")
+        for r in rows:
+            users = ",".join(map(str, r["users"][:3])) + ("…" if len(r["users"]) > 3 else "")
+            state = (
+                ""
+                if r["mounted"]
+                else f" [{r['state'] if r['state'] != 'live' else 'not mounted'}]"
+            )
+            print(
+                f"{r['name']:<16} {r['layer']:>5}  {ago(r['created'], time.time()):<16} "
+                f"{human_size(r['bytes']):>9}  {users or '-':<12} {r['message']}{state}"
+            )
+        return 0
+
+
+class Drop(Command):
+    name = "drop"
+    help = "unmount fork NAME and free everything it holds (refused while processes use it)"
+    ops = ("drop",)
+
+    def add_options(self, s: argparse.ArgumentParser) -> None:
+        s.add_argument(
+            "--force",
+            action="store_true",
+            help="drop it even while processes use it (they lose it)",
+        )
+        s.add_argument("name", metavar="NAME", help="the fork")
+
+    def run(self, args: argparse.Namespace) -> int:
+        res = Client.find(args.path, args.offline_store).call(
+            "drop", name=args.name, force=args.force
+        )
+        out(args, f"dropped fork {args.name}", res)
+        return 0
+
+
+FORK_COMMANDS = ("fork", "forks", "drop")
+
+
+def enter_fork(args: argparse.Namespace) -> None:
+    """``--fork NAME``: the command works on fork NAME of the workspace of
+    -C PATH: -C becomes the same path in the fork (root: the fork is
+    mounted where only root reaches it)."""
+    name = args.fork
+    rows = Client.attach(args.path).call("forks")["forks"]
+    row = next((r for r in rows if r["name"] == name), None)
+    if row is None:
+        known = ", ".join(r["name"] for r in rows) or "no forks"
+        raise CowfsError(f"no fork {name} ({known})", errors.UNKNOWN_LAYER)
+    if not row["mounted"]:
+        raise CowfsError(f"fork {name} is not mounted ({row['state']})", errors.NOT_MOUNTED)
+    root = os.path.realpath(find_mount(args.path).mountpoint)
+    here = os.path.realpath(args.path)
+    rel = os.path.relpath(here, root) if here == root or here.startswith(root + "/") else "."
+    target = os.path.normpath(os.path.join(row["path"], rel))
+    args.path = target if os.path.exists(target) else row["path"]
+    args.fork_root, args.fork_of = row["path"], root
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        e = ctypes.get_errno()
+        raise CowfsError(f"{what}: {os.strerror(e)}", errors.DAEMON_ERROR)
+
+
+def private_namespace(fork_root: str, workspace: str) -> None:
+    """This process moves to a mount namespace of its own in which
+    *workspace* shows the fork mounted at *fork_root* (root only); the
+    current directory, if it was inside the workspace, is the same path
+    in the fork."""
+    if os.geteuid() != 0:
+        raise CowfsError(
+            "run --fork needs root for now (a mount namespace); as another user, "
+            "use the fork's own path: cowfs forks --json",
+            errors.USAGE,
+        )
+    cwd = os.getcwd()
+    _check(_libc.unshare(CLONE_NEWNS), "unshare")
+    _check(_libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None), "making / a slave mount")
+    _check(
+        _libc.mount(os.fsencode(fork_root), os.fsencode(workspace), None, MS_BIND, None),
+        f"binding the fork over {workspace}",
+    )
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)  # (the same path, now in the fork)

@@ -1,0 +1,234 @@
+"""Forks: private copies of a workspace, made at once from its state at the
+fork point (a view of it as an overlay's lower layer, a private upper
+layer, a cowfs mount over that), each a workspace with layers of its own.
+
+Every tree is compared whole (names, types, bytes, modes, owners, mtimes,
+xattrs, hard links) with what it must be.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cowfs.errors import ALREADY_MOUNTED, REFUSED
+from cowfs.layers import treesnap
+from cowfs.system.mounts import MountRecord, mounts, path_key, pid_alive, runtime_dir
+
+from .helpers import COWFS, managed_workspace
+
+pytestmark = pytest.mark.usefixtures("each_engine")
+
+
+def fork_mounts(ws: Path) -> list[str]:
+    """Everything mounted for the forks of workspace *ws*."""
+    base = os.path.join(runtime_dir(), "forks", path_key(str(ws))) + "/"
+    return [m.mountpoint for m in mounts() if m.mountpoint.startswith(base)]
+
+
+def clear_forks(ws: Path) -> None:
+    """Whatever a test left of its forks goes: their daemons are killed,
+    their mounts detached (the deepest first)."""
+    for mp in sorted(set(fork_mounts(ws)), key=len, reverse=True):
+        rec = MountRecord.load(mp)
+        if rec is not None and pid_alive(rec.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rec.pid, signal.SIGKILL)
+        for _ in range(4):
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"cowfs.fuse.view" in argv and any(str(ws).encode() in a for a in argv):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.fixture
+def parent(tmp_path, fuse) -> Iterator:
+    """A mounted workspace with what forks must carry: hard links, a
+    symlink, xattrs, a large file, an ignored directory, modes and times."""
+    with managed_workspace(tmp_path / "ws") as ws:
+        try:
+            root = ws.path
+            (root / "src").mkdir()
+            (root / "src" / "a.txt").write_text("alpha\n")
+            os.link(root / "src" / "a.txt", root / "src" / "a.hard")
+            os.symlink("a.txt", root / "src" / "link")
+            os.setxattr(root / "src" / "a.txt", "user.color", b"blue")
+            (root / "big.bin").write_bytes(os.urandom(1 << 20))
+            (root / "node_modules" / "pkg").mkdir(parents=True)
+            (root / "node_modules" / "pkg" / "index.js").write_text("module.exports = 1\n")
+            (root / ".cowfsignore").write_text("node_modules\n")
+            (root / "empty").mkdir()
+            os.chmod(root / "src" / "a.txt", 0o640)
+            os.utime(root / "src", ns=(10**18, 10**18))
+            ws.mount()
+            yield ws
+        finally:
+            ws.teardown()
+            clear_forks(ws.path)
+    assert not fork_mounts(ws.path), "the forks' mounts outlived the test"
+
+
+def forks_of(ws) -> dict[str, dict]:
+    return {f["name"]: f for f in ws.json("forks")}
+
+
+def fork(ws, name: str, *extra: str) -> Path:
+    ws.cowfs("fork", *extra, name)
+    return Path(forks_of(ws)[name]["path"])
+
+
+def same(a: treesnap.Snapshot, b: treesnap.Snapshot) -> None:
+    treesnap.assert_same(a, b)
+
+
+def test_a_fork_is_the_workspace_at_the_fork_point_and_neither_sees_the_other(parent):
+    ws = parent
+    then = ws.snapshot()
+    f = fork(ws, "a", "-m", "try a")
+    row = forks_of(ws)["a"]
+    assert row["message"] == "try a" and row["mounted"] and row["users"] == []
+    same(then, treesnap.snapshot(f))  # ignored paths, links, xattrs, times too
+    # the fork writes: captured paths, ignored ones, a hard link, a rename
+    with open(f / "src" / "a.hard", "a") as fh:
+        fh.write("fork\n")
+    (f / "node_modules" / "pkg" / "index.js").write_text("module.exports = 2\n")
+    os.rename(f / "src", f / "lib")
+    (f / "new.txt").write_text("made in the fork\n")
+    mine = treesnap.snapshot(f)
+    same(then, ws.snapshot())
+    # the workspace writes: the fork keeps its own state
+    (ws / "src" / "a.txt").write_text("parent\n")
+    (ws / "node_modules" / "pkg" / "index.js").write_text("module.exports = 3\n")
+    os.unlink(ws / "big.bin")
+    time.sleep(1.1)  # (what the kernel holds of the fork point lasts a second)
+    same(mine, treesnap.snapshot(f))
+    assert [c["path"] for c in ws.json("--fork", "a", "status")["changes"]] == [
+        c["path"] for c in ws.json("-C", str(f), "status")["changes"]
+    ]
+    # each has its own layers
+    assert ws.json("--fork", "a", "log")[0]["id"] == 1
+    assert ws.log()[-1]["message"] == "try a"
+
+
+def test_the_fork_point_stays_whatever_the_workspace_rolls_back_or_commits(parent):
+    ws = parent
+    then = ws.snapshot()
+    before = ws.checkpoint("before")
+    (ws / "src" / "a.txt").write_text("kept below the fork\n")
+    f = fork(ws, "a")
+    at_fork = ws.snapshot()
+    same(at_fork, treesnap.snapshot(f))
+    fork_layer = forks_of(ws)["a"]["layer"]
+    # a rollback to a layer before the fork point would take its state away
+    r = ws.cowfs("rollback", "--to", str(before), check=False)
+    assert r.returncode == REFUSED and "fork a" in r.stderr, r.stderr
+    same(at_fork, ws.snapshot())
+    # rolling back what came after it, its own layer included, is allowed
+    (ws / "src" / "a.txt").write_text("after the fork\n")
+    ws.checkpoint("above")
+    os.unlink(ws / "big.bin")
+    ws.rollback(fork_layer)
+    same(at_fork, ws.snapshot())
+    # and so is a commit, which keeps every record
+    (ws / "empty" / "x").write_text("x\n")
+    ws.commit()
+    time.sleep(1.1)
+    same(at_fork, treesnap.snapshot(f))
+    assert ws.cowfs("drop", "a").returncode == 0
+    ws.rollback(ws.log()[0]["id"])  # (no fork left to keep it from the base)
+    same(then, ws.snapshot())
+
+
+def test_forks_come_back_with_their_workspace_and_after_its_daemon_is_killed(parent):
+    ws = parent
+    f = fork(ws, "a")
+    (f / "mine.txt").write_text("fork's\n")
+    ws.json("--fork", "a", "checkpoint", "-m", "in the fork")
+    mine = treesnap.snapshot(f)
+    ws.unmount()
+    assert not fork_mounts(ws.path)
+    ws.mount()
+    deadline = time.monotonic() + 60
+    while not forks_of(ws)["a"]["mounted"]:
+        assert time.monotonic() < deadline, "the fork was not mounted again"
+        time.sleep(0.1)
+    same(mine, treesnap.snapshot(f))
+    assert ws.json("--fork", "a", "log")[-1]["message"] == "in the fork"
+    # the workspace's daemon dies: the fork goes on, and the next mount keeps it
+    ws.kill()
+    (f / "after.txt").write_text("written while the workspace was down\n")
+    ws.cowfs("mount", ws.path)
+    assert forks_of(ws)["a"]["mounted"]
+    assert (f / "after.txt").read_text() == "written while the workspace was down\n"
+
+
+def test_run_in_a_fork_sees_it_at_the_workspaces_own_path(parent):
+    ws = parent
+    f = fork(ws, "a")
+    script = (
+        f"pwd; cat a.txt; echo made > run.txt; {' '.join(COWFS)} checkpoint -m inside; "
+        f"{' '.join(COWFS)} --json status"
+    )
+    r = subprocess.run(
+        [*COWFS, "run", "--fork", "a", "--", "sh", "-c", script],
+        cwd=ws / "src",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == str(ws / "src") and lines[1] == "alpha"
+    assert json.loads(lines[-1])["changes"] == []  # (just after its own checkpoint)
+    assert (f / "src" / "run.txt").read_text() == "made\n"
+    assert not (ws / "src" / "run.txt").exists()
+    messages = [row["message"] for row in ws.json("--fork", "a", "log")]
+    assert "inside" in messages
+    assert "inside" not in [row["message"] for row in ws.log()]
+
+
+def test_drop_frees_the_fork_and_waits_for_its_users(parent):
+    ws = parent
+    f = fork(ws, "a")
+    (f / "data").write_bytes(os.urandom(200_000))
+    user = subprocess.Popen(["sleep", "60"], cwd=f)
+    try:
+        time.sleep(0.2)
+        assert forks_of(ws)["a"]["users"] == [user.pid]
+        r = ws.cowfs("drop", "a", check=False)
+        assert r.returncode == ALREADY_MOUNTED and str(user.pid) in r.stderr, r.stderr
+        assert forks_of(ws)["a"]["mounted"]
+    finally:
+        user.kill()
+        user.wait()
+    ws.cowfs("drop", "a")
+    assert forks_of(ws) == {} and not fork_mounts(ws.path)
+    r = ws.cowfs("drop", "a", check=False)
+    assert r.returncode == 4 and "no fork a" in r.stderr
+    ws.unmount()
+    assert os.listdir(ws.path / ".cowfs" / "forks") == []
+
+
+@pytest.mark.parametrize(
+    "args, code, says",
+    [
+        (["fork", ".hidden"], 2, "bad fork name"),
+        (["fork", "a/b"], 2, "bad fork name"),
+        (["drop", "nothing"], 4, "no fork nothing"),
+        (["--fork", "nothing", "status"], 4, "no fork nothing"),
+    ],
+)
+def test_bad_fork_names_are_one_line_errors(parent, args, code, says):
+    r = parent.cowfs(*args, check=False)
+    assert r.returncode == code and says in r.stderr, (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1
