@@ -232,3 +232,39 @@ def test_bad_fork_names_are_one_line_errors(parent, args, code, says):
     r = parent.cowfs(*args, check=False)
     assert r.returncode == code and says in r.stderr, (r.returncode, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_forks_changes_since_its_fork_point_are_what_it_holds_differently(parent):
+    """`diff --fork NAME` lists the paths whose state differs between the
+    fork point and the fork, ignored ones included; a file written back as
+    it was, a directory moved away and back, are no change."""
+    ws = parent
+    f = fork(ws, "a")
+    with open(f / "src" / "a.txt", "a") as fh:  # through one of two hard links
+        fh.write("more\n")
+    (f / "node_modules" / "pkg" / "index.js").write_text("changed, ignored\n")
+    (f / "node_modules" / "new").mkdir()
+    os.rename(f / "empty", f / "full")
+    (f / "full" / "x").write_text("x\n")
+    os.unlink(f / "src" / "link")
+    os.symlink("a.hard", f / "src" / "link")
+    os.chmod(f / "big.bin", 0o600)
+    data = (f / ".cowfsignore").read_bytes()
+    (f / ".cowfsignore").write_bytes(data)  # (copied up, the same bytes)
+    st = os.stat(ws / ".cowfsignore")
+    os.utime(f / ".cowfsignore", ns=(st.st_atime_ns, st.st_mtime_ns))
+    got = {(c["kind"], c["path"]) for c in ws.json("diff", "--fork", "a")["changes"]}
+    assert got == {
+        ("M", "src/a.txt"),
+        ("M", "src/a.hard"),
+        ("M", "src/link"),
+        ("M", "node_modules/pkg/index.js"),
+        ("A", "node_modules/new"),
+        ("D", "empty"),
+        ("A", "full"),
+        ("A", "full/x"),
+        ("m", "big.bin"),
+    }, got
+    assert forks_of(ws)["a"]["changes"] == len(got)
+    text = ws.cowfs("diff", "--fork", "a").stdout.splitlines()
+    assert "M\tsrc/a.txt" in text and "A\tfull/x" in text

@@ -63,10 +63,12 @@ class Fork(Command):
 class Forks(Command):
     name = "forks"
     help = "list the workspace's forks: fork point, message, disk space, processes using each"
+    examples = "  cowfs forks\n  cowfs forks --json"
     ops = ("forks",)
 
     def run(self, args: argparse.Namespace) -> int:
-        res = Client.find(args.path, args.offline_store).call("forks")
+        ws = Client.find(args.path, args.offline_store)
+        res = ws.call("forks", changes=True) if ws.mounted else ws.call("forks")
         rows = res["forks"]
         if args.json:
             out(args, None, rows)
@@ -74,7 +76,10 @@ class Forks(Command):
         if not rows:
             print("# no forks")
             return 0
-        print(f"{'NAME':<16} {'LAYER':>5}  {'CREATED':<16} {'SIZE':>9}  {'USERS':<12} MESSAGE")
+        print(
+            f"{'NAME':<16} {'LAYER':>5}  {'CREATED':<16} {'CHANGES':>7} {'SIZE':>9}  "
+            f"{'USERS':<12} MESSAGE"
+        )
         for r in rows:
             users = ",".join(map(str, r["users"][:3])) + ("…" if len(r["users"]) > 3 else "")
             state = (
@@ -84,7 +89,8 @@ class Forks(Command):
             )
             print(
                 f"{r['name']:<16} {r['layer']:>5}  {ago(r['created'], time.time()):<16} "
-                f"{human_size(r['bytes']):>9}  {users or '-':<12} {r['message']}{state}"
+                f"{r.get('changes', '-'):>7} {human_size(r['bytes']):>9}  {users or '-':<12} "
+                f"{r['message']}{state}"
             )
         return 0
 
@@ -92,6 +98,7 @@ class Forks(Command):
 class Drop(Command):
     name = "drop"
     help = "unmount fork NAME and free everything it holds (refused while processes use it)"
+    examples = "  cowfs drop try-a\n  cowfs drop --force try-b   # its processes lose it"
     ops = ("drop",)
 
     def add_options(self, s: argparse.ArgumentParser) -> None:

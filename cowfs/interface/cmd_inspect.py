@@ -295,6 +295,8 @@ class Diff(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        if getattr(args, "fork", None) and args.layer is None:
+            return self.fork_changes(args)
         layer, paths = args.layer, workspace_paths(args, args.paths)
         base = "" if args.json else seen_from(args)
         if args.name_status and not args.json:  # (kinds and paths: no contents to read)
@@ -327,6 +329,22 @@ class Diff(Command):
                 file=sys.stderr,
             )
         out(args, "\n".join(rows + times_line(res)) or None, res)
+        return 0
+
+    @staticmethod
+    def fork_changes(args: argparse.Namespace) -> int:
+        """``diff --fork NAME`` without a layer: what the fork changed since
+        its fork point (ignored paths too), a path a line."""
+        from .client import Client
+
+        res = Client.attach(args.fork_of).call("fork_changes", name=args.fork)
+        shown = [c for c in res["changes"] if args.times or c["kind"] != "t"]
+        times_only = len(res["changes"]) - len(shown)
+        res["times_only"] = times_only
+        rows = [f"{c['kind']}\t{quote(c['path'])}" for c in shown]
+        if not rows:
+            rows = [f"# fork {args.fork} has no changes since its fork point"]
+        out(args, "\n".join(rows + times_line(res)), res)
         return 0
 
     # (B006: the default list is never changed; the tool's schema is its signature)

@@ -19,6 +19,7 @@ from ..errors import AlreadyMounted, CowfsError, NotOwner
 from ..layers import forkpoints
 from ..storage import schema
 from ..system.mounts import mount_users, mounts
+from . import forkdiff
 from . import forks as stacks
 
 if TYPE_CHECKING:
@@ -109,9 +110,10 @@ class Forking:
         self.store.audit("fork", layer=layer.id, fork=name, message=message)
         return {"fork": name, "id": row["id"], "layer": layer.id, "path": where}
 
-    async def forks(self) -> dict:
+    async def forks(self, changes: bool = False) -> dict:
         """`cowfs forks`: every fork, with where it is mounted, the disk space
-        its own layer takes and the processes using it."""
+        its own layer takes and the processes using it (and with *changes*,
+        how many paths it changed since its fork point)."""
         table = {m.mountpoint: m for m in mounts()}
         out = []
         for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
@@ -136,7 +138,39 @@ class Forking:
                     "users": sorted(set(users) - {os.getpid()}),
                 }
             )
+            if changes and out[-1]["mounted"]:
+                found = await self.hooks.blocking(self._fork_changes, row)
+                out[-1]["changes"] = len(found)
         return {"forks": out}
+
+    async def fork_changes(self, name: str) -> dict:
+        """What fork *name* changed since its fork point, path by path
+        (ignored paths included): its net changes, as `status` lists a
+        layer's."""
+        row = forkpoints.get(self.store, name)
+        found = await self.hooks.blocking(self._fork_changes, row)
+        return {
+            "fork": name,
+            "changes": [{"path": os.fsdecode(c.path), "kind": c.kind} for c in found],
+        }
+
+    def _fork_changes(self, row: dict) -> list[forkdiff.Change]:
+        lower, merged = stacks.paths(self.workspace, row["id"])
+        fds = []
+        try:
+            fds.append(stacks.open_upper(self.store.dirfd, row["id"]))
+            for where in (lower, merged):
+                fds.append(os.open(where, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            why = f"fork {row['id']} is not mounted: {e.strerror}"
+            raise CowfsError(why, errors.NOT_MOUNTED) from None
+        try:
+            return forkdiff.changes(*fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     async def drop(self, name: str, force: bool = False) -> dict:
         """`cowfs drop NAME`: unmount fork NAME and free everything it holds;

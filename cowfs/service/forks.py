@@ -203,6 +203,13 @@ def upper_bytes(store_dirfd: int, fid: int) -> int:
     return total
 
 
+def open_upper(store_dirfd: int, fid: int) -> int:
+    """Fork *fid*'s upper layer (an O_PATH descriptor)."""
+    return os.open(
+        FORKS_DIR + b"/" + str(fid).encode() + b"/upper", backing.DIR_FLAGS, dir_fd=store_dirfd
+    )
+
+
 def _layers(store_dirfd: int, fid: int) -> tuple[int, int, bool]:
     """The fork's upper layer and work directory (made where missing), as
     descriptors; and whether the upper layer is new."""

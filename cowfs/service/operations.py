@@ -54,6 +54,7 @@ OPERATIONS = (
     Operation("restore", offline=True, long="restore", doing="restoring", grant="step"),
     Operation("fork", doing="making the fork"),
     Operation("forks", offline=True, grant="read"),
+    Operation("fork_changes"),
     Operation("drop", offline=True, long="drop", doing="dropping the fork"),
 )
 

@@ -1,0 +1,260 @@
+"""What a fork changed since its fork point, path by path.
+
+A fork's overlay keeps in its upper layer exactly what the fork touched
+(cowfs/service/forks.py): a file copied up at its first change (or its
+attributes alone, ``trusted.overlay.metacopy``), a directory made or
+copied up for a change below it, a whiteout (a character device 0:0) where
+a name of the fork point was removed, a directory replaced whole
+(``trusted.overlay.opaque``) or moved (``trusted.overlay.redirect``).  So
+the paths to compare are the upper layer's own, every path below a
+replaced or moved directory, and nothing else: the cost is what the fork
+changed, not the tree.  Each is compared as the net changes of a layer are
+(what the path holds at the fork point against what it holds now: type,
+bytes, mode, owner, xattrs, symlink target, modification time), ignored
+paths included -- the fork's own capture skips those, its upper layer
+does not.
+
+The fork point is read through the fork's view (its lower layer), the
+fork through its mount; both are reached only through descriptors opened
+here, one component at a time, never following a symlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..system import backing
+
+OVERLAY = b"trusted.overlay."
+OPAQUE = b"trusted.overlay.opaque"
+REDIRECT = b"trusted.overlay.redirect"
+STORE = b".cowfs"  # (the fork's own store, in its upper layer)
+BLOCK = 1 << 20
+
+
+@dataclass
+class Change:
+    path: bytes
+    kind: str  # "A" added, "D" deleted, "T" type changed, "M" bytes, "m" attributes, "t" mtime
+
+
+def _xattrs(dirfd: int, name: bytes) -> dict[bytes, bytes]:
+    target, follow = backing.xattr_target(dirfd, name)
+    out = {}
+    with contextlib.suppress(OSError):
+        for k in os.listxattr(target, follow_symlinks=follow):
+            kb = os.fsencode(k)
+            if not kb.startswith(OVERLAY):
+                with contextlib.suppress(OSError):
+                    out[kb] = os.getxattr(target, k, follow_symlinks=follow)
+    return out
+
+
+def _overlay_xattr(dirfd: int, name: bytes, key: bytes) -> bytes | None:
+    target, follow = backing.xattr_target(dirfd, name)
+    try:
+        return os.getxattr(target, key, follow_symlinks=follow)
+    except OSError:
+        return None
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def candidates(upper_fd: int) -> Iterator[tuple[bytes, bool]]:
+    """The paths the fork's upper layer names, each with whether everything
+    below it must be compared too (a directory replaced or moved there)."""
+    stack: list[bytes] = [b""]
+    while stack:
+        rel = stack.pop()
+        fd = backing.open_dir(upper_fd, rel) if rel else os.dup(upper_fd)
+        try:
+            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        finally:
+            os.close(fd)
+        try:
+            with os.scandir(dfd) as it:
+                names = sorted(os.fsencode(e.name) for e in it)
+            for name in names:
+                if not rel and name == STORE:
+                    continue
+                path = backing.join(rel, name)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    whole = (
+                        _overlay_xattr(dfd, name, OPAQUE) == b"y"
+                        or _overlay_xattr(dfd, name, REDIRECT) is not None
+                    )
+                    yield path, whole
+                    if not whole:
+                        stack.append(path)
+                else:
+                    yield path, False
+        finally:
+            os.close(dfd)
+
+
+class Tree:
+    """One side (the fork point, or the fork), read through *root*, a
+    descriptor of its root directory."""
+
+    def __init__(self, root: int):
+        self.root = root
+
+    def lstat(self, rel: bytes) -> os.stat_result | None:
+        head, name = backing.split(rel)
+        try:
+            fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
+        except OSError:
+            return None
+        try:
+            return backing.lstat_at(fd, name)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def names(self, rel: bytes) -> list[bytes]:
+        try:
+            fd = backing.open_dir(self.root, rel) if rel else os.dup(self.root)
+        except OSError:
+            return []
+        try:
+            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        finally:
+            os.close(fd)
+        try:
+            with os.scandir(dfd) as it:
+                return sorted(os.fsencode(e.name) for e in it)
+        finally:
+            os.close(dfd)
+
+    def xattrs(self, rel: bytes) -> dict[bytes, bytes]:
+        head, name = backing.split(rel)
+        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
+        try:
+            return _xattrs(fd, name) if name else _xattrs(fd, b".")
+        finally:
+            os.close(fd)
+
+    def readlink(self, rel: bytes) -> bytes:
+        head, name = backing.split(rel)
+        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
+        try:
+            return os.readlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def open(self, rel: bytes) -> int:
+        head, name = backing.split(rel)
+        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+
+def _same_bytes(a: Tree, b: Tree, rel: bytes, size: int) -> bool:
+    fa, fb = a.open(rel), b.open(rel)
+    try:
+        off = 0
+        while off < size:
+            x, y = os.pread(fa, BLOCK, off), os.pread(fb, BLOCK, off)
+            if x != y or not x:
+                return x == y
+            off += len(x)
+        return True
+    finally:
+        os.close(fa)
+        os.close(fb)
+
+
+def compare(then: Tree, now: Tree, rel: bytes) -> str | None:
+    """The kind of change at *rel* (None: it holds the same)."""
+    a, b = then.lstat(rel), now.lstat(rel)
+    if a is None and b is None:
+        return None
+    if a is None:
+        return "A"
+    if b is None:
+        return "D"
+    if stat.S_IFMT(a.st_mode) != stat.S_IFMT(b.st_mode):
+        return "T"
+    if stat.S_ISREG(a.st_mode) and (
+        a.st_size != b.st_size or not _same_bytes(then, now, rel, a.st_size)
+    ):
+        return "M"
+    if stat.S_ISLNK(a.st_mode) and then.readlink(rel) != now.readlink(rel):
+        return "M"
+    if (stat.S_ISCHR(a.st_mode) or stat.S_ISBLK(a.st_mode)) and a.st_rdev != b.st_rdev:
+        return "T"
+    if (a.st_mode, a.st_uid, a.st_gid) != (b.st_mode, b.st_uid, b.st_gid) or (
+        not stat.S_ISLNK(a.st_mode) and then.xattrs(rel) != now.xattrs(rel)
+    ):
+        return "m"
+    if a.st_mtime_ns != b.st_mtime_ns and not stat.S_ISDIR(a.st_mode):
+        return "t"
+    return None
+
+
+def changes(upper_fd: int, then_root: int, now_root: int) -> list[Change]:
+    """Every path whose state differs between the fork point (*then_root*)
+    and the fork (*now_root*), by the paths the upper layer (*upper_fd*)
+    names; in path order."""
+    then, now = Tree(then_root), Tree(now_root)
+    paths: set[bytes] = set()
+    for rel, whole in candidates(upper_fd):
+        paths.add(rel)
+        if whole:
+            for side in (then, now):
+                stack = [rel]
+                while stack:
+                    d = stack.pop()
+                    for name in side.names(d):
+                        p = backing.join(d, name)
+                        paths.add(p)
+                        st = side.lstat(p)
+                        if st is not None and stat.S_ISDIR(st.st_mode):
+                            stack.append(p)
+    # A file with other names at the fork point changed through one of
+    # them: the overlay copies up the name used, and the others show the
+    # same object (its index) with no entry of their own.  They are found
+    # by a walk of the fork point -- only when there is such a file.
+    linked = {}
+    for rel in paths:
+        st = then.lstat(rel)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            linked[st.st_ino] = rel
+    if linked:
+        paths |= _names_of(then, set(linked))
+    out = []
+    for rel in sorted(paths):
+        kind = compare(then, now, rel)
+        if kind is not None:
+            out.append(Change(rel, kind))
+    return out
+
+
+def _names_of(tree: Tree, inos: set[int]) -> set[bytes]:
+    """Every path of *tree* whose object is one of *inos*."""
+    found = set()
+    stack = [b""]
+    while stack:
+        d = stack.pop()
+        for name in tree.names(d):
+            p = backing.join(d, name)
+            if not d and name == STORE:
+                continue
+            st = tree.lstat(p)
+            if st is None:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(p)
+            elif st.st_ino in inos:
+                found.add(p)
+    return found
