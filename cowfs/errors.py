@@ -24,6 +24,7 @@ DRIFT = 11
 REFUSED = 12
 NOT_OWNER = 13
 CONFIRM = 14
+CONFLICT = 15
 INTERRUPTED = 130
 
 
@@ -38,6 +39,7 @@ class CowfsError(Exception):
     def __init__(self, message: str, code: int | None = None, path: str | None = None):
         self.path = path
         self.detail = message
+        self.details: dict = {}  # (more of it, for programs: say the conflicts of an adopt)
         super().__init__(message if path is None else f"{quote(path)}: {message}")
         if code is not None:
             self.code = code
@@ -47,8 +49,10 @@ class CowfsError(Exception):
         return str(self) if self.path is None else f"{quote(name(self.path))}: {self.detail}"
 
     def to_dict(self) -> dict:
-        return {"error": str(self), "code": self.code} | (
-            {"path": self.path} if self.path is not None else {}
+        return (
+            {"error": str(self), "code": self.code}
+            | ({"path": self.path} if self.path is not None else {})
+            | self.details
         )
 
 
@@ -141,5 +145,8 @@ def from_dict(d: dict) -> CowfsError:
         return NotAnswering(message, d["pid"], str(d.get("mountpoint", "")))
     path = d.get("path")
     if isinstance(path, str) and message.startswith(f"{quote(path)}: "):
-        return CowfsError(message[len(quote(path)) + 2 :], code, path)
-    return CowfsError(message, code)
+        err = CowfsError(message[len(quote(path)) + 2 :], code, path)
+    else:
+        err = CowfsError(message, code)
+    err.details = {k: v for k, v in d.items() if k not in ("ok", "error", "code", "path")}
+    return err

@@ -149,27 +149,49 @@ def test_the_fork_point_stays_whatever_the_workspace_rolls_back_or_commits(paren
     same(then, ws.snapshot())
 
 
-def test_forks_come_back_with_their_workspace_and_after_its_daemon_is_killed(parent):
+def test_forks_outlive_their_workspaces_mount_and_daemons(parent):
+    """A fork stays mounted while its workspace is unmounted and when its
+    daemon is killed; a fork whose own daemon is killed is mounted again
+    by the next mount of its workspace, its tree and its layers as they
+    were (the overlay under it stays: the objects it copied up keep their
+    numbers)."""
     ws = parent
     f = fork(ws, "a")
     (f / "mine.txt").write_text("fork's\n")
+    with open(f / "src" / "a.txt", "a") as fh:
+        fh.write("copied up\n")
     ws.json("--fork", "a", "checkpoint", "-m", "in the fork")
+    (f / "src" / "a.txt").write_text("in the fork's layer\n")
     mine = treesnap.snapshot(f)
     ws.unmount()
-    assert not fork_mounts(ws.path)
-    ws.mount()
-    deadline = time.monotonic() + 60
-    while not forks_of(ws)["a"]["mounted"]:
-        assert time.monotonic() < deadline, "the fork was not mounted again"
-        time.sleep(0.1)
+    assert Path(forks_of_mounts(ws.path)["merged"]).exists()
     same(mine, treesnap.snapshot(f))
-    assert ws.json("--fork", "a", "log")[-1]["message"] == "in the fork"
+    ws.mount()
+    assert forks_of(ws)["a"]["mounted"]
     # the workspace's daemon dies: the fork goes on, and the next mount keeps it
     ws.kill()
     (f / "after.txt").write_text("written while the workspace was down\n")
     ws.cowfs("mount", ws.path)
     assert forks_of(ws)["a"]["mounted"]
     assert (f / "after.txt").read_text() == "written while the workspace was down\n"
+    # the fork's own daemon dies: the next mount of the workspace mounts it again
+    mine = treesnap.snapshot(f)
+    rec = MountRecord.load(str(f))
+    os.kill(rec.pid, signal.SIGKILL)
+    while pid_alive(rec.pid):
+        time.sleep(0.01)
+    ws.unmount()
+    ws.mount()
+    assert forks_of(ws)["a"]["mounted"]
+    same(mine, treesnap.snapshot(f))
+    assert ws.json("--fork", "a", "log")[-1]["message"] == "in the fork"
+    ws.json("--fork", "a", "rollback", "--yes")  # (its layer: exact)
+    assert (f / "src" / "a.txt").read_text() == "alpha\ncopied up\n"
+
+
+def forks_of_mounts(ws: Path) -> dict[str, str]:
+    found = fork_mounts(ws)
+    return {os.path.basename(mp): mp for mp in found}
 
 
 def test_run_in_a_fork_sees_it_at_the_workspaces_own_path(parent):

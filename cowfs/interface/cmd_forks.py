@@ -117,7 +117,67 @@ class Drop(Command):
         return 0
 
 
-FORK_COMMANDS = ("fork", "forks", "drop")
+class Adopt(Command):
+    name = "adopt"
+    help = (
+        "make fork NAME's changes since its fork point in the workspace, as one new layer, "
+        "and drop the fork (paths both changed: refused unless --prefer says whose to keep)"
+    )
+    examples = (
+        "  cowfs adopt try-a\n"
+        "  cowfs adopt --prefer fork try-a\n"
+        "  cowfs adopt --prefer parent --prefer src/app.py=fork try-a"
+    )
+    ops = ("adopt",)
+
+    def add_options(self, s: argparse.ArgumentParser) -> None:
+        s.add_argument(
+            "--prefer",
+            action="append",
+            default=[],
+            metavar="fork|parent|PATH=fork|parent",
+            help="for paths both changed: keep the fork's change or the workspace's, "
+            "for all of them or for PATH (from the workspace's root); repeatable",
+        )
+        s.add_argument(
+            "--force",
+            action="store_true",
+            help="adopt even while processes use the fork (they lose it)",
+        )
+        s.add_argument("name", metavar="NAME", help="the fork")
+
+    def run(self, args: argparse.Namespace) -> int:
+        prefer, paths = None, {}
+        for choice in args.prefer:
+            path, eq, side = choice.rpartition("=")
+            if side not in ("fork", "parent"):
+                raise CowfsError(
+                    f"--prefer {choice!r}: say fork or parent (or PATH=fork|parent)", errors.USAGE
+                )
+            if eq:
+                paths[path.strip("/")] = side
+            else:
+                prefer = side
+        try:
+            res = Client.attach(args.path).call(
+                "adopt", name=args.name, prefer=prefer, paths=paths, force=args.force
+            )
+        except CowfsError as e:
+            if e.code == errors.CONFLICT and not args.json:
+                for c in e.details.get("conflicts", []):
+                    print(f"C {quote(c['path'])}\tfork: {c['fork']}\tworkspace: {c['parent']}")
+            raise
+        changed = len(res["changed"])
+        out(
+            args,
+            f"adopted fork {args.name} as layer {res['layer']} ({changed} path"
+            f"{'' if changed == 1 else 's'}; 'cowfs rollback --to {res['layer']}' undoes it)",
+            res,
+        )
+        return 0
+
+
+FORK_COMMANDS = ("fork", "forks", "drop", "adopt")
 
 
 def enter_fork(args: argparse.Namespace) -> None:

@@ -219,6 +219,15 @@ class StackView:
         changes = filter_paths(self._changes(layer_id, since=since), list(paths))
         return self.attribute(changes if times else changes.without_times(), layer_id)
 
+    def changes_from(self, start: int) -> Changes:
+        """Net changes since the record at journal position *start* was
+        written (a fork point), every kind (t too)."""
+        j = self.readings.get(start)
+        with self.resolver.reading():
+            changes = self._net(j, self.same)
+        changes.sort()
+        return changes
+
     def undone(self, to: int) -> Changes:
         """What the rollback planned now undoes (``changes_since`` layer
         *to*), for its audit.  The records read for it, when they were

@@ -329,6 +329,9 @@ class Daemon:
         """The workspace's forks are mounted again (with it, after the
         control channel answers: a request waits for them)."""
         async with self.lock:
+            with self.exclusive():
+                for warning in await self.session.resume_adopt():
+                    log.warning("%s", warning)
             for warning in await self.fuse.blocking(self.session.resume):
                 log.warning("%s", warning)
 
@@ -344,10 +347,6 @@ class Daemon:
                 await self.session.flush()
                 with self.fuse.exclusive():
                     self.session.store.sync()
-                try:
-                    await self.fuse.blocking(self.session.stop_all, True)
-                except Exception:
-                    log.exception("unmounting the forks")
                 self.fuse.terminate()
 
     async def _periodic_sync(self) -> None:
@@ -434,13 +433,9 @@ class Daemon:
             for m in mounts()  # (not in the table any more once detached)
             if m.mountpoint == self.mountpoint and m.fstype == FSTYPE
         ]
-        # (the forks go first, and come back if the workspace stays mounted)
-        await self.fuse.blocking(self.session.stop_all, lazy)
         try:
             await self.fuse.blocking(unmount, self.mountpoint, lazy)
         except OSError as e:
-            for warning in await self.fuse.blocking(self.session.resume):
-                log.warning("%s", warning)
             if e.errno == errno.EBUSY:
                 users = await self.fuse.blocking(mount_users, ours[-1]) if ours else []
                 raise AlreadyMounted(

@@ -40,6 +40,7 @@ BLOCK = 1 << 20
 class Change:
     path: bytes
     kind: str  # "A" added, "D" deleted, "T" type changed, "M" bytes, "m" attributes, "t" mtime
+    is_dir: bool = False  # (what the path holds in the fork, or held if it is gone)
 
 
 def _xattrs(dirfd: int, name: bytes) -> dict[bytes, bytes]:
@@ -236,7 +237,8 @@ def changes(upper_fd: int, then_root: int, now_root: int) -> list[Change]:
     for rel in sorted(paths):
         kind = compare(then, now, rel)
         if kind is not None:
-            out.append(Change(rel, kind))
+            st = now.lstat(rel) or then.lstat(rel)
+            out.append(Change(rel, kind, st is not None and stat.S_ISDIR(st.st_mode)))
     return out
 
 

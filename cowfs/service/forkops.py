@@ -12,20 +12,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..errors import AlreadyMounted, CowfsError, NotOwner
 from ..layers import forkpoints
+from ..layers.past import History
 from ..storage import schema
 from ..system.mounts import mount_users, mounts
-from . import forkdiff
+from . import adopt, forkdiff
 from . import forks as stacks
+from .restore import Restore
 
 if TYPE_CHECKING:
     from ..layers.capture import Recorder
     from ..layers.ignore import IgnoreRules
     from ..layers.layerfiles import LayerFiles
+    from ..layers.stackview import StackView
     from ..storage.store import Store
     from ..system.access import Requester
 
@@ -44,8 +47,18 @@ class Forking:
     files: LayerFiles
     requester: Requester
     hooks: Any  # (the session's MountHooks)
+    stackview: StackView
 
     async def flush(self) -> None:
+        raise NotImplementedError
+
+    async def rollback(
+        self,
+        to: int | None = None,
+        keep_redo: bool = True,
+        yes: bool = False,
+        skip_damaged: bool = False,
+    ) -> dict:
         raise NotImplementedError
 
     def _switched(self, fresh: bool, undo: bool = False) -> None:
@@ -172,6 +185,125 @@ class Forking:
             for fd in fds:
                 os.close(fd)
 
+    async def adopt(
+        self,
+        name: str,
+        prefer: str | None = None,
+        paths: dict | None = None,  # (str -> str: the control channel checks the outer type)
+        force: bool = False,
+    ) -> dict:
+        """`cowfs adopt NAME`: fork *name*'s net changes since its fork point
+        made in the workspace as one new layer, then the fork dropped (see
+        cowfs/service/adopt.py).  A path both changed is a conflict, decided
+        by *paths* (path -> "fork" or "parent"), else *prefer*; one left
+        undecided refuses the adopt (exit 15) and nothing changes.  The fork
+        is unmounted first (refused while processes use it, unless *force*).
+        A failure, or a crash, leaves the workspace as it was before (the
+        layer is rolled back) and the fork as it was."""
+        self._require_root()
+        paths = paths or {}
+        for path, side in [(None, prefer), *paths.items()]:
+            if not isinstance(path, str | None) or side not in (None, "fork", "parent"):
+                raise CowfsError(f"bad choice {side!r}: fork or parent", errors.USAGE)
+        row = forkpoints.get(self.store, name)
+        if row["state"] != forkpoints.LIVE:
+            raise CowfsError(f"fork {name} is {row['state']}", errors.NOT_MOUNTED)
+        await self.flush()
+        chosen, skip = self._decide(name, row, prefer, paths or {})
+        # the fork is quiet from now on: its own mount goes (the overlay stays)
+        await self.hooks.blocking(stacks.stop_cowfs, self.workspace, {**row, "name": name}, force)
+        try:
+            chosen, skip = self._decide(name, row, prefer, paths or {})  # (as it is now)
+            whole, attrs = adopt.plan(
+                [c for c in self._fork_changes(row) if not _under(c.path, skip)]
+            )
+        except BaseException:
+            await self.hooks.blocking(self._remount_fork, name)
+            raise
+        layer = self.files.checkpoint(f"adopt {name}")
+        self._switched(fresh=True)
+        self.store.set_meta_json(schema.K_ADOPTING, {"fork": name, "layer": layer.id})
+        try:
+            done = await self._apply_fork(name, row, whole, attrs)
+        except BaseException as e:
+            log.warning("adopt of fork %s failed (%s): rolling it back", name, e)
+            await self._undo_adopt(layer.id)
+            await self.hooks.blocking(self._remount_fork, name)
+            raise
+        self.store.set_meta_json(schema.K_ADOPTING, None)
+        forkpoints.set_state(self.store, name, forkpoints.DROPPING)
+        await self.hooks.blocking(self._take_down, name, row, True)
+        self.capture_filter()
+        self.store.audit("adopt", fork=name, layer=layer.id, changed=done[:1000])
+        return {"adopted": name, "layer": layer.id, "changed": done, "conflicts": chosen}
+
+    def _decide(
+        self, name: str, row: dict, prefer: str | None, paths: dict[str, str]
+    ) -> tuple[list[dict], set[bytes]]:
+        """The conflicts, each with the side chosen; and the paths whose
+        changes in the fork are left out (the workspace's side chosen).
+        Conflicts (exit 15) where one is left undecided."""
+        ours = [dict(c) for c in self.stackview.changes_from(row["start"])]
+        found = adopt.conflicts(self._fork_changes(row), ours)
+        open_ = []
+        for c in found:
+            c["chosen"] = paths.get(c["path"]) or prefer
+            if c["chosen"] is None:
+                open_.append(c)
+        if open_:
+            raise adopt.Conflicts(name, open_)
+        return found, {os.fsencode(c["path"]) for c in found if c["chosen"] == "parent"}
+
+    async def _apply_fork(
+        self, name: str, row: dict, whole: list[bytes], attrs: list[bytes]
+    ) -> list[str]:
+        _, merged = stacks.paths(self.workspace, row["id"])
+        root = os.open(merged, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        source = adopt.ForkSource(self.store, root, name)
+        ops = self.hooks.operations()
+        r = Restore(ops, cast(History, source), self.requester)
+        try:
+            done = r.run(whole, attrs)
+        finally:
+            r.close()
+            source.close()
+            os.close(root)
+            self.recorder.flush()
+        await self.hooks.invalidate(r.invalid)
+        return done
+
+    async def _undo_adopt(self, layer: int) -> None:
+        """Roll back an adopt's layer (what it made so far)."""
+        await self.rollback(to=layer, keep_redo=False, yes=True)
+        self.store.set_meta_json(schema.K_ADOPTING, None)
+
+    async def resume_adopt(self) -> list[str]:
+        """At a mount: an adopt a crash interrupted is rolled back (its fork
+        is mounted again as it was)."""
+        marker = self.store.get_meta_json(schema.K_ADOPTING)
+        if marker is None:
+            return []
+        if marker["layer"] in {layer.id for layer in self.store.layers()}:
+            await self._undo_adopt(marker["layer"])
+        else:
+            self.store.set_meta_json(schema.K_ADOPTING, None)
+        return [
+            f"the adopt of fork {marker['fork']} was interrupted: what it had made was "
+            "rolled back; the fork is as it was"
+        ]
+
+    def _remount_fork(self, name: str) -> None:
+        row = forkpoints.forks(self.store).get(name)
+        if row is not None:
+            stacks.start(
+                self.rootfd,
+                self.store.dirfd,
+                self.hidden,
+                self.workspace,
+                row,
+                self._mount_args(),
+            )
+
     async def drop(self, name: str, force: bool = False) -> dict:
         """`cowfs drop NAME`: unmount fork NAME and free everything it holds;
         refused while processes use it (AlreadyMounted, naming them) unless
@@ -197,9 +329,10 @@ class Forking:
         forkpoints.remove(self.store, name)
 
     def resume(self) -> list[str]:
-        """At a mount: every fork is mounted again (one still mounted, its
-        daemons having outlived the workspace's, is left as it is); one whose
-        making or dropping a crash interrupted is removed.  Returns warnings."""
+        """At a mount: a fork still mounted is left as it is (forks outlive
+        their workspace's mount and daemon), one whose own daemon died is
+        mounted again; one whose making or dropping a crash interrupted is
+        removed.  Returns warnings."""
         warnings: list[str] = []
         if not forkpoints.forks(self.store):
             return warnings
@@ -230,9 +363,6 @@ class Forking:
         self.capture_filter()
         return warnings
 
-    def stop_all(self, lazy: bool) -> None:
-        """Before the workspace is unmounted: its forks are unmounted (they are
-        mounted again with it).  Without *lazy*, one in use is AlreadyMounted
-        and nothing is unmounted past it."""
-        for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
-            stacks.stop(self.workspace, {**row, "name": name}, lazy=lazy)
+
+def _under(path: bytes, tops: set[bytes]) -> bool:
+    return any(path == t or path.startswith(t + b"/") for t in tops)

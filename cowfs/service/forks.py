@@ -36,7 +36,15 @@ from collections.abc import Callable
 from ..errors import AlreadyMounted, CowfsError
 from ..system import backing
 from ..system.backing import checked, libc
-from ..system.mounts import is_cowfs_mount, mount_table, path_key, runtime_dir
+from ..system.mounts import (
+    VIEW_FSTYPE,
+    MountRecord,
+    is_cowfs_mount,
+    mount_table,
+    path_key,
+    pid_alive,
+    runtime_dir,
+)
 from ..text import quote
 from .launch import clear_view, open_view_dir, start_view
 
@@ -100,7 +108,16 @@ def start(
     is mounted already; return where.  Whatever a start left behind before
     is cleared first; a start that fails leaves nothing mounted."""
     lower, merged = paths(workspace, row["id"])
-    if is_cowfs_mount(merged):
+    if is_cowfs_mount(merged) and _alive(merged):
+        return merged
+    table = mount_table()
+    if table.get(lower) == VIEW_FSTYPE and table.get(merged) in ("overlay", "fuse.cowfs"):
+        # its own daemon died, the view and the overlay live: only the
+        # mount over the overlay is made again (the overlay numbers the
+        # objects it copied up as before; a new overlay over a new view
+        # would not -- their origin is not found again through a view)
+        _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
+        _mount_cowfs(merged, mount_args)
         return merged
     stop(workspace, row, lazy=True)
     for d in (lower, merged):
@@ -130,11 +147,16 @@ def start(
     return merged
 
 
-def stop(workspace: str, row: dict, lazy: bool) -> None:
-    """Unmount fork *row*: its bind mounts (``--at``), its cowfs mount,
-    its overlay, its view.  Without *lazy*, a fork processes use is
-    AlreadyMounted (exit 5) naming them, and stays as it was."""
-    lower, merged = paths(workspace, row["id"])
+def _alive(mountpoint: str) -> bool:
+    rec = MountRecord.load(mountpoint)
+    return rec is not None and pid_alive(rec.pid)
+
+
+def stop_cowfs(workspace: str, row: dict, lazy: bool) -> None:
+    """Unmount fork *row*'s own cowfs mount (and its bind mounts), leaving
+    its overlay: nothing changes it any more.  Without *lazy*, a fork
+    processes use is AlreadyMounted (exit 5) naming them."""
+    _, merged = paths(workspace, row["id"])
     for where in row.get("at", []):
         _unmount_all(where, lambda fs: fs == "fuse.cowfs", lazy)
     if is_cowfs_mount(merged):
@@ -149,6 +171,14 @@ def stop(workspace: str, row: dict, lazy: bool) -> None:
                 why = r.stderr.strip().removeprefix("cowfs: ")
                 raise AlreadyMounted(f"fork {row.get('name', row['id'])}: {why}")
             _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
+
+
+def stop(workspace: str, row: dict, lazy: bool) -> None:
+    """Unmount fork *row*: its bind mounts (``--at``), its cowfs mount,
+    its overlay, its view.  Without *lazy*, a fork processes use is
+    AlreadyMounted (exit 5) naming them, and stays as it was."""
+    lower, merged = paths(workspace, row["id"])
+    stop_cowfs(workspace, row, lazy)
     _unmount_all(merged, lambda fs: fs == "overlay", lazy)
     clear_view(lower)
 

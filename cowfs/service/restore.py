@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -100,9 +100,10 @@ class Restore:
                     path=os.fsdecode(rel) or ".",
                 )
 
-    def run(self, rels: list[bytes]) -> list[str]:
+    def run(self, rels: list[bytes], attrs_only: Sequence[bytes] = ()) -> list[str]:
         """Check everything (nothing changes), then restore; the paths
-        changed."""
+        changed.  *attrs_only*: directories whose attributes alone are
+        restored (not their entries)."""
         self.paths(rels)
         for dry in (True, False):
             self.dry = dry
@@ -110,6 +111,10 @@ class Restore:
             for rel in rels:
                 parent = self._parents(rel)
                 self._restore(parent, rel)
+            for rel in attrs_only:
+                found, obj = self._now(rel), self._then(rel)
+                if found is not None and obj is not None:
+                    self._attrs(found, rel, obj, found)
         return self.done
 
     def _do(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:

@@ -23,6 +23,9 @@ Databases
              ``next_writer`` u64   next writer id (absent: 1)
              ``forks``       JSON  the workspace's forks and the layers
                                    they pin (cowfs/layers/forkpoints.py)
+             ``adopting``    JSON  {"fork", "layer"}: an adopt under way
+                                   (cowfs/service/adopt.py); a mount rolls
+                                   back a layer a crash left it in
              ``epoch``       u64   moves on in every transaction that
                                    deletes or puts back a journal record
                                    (absent: 0), so that a process reading
@@ -239,6 +242,7 @@ K_DRIFT = b"drift"
 K_NEXT_WRITER = b"next_writer"
 K_EPOCH = b"epoch"
 K_FORKS = b"forks"
+K_ADOPTING = b"adopting"
 K_IGNORE = b"ignore"
 K_GRANTS = b"grants"
 K_IDENTITY = b"identity"
