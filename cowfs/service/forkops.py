@@ -20,6 +20,7 @@ from ..layers import forkpoints
 from ..storage import schema
 from ..system.mounts import mount_users, mounts
 from . import forks as stacks
+from .launch import fd_path, open_view_dir
 
 if TYPE_CHECKING:
     from ..layers.capture import Recorder
@@ -84,6 +85,14 @@ class Forking:
         forkpoints.check_name(name)
         if name in forkpoints.forks(self.store):
             raise CowfsError(f"fork {name} exists already", errors.ALREADY_MOUNTED)
+        if at is not None:
+            # (checked before anything is made, and kept as the kernel names
+            # the directory: not a mount point already, no planted link)
+            fd = open_view_dir(at, self.rootfd, self.store.dirfd, 0)
+            try:
+                at = fd_path(fd)
+            finally:
+                os.close(fd)
         await self.flush()
         layer = self.files.checkpoint(message or f"fork {name}")
         self._switched(fresh=True)
@@ -107,7 +116,7 @@ class Forking:
             raise
         forkpoints.set_state(self.store, name, forkpoints.LIVE)
         self.store.audit("fork", layer=layer.id, fork=name, message=message)
-        return {"fork": name, "id": row["id"], "layer": layer.id, "path": where}
+        return {"fork": name, "id": row["id"], "layer": layer.id, "path": where, "at": at}
 
     async def forks(self) -> dict:
         """`cowfs forks`: every fork, with where it is mounted, the disk space

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from ..errors import AlreadyMounted, CowfsError
 from ..system import backing
 from ..system.backing import checked, libc
-from ..system.mounts import is_cowfs_mount, mount_table, path_key, runtime_dir
+from ..system.mounts import FSTYPE, is_cowfs_mount, mount_table, mounts, path_key, runtime_dir
 from ..text import quote
-from .launch import clear_view, open_view_dir, start_view
+from .launch import PATH_FLAGS, clear_view, mnt_id, open_view_dir, start_view
 
 log = logging.getLogger("cowfs.forks")
 
@@ -46,6 +46,7 @@ FORKS_DIR = b"forks"  # in the store
 OVERLAY_OPTIONS = "index=on,redirect_dir=on,metacopy=on,xino=on"
 MS_NOATIME = 1024
 MS_BIND = 4096
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 OVERLAY_XATTR = b"trusted.overlay."
 MOUNT_TIMEOUT = 120
 
@@ -135,8 +136,7 @@ def stop(workspace: str, row: dict, lazy: bool) -> None:
     its overlay, its view.  Without *lazy*, a fork processes use is
     AlreadyMounted (exit 5) naming them, and stays as it was."""
     lower, merged = paths(workspace, row["id"])
-    for where in row.get("at", []):
-        _unmount_all(where, lambda fs: fs == "fuse.cowfs", lazy)
+    _unbind(merged, lazy)
     if is_cowfs_mount(merged):
         r = subprocess.run(
             [sys.executable, "-m", "cowfs", "unmount", *(["--lazy"] if lazy else []), merged],
@@ -151,6 +151,41 @@ def stop(workspace: str, row: dict, lazy: bool) -> None:
             _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
     _unmount_all(merged, lambda fs: fs == "overlay", lazy)
     clear_view(lower)
+
+
+def _unbind(merged: str, lazy: bool) -> None:
+    """Unmount the fork's bind mounts (``--at``): the mounts of the fork's
+    cowfs mount elsewhere than at *merged*, found by the name the mount
+    table gives that mount's filesystem, wherever they are now (the
+    directory a fork is bound at may have been renamed since), and nothing
+    else that is mounted where they were.  Each is reached as the name of
+    a mount point in the directory the mount found is on (through a
+    descriptor: a name that is a mount point cannot be renamed, and no link
+    on the way is followed again)."""
+    source = f"cowfs:{merged}"
+    for m in reversed(mounts()):  # (the last mounted first)
+        if m.fstype != FSTYPE or m.source != source or m.mountpoint == merged:
+            continue
+        try:
+            fd = os.open(m.mountpoint, PATH_FLAGS)
+        except OSError:
+            continue  # (gone, or moved: not reached by that name any more)
+        try:
+            if mnt_id(fd) != m.id:
+                continue
+            up = os.open("..", PATH_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)  # (it holds the mount: busy while open)
+        try:
+            target = f"/proc/self/fd/{up}/{os.path.basename(m.mountpoint)}"
+            flags = (MNT_DETACH if lazy else 0) | UMOUNT_NOFOLLOW
+            checked(libc.umount2(os.fsencode(target), flags), m.mountpoint)
+        except OSError as e:
+            if e.errno == errno.EBUSY and not lazy:
+                raise AlreadyMounted(f"{quote(m.mountpoint)} is busy") from None
+            raise
+        finally:
+            os.close(up)
 
 
 def _unmount_all(where: str, what: Callable[[str], bool], lazy: bool) -> None:

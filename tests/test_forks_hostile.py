@@ -1,0 +1,58 @@
+"""Forks against what could take their fork point or their mounts away:
+a commit of a base layer that holds a fork's records, ``--at`` a mount
+point, ``--at`` a path that is not the directory's own name."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from cowfs.errors import ALREADY_MOUNTED, REFUSED
+from cowfs.layers import treesnap
+from cowfs.system.mounts import is_cowfs_mount, mounts
+
+from .helpers import managed_workspace
+from .test_forks import fork, fork_mounts, forks_of, parent  # noqa: F401  (the fixture)
+
+
+def test_a_commit_of_the_base_keeps_a_fork_made_before_any_change(parent):  # noqa: F811
+    ws = parent  # (just mounted: the base layer starts where the fork's layer does)
+    at_fork = ws.snapshot()
+    f = fork(ws, "a")
+    (ws / "src" / "a.txt").write_text("after the fork\n")
+    ws.commit()  # (the fork's layer into the base layer: kept)
+    r = ws.cowfs("commit", check=False)
+    assert r.returncode == REFUSED and "fork a" in r.stderr, r.stderr
+    time.sleep(1.1)
+    treesnap.assert_same(at_fork, treesnap.snapshot(f))
+    ws.cowfs("drop", "a")
+    ws.commit()
+
+
+def test_fork_at_a_mount_point_is_refused_and_leaves_that_mount(parent, tmp_path):  # noqa: F811
+    ws = parent
+    with managed_workspace(tmp_path / "other") as other:
+        other.mount()
+        r = ws.cowfs("fork", "--at", str(other.path), "a", check=False)
+        assert r.returncode == ALREADY_MOUNTED and "mount point" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert is_cowfs_mount(str(other.path))  # (not taken down on the way)
+        assert other.status() == [] and forks_of(ws) == {}
+
+
+def test_fork_at_a_path_through_a_link_is_bound_and_dropped_by_its_own_name(
+    parent,  # noqa: F811
+    tmp_path,
+):
+    ws = parent
+    (tmp_path / "real").mkdir()
+    os.symlink("real", tmp_path / "link")
+    r = ws.cowfs("fork", "--at", str(tmp_path / "link"), "a")
+    assert f"mounted at {tmp_path / 'real'}" in r.stdout, (r.stdout, r.stderr)
+    assert forks_of(ws)["a"]["at"] == [str(tmp_path / "real")]
+    assert (tmp_path / "real" / "src" / "a.txt").read_text() == "alpha\n"
+    ws.cowfs("drop", "a")
+    assert not any(m.mountpoint == str(tmp_path / "real") for m in mounts())
+    assert not fork_mounts(ws.path) and forks_of(ws) == {}
+    assert os.listdir(Path(tmp_path / "real")) == []
