@@ -5,6 +5,7 @@ point, ``--at`` a path that is not the directory's own name."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -56,3 +57,25 @@ def test_fork_at_a_path_through_a_link_is_bound_and_dropped_by_its_own_name(
     assert not any(m.mountpoint == str(tmp_path / "real") for m in mounts())
     assert not fork_mounts(ws.path) and forks_of(ws) == {}
     assert os.listdir(Path(tmp_path / "real")) == []
+
+
+def test_an_unmount_refused_for_a_fork_in_use_leaves_every_fork_mounted(parent, tmp_path):  # noqa: F811
+    ws = parent
+    fork(ws, "a")
+    (tmp_path / "at").mkdir()
+    ws.cowfs("fork", "--at", str(tmp_path / "at"), "b")
+    user = subprocess.Popen(["sleep", "60"], cwd=tmp_path / "at")
+    try:
+        time.sleep(0.2)
+        r = ws.cowfs("unmount", str(ws.path), check=False)
+        assert r.returncode == ALREADY_MOUNTED and "fork b is in use" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        rows = forks_of(ws)
+        assert rows["a"]["mounted"] and rows["b"]["mounted"], rows
+        assert any(m.mountpoint == str(tmp_path / "at") for m in mounts())
+    finally:
+        user.kill()
+        user.wait()
+    ws.unmount()
+    assert not fork_mounts(ws.path)
+    assert not any(m.mountpoint == str(tmp_path / "at") for m in mounts())

@@ -435,7 +435,12 @@ class Daemon:
             if m.mountpoint == self.mountpoint and m.fstype == FSTYPE
         ]
         # (the forks go first, and come back if the workspace stays mounted)
-        await self.fuse.blocking(self.session.stop_all, lazy)
+        try:
+            await self.fuse.blocking(self.session.stop_all, lazy)
+        except (OSError, CowfsError):
+            for warning in await self.fuse.blocking(self.session.resume):
+                log.warning("%s", warning)
+            raise
         try:
             await self.fuse.blocking(unmount, self.mountpoint, lazy)
         except OSError as e:

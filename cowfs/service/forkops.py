@@ -210,4 +210,10 @@ class Forking:
         mounted again with it).  Without *lazy*, one in use is AlreadyMounted
         and nothing is unmounted past it."""
         for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
-            stacks.stop(self.workspace, {**row, "name": name}, lazy=lazy)
+            try:
+                stacks.stop(self.workspace, {**row, "name": name}, lazy=lazy)
+            except AlreadyMounted as e:
+                raise AlreadyMounted(
+                    f"fork {name} is in use ({str(e).removeprefix(f'fork {name}: ')}): "
+                    "stop what uses it, or use --lazy"
+                ) from None

@@ -102,6 +102,7 @@ def start(
     is cleared first; a start that fails leaves nothing mounted."""
     lower, merged = paths(workspace, row["id"])
     if is_cowfs_mount(merged):
+        _bind_at(rootfd, store_dirfd, row, merged)  # (those an unmount took away)
         return merged
     stop(workspace, row, lazy=True)
     for d in (lower, merged):
@@ -114,14 +115,7 @@ def start(
                 _copy_root(lower, upper_fd)
             _mount_overlay(lower, upper_fd, work_fd, merged)
             _mount_cowfs(merged, mount_args)
-            for where in row.get("at", []):
-                # (checked as a view's directory is: no planted link
-                # followed, not inside a workspace, not a mount point)
-                fd = open_view_dir(where, rootfd, store_dirfd, 0)
-                try:
-                    bind(merged, f"/proc/self/fd/{fd}")
-                finally:
-                    os.close(fd)
+            _bind_at(rootfd, store_dirfd, row, merged)
         except BaseException:
             stop(workspace, row, lazy=True)
             raise
@@ -129,6 +123,23 @@ def start(
         os.close(upper_fd)
         os.close(work_fd)
     return merged
+
+
+def _bind_at(rootfd: int, store_dirfd: int, row: dict, merged: str) -> None:
+    """Bind the fork mounted at *merged* at each of its ``--at`` directories
+    where it is not bound already."""
+    source = f"cowfs:{merged}"
+    bound = {m.mountpoint for m in mounts() if m.fstype == FSTYPE and m.source == source}
+    for where in row.get("at", []):
+        if where in bound:
+            continue
+        # (checked as a view's directory is: no planted link
+        # followed, not inside a workspace, not a mount point)
+        fd = open_view_dir(where, rootfd, store_dirfd, 0)
+        try:
+            bind(merged, f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
 
 
 def stop(workspace: str, row: dict, lazy: bool) -> None:
