@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from cowfs.errors import ALREADY_MOUNTED, REFUSED
 from cowfs.layers import treesnap
 from cowfs.system.mounts import is_cowfs_mount, mounts
@@ -79,3 +81,12 @@ def test_an_unmount_refused_for_a_fork_in_use_leaves_every_fork_mounted(parent, 
     ws.unmount()
     assert not fork_mounts(ws.path)
     assert not any(m.mountpoint == str(tmp_path / "at") for m in mounts())
+
+
+@pytest.mark.parametrize("args", [["fork", "b"], ["drop", "a"], ["forks"]])
+def test_fork_commands_refuse_the_fork_option(parent, args):  # noqa: F811
+    ws = parent
+    fork(ws, "a")
+    r = ws.cowfs("--fork", "a", *args, check=False)
+    assert r.returncode == 2 and "--fork does not apply" in r.stderr, r.stderr
+    assert sorted(forks_of(ws)) == ["a"] and forks_of(ws)["a"]["mounted"]
