@@ -13,7 +13,7 @@ import pytest
 
 from cowfs.errors import ALREADY_MOUNTED, REFUSED
 from cowfs.layers import treesnap
-from cowfs.system.mounts import is_cowfs_mount, mounts
+from cowfs.system.mounts import is_cowfs_mount, mounts, path_key, runtime_dir
 
 from .helpers import managed_workspace
 from .test_forks import fork, fork_mounts, forks_of, parent  # noqa: F401  (the fixture)
@@ -59,6 +59,7 @@ def test_fork_at_a_path_through_a_link_is_bound_and_dropped_by_its_own_name(
     assert not any(m.mountpoint == str(tmp_path / "real") for m in mounts())
     assert not fork_mounts(ws.path) and forks_of(ws) == {}
     assert os.listdir(Path(tmp_path / "real")) == []
+    assert not os.path.exists(os.path.join(runtime_dir(), "forks", path_key(str(ws.path))))
 
 
 def test_an_unmount_refused_for_a_fork_in_use_leaves_every_fork_mounted(parent, tmp_path):  # noqa: F811

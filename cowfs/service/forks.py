@@ -225,7 +225,9 @@ def remove(workspace: str, store_dirfd: int, fid: int) -> None:
         finally:
             os.close(forks)
     base = run_dir(workspace, fid)
-    for d in (os.path.join(base, "lower"), os.path.join(base, "merged"), base):
+    # (the workspace's directory too, once it holds no other fork's)
+    lower, merged = paths(workspace, fid)
+    for d in (lower, merged, base, os.path.dirname(base)):
         with contextlib.suppress(OSError):
             os.rmdir(d)
 
