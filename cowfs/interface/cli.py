@@ -64,7 +64,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
-        if getattr(args, "fork", None) and args.command not in FORK_COMMANDS:
+        if getattr(args, "fork", None):
+            if args.command in FORK_COMMANDS:
+                # (a fork's forks are not made yet: it would be the workspace's)
+                raise CowfsError(
+                    f"--fork does not apply to 'cowfs {args.command}': "
+                    "it works on the workspace's own forks",
+                    errors.USAGE,
+                )
             enter_fork(args)
         return COMMANDS[args.command].run(args)
     except CowfsError as e:

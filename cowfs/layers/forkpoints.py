@@ -106,14 +106,26 @@ def _put(w: Writer, reg: dict) -> None:
     w.set_meta(schema.K_FORKS, schema.to_json(reg))
 
 
-def refuse_below(store: Store, seq: int, what: str) -> None:
+def refuse_below(store: Store, seq: int, what: str, end: int | None = None) -> None:
     """ForkPoint (exit 12) when *what* would take the tree back to before
     a fork point or delete records from one on (*seq*: the first record it
     deletes: a rollback to layer X deletes those from X's start on, and
-    takes the tree back to that start)."""
+    takes the tree back to that start).  Given *end*, *what* deletes the
+    records from *seq* up to *end* and leaves the tree as it is (a commit of
+    the base layer): every fork that has one of them from its start on is hit,
+    one whose start is *seq* too (made while the base layer had no changes)."""
+    rows = forks(store)
     hit = sorted(
-        (name for name, row in forks(store).items() if row["start"] > seq),
-        key=lambda n: forks(store)[n]["id"],
+        (
+            name
+            for name, row in rows.items()
+            if (
+                row["start"] > seq
+                if end is None
+                else store.count_records(max(row["start"], seq), end, 1) > 0
+            )
+        ),
+        key=lambda n: rows[n]["id"],
     )
     if hit:
         them = "them" if len(hit) > 1 else "it"

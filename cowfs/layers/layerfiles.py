@@ -97,7 +97,10 @@ class LayerFiles:
         if len(layers) == 1:
             if not self.layer_is_empty(top.id):
                 forkpoints.refuse_below(
-                    self.store, top.start, f"a commit of the base layer {top.id}"
+                    self.store,
+                    top.start,
+                    f"a commit of the base layer {top.id}",
+                    end=self.store.layer_end(top.id),
                 )
             freed = self._commit_base(top)
             fresh = self.store.push_layer("base")

@@ -22,6 +22,7 @@ from ..storage import schema
 from ..system.mounts import mount_users, mounts
 from . import adopt, forkdiff
 from . import forks as stacks
+from .launch import fd_path, open_view_dir
 from .restore import Restore
 
 if TYPE_CHECKING:
@@ -98,6 +99,14 @@ class Forking:
         forkpoints.check_name(name)
         if name in forkpoints.forks(self.store):
             raise CowfsError(f"fork {name} exists already", errors.ALREADY_MOUNTED)
+        if at is not None:
+            # (checked before anything is made, and kept as the kernel names
+            # the directory: not a mount point already, no planted link)
+            fd = open_view_dir(at, self.rootfd, self.store.dirfd, 0)
+            try:
+                at = fd_path(fd)
+            finally:
+                os.close(fd)
         await self.flush()
         layer = self.files.checkpoint(message or f"fork {name}")
         self._switched(fresh=True)
@@ -121,7 +130,7 @@ class Forking:
             raise
         forkpoints.set_state(self.store, name, forkpoints.LIVE)
         self.store.audit("fork", layer=layer.id, fork=name, message=message)
-        return {"fork": name, "id": row["id"], "layer": layer.id, "path": where}
+        return {"fork": name, "id": row["id"], "layer": layer.id, "path": where, "at": at}
 
     async def forks(self, changes: bool = False) -> dict:
         """`cowfs forks`: every fork, with where it is mounted, the disk space

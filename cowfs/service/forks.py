@@ -37,16 +37,18 @@ from ..errors import AlreadyMounted, CowfsError
 from ..system import backing
 from ..system.backing import checked, libc
 from ..system.mounts import (
+    FSTYPE,
     VIEW_FSTYPE,
     MountRecord,
     is_cowfs_mount,
     mount_table,
+    mounts,
     path_key,
     pid_alive,
     runtime_dir,
 )
 from ..text import quote
-from .launch import clear_view, open_view_dir, start_view
+from .launch import PATH_FLAGS, clear_view, mnt_id, open_view_dir, start_view
 
 log = logging.getLogger("cowfs.forks")
 
@@ -54,6 +56,7 @@ FORKS_DIR = b"forks"  # in the store
 OVERLAY_OPTIONS = "index=on,redirect_dir=on,metacopy=on,xino=on"
 MS_NOATIME = 1024
 MS_BIND = 4096
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 OVERLAY_XATTR = b"trusted.overlay."
 MOUNT_TIMEOUT = 120
 
@@ -109,6 +112,7 @@ def start(
     is cleared first; a start that fails leaves nothing mounted."""
     lower, merged = paths(workspace, row["id"])
     if is_cowfs_mount(merged) and _alive(merged):
+        _bind_at(rootfd, store_dirfd, row, merged)  # (those an unmount took away)
         return merged
     table = mount_table()
     if table.get(lower) == VIEW_FSTYPE and table.get(merged) in ("overlay", "fuse.cowfs"):
@@ -116,8 +120,10 @@ def start(
         # mount over the overlay is made again (the overlay numbers the
         # objects it copied up as before; a new overlay over a new view
         # would not -- their origin is not found again through a view)
+        _unbind(merged, True)
         _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
         _mount_cowfs(merged, mount_args)
+        _bind_at(rootfd, store_dirfd, row, merged)
         return merged
     stop(workspace, row, lazy=True)
     for d in (lower, merged):
@@ -130,14 +136,7 @@ def start(
                 _copy_root(lower, upper_fd)
             _mount_overlay(lower, upper_fd, work_fd, merged)
             _mount_cowfs(merged, mount_args)
-            for where in row.get("at", []):
-                # (checked as a view's directory is: no planted link
-                # followed, not inside a workspace, not a mount point)
-                fd = open_view_dir(where, rootfd, store_dirfd, 0)
-                try:
-                    bind(merged, f"/proc/self/fd/{fd}")
-                finally:
-                    os.close(fd)
+            _bind_at(rootfd, store_dirfd, row, merged)
         except BaseException:
             stop(workspace, row, lazy=True)
             raise
@@ -145,6 +144,23 @@ def start(
         os.close(upper_fd)
         os.close(work_fd)
     return merged
+
+
+def _bind_at(rootfd: int, store_dirfd: int, row: dict, merged: str) -> None:
+    """Bind the fork mounted at *merged* at each of its ``--at`` directories
+    where it is not bound already."""
+    source = f"cowfs:{merged}"
+    bound = {m.mountpoint for m in mounts() if m.fstype == FSTYPE and m.source == source}
+    for where in row.get("at", []):
+        if where in bound:
+            continue
+        # (checked as a view's directory is: no planted link
+        # followed, not inside a workspace, not a mount point)
+        fd = open_view_dir(where, rootfd, store_dirfd, 0)
+        try:
+            bind(merged, f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
 
 
 def _alive(mountpoint: str) -> bool:
@@ -157,8 +173,7 @@ def stop_cowfs(workspace: str, row: dict, lazy: bool) -> None:
     its overlay: nothing changes it any more.  Without *lazy*, a fork
     processes use is AlreadyMounted (exit 5) naming them."""
     _, merged = paths(workspace, row["id"])
-    for where in row.get("at", []):
-        _unmount_all(where, lambda fs: fs == "fuse.cowfs", lazy)
+    _unbind(merged, lazy)
     if is_cowfs_mount(merged):
         r = subprocess.run(
             [sys.executable, "-m", "cowfs", "unmount", *(["--lazy"] if lazy else []), merged],
@@ -181,6 +196,41 @@ def stop(workspace: str, row: dict, lazy: bool) -> None:
     stop_cowfs(workspace, row, lazy)
     _unmount_all(merged, lambda fs: fs == "overlay", lazy)
     clear_view(lower)
+
+
+def _unbind(merged: str, lazy: bool) -> None:
+    """Unmount the fork's bind mounts (``--at``): the mounts of the fork's
+    cowfs mount elsewhere than at *merged*, found by the name the mount
+    table gives that mount's filesystem, wherever they are now (the
+    directory a fork is bound at may have been renamed since), and nothing
+    else that is mounted where they were.  Each is reached as the name of
+    a mount point in the directory the mount found is on (through a
+    descriptor: a name that is a mount point cannot be renamed, and no link
+    on the way is followed again)."""
+    source = f"cowfs:{merged}"
+    for m in reversed(mounts()):  # (the last mounted first)
+        if m.fstype != FSTYPE or m.source != source or m.mountpoint == merged:
+            continue
+        try:
+            fd = os.open(m.mountpoint, PATH_FLAGS)
+        except OSError:
+            continue  # (gone, or moved: not reached by that name any more)
+        try:
+            if mnt_id(fd) != m.id:
+                continue
+            up = os.open("..", PATH_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)  # (it holds the mount: busy while open)
+        try:
+            target = f"/proc/self/fd/{up}/{os.path.basename(m.mountpoint)}"
+            flags = (MNT_DETACH if lazy else 0) | UMOUNT_NOFOLLOW
+            checked(libc.umount2(os.fsencode(target), flags), m.mountpoint)
+        except OSError as e:
+            if e.errno == errno.EBUSY and not lazy:
+                raise AlreadyMounted(f"{quote(m.mountpoint)} is busy") from None
+            raise
+        finally:
+            os.close(up)
 
 
 def _unmount_all(where: str, what: Callable[[str], bool], lazy: bool) -> None:
@@ -209,7 +259,9 @@ def remove(workspace: str, store_dirfd: int, fid: int) -> None:
         finally:
             os.close(forks)
     base = run_dir(workspace, fid)
-    for d in (os.path.join(base, "lower"), os.path.join(base, "merged"), base):
+    # (the workspace's directory too, once it holds no other fork's)
+    lower, merged = paths(workspace, fid)
+    for d in (lower, merged, base, os.path.dirname(base)):
         with contextlib.suppress(OSError):
             os.rmdir(d)
 
