@@ -290,3 +290,122 @@ def test_a_forks_changes_since_its_fork_point_are_what_it_holds_differently(pare
     assert forks_of(ws)["a"]["changes"] == len(got)
     text = ws.cowfs("diff", "--fork", "a").stdout.splitlines()
     assert "M\tsrc/a.txt" in text and "A\tfull/x" in text
+
+
+def _entries(snap: treesnap.Snapshot, under: set[bytes]) -> dict:
+    """The entries of *snap* at or below the paths *under*, without their
+    directories' mtimes (a directory's entries change when an adopt makes
+    its names)."""
+    import dataclasses
+
+    return {
+        rel: dataclasses.replace(e, mtime_ns=0) if e.kind == "dir" else e
+        for rel, e in snap.items()
+        if any(rel == u or rel.startswith(u + b"/") for u in under)
+    }
+
+
+def test_adopt_makes_the_forks_changes_one_layer_and_keeps_the_workspaces_own(parent):
+    ws = parent
+    f = fork(ws, "a")
+    # the fork: contents, a hard link, ignored paths, a directory moved,
+    # attributes, a symlink, a removal
+    with open(f / "src" / "a.hard", "a") as fh:
+        fh.write("from the fork\n")
+    (f / "node_modules" / "pkg" / "index.js").write_text("module.exports = 2\n")
+    (f / "node_modules" / "dep").mkdir()
+    (f / "node_modules" / "dep" / "x.js").write_text("x\n")
+    os.rename(f / "empty", f / "full")
+    (f / "full" / "made").write_text("made\n")
+    os.chmod(f / "src", 0o750)  # (a directory's attributes alone)
+    os.setxattr(f / "src" / "a.txt", "user.color", b"red")
+    os.unlink(f / "src" / "link")
+    os.symlink("a.hard", f / "src" / "link")
+    # the workspace, meanwhile, elsewhere
+    (ws / "mine.txt").write_text("the workspace's own\n")
+    with open(ws / "big.bin", "r+b") as fh:
+        fh.write(b"W")
+    before = ws.snapshot()
+    forked = treesnap.snapshot(f)
+    res = ws.json("adopt", "a")
+    assert forks_of(ws) == {} and not fork_mounts(ws.path)
+    after = ws.snapshot()
+    changed = {b"src", b"node_modules", b"full", b"empty"}
+    assert _entries(after, changed) == _entries(forked, changed)
+    assert after[b"big.bin"] == before[b"big.bin"]  # (the workspace's change, kept)
+    assert after[b"mine.txt"] == before[b"mine.txt"]
+    assert after[b"src/a.txt"].link == after[b"src/a.hard"].link  # (one object, two names)
+    assert res["layer"] == ws.log()[-1]["id"]
+    # one layer: a rollback undoes it exactly
+    ws.rollback(res["layer"])
+    same(before, ws.snapshot())
+
+
+def test_adopt_refuses_conflicts_and_changes_nothing_unless_told_whose_to_keep(parent):
+    ws = parent
+    f = fork(ws, "a")
+    (f / "src" / "a.txt").write_text("fork\n")
+    (f / "new.txt").write_text("fork's new\n")
+    shutil_rmtree(f / "empty")
+    (ws / "src" / "a.txt").write_text("workspace\n")
+    (ws / "new.txt").write_text("workspace's new\n")
+    (ws / "empty" / "inside").write_text("below what the fork removed\n")
+    before, forked = ws.snapshot(), treesnap.snapshot(f)
+    r = ws.cowfs("adopt", "a", check=False)
+    assert r.returncode == 15, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == [
+        "C empty\tfork: D\tworkspace: A empty/inside",
+        "C new.txt\tfork: A\tworkspace: A",
+        "C src/a.txt\tfork: M\tworkspace: M",
+    ], lines
+    data = json.loads(ws.cowfs("--json", "adopt", "a", check=False).stdout)
+    assert {c["path"] for c in data["conflicts"]} == {"empty", "new.txt", "src/a.txt"}
+    same(before, ws.snapshot())
+    same(forked, treesnap.snapshot(f))
+    assert forks_of(ws)["a"]["mounted"]
+    # the workspace's side for all but one path
+    ws.json("adopt", "--prefer", "parent", "--prefer", "new.txt=fork", "a")
+    assert (ws / "src" / "a.txt").read_text() == "workspace\n"
+    assert (ws / "new.txt").read_text() == "fork's new\n"
+    assert (ws / "empty" / "inside").exists()
+
+
+def shutil_rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+def test_an_adopt_cut_short_by_a_killed_daemon_is_undone_by_the_next_mount(parent):
+    """kill -9 of the workspace's daemon while an adopt makes its changes:
+    the next mount rolls back what it made (the workspace is as before it)
+    and mounts the fork again as it was; adopting again then works."""
+    ws = parent
+    f = fork(ws, "a")
+    for i in range(40):
+        d = f / f"many{i}"
+        d.mkdir()
+        for j in range(75):
+            (d / f"f{j}").write_text(f"{i} {j}\n")
+    before, forked = ws.snapshot(), treesnap.snapshot(f)
+    adopting = subprocess.Popen(
+        [*COWFS, "-C", str(ws.path), "adopt", "a"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.5)  # (the fork is unmounted first; then 3,000 files are made)
+        ws.kill()
+    finally:
+        adopting.wait(timeout=60)
+    ws.cowfs("mount", ws.path)
+    deadline = time.monotonic() + 60
+    while not forks_of(ws).get("a", {}).get("mounted"):
+        assert forks_of(ws), "the adopt finished before the kill: make it longer"
+        assert time.monotonic() < deadline, "the fork was not mounted again"
+        time.sleep(0.1)
+    same(before, ws.snapshot())
+    same(forked, treesnap.snapshot(f))
+    ws.json("adopt", "a")
+    assert (ws / "many39" / "f74").read_text() == "39 74\n"

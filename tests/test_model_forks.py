@@ -252,23 +252,26 @@ class ForksModel(RuleBasedStateMachine):
         )
 
     def rolled_back(self, side: Side, layer: Layer) -> None:
-        """*side* was rolled back to *layer*: its tree is the layer's (its
-        ignored paths too, where they were captured all through), and so is
-        its shadow from now on."""
+        """*side* was rolled back to *layer*: its tree is the layer's -- its
+        ignored paths too where they were captured all through the layers
+        undone (else they are as the rollback left them) -- and so is its
+        shadow from now on."""
         ignored = () if layer.ignored_captured else (b"ig",)
         expected = treesnap.Snapshot(
             (k, v) for k, v in layer.snap.items() if not _under(k, ignored)
         )
         treesnap.assert_same(expected, treesnap.snapshot(side.path, exclude=(b".cowfs", *ignored)))
-        new_shadow = os.path.join(self.tmp, f"copy-{self.copies + 1}")
         self.copies += 1
+        new_shadow = os.path.join(self.tmp, f"copy-{self.copies}")
         copy_tree(layer.shadow, new_shadow)
-        if ignored:  # (not put back: as it was before the rollback)
-            shutil.rmtree(os.path.join(new_shadow, "ig"), ignore_errors=True)
-            if os.path.lexists(os.path.join(new_shadow, "ig")):
-                os.unlink(os.path.join(new_shadow, "ig"))
-            if os.path.lexists(os.path.join(side.shadow, "ig")):
-                copy_tree(os.path.join(side.shadow, "ig"), os.path.join(new_shadow, "ig"))
+        if ignored:  # (the shadow takes what the rollback left there)
+            there = os.path.join(new_shadow, "ig")
+            if os.path.isdir(there) and not os.path.islink(there):
+                shutil.rmtree(there)
+            elif os.path.lexists(there):
+                os.unlink(there)
+            if os.path.lexists(os.path.join(side.path, "ig")):
+                copy_tree(os.path.join(side.path, "ig"), there)
         shutil.rmtree(side.shadow)
         side.shadow = new_shadow
 
@@ -286,8 +289,11 @@ class ForksModel(RuleBasedStateMachine):
             return
         assert r.returncode == 0, r.stderr
         self.rolled_back(side, layer)
-        top = json.loads(self.cowfs(side, "--json", "log").stdout)[-1]["id"]
-        side.layers[-1] = Layer(top, layer.snap, layer.shadow, layer.ignored_captured)
+        # (the layer below is the open one now; the base, a new one if none)
+        side.layers.pop()
+        if not side.layers:
+            top = json.loads(self.cowfs(side, "--json", "log").stdout)[-1]["id"]
+            side.layers = [Layer(top, layer.snap, layer.shadow, layer.ignored_captured)]
 
     @precondition(lambda self: self.parent is not None and bool(self.forks))
     @rule()
@@ -306,7 +312,7 @@ class ForksModel(RuleBasedStateMachine):
         elif r.returncode == 0:
             self.rolled_back(self.parent, base)
             top = self.ws.log()[-1]["id"]
-            self.parent.layers = [Layer(top, base.snap, base.shadow, base.ignored_captured)]
+            self.parent.layers = [Layer(top, base.snap, base.shadow, False)]
 
     @precondition(lambda self: self.parent is not None)
     @rule()
