@@ -409,3 +409,59 @@ def test_an_adopt_cut_short_by_a_killed_daemon_is_undone_by_the_next_mount(paren
     same(forked, treesnap.snapshot(f))
     ws.json("adopt", "a")
     assert (ws / "many39" / "f74").read_text() == "39 74\n"
+
+
+def test_best_of_adopts_the_first_command_that_passes_and_drops_the_others(parent):
+    ws = parent
+    before = ws.snapshot()
+    r = subprocess.run(
+        [
+            *COWFS,
+            "--json",
+            "best-of",
+            "--verify",
+            "grep -q good src/a.txt",
+            "--",
+            "echo bad > src/a.txt",
+            ":::",
+            "echo good > src/a.txt && echo new > made.txt",
+            ":::",
+            "rm -rf src; exit 3",
+        ],
+        cwd=ws.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["winner"] == 1
+    assert [c["ok"] for c in res["candidates"]] == [False, True, False]
+    assert [c["verify_status"] for c in res["candidates"]] == [1, 0, None]
+    assert res["candidates"][2]["exit_status"] == 3
+    assert {c["path"] for c in res["candidates"][1]["changes"]} >= {"made.txt"}
+    assert (ws / "src" / "a.txt").read_text() == "good\n"
+    assert (ws / "made.txt").read_text() == "new\n"
+    # (written through one name of a hard-linked file: both show it, one object)
+    assert os.stat(ws / "src" / "a.hard").st_ino == os.stat(ws / "src" / "a.txt").st_ino
+    assert forks_of(ws) == {} and not fork_mounts(ws.path)
+    ws.rollback(res["layer"])
+    same(before, ws.snapshot())
+
+
+def test_best_of_through_the_api_with_a_chooser_and_nothing_to_adopt(parent):
+    from cowfs.interface.api import Workspace as Api
+
+    ws = Api.attach(str(parent.path))
+    before = parent.snapshot()
+    res = ws.best_of(["exit 1", "exit 2"], parallel=1)
+    assert res.winner is None and res.layer is None
+    assert [c.result.exit_status for c in res.candidates] == [1, 2]
+    assert ws.forks() == []
+    same(before, parent.snapshot())
+    res = ws.best_of(
+        ["echo one > pick.txt", "echo two > pick.txt"],
+        pick=lambda cands: max(range(len(cands)), key=lambda i: cands[i].command),
+    )
+    assert res.winner == 1 and (parent / "pick.txt").read_text() == "two\n"
+    assert [c.result.stdout for c in res.candidates] == ["", ""]

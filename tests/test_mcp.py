@@ -36,6 +36,10 @@ TOOLS = {
     "redo",
     "restore",
     "run",
+    "fork",
+    "forks",
+    "adopt",
+    "drop",
 }
 
 
@@ -464,3 +468,33 @@ def test_a_name_that_is_not_utf8_comes_back_with_its_bytes(mounted):
         assert (await ok(s, "checkpoint", message="still serving"))["id"] == 2
 
     serve(mounted.path, steps)
+
+
+def test_forks_through_mcp_make_run_adopt_and_drop(mounted):
+    """A model makes two forks, runs a command in each (at the workspace's
+    own path), sees the conflict its second adopt would make, and keeps
+    one side."""
+    from .test_forks import clear_forks
+
+    async def steps(s):
+        await ok(s, "fork", name="a", message="try a")
+        await ok(s, "fork", name="b")
+        ran = await ok(s, "run", command="echo A > a.txt && pwd", fork="a")
+        assert ran["ok"] and ran["stdout"].strip() == str(mounted.path)
+        await ok(s, "run", command="echo B > a.txt", fork="b")
+        rows = (await s.call_tool("forks", {})).structured_content["result"]
+        listed = {r["name"]: r for r in rows}
+        assert listed["a"]["message"] == "try a" and listed["a"]["changes"] == 1
+        adopted = await ok(s, "adopt", name="a")
+        code, text = await fails(s, "adopt", name="b")
+        assert code == 15 and "a.txt (fork: M, workspace: M)" in text, text
+        await ok(s, "adopt", name="b", paths={"a.txt": "parent"})
+        return adopted
+
+    try:
+        adopted = serve(mounted.path, steps)
+        assert (mounted / "a.txt").read_text() == "A\n"
+        assert adopted["layer"] == mounted.log()[-2]["id"]
+        assert mounted.json("forks") == []
+    finally:
+        clear_forks(mounted.path)

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Literal, overload
@@ -654,10 +654,10 @@ class Workspace(Client):
         layer, before = self._open_step(plan, message or f"run: {line}")
         watch = ContainerWatch(plan.watch)
         t0 = time.monotonic()
-        ran = execute(cmd, cwd, capture_output, timeout, output_limit)
+        ran = execute(*self._in_place(cmd, cwd), capture_output, timeout, output_limit)
         assert ran.status is not None  # (what execute() ran has a status)
         checked = (
-            execute(verify, cwd, capture_output, timeout, output_limit)
+            execute(*self._in_place(verify, cwd), capture_output, timeout, output_limit)
             if verify is not None and ran.status == 0
             else Executed(None)
         )
@@ -701,6 +701,86 @@ class Workspace(Client):
         result.layer, result.outcome, into = self._conclude(layer, action)
         self.call("annotate", layer=into, run=result.record())
         return result
+
+    def _in_place(self, cmd: Command, cwd: str) -> tuple[Command, str]:
+        """How *cmd* runs in *cwd* (a fork runs it where it is seen at its
+        workspace's path)."""
+        return cmd, cwd
+
+    # -- forks -------------------------------------------------------------------
+
+    def fork(self, name: str, message: str = "") -> Fork:
+        """Make fork *name* of the workspace as it is now (see `cowfs fork`):
+        a Workspace of its own, whose ``run`` runs commands where the fork is
+        seen at this workspace's path."""
+        res = self.call("fork", name=name, message=message)
+        return Fork.of(self, name, res["path"])
+
+    def forks(self) -> list[dict]:
+        """Every fork: name, layer, created, message, changes, bytes, users."""
+        return self.call("forks", changes=True)["forks"]
+
+    def adopt(
+        self, name: str, prefer: str | None = None, paths: Mapping[str, str] | None = None
+    ) -> dict:
+        """Make fork *name*'s changes here as one layer and drop it (see
+        `cowfs adopt`); CowfsError code 15 with ``details["conflicts"]``
+        when paths both changed are left undecided (*prefer* "fork" or
+        "parent", *paths*: path -> side)."""
+        return self.call("adopt", name=name, prefer=prefer, paths=dict(paths or {}))
+
+    def drop(self, name: str, force: bool = False) -> dict:
+        return self.call("drop", name=name, force=force)
+
+    def best_of(
+        self,
+        commands: Sequence[Command],
+        verify: Command | None = None,
+        pick: Callable[[list[Candidate]], int | None] | None = None,
+        parallel: int | None = None,
+        timeout: float | None = None,
+        prefer: str | None = None,
+    ) -> BestOf:
+        """Run each of *commands* in a fork of its own, *parallel* at once
+        (default: all), each verified by *verify*; adopt the winner -- the
+        first that succeeded, in the order given, or the index *pick*
+        returns from the candidates (None: none) -- and drop the others.
+        Every candidate's result is returned (its outcome, output, changes).
+        *prefer* decides conflicts with changes made here meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not commands:
+            raise CowfsError("best_of needs at least one command", USAGE)
+        tag = f"best-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+        forks: list[Fork] = []
+        try:
+            for i in range(len(commands)):
+                forks.append(self.fork(f"{tag}-{i + 1}", f"best of {len(commands)}: {i + 1}"))
+
+            def attempt(i: int) -> Candidate:
+                r = forks[i].run(
+                    commands[i],
+                    verify=verify,
+                    on_fail="keep",
+                    capture_output=True,
+                    timeout=timeout,
+                )
+                return Candidate(i, command_line(commands[i]), forks[i].name, r)
+
+            with ThreadPoolExecutor(max_workers=parallel or len(commands)) as pool:
+                candidates = list(pool.map(attempt, range(len(commands))))
+            if pick is not None:
+                winner = pick(candidates)
+            else:
+                winner = next((c.index for c in candidates if c.result.ok), None)
+            adopted = None
+            if winner is not None:
+                adopted = self.adopt(forks[winner].name, prefer=prefer)["layer"]
+            return BestOf(candidates, winner, adopted)
+        finally:
+            for f in forks:
+                if any(row["name"] == f.name for row in self.forks()):
+                    self.drop(f.name, force=True)
 
     def _open_step(self, plan: Plan, message: str) -> tuple[int, set[tuple]]:
         """The layer a step runs in: a new one (with *plan*'s snapshots), or
@@ -800,6 +880,68 @@ class Workspace(Client):
                 "duration": round(time.monotonic() - t0, 3),
             },
         )
+
+
+class Fork(Workspace):
+    """A fork of a workspace (``Workspace.fork``): a workspace of its own,
+    mounted where only root reaches it; its commands run in a mount
+    namespace of their own in which the workspace's path shows the fork
+    (absolute paths in virtual environments and build caches keep working)."""
+
+    name: str
+    parent: Workspace
+
+    @classmethod
+    def of(cls, parent: Workspace, name: str, path: str) -> Fork:
+        f = cls.attach(path)
+        f.name, f.parent = name, parent
+        return f
+
+    def _default_cwd(self) -> str:
+        cwd = os.getcwd()
+        root = self.parent.root
+        inside = cwd == root or cwd.startswith(root.rstrip("/") + "/")
+        return cwd if inside else root
+
+    def _in_place(self, cmd: Command, cwd: str) -> tuple[Command, str]:
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        wrapped = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "--",
+            "sh",
+            "-c",
+            'mount --bind -- "$1" "$2" && cd -- "$3" && shift 3 && exec "$@"',
+            "cowfs-fork",
+            self.root,
+            self.parent.root,
+            cwd,
+            *argv,
+        ]
+        return wrapped, self.parent.root
+
+
+@dataclass
+class Candidate:
+    """One command of ``Workspace.best_of``: its place, the fork it ran in,
+    and how it went (``result.ok``, its output and its changes)."""
+
+    index: int
+    command: str
+    fork: str
+    result: RunResult
+
+
+@dataclass
+class BestOf:
+    """What ``Workspace.best_of`` did: every candidate, the winner's index
+    (None: none succeeded) and the layer its adoption made here."""
+
+    candidates: list[Candidate]
+    winner: int | None
+    layer: int | None
 
 
 def uncaptured_warnings(uncaptured: dict[str, list[str]]) -> list[str]:

@@ -9,13 +9,18 @@ import contextlib
 import ctypes
 import os
 import time
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from .. import errors
 from ..errors import CowfsError
 from ..system.mounts import find_mount
 from ..text import ago, human_size, quote
 from .client import Client
-from .command import Command, out
+from .command import Arg, Command, out
+from .render import clean
+
+if TYPE_CHECKING:
+    from .api import Workspace
 
 CLONE_NEWNS = 0x00020000
 MS_REC, MS_SLAVE, MS_BIND = 0x4000, 0x80000, 0x1000
@@ -43,6 +48,17 @@ class Fork(Command):
         )
         s.add_argument("name", metavar="NAME", help="the fork's name (letters, digits, . _ -)")
 
+    def tool(
+        self,
+        ws: Workspace,
+        name: Annotated[str, Arg("the fork's name: letters, digits, . _ -")],
+        message: Annotated[str, Arg("what the fork is for")] = "",
+    ) -> dict:
+        """Make a fork of the workspace as it is now: a private copy made at
+        once, whatever its size, with its own layers. Run commands in it
+        with the run tool's `fork`; keep its changes with adopt, or drop it."""
+        return clean(ws.call("fork", name=name, message=message))
+
     def run(self, args: argparse.Namespace) -> int:
         res = Client.attach(args.path).call(
             "fork",
@@ -65,6 +81,11 @@ class Forks(Command):
     help = "list the workspace's forks: fork point, message, disk space, processes using each"
     examples = "  cowfs forks\n  cowfs forks --json"
     ops = ("forks",)
+
+    def tool(self, ws: Workspace) -> list:
+        """The workspace's forks: name, the layer made for it, its message,
+        how many paths it changed, the disk space it takes, processes using it."""
+        return clean(ws.forks())
 
     def run(self, args: argparse.Namespace) -> int:
         ws = Client.find(args.path, args.offline_store)
@@ -101,6 +122,15 @@ class Drop(Command):
     examples = "  cowfs drop try-a\n  cowfs drop --force try-b   # its processes lose it"
     ops = ("drop",)
 
+    def tool(
+        self,
+        ws: Workspace,
+        name: Annotated[str, Arg("the fork")],
+        force: Annotated[bool, Arg("even while processes use it")] = False,
+    ) -> dict:
+        """Drop a fork: unmount it and free everything it holds."""
+        return clean(ws.drop(name, force=force))
+
     def add_options(self, s: argparse.ArgumentParser) -> None:
         s.add_argument(
             "--force",
@@ -129,6 +159,26 @@ class Adopt(Command):
         "  cowfs adopt --prefer parent --prefer src/app.py=fork try-a"
     )
     ops = ("adopt",)
+
+    def tool(
+        self,
+        ws: Workspace,
+        name: Annotated[str, Arg("the fork")],
+        prefer: Annotated[
+            Literal["fork", "parent"] | None,
+            Arg("for paths both changed: keep the fork's change or the workspace's"),
+        ] = None,
+        paths: Annotated[
+            dict[str, Literal["fork", "parent"]],
+            Arg("per path (from the workspace's root): whose change to keep"),
+        ] = {},  # noqa: B006  (never changed: the tool's schema is its signature)
+    ) -> dict:
+        """Adopt a fork: make its changes since it was made in the workspace,
+        as one new layer (a rollback undoes it), and drop it. Paths changed
+        both in the fork and in the workspace are conflicts: without
+        `prefer` or `paths` deciding each, nothing changes and the error
+        lists them."""
+        return clean(ws.adopt(name, prefer=prefer, paths=paths))
 
     def add_options(self, s: argparse.ArgumentParser) -> None:
         s.add_argument(
@@ -177,7 +227,106 @@ class Adopt(Command):
         return 0
 
 
-FORK_COMMANDS = ("fork", "forks", "drop", "adopt")
+class BestOf(Command):
+    name = "best-of"
+    help = (
+        "run each command in a fork of its own, at once; adopt the first that succeeds "
+        "(and passes --verify) and drop the others"
+    )
+    examples = (
+        "  cowfs best-of --verify 'pytest -q' -- ./fix-a.sh ::: ./fix-b.sh ::: ./fix-c.sh\n"
+        "  cowfs best-of --parallel 2 -- make CC=gcc ::: make CC=clang"
+    )
+    ops = ("fork", "adopt", "drop")
+
+    def add_options(self, s: argparse.ArgumentParser) -> None:
+        s.add_argument("--verify", metavar="CMD", help="a shell command each must pass too")
+        s.add_argument("--parallel", type=int, metavar="N", help="at most N at once (default: all)")
+        s.add_argument(
+            "--timeout", type=float, metavar="SECONDS", help="a command still running is killed"
+        )
+        s.add_argument(
+            "--prefer",
+            choices=("fork", "parent"),
+            help="paths the workspace changed meanwhile too: whose change to keep",
+        )
+        s.add_argument(
+            "argv",
+            nargs=argparse.REMAINDER,
+            metavar="-- CMD [ARG...] ::: CMD [ARG...] ...",
+            help="the commands, separated by ::: (one argument each: a shell command line)",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .api import Workspace
+
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        commands: list[list[str]] = [[]]
+        for token in argv:
+            if token == ":::":
+                commands.append([])
+            else:
+                commands[-1].append(token)
+        if not all(commands):
+            raise CowfsError("best-of takes -- CMD ::: CMD ...: a command is empty", errors.USAGE)
+        cmds = [c[0] if len(c) == 1 else c for c in commands]
+        ws = Workspace.attach(args.path)
+        res = ws.best_of(
+            cmds,
+            verify=args.verify,
+            parallel=args.parallel,
+            timeout=args.timeout,
+            prefer=args.prefer,
+        )
+        rows = []
+        for c in res.candidates:
+            r = c.result
+            how = (
+                "ok"
+                if r.ok
+                else (
+                    f"failed (exit {r.exit_status})"
+                    if r.exit_status
+                    else f"failed (the verifier exited {r.verify_status})"
+                )
+            )
+            rows.append(
+                f"{'*' if c.index == res.winner else ' '} {c.index + 1} {how:<24} "
+                f"{len(r.changes):>6} change{'' if len(r.changes) == 1 else 's'}  {c.command}"
+            )
+        if res.winner is None:
+            rows.append("# no command succeeded: nothing adopted, every fork dropped")
+        else:
+            rows.append(
+                f"# adopted command {res.winner + 1} as layer {res.layer} "
+                f"('cowfs rollback --to {res.layer}' undoes it); the other forks dropped"
+            )
+        out(
+            args,
+            "\n".join(rows),
+            {
+                "winner": res.winner,
+                "layer": res.layer,
+                "candidates": [
+                    {
+                        "index": c.index,
+                        "command": c.command,
+                        "fork": c.fork,
+                        "ok": c.result.ok,
+                        "exit_status": c.result.exit_status,
+                        "verify_status": c.result.verify_status,
+                        "changes": [x.to_dict() for x in c.result.changes],
+                        "stdout": c.result.stdout,
+                        "stderr": c.result.stderr,
+                    }
+                    for c in res.candidates
+                ],
+            },
+        )
+        return 0 if res.winner is not None else errors.NOTHING_TO_DO
+
+
+FORK_COMMANDS = ("fork", "forks", "drop", "adopt", "best-of")
 
 
 def enter_fork(args: argparse.Namespace) -> None:

@@ -284,6 +284,10 @@ class Run(Command):
         scope: Annotated[RunScope, Arg("what to snapshot (see cowfs run)")] = "files",
         timeout: Annotated[float | None, Arg("seconds before the command is killed", gt=0)] = 600,
         max_bytes: Limit = TEXT_LIMIT,
+        fork: Annotated[
+            str | None,
+            Arg("run it in this fork (see the fork tool), seen at the workspace's own path"),
+        ] = None,
     ) -> dict:
         """Run a command in the workspace as one step in its own layer: if it
         (or `verify`) fails, everything it changed is rolled back; otherwise
@@ -295,6 +299,13 @@ class Run(Command):
         where = os.path.normpath(os.path.join(ws.root, cwd or "."))
         if where != ws.root and not where.startswith(ws.root.rstrip("/") + "/"):
             raise CowfsError(f"cwd {cwd!r} is outside the workspace", errors.USAGE)
+        if fork is not None:
+            from .api import Fork
+
+            row = next((f for f in ws.forks() if f["name"] == fork), None)
+            if row is None:
+                raise CowfsError(f"no fork {fork}", errors.UNKNOWN_LAYER)
+            ws = Fork.of(ws, fork, row["path"])
         r = ws.run(
             command,
             verify=verify,

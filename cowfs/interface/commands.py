@@ -15,7 +15,7 @@ import argparse
 
 from .. import __version__
 from .cmd_agents import Hook, Hooks, Rewind
-from .cmd_forks import Adopt, Drop, Fork, Forks
+from .cmd_forks import Adopt, BestOf, Drop, Fork, Forks
 from .cmd_inspect import Audit, Diff, Log, Show, Status
 from .cmd_layers import Checkpoint, Commit, Redo, Restore, Rollback
 from .cmd_mount import Mount, Unmount, View
@@ -81,6 +81,7 @@ COMMANDS: dict[str, Command] = {
         Forks(),
         Adopt(),
         Drop(),
+        BestOf(),
         Mcp(),
         Hooks(),
         Hook(),
@@ -137,7 +138,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         json_option(s)
         if command.prints_paths:
             root_option(s)
-        if command.ops and command.name not in ("fork", "forks", "drop", "adopt"):
+        if command.ops and command.name not in ("fork", "forks", "drop", "adopt", "best-of"):
             s.add_argument(
                 "--fork",
                 metavar="NAME",
