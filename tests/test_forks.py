@@ -465,3 +465,40 @@ def test_best_of_through_the_api_with_a_chooser_and_nothing_to_adopt(parent):
     )
     assert res.winner == 1 and (parent / "pick.txt").read_text() == "two\n"
     assert [c.result.stdout for c in res.candidates] == ["", ""]
+
+
+@pytest.mark.parametrize("step", ["fork", "drop"])
+def test_a_fork_or_drop_cut_short_by_a_killed_daemon_is_finished_by_the_next_mount(parent, step):
+    """kill -9 of the workspace's daemon while it makes or drops a fork: the
+    next mount removes a fork whose making was cut short (its layer stays:
+    an empty one) and finishes a drop; nothing of either is left mounted."""
+    ws = parent
+    before = ws.snapshot()
+    if step == "drop":
+        f = fork(ws, "a")
+        (f / "x").write_bytes(os.urandom(1 << 20))
+    cmd = ["fork", "a"] if step == "fork" else ["drop", "--force", "a"]
+    proc = subprocess.Popen(
+        [*COWFS, "-C", str(ws.path), *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.4)  # (the registry is written first, then the mounts)
+        ws.kill()
+    finally:
+        proc.wait(timeout=60)
+    ws.cowfs("mount", ws.path)
+    deadline = time.monotonic() + 60
+    while True:
+        rows = forks_of(ws)
+        if not rows or rows["a"]["mounted"]:
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.1)
+    if rows:  # (the kill came after the fork was made: it is whole)
+        assert step == "fork"
+        same(before, treesnap.snapshot(Path(rows["a"]["path"])))
+        ws.cowfs("drop", "a")
+    assert not fork_mounts(ws.path)
+    same(before, ws.snapshot())
+    ws.unmount()
+    assert os.listdir(ws.path / ".cowfs" / "forks") == []

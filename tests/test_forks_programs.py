@@ -1,0 +1,149 @@
+"""Real programs in forks, at the same time, while the workspace changes
+too: git, gcc and python each in a fork of their own (run at the
+workspace's own path), every fork's result compared with the same
+commands run natively on a copy of the fork point, then adopted one after
+the other -- the workspace ends with each fork's work and its own, and
+the conflict the last one makes is named exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from cowfs.layers import treesnap
+
+from .helpers import COWFS
+from .test_forks import fork, forks_of, parent  # noqa: F401  (the fixture)
+from .test_programs import C_MAIN, C_UTIL_H, C_UTIL_V1, C_UTIL_V2, GIT, git_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = (
+    "import json, pathlib, sys\n"
+    "out = pathlib.Path('out'); out.mkdir(exist_ok=True)\n"
+    "(out / 'report.json').write_text(json.dumps({'cwd': str(pathlib.Path.cwd())}))\n"
+    "pathlib.Path('c/util.c').write_text(pathlib.Path('c/util.c').read_text() + '/* py */\\n')\n"
+)
+
+
+def steps(env: dict) -> dict[str, list[list[str]]]:
+    """What each fork runs (each a list of commands, in the workspace's root)."""
+    return {
+        "git": [
+            [*GIT, "checkout", "-q", "-b", "feature"],
+            ["sh", "-c", "echo 'more words' >> notes.md"],
+            [*GIT, "commit", "-qam", "feature work"],
+            [*GIT, "gc", "-q"],
+        ],
+        "gcc": [
+            ["sh", "-c", f"printf '%s' '{C_UTIL_V2}' > c/util.c"],
+            ["gcc", "-O1", "-Wall", "-c", "c/main.c", "-o", "c/main.o"],
+            ["gcc", "-O1", "-Wall", "-c", "c/util.c", "-o", "c/util.o"],
+            ["gcc", "-o", "c/prog", "c/main.o", "c/util.o"],
+        ],
+        "python": [
+            ["python3", "-c", SCRIPT],
+            ["sh", "-c", "printf 'x = 1\\n' > out/mod.py"],
+            ["python3", "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash", "out"],
+        ],
+    }
+
+
+def run_all(cwd: Path, cmds: list[list[str]], env: dict) -> None:
+    for cmd in cmds:
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{cmd}: {r.stderr}"
+
+
+def test_git_gcc_and_python_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F811
+    ws = parent
+    env = git_env(tmp_path)
+    (ws / "c").mkdir()
+    (ws / "c" / "main.c").write_text(C_MAIN)
+    (ws / "c" / "util.h").write_text(C_UTIL_H)
+    (ws / "c" / "util.c").write_text(C_UTIL_V1)
+    (ws / "notes.md").write_text("# notes\n")
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "start"]):
+        subprocess.run([*GIT, *cmd], cwd=ws.path, env=env, check=True, capture_output=True)
+    native_base = tmp_path / "native-base"
+    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
+    shutil.rmtree(native_base / ".cowfs", ignore_errors=True)  # (mounted: not there anyway)
+    plan = steps(env)
+    paths = {name: fork(ws, name) for name in plan}
+    # every fork at once, each at the workspace's own path; the workspace too
+    errors: list[str] = []
+
+    def in_fork(name: str) -> None:
+        for cmd in plan[name]:
+            r = subprocess.run(
+                [*COWFS, "run", "--fork", name, "--on-fail", "keep", "--", *cmd],
+                cwd=ws.path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if r.returncode != 0:
+                errors.append(f"{name}: {cmd}: {r.stderr}")
+
+    threads = [threading.Thread(target=in_fork, args=(n,)) for n in plan]
+    for t in threads:
+        t.start()
+    for i in range(50):
+        (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
+    with open(ws / "c" / "util.h", "a") as f:
+        f.write("/* the workspace's */\n")
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    # each fork is what the same commands make natively on the fork point
+    for name, cmds in plan.items():
+        native = tmp_path / f"native-{name}"
+        subprocess.run(["cp", "-a", str(native_base), str(native)], check=True)
+        run_all(native, cmds, env)
+        got = treesnap.snapshot(paths[name])
+        want = treesnap.snapshot(native)
+        if name == "python":  # (it says where it ran: the workspace's path, as named)
+            assert (paths[name] / "out" / "report.json").read_text() == (f'{{"cwd": "{ws.path}"}}')
+            want.pop(b"out/report.json"), got.pop(b"out/report.json")
+        for snap in (want, got):  # (git's index holds the files' inode and device numbers)
+            snap.pop(b".git/index", None)
+        diffs = treesnap.compare(want, got, mtimes=False)
+        assert not diffs, f"fork {name} differs from the native run:\n" + "\n".join(diffs[:20])
+    # adopt: gcc's build, then git's branch; python changed util.c, which
+    # gcc's adopted change changed too: a conflict, named exactly
+    before = ws.snapshot()
+    ws.json("adopt", "gcc")
+    r = subprocess.run(["./c/prog"], cwd=ws.path, capture_output=True, text=True, timeout=60)
+    assert r.stdout == "42 new build\n"
+    ws.json("adopt", "git")
+    log = subprocess.run(
+        [*GIT, "log", "--format=%s", "feature"],
+        cwd=ws.path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert log[:2] == ["feature work", "start"]
+    fsck = subprocess.run([*GIT, "fsck"], cwd=ws.path, env=env, capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stderr
+    r = ws.cowfs("adopt", "python", check=False)
+    assert r.returncode == 15
+    assert r.stdout.splitlines() == ["C c/util.c\tfork: M\tworkspace: M"], r.stdout
+    ws.json("adopt", "--prefer", "parent", "python")
+    assert (ws / "out" / "report.json").exists()
+    assert "/* py */" not in (ws / "c" / "util.c").read_text()
+    assert (ws / "parent-49.txt").read_text() == "the workspace's own 49\n"
+    assert "/* the workspace's */" in (ws / "c" / "util.h").read_text()
+    assert forks_of(ws) == {}
+    # the three adopts are three layers: rolled back, the workspace is as before
+    ws.rollback(ws.log()[-3]["id"])
+    treesnap.assert_same(before, ws.snapshot())
+    assert os.path.exists(ws / "parent-0.txt")
