@@ -39,9 +39,11 @@ def clear_forks(ws: Path) -> None:
     their mounts detached (the deepest first)."""
     for mp in sorted(set(fork_mounts(ws)), key=len, reverse=True):
         rec = MountRecord.load(mp)
-        if rec is not None and pid_alive(rec.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rec.pid, signal.SIGKILL)
+        if rec is not None:
+            if pid_alive(rec.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rec.pid, signal.SIGKILL)
+            rec.remove()
         for _ in range(4):
             subprocess.run(["umount", "-l", mp], capture_output=True)
     for pid in filter(str.isdigit, os.listdir("/proc")):

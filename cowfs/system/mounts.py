@@ -408,12 +408,16 @@ def record_at(mountpoint: str) -> MountRecord | None:
     cowfs mount than the record's (a fork bound there), that mount's own
     record, found by its device."""
     rec = _record_at(mountpoint)
-    found = [m for m in mounts() if m.mountpoint == mountpoint and m.fstype == FSTYPE]
+    table = mounts()
+    found = [m for m in table if m.mountpoint == mountpoint and m.fstype == FSTYPE]
     if rec is None or not rec.dev or not found or found[-1].dev == rec.dev:
         return rec
     dev = found[-1].dev
+    # (device numbers are reused: a record left by a daemon killed before
+    # its mount went is no answer, only one whose mount is there now)
+    here = {m.mountpoint for m in table if m.dev == dev and m.fstype == FSTYPE}
     for other in MountRecord.all():
-        if other.dev == dev:
+        if other.dev == dev and other.mountpoint in here and pid_alive(other.pid):
             return other
     return None
 
