@@ -63,11 +63,11 @@ def _ancestors(path: str) -> Iterator[str]:
         yield path
 
 
-def conflicts(fork: list[forkdiff.Change], parent: list[dict]) -> list[dict]:
-    """The paths both sides changed (see the module's docstring), in path
-    order, each with what each side did."""
+def _theirs(parent: list[dict]) -> tuple[dict[str, str], set[str]]:
+    """The workspace's changes (mtimes alone left out), path -> kind; and
+    the paths it removed, replaced or moved away."""
     theirs: dict[str, str] = {}
-    gone: set[str] = set()  # (paths the workspace removed, replaced or moved away)
+    gone: set[str] = set()
     for c in parent:
         if c["kind"] == "t":
             continue
@@ -77,6 +77,30 @@ def conflicts(fork: list[forkdiff.Change], parent: list[dict]) -> list[dict]:
         if c["kind"] == "R" and c.get("from"):
             theirs[c["from"]] = "R"
             gone.add(c["from"])
+    return theirs, gone
+
+
+def yielded(fork: list[forkdiff.Change], parent: list[dict]) -> set[bytes]:
+    """The paths whose modification time alone the fork changed where the
+    workspace changed more (the path itself, or a directory above it that
+    it removed, replaced or moved away): the workspace's change stands.  (A
+    change of the time alone conflicts with nothing, so it must not be made
+    either: making it makes the path as the fork has it -- the fork point's
+    bytes, mode and xattrs, or the path itself where the workspace removed
+    it.)"""
+    theirs, gone = _theirs(parent)
+    return {
+        c.path
+        for c in fork
+        if c.kind == "t"
+        and ((p := os.fsdecode(c.path)) in theirs or any(a in gone for a in _ancestors(p)))
+    }
+
+
+def conflicts(fork: list[forkdiff.Change], parent: list[dict]) -> list[dict]:
+    """The paths both sides changed (see the module's docstring), in path
+    order, each with what each side did."""
+    theirs, gone = _theirs(parent)  # (gone: removed, replaced or moved away)
     mine = {os.fsdecode(c.path): c.kind for c in fork if c.kind != "t"}
     mine_gone = {p for p, k in mine.items() if k in ("D", "T")}
     out = {}
@@ -206,15 +230,18 @@ class _NoReading:
 
 def plan(changes: list[forkdiff.Change]) -> tuple[list[bytes], list[bytes]]:
     """What to make as the fork has it (a directory the fork added or put
-    in place of another object: with everything in it), and the
-    directories whose attributes alone to set."""
+    in place of another object: with everything in it), and the paths
+    whose attributes alone to set (directories, and objects whose
+    modification time alone the fork changed)."""
     whole: list[bytes] = []
     attrs: list[bytes] = []
     covered: set[bytes] = set()
     for c in sorted(changes, key=lambda c: c.path):
         if any(c.path.startswith(d + b"/") for d in covered):
             continue
-        if c.kind in ("m", "t") and _is_dir(c):
+        if c.kind == "t" or (c.kind == "m" and _is_dir(c)):
+            # (a time alone: set on what the workspace holds there, if
+            # anything -- never the fork point's bytes made again)
             attrs.append(c.path)
             continue
         whole.append(c.path)

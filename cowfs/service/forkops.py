@@ -250,10 +250,12 @@ class Forking:
         self, name: str, row: dict, prefer: str | None, paths: dict[str, str]
     ) -> tuple[list[dict], set[bytes]]:
         """The conflicts, each with the side chosen; and the paths whose
-        changes in the fork are left out (the workspace's side chosen).
+        changes in the fork are left out (the workspace's side chosen, or
+        the fork changed their time alone and the workspace more).
         Conflicts (exit 15) where one is left undecided."""
         ours = [dict(c) for c in self.stackview.changes_from(row["start"])]
-        found = adopt.conflicts(self._fork_changes(row), ours)
+        theirs = self._fork_changes(row)
+        found = adopt.conflicts(theirs, ours)
         open_ = []
         for c in found:
             c["chosen"] = paths.get(c["path"]) or prefer
@@ -261,7 +263,8 @@ class Forking:
                 open_.append(c)
         if open_:
             raise adopt.Conflicts(name, open_)
-        return found, {os.fsencode(c["path"]) for c in found if c["chosen"] == "parent"}
+        keep = {os.fsencode(c["path"]) for c in found if c["chosen"] == "parent"}
+        return found, keep | adopt.yielded(theirs, ours)
 
     async def _apply_fork(
         self, name: str, row: dict, whole: list[bytes], attrs: list[bytes]

@@ -102,7 +102,7 @@ class Restore:
 
     def run(self, rels: list[bytes], attrs_only: Sequence[bytes] = ()) -> list[str]:
         """Check everything (nothing changes), then restore; the paths
-        changed.  *attrs_only*: directories whose attributes alone are
+        changed.  *attrs_only*: paths whose attributes alone are
         restored (not their entries)."""
         self.paths(rels)
         for dry in (True, False):
