@@ -45,3 +45,23 @@ def test_a_time_alone_changed_in_the_fork_is_made_where_the_workspace_left_the_p
     forked = treesnap.snapshot(f)
     ws.json("adopt", "a")
     assert ws.snapshot()[b"big.bin"] == forked[b"big.bin"]
+
+
+def test_a_link_the_fork_made_to_a_file_it_left_as_it_was_is_a_link_after_the_adopt(parent):  # noqa: F811
+    """`ln` in the fork of a file it did not change otherwise (one name, or
+    two at the fork point): the adopt makes the new name that very file,
+    not a copy of it."""
+    ws = parent
+    f = fork(ws, "a")
+    os.link(f / "big.bin", f / "big.link")
+    os.link(f / "src" / "a.txt", f / "a.third")  # (sorted before the names it joins)
+    forked = treesnap.snapshot(f)
+    before = ws.snapshot()
+    res = ws.json("adopt", "a")
+    after = ws.snapshot()
+    assert after[b"big.link"].link == after[b"big.bin"].link
+    assert after[b"a.third"].link == after[b"src/a.txt"].link == after[b"src/a.hard"].link
+    for rel in (b"big.bin", b"big.link", b"a.third", b"src/a.txt", b"src/a.hard"):
+        assert after[rel] == forked[rel], rel
+    ws.rollback(res["layer"])
+    treesnap.assert_same(before, ws.snapshot())

@@ -233,9 +233,31 @@ def changes(upper_fd: int, then_root: int, now_root: int) -> list[Change]:
             linked[st.st_ino] = rel
     if linked:
         paths |= _names_of(then, set(linked))
+    # A name the fork gave a file it holds under other names too (a link
+    # made to a file, changed or not): those names hold what they held,
+    # yet they are one object with it now -- they are changes too, or an
+    # adopt would make the new name a copy.  (Every such name is in the
+    # upper layer or one of the fork point's names of a file found above:
+    # the overlay copies a file up to link it.)
+    groups: dict[tuple[str, int], set[bytes]] = {}
+    for rel in paths:
+        for which, tree in (("then", then), ("now", now)):
+            st = tree.lstat(rel)
+            if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                groups.setdefault((which, st.st_ino), set()).add(rel)
+    relinked = set()
+    for (which, _), names in groups.items():
+        if which == "now" and len(names) > 1:
+            for rel in names:
+                st = then.lstat(rel)
+                was = groups.get(("then", st.st_ino), {rel}) if st is not None else set()
+                if names - was:
+                    relinked.add(rel)
     out = []
     for rel in sorted(paths):
         kind = compare(then, now, rel)
+        if kind is None and rel in relinked:
+            kind = "m"
         if kind is not None:
             st = now.lstat(rel) or then.lstat(rel)
             out.append(Change(rel, kind, st is not None and stat.S_ISDIR(st.st_mode)))
