@@ -504,3 +504,35 @@ def test_a_fork_or_drop_cut_short_by_a_killed_daemon_is_finished_by_the_next_mou
     same(before, ws.snapshot())
     ws.unmount()
     assert os.listdir(ws.path / ".cowfs" / "forks") == []
+
+
+def test_a_process_running_in_a_fork_from_run_fork_keeps_it_from_adopt_and_drop(parent):
+    """The fork bound over the workspace's path in a namespace of its own
+    is in use as much as one used where it is mounted: listed, and adopt
+    and drop are refused without --force, naming the process."""
+    ws = parent
+    fork(ws, "a")
+    runner = subprocess.Popen(
+        [*COWFS, "run", "--fork", "a", "--", "sh", "-c", "echo started > started; sleep 60"],
+        cwd=ws.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not forks_of(ws)["a"]["users"]:
+            assert time.monotonic() < deadline, "the command in the fork was never seen"
+            time.sleep(0.1)
+        for cmd in (["adopt", "a"], ["drop", "a"]):
+            r = ws.cowfs(*cmd, check=False)
+            assert r.returncode == ALREADY_MOUNTED and "in use by process" in r.stderr, r.stderr
+        assert forks_of(ws)["a"]["mounted"]
+    finally:
+        os.killpg(runner.pid, signal.SIGKILL)  # (the command and its shell too)
+        runner.wait()
+    deadline = time.monotonic() + 60
+    while forks_of(ws)["a"]["users"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ws.cowfs("drop", "a")

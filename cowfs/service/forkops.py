@@ -141,10 +141,9 @@ class Forking:
         for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
             _, merged = stacks.paths(self.workspace, row["id"])
             m = table.get(merged)
-            users = mount_users(m) if m is not None and m.fstype == "fuse.cowfs" else []
-            for where in row.get("at", []):
-                if where in table:
-                    users += mount_users(table[where])
+            mounted = m is not None and m.fstype == "fuse.cowfs"
+            # (any namespace: run --fork binds the fork over the workspace's path)
+            users = mount_users(m, any_namespace=True) if m is not None and mounted else []
             out.append(
                 {
                     "name": name,
@@ -219,6 +218,13 @@ class Forking:
             raise CowfsError(f"fork {name} is {row['state']}", errors.NOT_MOUNTED)
         await self.flush()
         chosen, skip = self._decide(name, row, prefer, paths or {})
+        if not force:
+            users = next(f for f in (await self.forks())["forks"] if f["name"] == name)["users"]
+            if users:
+                raise AlreadyMounted(
+                    f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "
+                    f"{', '.join(map(str, users[:10]))}; stop them, or adopt it with --force"
+                )
         # the fork is quiet from now on: its own mount goes (the overlay stays)
         await self.hooks.blocking(stacks.stop_cowfs, self.workspace, {**row, "name": name}, force)
         try:

@@ -34,7 +34,7 @@ def mounts() -> list[Mount]:
     for _ in range(3):
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
-        out, whole = _parse_mountinfo(text)
+        out, whole = parse_mountinfo(text)
         if whole:
             break
         # (a line came out cut short while the table changed under the
@@ -42,7 +42,7 @@ def mounts() -> list[Mount]:
     return out
 
 
-def _parse_mountinfo(text: str) -> tuple[list[Mount], bool]:
+def parse_mountinfo(text: str) -> tuple[list[Mount], bool]:
     """The mounts *text* lists, and whether every line was whole."""
     out, whole = [], True
     for line in text.splitlines():

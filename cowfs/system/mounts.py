@@ -21,7 +21,7 @@ from ..errors import (
     PlantedLink,
     StoreError,
 )
-from .mountinfo import Mount, mounts  # noqa: F401  (the mount table, for its users)
+from .mountinfo import Mount, mounts, parse_mountinfo  # noqa: F401  (mounts: for its users)
 
 FSTYPE = "fuse.cowfs"
 VIEW_FSTYPE = "fuse.cowfs-view"  # a read-only view of the past (cowfs/fuse/view.py)
@@ -575,30 +575,51 @@ def mounted_workspaces() -> list[MountRecord]:
     return list(out.values())
 
 
-def mount_users(mount: Mount) -> list[int]:
+def mount_users(mount: Mount, any_namespace: bool = False) -> list[int]:
     """Pids of the processes (other than this one) that use *mount*, also
     once it is detached: a working or root directory, an open file or a
-    mapped file on it.  Read from /proc without touching the mount."""
+    mapped file on it.  Read from /proc without touching the mount.  With
+    *any_namespace*, those that use any mount of its filesystem, here (a
+    bind mount of it) or in another mount namespace (a fork bound over its
+    workspace's path by ``run --fork``: each process's mounts are read from
+    its own mountinfo)."""
     major, minor = (int(x) for x in mount.dev.split(":"))
     mapped = f" {major:02x}:{minor:02x} ".encode()
+    ours = _namespace("self")
+    here = {m.id for m in mounts() if m.dev == mount.dev} if any_namespace else {mount.id}
     users = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
+        proc = f"/proc/{name}"
         try:
-            if _uses(f"/proc/{name}", mount.id, mapped):
+            ids = here
+            if any_namespace and _namespace(name) != ours:
+                ids = _ids_of(proc, mount.dev)
+            if _uses(proc, ids, mapped):
                 users.append(int(name))
         except OSError:  # gone, a kernel thread, or not ours to read
             continue
     return sorted(users)
 
 
-def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
-    if _link_on(proc, "cwd", mnt_id) or _link_on(proc, "root", mnt_id):
+def _namespace(pid: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/mnt")
+
+
+def _ids_of(proc: str, dev: str) -> set[int]:
+    """The ids of the mounts of device *dev* in *proc*'s mount namespace."""
+    with open(f"{proc}/mountinfo") as f:
+        text = f.read()
+    return {m.id for m in parse_mountinfo(text)[0] if m.dev == dev}
+
+
+def _uses(proc: str, ids: set[int], mapped: bytes) -> bool:
+    if _link_on(proc, "cwd", ids) or _link_on(proc, "root", ids):
         return True
     for entry in os.listdir(f"{proc}/fdinfo"):
         try:
-            if _mnt_id(f"{proc}/fdinfo/{entry}") == mnt_id:
+            if _mnt_id(f"{proc}/fdinfo/{entry}") in ids:
                 return True
         except OSError:  # closed meanwhile
             continue
@@ -606,12 +627,12 @@ def _uses(proc: str, mnt_id: int, mapped: bytes) -> bool:
         return any(mapped in line for line in f)
 
 
-def _link_on(proc: str, link: str, mnt_id: int) -> bool:
-    """Whether the directory *link* (cwd, root) of process *proc* is on
-    mount *mnt_id* (its magic link opened, not the mount walked)."""
+def _link_on(proc: str, link: str, ids: set[int]) -> bool:
+    """Whether the directory *link* (cwd, root) of process *proc* is on one
+    of the mounts *ids* (its magic link opened, not the mount walked)."""
     fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
     try:
-        return _mnt_id(f"/proc/self/fdinfo/{fd}") == mnt_id
+        return _mnt_id(f"/proc/self/fdinfo/{fd}") in ids
     finally:
         os.close(fd)
 
@@ -628,7 +649,7 @@ def callers_inside(mountpoint: str) -> list[int]:
     pid = os.getpid()
     while pid > 1:  # (the chain of parents ends at 1, or at 0 outside our pid namespace)
         try:
-            if _link_on(f"/proc/{pid}", "cwd", ours[-1].id):
+            if _link_on(f"/proc/{pid}", "cwd", {ours[-1].id}):
                 found.append(pid)
         except OSError:  # not ours to look at (sudo's), or gone
             pass
