@@ -219,12 +219,7 @@ class Forking:
         await self.flush()
         chosen, skip = self._decide(name, row, prefer, paths or {})
         if not force:
-            users = next(f for f in (await self.forks())["forks"] if f["name"] == name)["users"]
-            if users:
-                raise AlreadyMounted(
-                    f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "
-                    f"{', '.join(map(str, users[:10]))}; stop them, or adopt it with --force"
-                )
+            await self._not_in_use(name, "adopt")
         # the fork is quiet from now on: its own mount goes (the overlay stays)
         await self.hooks.blocking(stacks.stop_cowfs, self.workspace, {**row, "name": name}, force)
         try:
@@ -322,6 +317,15 @@ class Forking:
                 self._mount_args(),
             )
 
+    async def _not_in_use(self, name: str, what: str) -> None:
+        """AlreadyMounted (exit 5), naming them, while processes use fork *name*."""
+        users = next(f for f in (await self.forks())["forks"] if f["name"] == name)["users"]
+        if users:
+            raise AlreadyMounted(
+                f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "
+                f"{', '.join(map(str, users[:10]))}; stop them, or {what} it with --force"
+            )
+
     async def drop(self, name: str, force: bool = False) -> dict:
         """`cowfs drop NAME`: unmount fork NAME and free everything it holds;
         refused while processes use it (AlreadyMounted, naming them) unless
@@ -329,12 +333,7 @@ class Forking:
         self._require_root()
         row = forkpoints.get(self.store, name)
         if not force:
-            users = next(f for f in (await self.forks())["forks"] if f["name"] == name)["users"]
-            if users:
-                raise AlreadyMounted(
-                    f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "
-                    f"{', '.join(map(str, users[:10]))}; stop them, or drop it with --force"
-                )
+            await self._not_in_use(name, "drop")
         forkpoints.set_state(self.store, name, forkpoints.DROPPING)
         await self.hooks.blocking(self._take_down, name, row, force)
         self.capture_filter()
