@@ -25,7 +25,10 @@ from cowfs.system.mounts import MountRecord, mounts, path_key, pid_alive, runtim
 
 from .helpers import COWFS, managed_workspace
 
-pytestmark = pytest.mark.usefixtures("each_engine")
+# (the workspace's engine matters to what a fork is made from and to an
+# adopt's changes: those tests run on each; the fork's own mount is always
+# the default engine's)
+each_engine = pytest.mark.usefixtures("each_engine")
 
 
 def fork_mounts(ws: Path) -> list[str]:
@@ -93,6 +96,7 @@ def same(a: treesnap.Snapshot, b: treesnap.Snapshot) -> None:
     treesnap.assert_same(a, b)
 
 
+@each_engine
 def test_a_fork_is_the_workspace_at_the_fork_point_and_neither_sees_the_other(parent):
     ws = parent
     then = ws.snapshot()
@@ -122,6 +126,7 @@ def test_a_fork_is_the_workspace_at_the_fork_point_and_neither_sees_the_other(pa
     assert ws.log()[-1]["message"] == "try a"
 
 
+@each_engine
 def test_the_fork_point_stays_whatever_the_workspace_rolls_back_or_commits(parent):
     ws = parent
     then = ws.snapshot()
@@ -151,6 +156,7 @@ def test_the_fork_point_stays_whatever_the_workspace_rolls_back_or_commits(paren
     same(then, ws.snapshot())
 
 
+@each_engine
 def test_forks_outlive_their_workspaces_mount_and_daemons(parent):
     """A fork stays mounted while its workspace is unmounted and when its
     daemon is killed; a fork whose own daemon is killed is mounted again
@@ -307,6 +313,7 @@ def _entries(snap: treesnap.Snapshot, under: set[bytes]) -> dict:
     }
 
 
+@each_engine
 def test_adopt_makes_the_forks_changes_one_layer_and_keeps_the_workspaces_own(parent):
     ws = parent
     f = fork(ws, "a")
@@ -379,6 +386,7 @@ def shutil_rmtree(path: Path) -> None:
     shutil.rmtree(path)
 
 
+@each_engine
 def test_an_adopt_cut_short_by_a_killed_daemon_is_undone_by_the_next_mount(parent):
     """kill -9 of the workspace's daemon while an adopt makes its changes:
     the next mount rolls back what it made (the workspace is as before it)

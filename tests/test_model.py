@@ -797,7 +797,12 @@ class CowfsModelOnOverlay(CowfsModel):
         super().teardown()
 
 
-CowfsModelOnOverlay.TestCase.settings = CowfsModel.TestCase.settings
+# (fewer examples than the others unless asked for more: its base state is
+# the same, only its backing differs)
+CowfsModelOnOverlay.TestCase.settings = settings(
+    CowfsModel.TestCase.settings,
+    max_examples=int(os.environ.get("COWFS_MAX_EXAMPLES") or 10),
+)
 
 
 class TestCowfsModelOnOverlay(CowfsModelOnOverlay.TestCase):
