@@ -217,16 +217,14 @@ class Forking:
         if row["state"] != forkpoints.LIVE:
             raise CowfsError(f"fork {name} is {row['state']}", errors.NOT_MOUNTED)
         await self.flush()
-        chosen, skip = self._decide(name, row, prefer, paths or {})
+        self._decide(name, row, prefer, paths or {})  # (conflicts refused with the fork up)
         if not force:
             await self._not_in_use(name, "adopt")
         # the fork is quiet from now on: its own mount goes (the overlay stays)
         await self.hooks.blocking(stacks.stop_cowfs, self.workspace, {**row, "name": name}, force)
         try:
-            chosen, skip = self._decide(name, row, prefer, paths or {})  # (as it is now)
-            whole, attrs = adopt.plan(
-                [c for c in self._fork_changes(row) if not _under(c.path, skip)]
-            )
+            chosen, skip, theirs = self._decide(name, row, prefer, paths or {})  # (as it is now)
+            whole, attrs = adopt.plan([c for c in theirs if not _under(c.path, skip)])
         except BaseException:
             await self.hooks.blocking(self._remount_fork, name)
             raise
@@ -249,11 +247,11 @@ class Forking:
 
     def _decide(
         self, name: str, row: dict, prefer: str | None, paths: dict[str, str]
-    ) -> tuple[list[dict], set[bytes]]:
-        """The conflicts, each with the side chosen; and the paths whose
+    ) -> tuple[list[dict], set[bytes], list[forkdiff.Change]]:
+        """The conflicts, each with the side chosen; the paths whose
         changes in the fork are left out (the workspace's side chosen, or
-        the fork changed their time alone and the workspace more).
-        Conflicts (exit 15) where one is left undecided."""
+        the fork changed their time alone and the workspace more); and the
+        fork's changes.  Conflicts (exit 15) where one is left undecided."""
         ours = [dict(c) for c in self.stackview.changes_from(row["start"])]
         theirs = self._fork_changes(row)
         found = adopt.conflicts(theirs, ours)
@@ -265,7 +263,7 @@ class Forking:
         if open_:
             raise adopt.Conflicts(name, open_)
         keep = {os.fsencode(c["path"]) for c in found if c["chosen"] == "parent"}
-        return found, keep | adopt.yielded(theirs, ours)
+        return found, keep | adopt.yielded(theirs, ours), theirs
 
     async def _apply_fork(
         self, name: str, row: dict, whole: list[bytes], attrs: list[bytes]
