@@ -9,6 +9,7 @@ xattrs, hard links) with what it must be.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from cowfs.errors import ALREADY_MOUNTED, REFUSED
 from cowfs.layers import treesnap
 from cowfs.system.mounts import MountRecord, mounts, path_key, pid_alive, runtime_dir
 
-from .helpers import COWFS, managed_workspace
+from .helpers import COWFS, managed_workspace, view_processes
 
 # (the workspace's engine matters to what a fork is made from and to an
 # adopt's changes: those tests run on each; the fork's own mount is always
@@ -544,3 +545,135 @@ def test_a_process_running_in_a_fork_from_run_fork_keeps_it_from_adopt_and_drop(
         assert time.monotonic() < deadline
         time.sleep(0.1)
     ws.cowfs("drop", "a")
+
+
+def _argv(pid: int) -> list[bytes]:
+    """Process *pid*'s command line (without the NUL bytes that pad it)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _sockets(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:"):
+                out.add(target)
+    return out
+
+
+def test_a_forks_processes_are_forked_from_its_workspaces_zygote_and_say_what_they_are(parent):
+    """A fork's view and daemon are forks of a process that has imported
+    them (started by the workspace's daemon at its first fork), not new
+    interpreters: each reads as `python -m MODULE ARGS` in ps, holds none
+    of the zygote's descriptors, and lives on when the workspace's daemon
+    and its zygote end."""
+    ws = parent
+    f = fork(ws, "a")
+    daemon = MountRecord.load(str(f)).pid
+    zygote = _ppid(daemon)
+    assert _argv(zygote)[1:3] == [b"-m", b"cowfs.service.zygote"]
+    assert _ppid(zygote) == ws.daemon_pid()
+    argv = _argv(daemon)
+    assert argv[1:3] == [b"-m", b"cowfs.service.daemon"] and argv[-1] == os.fsencode(f)
+    views = view_processes(f.parent / "lower")
+    assert len(views) == 1 and _ppid(views[0]) == zygote
+    assert _argv(views[0])[-1] == os.fsencode(f.parent / "lower")
+    theirs = _sockets(zygote)
+    for pid in (daemon, views[0]):
+        assert not _sockets(pid) & theirs, "a descriptor of the zygote leaked"
+    g = fork(ws, "b")
+    assert _ppid(MountRecord.load(str(g)).pid) == zygote
+    then = treesnap.snapshot(f)
+    ws.kill()
+    deadline = time.monotonic() + 10
+    while pid_alive(zygote) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(zygote), "the zygote outlived its workspace's daemon"
+    same(then, treesnap.snapshot(f))
+    (f / "after.txt").write_text("served without the zygote\n")
+    assert ws.cowfs("mount", ws.path).returncode == 0
+    assert ws.json("--fork", "a", "status")["changes"][0]["path"] == "after.txt"
+
+
+def test_a_killed_zygote_leaves_forks_to_start_as_new_processes_then_a_new_zygote(parent):
+    ws = parent
+    then = ws.snapshot()
+    f = fork(ws, "a")
+    zygote = _ppid(MountRecord.load(str(f)).pid)
+    os.kill(zygote, signal.SIGKILL)
+    while pid_alive(zygote):
+        time.sleep(0.01)
+    g = fork(ws, "b")  # (its processes started afresh)
+    assert _ppid(MountRecord.load(str(g)).pid) != zygote
+    same(then, treesnap.snapshot(g))
+    h = fork(ws, "c")  # (a new zygote)
+    again = _ppid(MountRecord.load(str(h)).pid)
+    assert again != zygote and _argv(again)[1:3] == [b"-m", b"cowfs.service.zygote"]
+    same(then, treesnap.snapshot(h))
+    for name in ("a", "b", "c"):
+        ws.cowfs("drop", name)
+    assert not fork_mounts(ws.path)
+
+
+def test_diff_of_two_forks_is_every_path_that_differs_between_them(parent):
+    """`diff --fork A --fork B`: each path whose state differs between the
+    two forks as they are now, as from A to B -- what either changed since
+    its fork point and what the workspace changed between their fork
+    points -- checked against the two trees compared whole."""
+    ws = parent
+    a = fork(ws, "a")
+    (ws / "between.txt").write_text("made between the two fork points\n")
+    os.chmod(ws / "src" / "a.txt", 0o600)
+    b = fork(ws, "b")
+    (a / "src" / "a.txt").write_text("a's\n")
+    (b / "src" / "a.txt").write_text("b's\n")
+    (a / "only-a").mkdir()
+    (a / "only-a" / "f").write_text("in a alone\n")
+    os.unlink(b / "big.bin")
+    os.chmod(b / "empty", 0o700)
+    (b / "node_modules" / "pkg" / "index.js").write_text("module.exports = 2\n")  # (ignored)
+    (a / "both.txt").write_text("the same bytes\n")
+    os.utime(a / "both.txt", ns=(10**18, 10**18))
+    (b / "both.txt").write_text("the same bytes\n")
+    (ws / "after.txt").write_text("the workspace's own, later\n")  # (in neither fork)
+    got = {c["path"]: c["kind"] for c in ws.json("diff", "--fork", "a", "--fork", "b")["changes"]}
+    assert got == {
+        "between.txt": "A",
+        "src/a.txt": "M",
+        "src/a.hard": "M",  # (a hard link of it)
+        "only-a": "D",
+        "only-a/f": "D",
+        "big.bin": "D",
+        "empty": "m",
+        "node_modules/pkg/index.js": "M",
+        "both.txt": "t",
+    }
+    # the same, from the trees: every entry that differs but a directory's time
+    sa, sb = treesnap.snapshot(a), treesnap.snapshot(b)
+    differ = set()
+    for p in set(sa) | set(sb):
+        x, y = sa.get(p), sb.get(p)
+        if x is not None and y is not None and x.kind == "dir":
+            x, y = dataclasses.replace(x, mtime_ns=0), dataclasses.replace(y, mtime_ns=0)
+        if x != y:
+            differ.add(os.fsdecode(p))
+    assert differ == set(got)
+    r = ws.cowfs("diff", "--fork", "b", "--fork", "a")
+    assert r.stdout.splitlines() == [
+        "D\tbetween.txt",
+        "A\tbig.bin",
+        "m\tempty",
+        "M\tnode_modules/pkg/index.js",
+        "A\tonly-a",
+        "A\tonly-a/f",
+        "M\tsrc/a.hard",
+        "M\tsrc/a.txt",
+        "# 1 path differs only in its modification time (--times lists it)",
+    ]
+    r = ws.cowfs("diff", "--fork", "a", "--fork", "b", "--fork", "c", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1

@@ -404,8 +404,8 @@ def test_a_mount_while_the_last_daemon_finishes_waits_for_it(workspace, tmp_path
 
 
 def sleeping_daemon(parent: int) -> bool:
-    """Whether a cowfs daemon started by process *parent* sleeps (in a
-    timed wait: it is past its start-up)."""
+    """Whether a cowfs daemon started by process *parent* waits (a timed
+    sleep, or a poll: it is past its start-up)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -416,7 +416,8 @@ def sleeping_daemon(parent: int) -> bool:
                 if b"cowfs.service.daemon" not in f.read():
                     continue
             with open(f"/proc/{pid}/wchan") as f:
-                if f.read() == "hrtimer_nanosleep":
+                # (a sleep, or a wait on the process's pidfd)
+                if f.read() in ("hrtimer_nanosleep", "poll_schedule_timeout.constprop.0"):
                     return True
         except OSError:
             continue

@@ -360,7 +360,8 @@ class Workspace(Client):
         """Mount *path* (over itself unless *mountpoint*) and return it;
         *max_store* (bytes), *max_layers* and *allow* (grants: USER[:OPS],
         @GROUP[:OPS]) as `cowfs mount` takes them."""
-        from ..service.daemon import check_fuse, spawn
+        from ..service.daemon import check_fuse
+        from ..service.launch import spawn
 
         check_fuse()
         msg = spawn(

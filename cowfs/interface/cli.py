@@ -64,6 +64,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
+        if isinstance(getattr(args, "fork", None), list):  # (diff's --fork, repeatable)
+            if len(args.fork) > 2:
+                why = "diff compares at most two forks (--fork A --fork B)"
+                raise CowfsError(why, errors.USAGE)
+            args.fork_pair = args.fork if len(args.fork) == 2 else None
+            args.fork = None if args.fork_pair else args.fork[0]
         if getattr(args, "fork", None):
             if args.command in FORK_COMMANDS:
                 # (a fork's forks are not made yet: it would be the workspace's)

@@ -334,7 +334,7 @@ def enter_fork(args: argparse.Namespace) -> None:
     -C PATH: -C becomes the same path in the fork (root: the fork is
     mounted where only root reaches it)."""
     name = args.fork
-    rows = Client.attach(args.path).call("forks")["forks"]
+    rows = Client.attach(args.path).call("forks", brief=True)["forks"]
     row = next((r for r in rows if r["name"] == name), None)
     if row is None:
         known = ", ".join(r["name"] for r in rows) or "no forks"

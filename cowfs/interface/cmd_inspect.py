@@ -295,6 +295,8 @@ class Diff(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        if getattr(args, "fork_pair", None):
+            return self.fork_compare(args)
         if getattr(args, "fork", None) and args.layer is None:
             return self.fork_changes(args)
         layer, paths = args.layer, workspace_paths(args, args.paths)
@@ -344,6 +346,27 @@ class Diff(Command):
         rows = [f"{c['kind']}\t{quote(c['path'])}" for c in shown]
         if not rows:
             rows = [f"# fork {args.fork} has no changes since its fork point"]
+        out(args, "\n".join(rows + times_line(res)), res)
+        return 0
+
+    @staticmethod
+    def fork_compare(args: argparse.Namespace) -> int:
+        """``diff --fork A --fork B``: how fork B differs from fork A as they
+        are now, a path a line."""
+        from .client import Client
+
+        if args.layer is not None or args.paths:
+            raise CowfsError(
+                "diff --fork A --fork B compares the two forks whole: no layer or paths",
+                errors.USAGE,
+            )
+        a, b = args.fork_pair
+        res = Client.attach(args.path).call("fork_compare", a=a, b=b)
+        shown = [c for c in res["changes"] if args.times or c["kind"] != "t"]
+        res["times_only"] = len(res["changes"]) - len(shown)
+        rows = [f"{c['kind']}\t{quote(c['path'])}" for c in shown]
+        if not rows:
+            rows = [f"# forks {a} and {b} hold the same"]
         out(args, "\n".join(rows + times_line(res)), res)
         return 0
 

@@ -160,7 +160,8 @@ class Mount(Command):
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..service.daemon import check_fuse, spawn
+        from ..service.daemon import check_fuse
+        from ..service.launch import spawn
 
         check_fuse()
         ws = os.path.abspath(args.workspace)

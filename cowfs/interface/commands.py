@@ -138,7 +138,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         json_option(s)
         if command.prints_paths:
             root_option(s)
-        if command.ops and command.name not in ("fork", "forks", "drop", "adopt", "best-of"):
+        if command.name == "diff":  # (twice: two forks compared)
+            s.add_argument(
+                "--fork",
+                metavar="NAME",
+                action="append",
+                default=argparse.SUPPRESS,
+                help="work on fork NAME of the workspace (as the global --fork); "
+                "given twice, --fork A --fork B: how fork B differs from fork A",
+            )
+        elif command.ops and command.name not in ("fork", "forks", "drop", "adopt", "best-of"):
             s.add_argument(
                 "--fork",
                 metavar="NAME",

@@ -44,7 +44,7 @@ from ..system.mounts import (
     unmount,
 )
 from . import control
-from .launch import clear_view, detach, reap, start_and_wait
+from .launch import clear_view, detach, reap
 from .operations import allowed
 from .restore import Invalid
 from .session import AUDIT_LEVELS, OPS, MountHooks, Session, invoke
@@ -573,32 +573,6 @@ def serve(
         return errors.DAEMON_ERROR
     daemon.run()
     return 0
-
-
-def spawn(
-    workspace: str,
-    mountpoint: str | None = None,
-    store: str | None = None,
-    timeout: float = 120,
-    **options: object,
-) -> dict:
-    """Start a daemon for *workspace* in its own session and wait until the
-    mount is live; return its report (warnings, pid) or raise its error."""
-    args = []
-    if store:
-        args += ["--store", os.path.abspath(store)]
-    for name, value in options.items():
-        if isinstance(value, list):
-            for item in value:
-                args += [f"--{name.replace('_', '-')}", item]
-        elif value is True:
-            args.append(f"--{name.replace('_', '-')}")
-        elif value is not None and value is not False:
-            args += [f"--{name.replace('_', '-')}", str(value)]
-    args.append(os.path.abspath(workspace))
-    if mountpoint:
-        args.append(os.path.abspath(mountpoint))
-    return start_and_wait("cowfs.service.daemon", args, (), timeout, f"mounting {workspace}")
 
 
 def main(argv: list[str] | None = None) -> int:

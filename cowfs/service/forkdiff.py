@@ -102,33 +102,50 @@ def candidates(upper_fd: int) -> Iterator[tuple[bytes, bool]]:
 
 class Tree:
     """One side (the fork point, or the fork), read through *root*, a
-    descriptor of its root directory."""
+    descriptor of its root directory, for one reading: the directories it
+    opened stay open (a few, the last used) and each path's attributes
+    are read once (``close`` ends it)."""
+
+    DIRS = 64
 
     def __init__(self, root: int):
         self.root = root
+        self._dirs: dict[bytes, int] = {}
+        self._stats: dict[bytes, os.stat_result | None] = {}
+
+    def close(self) -> None:
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+
+    def _dir(self, rel: bytes) -> int:
+        """The directory *rel* (OSError where there is none), kept open."""
+        if not rel:
+            return self.root
+        fd = self._dirs.pop(rel, None)
+        if fd is None:
+            fd = backing.open_dir(self.root, rel)
+            if len(self._dirs) >= self.DIRS:
+                os.close(self._dirs.pop(next(iter(self._dirs))))  # (the least lately used)
+        self._dirs[rel] = fd
+        return fd
 
     def lstat(self, rel: bytes) -> os.stat_result | None:
+        if rel in self._stats:
+            return self._stats[rel]
         head, name = backing.split(rel)
         try:
-            fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
+            st: os.stat_result | None = backing.lstat_at(self._dir(head), name)
         except OSError:
-            return None
-        try:
-            return backing.lstat_at(fd, name)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+            st = None
+        self._stats[rel] = st
+        return st
 
     def names(self, rel: bytes) -> list[bytes]:
         try:
-            fd = backing.open_dir(self.root, rel) if rel else os.dup(self.root)
+            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=self._dir(rel))
         except OSError:
             return []
-        try:
-            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        finally:
-            os.close(fd)
         try:
             with os.scandir(dfd) as it:
                 return sorted(os.fsencode(e.name) for e in it)
@@ -137,27 +154,16 @@ class Tree:
 
     def xattrs(self, rel: bytes) -> dict[bytes, bytes]:
         head, name = backing.split(rel)
-        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
-        try:
-            return _xattrs(fd, name) if name else _xattrs(fd, b".")
-        finally:
-            os.close(fd)
+        fd = self._dir(head)
+        return _xattrs(fd, name) if name else _xattrs(fd, b".")
 
     def readlink(self, rel: bytes) -> bytes:
         head, name = backing.split(rel)
-        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
-        try:
-            return os.readlink(name, dir_fd=fd)
-        finally:
-            os.close(fd)
+        return os.readlink(name, dir_fd=self._dir(head))
 
     def open(self, rel: bytes) -> int:
         head, name = backing.split(rel)
-        fd = backing.open_dir(self.root, head) if head else os.dup(self.root)
-        try:
-            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-        finally:
-            os.close(fd)
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir(head))
 
 
 def _same_bytes(a: Tree, b: Tree, rel: bytes, size: int) -> bool:
@@ -208,6 +214,14 @@ def changes(upper_fd: int, then_root: int, now_root: int) -> list[Change]:
     and the fork (*now_root*), by the paths the upper layer (*upper_fd*)
     names; in path order."""
     then, now = Tree(then_root), Tree(now_root)
+    try:
+        return _changes(upper_fd, then, now)
+    finally:
+        then.close()
+        now.close()
+
+
+def _changes(upper_fd: int, then: Tree, now: Tree) -> list[Change]:
     paths: set[bytes] = set()
     for rel, whole in candidates(upper_fd):
         paths.add(rel)
@@ -262,6 +276,40 @@ def changes(upper_fd: int, then_root: int, now_root: int) -> list[Change]:
             st = now.lstat(rel) or then.lstat(rel)
             out.append(Change(rel, kind, st is not None and stat.S_ISDIR(st.st_mode)))
     return out
+
+
+def compare_trees(a_root: int, b_root: int, paths: set[bytes]) -> list[Change]:
+    """The paths of *paths* (and every path below one that is a directory
+    on one side only, or on both but found in neither's listing of the
+    other) whose state differs between tree *a* and tree *b*, the kind as
+    from *a* to *b*; in path order.  The store is left out."""
+    a, b = Tree(a_root), Tree(b_root)
+    try:
+        out = []
+        todo = sorted(p for p in paths if p != STORE and not p.startswith(STORE + b"/"))
+        seen = set(todo)
+        while todo:
+            rel = todo.pop()
+            kind = compare(a, b, rel)
+            if kind is None:
+                continue
+            sa, sb = a.lstat(rel), b.lstat(rel)
+            st = sb or sa
+            out.append(Change(rel, kind, st is not None and stat.S_ISDIR(st.st_mode)))
+            # (below a directory one side has and the other not, or made
+            # anew: what it holds differs too, path by path)
+            for side, other in ((sa, sb), (sb, sa)):
+                if side is not None and stat.S_ISDIR(side.st_mode):
+                    if other is None or not stat.S_ISDIR(other.st_mode):
+                        for name in set(a.names(rel)) | set(b.names(rel)):
+                            p = backing.join(rel, name)
+                            if p not in seen:
+                                seen.add(p)
+                                todo.append(p)
+        return sorted(out, key=lambda c: c.path)
+    finally:
+        a.close()
+        b.close()
 
 
 def _names_of(tree: Tree, inos: set[int]) -> set[bytes]:

@@ -24,6 +24,7 @@ from . import adopt, forkdiff
 from . import forks as stacks
 from .launch import fd_path, open_view_dir
 from .restore import Restore
+from .zygote import ZYGOTE
 
 if TYPE_CHECKING:
     from ..layers.capture import Recorder
@@ -82,15 +83,18 @@ class Forking:
         if self.requester.uid not in (0, os.geteuid()):
             raise NotOwner("only the workspace's owner makes, adopts and drops forks")
 
-    def _mount_args(self) -> list[str]:
-        """What the fork's own mount takes over from its workspace's settings."""
-        args = []
-        for pattern in self.store.get_meta_json(schema.K_IGNORE) or []:
-            args += ["--ignore", pattern]
+    def _mount_args(self) -> dict:
+        """What the fork's own mount takes over from its workspace's settings
+        (the options of a mount)."""
+        # (the zygote: the fork's view and daemon are forks of it, not new
+        # interpreters; started at the first fork, it stays while this
+        # daemon runs)
+        ZYGOTE.start()
         limits = self.store.limits()
-        if limits.get("audit"):
-            args += ["--audit", str(limits["audit"])]
-        return args
+        return {
+            "ignore": self.store.get_meta_json(schema.K_IGNORE) or [],
+            "audit": limits.get("audit") or None,
+        }
 
     async def fork(self, name: str, message: str = "", at: str | None = None) -> dict:
         """`cowfs fork NAME`: a layer opens (the fork point) and fork NAME of
@@ -132,18 +136,17 @@ class Forking:
         self.store.audit("fork", layer=layer.id, fork=name, message=message)
         return {"fork": name, "id": row["id"], "layer": layer.id, "path": where, "at": at}
 
-    async def forks(self, changes: bool = False) -> dict:
+    async def forks(self, changes: bool = False, brief: bool = False) -> dict:
         """`cowfs forks`: every fork, with where it is mounted, the disk space
         its own layer takes and the processes using it (and with *changes*,
-        how many paths it changed since its fork point)."""
+        how many paths it changed since its fork point; *brief*: neither
+        space nor processes, for a command's ``--fork``)."""
         table = {m.mountpoint: m for m in mounts()}
         out = []
         for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
             _, merged = stacks.paths(self.workspace, row["id"])
             m = table.get(merged)
-            mounted = m is not None and m.fstype == "fuse.cowfs"
-            # (any namespace: run --fork binds the fork over the workspace's path)
-            users = mount_users(m, any_namespace=True) if m is not None and mounted else []
+            users = [] if brief else self._users(row, table)
             out.append(
                 {
                     "name": name,
@@ -155,14 +158,24 @@ class Forking:
                     "path": merged,
                     "at": row.get("at", []),
                     "mounted": m is not None and m.fstype == "fuse.cowfs",
-                    "bytes": stacks.upper_bytes(self.store.dirfd, row["id"]),
-                    "users": sorted(set(users) - {os.getpid()}),
+                    "bytes": 0 if brief else stacks.upper_bytes(self.store.dirfd, row["id"]),
+                    "users": users,
                 }
             )
             if changes and out[-1]["mounted"]:
                 found = await self.hooks.blocking(self._fork_changes, row)
                 out[-1]["changes"] = len(found)
         return {"forks": out}
+
+    def _users(self, row: dict, table: dict | None = None) -> list[int]:
+        """The processes using fork *row* (any namespace: ``run --fork``
+        binds the fork over the workspace's path)."""
+        if table is None:
+            table = {m.mountpoint: m for m in mounts()}
+        m = table.get(stacks.paths(self.workspace, row["id"])[1])
+        if m is None or m.fstype != "fuse.cowfs":
+            return []
+        return sorted(set(mount_users(m, any_namespace=True)) - {os.getpid()})
 
     async def fork_changes(self, name: str) -> dict:
         """What fork *name* changed since its fork point, path by path
@@ -174,6 +187,39 @@ class Forking:
             "fork": name,
             "changes": [{"path": os.fsdecode(c.path), "kind": c.kind} for c in found],
         }
+
+    async def fork_compare(self, a: str, b: str) -> dict:
+        """`cowfs diff --fork A --fork B`: every path whose state differs
+        between fork *a* and fork *b* as they are now, the kind of each as
+        from *a* to *b*: found among what each changed since its fork
+        point and what the workspace changed between their fork points
+        (a path none of those holds is the same in both)."""
+        rows = [forkpoints.get(self.store, name) for name in (a, b)]
+        since = min(row["start"] for row in rows)
+        ours = [os.fsencode(c["path"]) for c in self.stackview.changes_from(since)]
+        found = await self.hooks.blocking(self._fork_compare, rows, ours)
+        return {
+            "forks": [a, b],
+            "changes": [{"path": os.fsdecode(c.path), "kind": c.kind} for c in found],
+        }
+
+    def _fork_compare(self, rows: list[dict], ours: list[bytes]) -> list[forkdiff.Change]:
+        paths = set(ours)
+        for row in rows:
+            paths.update(c.path for c in self._fork_changes(row))
+        fds: list[int] = []
+        try:
+            for row in rows:
+                merged = stacks.paths(self.workspace, row["id"])[1]
+                try:
+                    fds.append(os.open(merged, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+                except OSError as e:
+                    why = f"fork {row['id']} is not mounted: {e.strerror}"
+                    raise CowfsError(why, errors.NOT_MOUNTED) from None
+            return forkdiff.compare_trees(fds[0], fds[1], paths)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _fork_changes(self, row: dict) -> list[forkdiff.Change]:
         lower, merged = stacks.paths(self.workspace, row["id"])
@@ -217,17 +263,21 @@ class Forking:
         if row["state"] != forkpoints.LIVE:
             raise CowfsError(f"fork {name} is {row['state']}", errors.NOT_MOUNTED)
         await self.flush()
-        self._decide(name, row, prefer, paths or {})  # (conflicts refused with the fork up)
+        took = [time.monotonic()]
         if not force:
             await self._not_in_use(name, "adopt")
+        took.append(time.monotonic())
         # the fork is quiet from now on: its own mount goes (the overlay stays)
         await self.hooks.blocking(stacks.stop_cowfs, self.workspace, {**row, "name": name}, force)
+        took.append(time.monotonic())
         try:
-            chosen, skip, theirs = self._decide(name, row, prefer, paths or {})  # (as it is now)
+            # (read once the fork is quiet; refused, it is mounted again as it was)
+            chosen, skip, theirs = self._decide(name, row, prefer, paths or {})
             whole, attrs = adopt.plan([c for c in theirs if not _under(c.path, skip)])
         except BaseException:
             await self.hooks.blocking(self._remount_fork, name)
             raise
+        took.append(time.monotonic())
         layer = self.files.checkpoint(f"adopt {name}")
         self._switched(fresh=True)
         self.store.set_meta_json(schema.K_ADOPTING, {"fork": name, "layer": layer.id})
@@ -238,10 +288,19 @@ class Forking:
             await self._undo_adopt(layer.id)
             await self.hooks.blocking(self._remount_fork, name)
             raise
+        took.append(time.monotonic())
         self.store.set_meta_json(schema.K_ADOPTING, None)
         forkpoints.set_state(self.store, name, forkpoints.DROPPING)
         await self.hooks.blocking(self._take_down, name, row, True)
         self.capture_filter()
+        took.append(time.monotonic())
+        log.info(
+            "adopt of fork %s, %d paths: checked %.2f s, unmounted %.2f s, read %.2f s, "
+            "made %.2f s, dropped %.2f s",
+            name,
+            len(done),
+            *(b - a for a, b in zip(took, took[1:], strict=False)),
+        )
         self.store.audit("adopt", fork=name, layer=layer.id, changed=done[:1000])
         return {"adopted": name, "layer": layer.id, "changed": done, "conflicts": chosen}
 
@@ -317,7 +376,7 @@ class Forking:
 
     async def _not_in_use(self, name: str, what: str) -> None:
         """AlreadyMounted (exit 5), naming them, while processes use fork *name*."""
-        users = next(f for f in (await self.forks())["forks"] if f["name"] == name)["users"]
+        users = self._users(forkpoints.get(self.store, name))
         if users:
             raise AlreadyMounted(
                 f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "

@@ -29,8 +29,7 @@ import errno
 import logging
 import os
 import stat
-import subprocess
-import sys
+import time
 from collections.abc import Callable
 
 from ..errors import AlreadyMounted, CowfsError
@@ -40,6 +39,7 @@ from ..system.mounts import (
     FSTYPE,
     VIEW_FSTYPE,
     MountRecord,
+    finish_unmount,
     is_cowfs_mount,
     mount_table,
     mounts,
@@ -48,7 +48,8 @@ from ..system.mounts import (
     runtime_dir,
 )
 from ..text import quote
-from .launch import PATH_FLAGS, clear_view, mnt_id, open_view_dir, start_view
+from . import control
+from .launch import PATH_FLAGS, clear_view, mnt_id, open_view_dir, spawn, start_view
 
 log = logging.getLogger("cowfs.forks")
 
@@ -59,6 +60,7 @@ MS_BIND = 4096
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 OVERLAY_XATTR = b"trusted.overlay."
 MOUNT_TIMEOUT = 120
+BUSY_WAIT = 2.0  # s
 
 libc.mount.argtypes = [
     ctypes.c_char_p,
@@ -105,7 +107,7 @@ def start(
     hidden: bytes | None,
     workspace: str,
     row: dict,
-    mount_args: list[str],
+    mount_args: dict,
 ) -> str:
     """Mount fork *row* (its view, its overlay, its cowfs mount) unless it
     is mounted already; return where.  Whatever a start left behind before
@@ -174,18 +176,15 @@ def stop_cowfs(workspace: str, row: dict, lazy: bool) -> None:
     processes use is AlreadyMounted (exit 5) naming them."""
     _, merged = paths(workspace, row["id"])
     _unbind(merged, lazy)
-    if is_cowfs_mount(merged):
-        r = subprocess.run(
-            [sys.executable, "-m", "cowfs", "unmount", *(["--lazy"] if lazy else []), merged],
-            capture_output=True,
-            text=True,
-            timeout=MOUNT_TIMEOUT,
-        )
-        if r.returncode != 0 and is_cowfs_mount(merged):
-            if not lazy:
-                why = r.stderr.strip().removeprefix("cowfs: ")
-                raise AlreadyMounted(f"fork {row.get('name', row['id'])}: {why}")
-            _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
+    rec = MountRecord.load(merged)
+    if rec is not None and is_cowfs_mount(merged):
+        try:
+            finish_unmount(rec, control.call(rec, "unmount", lazy=lazy), MOUNT_TIMEOUT)
+        except CowfsError as e:
+            if not lazy and is_cowfs_mount(merged):
+                raise AlreadyMounted(f"fork {row.get('name', row['id'])}: {e}") from None
+    if is_cowfs_mount(merged):  # (its daemon gone, or not answering)
+        _unmount_all(merged, lambda fs: fs == "fuse.cowfs", True)
 
 
 def stop(workspace: str, row: dict, lazy: bool) -> None:
@@ -234,16 +233,23 @@ def _unbind(merged: str, lazy: bool) -> None:
 
 
 def _unmount_all(where: str, what: Callable[[str], bool], lazy: bool) -> None:
+    busy_until = time.monotonic() + BUSY_WAIT
     for _ in range(8):
         fs = mount_table().get(where)
         if fs is None or not what(fs):
             return
-        try:
-            checked(libc.umount2(os.fsencode(where), 2 if lazy else 0), where)
-        except OSError as e:
-            if e.errno == errno.EBUSY and not lazy:
-                raise AlreadyMounted(f"{quote(where)} is busy") from None
-            raise
+        while True:
+            try:
+                checked(libc.umount2(os.fsencode(where), 2 if lazy else 0), where)
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or lazy:
+                    raise
+                # (a daemon that just ended may hold it a moment longer:
+                # its exit closes its descriptors)
+                if time.monotonic() > busy_until:
+                    raise AlreadyMounted(f"{quote(where)} is busy") from None
+                time.sleep(0.01)
 
 
 def remove(workspace: str, store_dirfd: int, fid: int) -> None:
@@ -346,18 +352,11 @@ def _mount_overlay(lower: str, upper_fd: int, work_fd: int, merged: str) -> None
     )
 
 
-def _mount_cowfs(merged: str, mount_args: list[str]) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "cowfs", "mount", *mount_args, merged],
-        capture_output=True,
-        text=True,
-        timeout=MOUNT_TIMEOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    if r.returncode != 0:
-        raise CowfsError(
-            f"mounting the fork failed: {r.stderr.strip().removeprefix('cowfs: ')}", r.returncode
-        )
+def _mount_cowfs(merged: str, options: dict) -> None:
+    try:
+        spawn(merged, timeout=MOUNT_TIMEOUT, **options)
+    except CowfsError as e:
+        raise CowfsError(f"mounting the fork failed: {e}", e.code) from None
 
 
 def bind(source: str, target: str) -> None:

@@ -33,11 +33,14 @@ from ..system.mounts import (
 )
 from ..text import quote
 from .control import wait_readable
+from .zygote import ZYGOTE, Child
 
 log = logging.getLogger("cowfs.launch")
 
 
 VIEW_MODULE = "cowfs.fuse.view"
+DAEMON_MODULE = "cowfs.service.daemon"
+Started = subprocess.Popen | Child  # (a process start_and_wait started)
 VIEW_TIMEOUT = 60.0
 
 
@@ -172,7 +175,7 @@ def open_view_dir(
         raise
 
 
-def abandon_view(mountpoint: str, proc: subprocess.Popen, dirfd: int | None = None) -> None:
+def abandon_view(mountpoint: str, proc: Started, dirfd: int | None = None) -> None:
     """A view process whose start failed: kill it and clear the mount it
     may have left (on the directory open at *dirfd*, where given)."""
     try:
@@ -370,7 +373,7 @@ def start_and_wait(
     pass_fds: tuple,
     timeout: float,
     what: str,
-    abandon: Callable[[subprocess.Popen], None] | None = None,
+    abandon: Callable[[Started], None] | None = None,
 ) -> dict:
     """Start ``python -m module --ready-fd N args...`` in its own session
     and wait for the one JSON line it reports on N once its mount is live
@@ -378,15 +381,20 @@ def start_and_wait(
     fails (no report in time, an unreadable one, an interrupt), *abandon*
     is called with the process and must leave nothing of it behind."""
     r, w = os.pipe()
+    proc: Started | None
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--ready-fd", str(w), *args],
-            pass_fds=(w, *pass_fds),
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        # (forked from this daemon's zygote where it has one: no interpreter
+        # to start, no imports to make)
+        proc = ZYGOTE.spawn(module, ["--ready-fd", str(w), *args], (w, *pass_fds))
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--ready-fd", str(w), *args],
+                pass_fds=(w, *pass_fds),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
     except BaseException:
         os.close(r)
         raise
@@ -407,10 +415,36 @@ def start_and_wait(
     return msg
 
 
+def spawn(
+    workspace: str,
+    mountpoint: str | None = None,
+    store: str | None = None,
+    timeout: float = 120,
+    **options: object,
+) -> dict:
+    """Start a daemon for *workspace* in its own session and wait until the
+    mount is live; return its report (warnings, pid) or raise its error."""
+    args = []
+    if store:
+        args += ["--store", os.path.abspath(store)]
+    for name, value in options.items():
+        if isinstance(value, list):
+            for item in value:
+                args += [f"--{name.replace('_', '-')}", item]
+        elif value is True:
+            args.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    args.append(os.path.abspath(workspace))
+    if mountpoint:
+        args.append(os.path.abspath(mountpoint))
+    return start_and_wait(DAEMON_MODULE, args, (), timeout, f"mounting {workspace}")
+
+
 # processes started here that outlive the start (a daemon's views): each is
 # reaped once it exits (``reap``), so none stays a zombie of the process
 # that started it
-STARTED: list[subprocess.Popen] = []
+STARTED: list[Started] = []
 
 
 def reap() -> None:
@@ -418,7 +452,7 @@ def reap() -> None:
     STARTED[:] = [p for p in STARTED if p.poll() is None]
 
 
-def read_report(fd: int, proc: subprocess.Popen, timeout: float, who: str, what: str) -> dict:
+def read_report(fd: int, proc: Started, timeout: float, who: str, what: str) -> dict:
     """The one JSON object *proc* writes on *fd*, within *timeout* seconds."""
     buf = b""
     deadline = time.monotonic() + timeout

@@ -55,6 +55,7 @@ OPERATIONS = (
     Operation("fork", doing="making the fork"),
     Operation("forks", offline=True, grant="read"),
     Operation("fork_changes"),
+    Operation("fork_compare"),
     Operation("adopt", long="adopt", doing="adopting the fork"),
     Operation("drop", offline=True, long="drop", doing="dropping the fork"),
 )

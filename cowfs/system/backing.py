@@ -561,20 +561,45 @@ def set_all_xattrs(path: bytes, follow: bool, pairs: list[tuple[bytes, bytes]]) 
 
 def remove_tree_at(dirfd: int, name: bytes) -> None:
     """Remove *name* in *dirfd* and everything below it, never following
-    symlinks."""
+    symlinks (a directory at a time, however deep: no recursion)."""
     st = lstat_at(dirfd, name)
     if st is None:
         return
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dirfd)
         return
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    # each: (the directory holding it, its name, it, its subdirectories left)
+    stack: list[tuple[int, bytes, int, list[bytes]]] = []
+
+    def enter(parent: int, here: bytes) -> None:
+        fd = os.open(here, flags, dir_fd=parent)
+        subdirs = []
+        try:
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(os.fsencode(entry.name))
+                    else:
+                        os.unlink(entry.name, dir_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        stack.append((parent, here, fd, subdirs))
+
     try:
-        for child in os.listdir(fd):
-            remove_tree_at(fd, os.fsencode(child))
+        enter(dirfd, name)
+        while stack:
+            parent, here, fd, subdirs = stack[-1]
+            if subdirs:
+                enter(fd, subdirs.pop())
+                continue
+            stack.pop()
+            os.close(fd)
+            os.rmdir(here, dir_fd=parent)
     finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=dirfd)
+        for _, _, fd, _ in stack:
+            os.close(fd)
 
 
 # -- has it changed since? -------------------------------------------------------------

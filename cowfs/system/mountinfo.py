@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 
 def _unescape(field: str) -> str:
+    if "\\" not in field:
+        return field
     out, i = [], 0
     while i < len(field):
         if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
@@ -34,12 +36,26 @@ def mounts() -> list[Mount]:
     for _ in range(3):
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
-        out, whole = parse_mountinfo(text)
+        out, whole = _parsed(text)
         if whole:
             break
         # (a line came out cut short while the table changed under the
         # read -- seen while a killed daemon's mount was going: read again)
     return out
+
+
+_LAST: list[tuple[str, list[Mount]]] = []  # (the last table read, parsed)
+
+
+def _parsed(text: str) -> tuple[list[Mount], bool]:
+    """parse_mountinfo, kept for a table read again unchanged."""
+    last = _LAST[:1]
+    if last and last[0][0] == text:
+        return list(last[0][1]), True
+    out, whole = parse_mountinfo(text)
+    if whole:
+        _LAST[:] = [(text, out)]
+    return list(out), whole
 
 
 def parse_mountinfo(text: str) -> tuple[list[Mount], bool]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import stat
 import time
 from typing import NamedTuple
@@ -688,6 +689,19 @@ def lock_holder(path: str) -> int | None:
 def wait_gone(pid: int, timeout: float) -> bool:
     """Wait until process *pid* has exited (True), at most *timeout* s."""
     deadline = time.monotonic() + timeout
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        fd = -1
+    if fd >= 0:  # (woken as it exits)
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll(max(0, int(timeout * 1000)))
+        finally:
+            os.close(fd)
     while pid_alive(pid):
         if time.monotonic() > deadline:
             return False

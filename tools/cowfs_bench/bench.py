@@ -11,6 +11,7 @@ import tempfile
 import traceback
 
 from .cowfs_only import CowfsRuns
+from .forks import ForkRuns
 from .helpers import BenchError, GiB, LoadWatch, MiB, mounted, perf, rotate, run, try_run
 from .providers import ProviderRuns
 from .report import Report
@@ -18,7 +19,7 @@ from .targets import Cowfs, Native, Overlay, Target
 from .workloads import PREPARE, WORKLOADS, Ctx
 
 
-class Bench(CowfsRuns, ProviderRuns, Report):
+class Bench(CowfsRuns, ForkRuns, ProviderRuns, Report):
     def __init__(self, args):
         self.args = args
         self.scratch = ""
@@ -39,6 +40,7 @@ class Bench(CowfsRuns, ProviderRuns, Report):
         self.startup: dict[str, list[float]] = {}  # what -> wall ms, one a sample
         self.memory: dict = {}  # engine -> figures
         self.scaling: dict[str, dict[str, dict[int, float]]] = {}  # kind -> op -> n -> s
+        self.forks: dict = {}  # (run_forks)
         self.digests: dict = {}
         self.counter = 0
         s = args.scale
@@ -316,6 +318,10 @@ class Bench(CowfsRuns, ProviderRuns, Report):
             t0 = perf()
             self.run_scaling()
             print(f"bench:   scaling cowfs    {perf() - t0:7.1f} s", file=sys.stderr)
+        if "forks" in self.args.workloads:
+            t0 = perf()
+            self.run_forks()
+            print(f"bench:   forks cowfs      {perf() - t0:7.1f} s", file=sys.stderr)
         if "providers" in self.args.workloads:  # last: it may start dockerd and libvirtd
             t0 = perf()
             self.run_providers()

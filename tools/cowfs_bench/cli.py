@@ -33,6 +33,7 @@ ALL_WORKLOADS = (
     "latency",
     "memory",
     "scaling",
+    "forks",
     "providers",
 )
 
@@ -88,6 +89,12 @@ def parse_args(argv):
         "--scaling-kinds",
         default=",".join(SCALING_KINDS),
         help=f"comma-separated subset of {','.join(SCALING_KINDS)} (--workloads scaling)",
+    )
+    p.add_argument(
+        "--fork-sizes",
+        type=lambda v: [parse_number(x) for x in v.split(",")],
+        help="workspace sizes in files for --workloads forks, as given (default "
+        "1000,10000,100000 times --scale; 1000000 is a long build)",
     )
     p.add_argument(
         "--provider-reps",

@@ -195,6 +195,7 @@ class Report:
                 )
         if self.scaling:
             lines += self.scaling_report()
+        lines += self.forks_report()
         if "providers" in a.workloads:
             lines += self.provider_report()
         if self.warnings:
@@ -313,6 +314,7 @@ class Report:
             "memory": self.memory,
             "providers": self.providers,
             "scaling": self.scaling,
+            "forks": self.forks,
             "digests": {f"{wl}/{rep}": v for (wl, rep), v in self.digests.items()},
             "notes": self.notes,
             "warnings": sorted(self.warnings),
