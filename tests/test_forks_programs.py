@@ -61,22 +61,9 @@ def run_all(cwd: Path, cmds: list[list[str]], env: dict) -> None:
         assert r.returncode == 0, f"{cmd}: {r.stderr}"
 
 
-def test_git_gcc_and_python_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F811
-    ws = parent
-    env = git_env(tmp_path)
-    (ws / "c").mkdir()
-    (ws / "c" / "main.c").write_text(C_MAIN)
-    (ws / "c" / "util.h").write_text(C_UTIL_H)
-    (ws / "c" / "util.c").write_text(C_UTIL_V1)
-    (ws / "notes.md").write_text("# notes\n")
-    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "start"]):
-        subprocess.run([*GIT, *cmd], cwd=ws.path, env=env, check=True, capture_output=True)
-    native_base = tmp_path / "native-base"
-    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
-    shutil.rmtree(native_base / ".cowfs", ignore_errors=True)  # (mounted: not there anyway)
-    plan = steps(env)
-    paths = {name: fork(ws, name) for name in plan}
-    # every fork at once, each at the workspace's own path; the workspace too
+def run_in_forks(ws, plan: dict[str, list[list[str]]], env: dict, meanwhile) -> None:
+    """Each fork's commands (``cowfs run --fork``, at the workspace's own
+    path), every fork at once, while *meanwhile* changes the workspace."""
     errors: list[str] = []
 
     def in_fork(name: str) -> None:
@@ -95,13 +82,36 @@ def test_git_gcc_and_python_in_forks_at_once_then_adopted(parent, tmp_path):  # 
     threads = [threading.Thread(target=in_fork, args=(n,)) for n in plan]
     for t in threads:
         t.start()
-    for i in range(50):
-        (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
-    with open(ws / "c" / "util.h", "a") as f:
-        f.write("/* the workspace's */\n")
+    meanwhile()
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_git_gcc_and_python_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F811
+    ws = parent
+    env = git_env(tmp_path)
+    (ws / "c").mkdir()
+    (ws / "c" / "main.c").write_text(C_MAIN)
+    (ws / "c" / "util.h").write_text(C_UTIL_H)
+    (ws / "c" / "util.c").write_text(C_UTIL_V1)
+    (ws / "notes.md").write_text("# notes\n")
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "start"]):
+        subprocess.run([*GIT, *cmd], cwd=ws.path, env=env, check=True, capture_output=True)
+    native_base = tmp_path / "native-base"
+    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
+    shutil.rmtree(native_base / ".cowfs", ignore_errors=True)  # (mounted: not there anyway)
+    plan = steps(env)
+    paths = {name: fork(ws, name) for name in plan}
+    # every fork at once, each at the workspace's own path; the workspace too
+
+    def meanwhile() -> None:
+        for i in range(50):
+            (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
+        with open(ws / "c" / "util.h", "a") as f:
+            f.write("/* the workspace's */\n")
+
+    run_in_forks(ws, plan, env, meanwhile)
     # each fork is what the same commands make natively on the fork point
     for name, cmds in plan.items():
         native = tmp_path / f"native-{name}"
@@ -147,3 +157,117 @@ def test_git_gcc_and_python_in_forks_at_once_then_adopted(parent, tmp_path):  # 
     ws.rollback(ws.log()[-3]["id"])
     treesnap.assert_same(before, ws.snapshot())
     assert os.path.exists(ws / "parent-0.txt")
+
+
+def make_wheel(where: Path) -> Path:
+    """A pure-Python wheel, made here (pip installs it with no index)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "forkpkg/__init__.py": "VALUE = 42\n",
+        "forkpkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: forkpkg\nVersion: 1.0\n",
+        "forkpkg-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: cowfs-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append("forkpkg-1.0.dist-info/RECORD,,")
+    files["forkpkg-1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    wheel = where / "forkpkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
+def test_pip_and_npm_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F811
+    """pip and npm, each in a fork, at once, while the workspace changes:
+    each fork is what the same commands make natively on a copy of the
+    fork point seen at the same path (a mount namespace of its own); what
+    they installed works at the workspace's path, in the fork and once
+    adopted; the two adopts rolled back leave the workspace as it was."""
+    import sys
+
+    from .test_programs import make_npm_packages, npm_env
+
+    ws = parent
+    env = npm_env(tmp_path)
+    wheel = make_wheel(tmp_path)
+    specs = make_npm_packages(tmp_path / "pkgs", ["left-pad-local", "util-local"])
+    (ws / "package.json").write_text('{"name": "app", "version": "1.0.0", "private": true}\n')
+    plan = {
+        "pip": [
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile"]
+            + ["--disable-pip-version-check", "--target", "site", str(wheel)],
+        ],
+        "npm": [["npm", "install", "--offline", "--no-fund", *specs.values()]],
+    }
+    native_base = tmp_path / "native-base"
+    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
+    paths = {name: fork(ws, name) for name in plan}
+
+    def meanwhile() -> None:
+        for i in range(50):
+            (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
+
+    run_in_forks(ws, plan, env, meanwhile)
+    check = {
+        "pip": [
+            sys.executable,
+            "-c",
+            "import sys; sys.path[:0] = ['site']; import forkpkg; assert forkpkg.VALUE == 42",
+        ],
+        "npm": ["node", "-e", "if (require('util-local') !== 2) process.exit(1)"],
+    }
+    for name, cmds in plan.items():
+        native = tmp_path / f"native-{name}"
+        subprocess.run(["cp", "-a", str(native_base), str(native)], check=True)
+        for cmd in cmds:  # (at the workspace's path, as the fork ran them)
+            r = subprocess.run(
+                [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "slave",
+                    "--",
+                    "sh",
+                    "-c",
+                    'mount --bind -- "$1" "$2" && cd -- "$2" && shift 2 && exec "$@"',
+                    "native",
+                    str(native),
+                    str(ws.path),
+                    *cmd,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert r.returncode == 0, r.stderr
+        diffs = treesnap.compare(
+            treesnap.snapshot(native), treesnap.snapshot(paths[name]), mtimes=False
+        )
+        assert not diffs, f"fork {name} differs from the native run:\n" + "\n".join(diffs[:20])
+        r = subprocess.run(
+            [*COWFS, "run", "--fork", name, "--", *check[name]],
+            cwd=ws.path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+    before = ws.snapshot()
+    for name in plan:
+        ws.json("adopt", name)
+        r = subprocess.run(check[name], cwd=ws.path, env=env, capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert (ws / "parent-49.txt").read_text() == "the workspace's own 49\n"
+    assert forks_of(ws) == {}
+    ws.rollback(ws.log()[-2]["id"])
+    treesnap.assert_same(before, ws.snapshot())

@@ -53,6 +53,10 @@ from .pyfuse3_engine import handler, statvfs_data
 log = logging.getLogger("cowfs.view")
 FSTYPE = VIEW_FSTYPE
 TIMEOUT = 1.0  # the past does not change, but the view must notice its end
+# A fork's view (of a fork point, pinned while the fork lives, ignored
+# paths captured from it on: nothing it shows ever changes) lets the kernel
+# keep what it read.
+FORK_TIMEOUT = 3600.0
 PENDING_WAIT = 120.0  # (how long a request waits for a rollback to finish)
 # The metadata an overlay keeps in its layers' xattrs: never served from a
 # workspace's objects (a view is the lower layer of a fork's overlay, and
@@ -179,7 +183,7 @@ class View(pyfuse3.Operations):
         e = pyfuse3.EntryAttributes()
         e.st_ino = self._ino(obj)
         e.generation = 0
-        e.entry_timeout = e.attr_timeout = TIMEOUT
+        e.entry_timeout = e.attr_timeout = TIMEOUT if self.start is None else FORK_TIMEOUT
         e.st_mode = obj.mode
         e.st_nlink = self.nlink(obj)
         e.st_uid, e.st_gid = obj.uid, obj.gid
@@ -348,9 +352,10 @@ class View(pyfuse3.Operations):
         fh = self.next_fh
         self.next_fh += 1
         self.files[fh] = opened
-        # (no cached pages kept between opens: an inode number the view shows
-        # at an ignored path can be a later object's, given a freed number)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=False)
+        # (no cached pages kept between opens, but in a fork's view: an inode
+        # number a view shows at an ignored path can be a later object's,
+        # given a freed number)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=self.start is not None)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:

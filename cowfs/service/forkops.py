@@ -111,11 +111,18 @@ class Forking:
                 at = fd_path(fd)
             finally:
                 os.close(fd)
-        await self.flush()
-        layer = self.files.checkpoint(message or f"fork {name}")
-        self._switched(fresh=True)
-        row = forkpoints.add(self.store, name, layer.id, layer.start, message, at)
-        self.capture_filter()  # (from the fork point on, ignored paths too)
+        # (from the fork point on, ignored paths are captured too: from
+        # before the fork point is taken, so that no change at one slips in
+        # between)
+        self.recorder.ignore = None
+        try:
+            await self.flush()
+            layer = self.files.checkpoint(message or f"fork {name}")
+            self._switched(fresh=True)
+            row = forkpoints.add(self.store, name, layer.id, layer.start, message, at)
+        except BaseException:
+            self.capture_filter()
+            raise
         try:
             where = await self.hooks.blocking(
                 stacks.start,
