@@ -131,6 +131,10 @@ class Bench(CowfsRuns, ForkRuns, ProviderRuns, Report):
         self.fsroot = os.path.join(self.scratch, "fs")
         os.mkdir(self.fsroot)
         size = max(4 * GiB, 3 * self.seq_size + 2 * self.rand_size + 3 * GiB)
+        # (--fork-sizes: room and inodes for the largest workspace, and its adopt)
+        most = max(self.args.fork_sizes or [0]) if "forks" in self.args.workloads else 0
+        size = max(size, most * 2 * 4096 + 2 * GiB)
+        inodes = ["-N", str(3 * most)] if 3 * most > size // 16384 else []
         if self.args.fs == "tmpfs":
             self.register(self.fsroot, self._unmount_fs)
             run(
@@ -160,6 +164,7 @@ class Bench(CowfsRuns, ForkRuns, ProviderRuns, Report):
                 "lazy_itable_init=0,lazy_journal_init=0",
                 "-L",
                 "cowfs-bench",
+                *inodes,
                 self.image,
             ]
         )
