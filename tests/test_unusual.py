@@ -231,3 +231,33 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mo
         treesnap.assert_same(before, ws.snapshot())
     finally:  # (pytest removes its old directories recursively: none this deep)
         subprocess.run(["rm", "-rf", str(ws / "a")], check=False)
+
+
+def test_a_tree_deeper_than_pythons_recursion_limit_is_restored(mounted):
+    """`cowfs restore` of a tree 600 directories deep (1,200 calls deep
+    when it recursed: past Python's limit) that was removed, with another
+    made since in its place: walked without recursion, exact (but the
+    workspace root's time: restore puts back the paths it is given)."""
+    ws = mounted
+    fd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(600):
+            os.mkdir("a", dir_fd=fd)
+            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        with open("f", "w", opener=lambda p, f: os.open(p, f, 0o644, dir_fd=fd)) as f:
+            f.write("deep\n")
+    finally:
+        os.close(fd)
+    try:
+        before = ws.snapshot()
+        layer = ws.checkpoint("deep")
+        subprocess.run(["rm", "-rf", str(ws / "a")], check=True)
+        (ws / "a").mkdir()
+        (ws / "a" / "other").write_text("made since\n")
+        ws.cowfs("restore", "--from", str(layer), "a")
+        diffs = treesnap.compare(before, ws.snapshot())
+        assert [d for d in diffs if not d.startswith("changed .: mtime ")] == [], diffs
+    finally:  # (pytest removes its old directories recursively: none this deep)
+        subprocess.run(["rm", "-rf", str(ws / "a")], check=False)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -240,13 +240,25 @@ class Restore:
         st: os.stat_result,
     ) -> None:
         """Remove what is at *rel* (a whole subtree)."""
+        _run(self._removing(parent, pst, name, rel, node, st))
+
+    def _removing(
+        self,
+        parent: Node | None,
+        pst: os.stat_result | None,
+        name: bytes,
+        rel: bytes,
+        node: Node,
+        st: os.stat_result,
+    ) -> Steps:
+        """``_remove``, each directory below yielded as its own steps."""
         self._may_remove(parent, pst, st, rel)
         if stat.S_ISDIR(st.st_mode):
             self._may_now(node, st, R | W | X, f"{_show(rel)}: cannot empty it")
             for child in self.ops.names(node.ino):
                 found = self._lookup(node, child)
                 if found is not None:
-                    self._remove(node, st, child, _join(rel, child), *found)
+                    yield self._removing(node, st, child, _join(rel, child), *found)
         if self.dry:
             return
         assert parent is not None  # (made by this restore: nothing to remove)
@@ -327,6 +339,11 @@ class Restore:
     def _restore(self, parent: Node | None, rel: bytes) -> None:
         """Put *rel* (in directory *parent*; None: one this dry run would
         have made) back as it was at T."""
+        _run(self._restoring(parent, rel))
+
+    def _restoring(self, parent: Node | None, rel: bytes) -> Steps:
+        """``_restore``, each name of a directory yielded as its own steps
+        (however deep the tree: no recursion)."""
         name = rel.rpartition(b"/")[2]
         pst = os.stat(parent.fd) if parent is not None else None
         self._may_now(parent, pst, X, f"{_show(rel)}: cannot reach it")
@@ -376,7 +393,7 @@ class Restore:
         if obj.kind == stat.S_IFREG:
             self._content(found, rel, obj, made)
         elif obj.kind == stat.S_IFDIR:
-            self._entries(found, rel, obj)
+            yield from self._entries(found, rel, obj)
         self._attrs(found, rel, obj, None if made else found)
         if not stat.S_ISDIR(obj.mode):
             self._linked[obj.ino] = found[0] if found is not None else None
@@ -394,7 +411,7 @@ class Restore:
             and dict(self._xattrs_now(node)) == dict(self.h.xattrs_of(obj))
         )
 
-    def _entries(self, found: tuple[Node, os.stat_result] | None, rel: bytes, obj: Past) -> None:
+    def _entries(self, found: tuple[Node, os.stat_result] | None, rel: bytes, obj: Past) -> Steps:
         """A directory's names as they were: what was not there goes, what
         was is restored."""
         wanted = self.h.listdir(obj)
@@ -408,7 +425,7 @@ class Restore:
                 if child is not None:
                     self._remove(node, st, name, _join(rel, name), *child)
         for name in wanted:
-            self._restore(found[0] if found is not None else None, _join(rel, name))
+            yield self._restoring(found[0] if found is not None else None, _join(rel, name))
 
     def _content(
         self, found: tuple[Node, os.stat_result] | None, rel: bytes, obj: Past, made: bool
@@ -640,3 +657,25 @@ def restore(ops: Ops, h: History, who: Requester, rels: list[bytes]) -> tuple[li
     finally:
         r.close()
     return done, r.invalid
+
+
+# The steps of a restore or a removal of a tree: a generator that yields
+# the steps of each name below it, taken whole before it goes on (as
+# calls would, without a frame a level).
+Steps = Generator["Steps", None, None]
+
+
+def _run(steps: Steps) -> None:
+    stack = [steps]
+    try:
+        while stack:
+            try:
+                below = next(stack[-1])
+            except StopIteration:
+                stack.pop()
+                continue
+            stack.append(below)
+    except BaseException:
+        for pending in reversed(stack):  # (their finally blocks, innermost first)
+            pending.close()
+        raise
