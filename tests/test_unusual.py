@@ -204,15 +204,12 @@ def test_file_over_4_gib(mounted):
     assert os.stat(big).st_size == BIG_SIZE and region(big, BIG_AT, 12) == b"beyond 4 GiB"
 
 
-def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mounted):
-    """Paths of 1,500 directories (3 KB): status, log, diff and a rollback
-    walk them without recursion."""
-    ws = mounted
-    before = ws.snapshot()
-    ws.checkpoint("deep")
-    fd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
+def deep_tree(root, depth: int) -> None:
+    """a/a/.../a (*depth* directories) with a file f at the bottom, made
+    through descriptors (the path is longer than PATH_MAX)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for _ in range(1500):
+        for _ in range(depth):
             os.mkdir("a", dir_fd=fd)
             nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
@@ -221,6 +218,15 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mo
             f.write("deep\n")
     finally:
         os.close(fd)
+
+
+def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mounted):
+    """Paths of 1,500 directories (3 KB): status, log, diff and a rollback
+    walk them without recursion."""
+    ws = mounted
+    before = ws.snapshot()
+    ws.checkpoint("deep")
+    deep_tree(ws.path, 1500)
     deep = "/".join(["a"] * 1500) + "/f"
     try:
         changes = {c["path"]: c["kind"] for c in ws.json("status", "-u")["changes"]}
@@ -239,17 +245,7 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_restored(mounted):
     made since in its place: walked without recursion, exact (but the
     workspace root's time: restore puts back the paths it is given)."""
     ws = mounted
-    fd = os.open(ws.path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(600):
-            os.mkdir("a", dir_fd=fd)
-            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-        with open("f", "w", opener=lambda p, f: os.open(p, f, 0o644, dir_fd=fd)) as f:
-            f.write("deep\n")
-    finally:
-        os.close(fd)
+    deep_tree(ws.path, 600)
     try:
         before = ws.snapshot()
         layer = ws.checkpoint("deep")
