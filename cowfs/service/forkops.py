@@ -19,7 +19,7 @@ from ..errors import AlreadyMounted, CowfsError, NotOwner
 from ..layers import forkpoints
 from ..layers.past import History
 from ..storage import schema
-from ..system.mounts import mount_users, mounts
+from ..system.mounts import mounts, mounts_users
 from . import adopt, forkdiff
 from . import forks as stacks
 from .launch import fd_path, open_view_dir
@@ -149,11 +149,14 @@ class Forking:
         how many paths it changed since its fork point; *brief*: neither
         space nor processes, for a command's ``--fork``)."""
         table = {m.mountpoint: m for m in mounts()}
+        rows = sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"])
+        # (the processes using each, in one pass over them all)
+        users_of = {} if brief else self._users([row for _, row in rows], table)
         out = []
-        for name, row in sorted(forkpoints.forks(self.store).items(), key=lambda i: i[1]["id"]):
+        for name, row in rows:
             _, merged = stacks.paths(self.workspace, row["id"])
             m = table.get(merged)
-            users = [] if brief else self._users(row, table)
+            users = users_of.get(row["id"], [])
             out.append(
                 {
                     "name": name,
@@ -174,26 +177,19 @@ class Forking:
                 out[-1]["changes"] = len(found)
         return {"forks": out}
 
-    def _users(self, row: dict, table: dict | None = None) -> list[int]:
-        """The processes using fork *row* (any namespace: ``run --fork``
-        binds the fork over the workspace's path)."""
+    def _users(self, rows: list[dict], table: dict | None = None) -> dict[int, list[int]]:
+        """The processes using each fork of *rows*, by fork id (any
+        namespace: ``run --fork`` binds the fork over the workspace's path)."""
         if table is None:
             table = {m.mountpoint: m for m in mounts()}
-        m = table.get(stacks.paths(self.workspace, row["id"])[1])
-        if m is None or m.fstype != "fuse.cowfs":
-            return []
-        return sorted(set(mount_users(m, any_namespace=True)) - {os.getpid()})
-
-    async def fork_changes(self, name: str) -> dict:
-        """What fork *name* changed since its fork point, path by path
-        (ignored paths included): its net changes, as `status` lists a
-        layer's."""
-        row = forkpoints.get(self.store, name)
-        found = await self.hooks.blocking(self._fork_changes, row)
-        return {
-            "fork": name,
-            "changes": [{"path": os.fsdecode(c.path), "kind": c.kind} for c in found],
-        }
+        live = {}
+        for row in rows:
+            m = table.get(stacks.paths(self.workspace, row["id"])[1])
+            if m is not None and m.fstype == "fuse.cowfs":
+                live[row["id"]] = m
+        found = mounts_users(list(live.values()), any_namespace=True)
+        me = {os.getpid()}
+        return {fid: sorted(set(pids) - me) for fid, pids in zip(live, found, strict=True)}
 
     async def fork_compare(self, a: str, b: str) -> dict:
         """`cowfs diff --fork A --fork B`: every path whose state differs
@@ -383,7 +379,8 @@ class Forking:
 
     async def _not_in_use(self, name: str, what: str) -> None:
         """AlreadyMounted (exit 5), naming them, while processes use fork *name*."""
-        users = self._users(forkpoints.get(self.store, name))
+        row = forkpoints.get(self.store, name)
+        users = self._users([row]).get(row["id"], [])
         if users:
             raise AlreadyMounted(
                 f"fork {name} is in use by process{'es' if len(users) > 1 else ''} "

@@ -584,11 +584,25 @@ def mount_users(mount: Mount, any_namespace: bool = False) -> list[int]:
     bind mount of it) or in another mount namespace (a fork bound over its
     workspace's path by ``run --fork``: each process's mounts are read from
     its own mountinfo)."""
-    major, minor = (int(x) for x in mount.dev.split(":"))
-    mapped = f" {major:02x}:{minor:02x} ".encode()
+    return mounts_users([mount], any_namespace)[0]
+
+
+def mounts_users(found: list[Mount], any_namespace: bool = False) -> list[list[int]]:
+    """``mount_users`` of each of *found*, in one pass over the processes."""
+    devs = [m.dev for m in found]
+    mapped = []
+    for dev in devs:
+        major, minor = (int(x) for x in dev.split(":"))
+        mapped.append(f" {major:02x}:{minor:02x} ".encode())
     ours = _namespace("self")
-    here = {m.id for m in mounts() if m.dev == mount.dev} if any_namespace else {mount.id}
-    users = []
+    table = mounts()
+    here = [
+        {m.id for m in table if m.dev == mount.dev} if any_namespace else {mount.id}
+        for mount in found
+    ]
+    users: list[list[int]] = [[] for _ in found]
+    if not found:
+        return users
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
@@ -596,46 +610,62 @@ def mount_users(mount: Mount, any_namespace: bool = False) -> list[int]:
         try:
             ids = here
             if any_namespace and _namespace(name) != ours:
-                ids = _ids_of(proc, mount.dev)
-            if _uses(proc, ids, mapped):
-                users.append(int(name))
+                theirs = _ids_by_dev(proc)
+                ids = [theirs.get(dev, set()) for dev in devs]
+            for i in _uses(proc, ids, mapped):
+                users[i].append(int(name))
         except OSError:  # gone, a kernel thread, or not ours to read
             continue
-    return sorted(users)
+    return [sorted(u) for u in users]
 
 
 def _namespace(pid: str) -> str:
     return os.readlink(f"/proc/{pid}/ns/mnt")
 
 
-def _ids_of(proc: str, dev: str) -> set[int]:
-    """The ids of the mounts of device *dev* in *proc*'s mount namespace."""
+def _ids_by_dev(proc: str) -> dict[str, set[int]]:
+    """The ids of the mounts in *proc*'s mount namespace, by device."""
     with open(f"{proc}/mountinfo") as f:
         text = f.read()
-    return {m.id for m in parse_mountinfo(text)[0] if m.dev == dev}
+    out: dict[str, set[int]] = {}
+    for m in parse_mountinfo(text)[0]:
+        out.setdefault(m.dev, set()).add(m.id)
+    return out
 
 
-def _uses(proc: str, ids: set[int], mapped: bytes) -> bool:
-    if _link_on(proc, "cwd", ids) or _link_on(proc, "root", ids):
-        return True
+def _uses(proc: str, ids: list[set[int]], mapped: list[bytes]) -> list[int]:
+    """Which of the mounts (each: its ids, the device as the maps name it)
+    process *proc* uses."""
+    used = set()
+    for link in ("cwd", "root"):
+        used.add(_link_mnt(proc, link))
     for entry in os.listdir(f"{proc}/fdinfo"):
         try:
-            if _mnt_id(f"{proc}/fdinfo/{entry}") in ids:
-                return True
+            used.add(_mnt_id(f"{proc}/fdinfo/{entry}"))
         except OSError:  # closed meanwhile
             continue
-    with open(f"{proc}/maps", "rb") as f:
-        return any(mapped in line for line in f)
+    hit = [i for i, these in enumerate(ids) if used & these]
+    if len(hit) < len(ids):
+        with open(f"{proc}/maps", "rb") as f:
+            maps = f.read()
+        hit += [i for i, dev in enumerate(mapped) if i not in hit and dev in maps]
+    return hit
+
+
+def _link_mnt(proc: str, link: str) -> int | None:
+    """The mount the directory *link* (cwd, root) of process *proc* is on
+    (its magic link opened, not the mount walked)."""
+    fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
+    try:
+        return _mnt_id(f"/proc/self/fdinfo/{fd}")
+    finally:
+        os.close(fd)
 
 
 def _link_on(proc: str, link: str, ids: set[int]) -> bool:
     """Whether the directory *link* (cwd, root) of process *proc* is on one
-    of the mounts *ids* (its magic link opened, not the mount walked)."""
-    fd = os.open(f"{proc}/{link}", os.O_PATH | os.O_CLOEXEC)
-    try:
-        return _mnt_id(f"/proc/self/fdinfo/{fd}") in ids
-    finally:
-        os.close(fd)
+    of the mounts *ids*."""
+    return _link_mnt(proc, link) in ids
 
 
 def callers_inside(mountpoint: str) -> list[int]:
