@@ -238,11 +238,7 @@ def view_processes(where: Path) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if (
-            argv[1:2] == [b"-m"]
-            and argv[2:3]
-            and argv[2].endswith(b"view")
-            and os.fsencode(where) in argv
-        ):
+        module = argv[argv.index(b"-m") + 1 : argv.index(b"-m") + 2] if b"-m" in argv else []
+        if module and module[0].endswith(b"view") and os.fsencode(where) in argv:
             found.append(int(pid))
     return found

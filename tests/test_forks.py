@@ -576,10 +576,10 @@ def test_a_forks_processes_are_forked_from_its_workspaces_zygote_and_say_what_th
     f = fork(ws, "a")
     daemon = MountRecord.load(str(f)).pid
     zygote = _ppid(daemon)
-    assert _argv(zygote)[1:3] == [b"-m", b"cowfs.service.zygote"]
+    assert _argv(zygote)[1:4] == [b"-P", b"-m", b"cowfs.service.zygote"]
     assert _ppid(zygote) == ws.daemon_pid()
     argv = _argv(daemon)
-    assert argv[1:3] == [b"-m", b"cowfs.service.daemon"] and argv[-1] == os.fsencode(f)
+    assert argv[1:4] == [b"-P", b"-m", b"cowfs.service.daemon"] and argv[-1] == os.fsencode(f)
     views = view_processes(f.parent / "lower")
     assert len(views) == 1 and _ppid(views[0]) == zygote
     assert _argv(views[0])[-1] == os.fsencode(f.parent / "lower")
@@ -613,7 +613,7 @@ def test_a_killed_zygote_leaves_forks_to_start_as_new_processes_then_a_new_zygot
     same(then, treesnap.snapshot(g))
     h = fork(ws, "c")  # (a new zygote)
     again = _ppid(MountRecord.load(str(h)).pid)
-    assert again != zygote and _argv(again)[1:3] == [b"-m", b"cowfs.service.zygote"]
+    assert again != zygote and _argv(again)[1:4] == [b"-P", b"-m", b"cowfs.service.zygote"]
     same(then, treesnap.snapshot(h))
     for name in ("a", "b", "c"):
         ws.cowfs("drop", name)
@@ -677,3 +677,39 @@ def test_diff_of_two_forks_is_every_path_that_differs_between_them(parent):
     ]
     r = ws.cowfs("diff", "--fork", "a", "--fork", "b", "--fork", "c", check=False)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("at", [1024, 1025, 1030, 4000])
+def test_the_zygote_gives_a_process_its_descriptors_at_their_numbers_however_high(tmp_path, at):
+    """The daemon's descriptors can be numbered past 1024 (an agent holding
+    files open): each arrives in the process the zygote makes at the number
+    the daemon gave it, the others too (there, a daemon's report of a
+    workspace that does not exist comes back on its ready descriptor)."""
+    import resource
+
+    from cowfs.service.zygote import Zygote
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    z = Zygote()
+    z.start()
+    r, w = os.pipe()
+    try:
+        os.dup2(w, at)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), at + 1)  # (one more, next to it)
+        child = z.spawn(
+            "cowfs.service.daemon",
+            ["--ready-fd", str(at), str(tmp_path / "missing")],
+            (at, at + 1),
+        )
+        assert child is not None and child.pid > 0
+        os.close(at)
+        os.close(at + 1)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            report = json.loads(f.read())
+        assert report["ok"] is False and "missing" in report["error"], report
+        child.wait(timeout=30)
+    finally:
+        z.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -25,7 +25,7 @@ from cowfs.system import backing as B
 from cowfs.system.mounts import VIEW_FSTYPE, mounts, within
 
 from . import users
-from .helpers import managed_workspace, run, view_processes
+from .helpers import COWFS, managed_workspace, reachable_workspace, run, view_processes
 
 AGENT = pwd.getpwnam("nobody")
 
@@ -355,3 +355,47 @@ def test_a_view_never_serves_a_freed_numbers_cached_bytes_to_the_next_object():
                 pytest.skip("the filesystem gave the freed inode number to no new file")
         finally:
             ws.cowfs("unmount", view_dir, check=False)
+
+
+def test_a_module_the_agent_plants_where_the_workspace_was_mounted_from_never_runs(tmp_path):
+    """`cd project/work && cowfs mount ..`: the daemon started in a
+    directory of the workspace the agent writes, and it starts its views,
+    its forks and their zygote as root.  A `cowfs` package the agent puts
+    there (under the mount) is never imported by them: they start with no
+    caller's directory on the module path (-P), from /."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    os.chmod(marks, 0o777)
+    with reachable_workspace("cowfs-plant-") as ws:
+        work = agents_dir(ws.path / "work")
+        r = subprocess.run(
+            [*COWFS, "mount", "--allow", f"{AGENT.pw_name}:read", ".."],
+            cwd=work,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        ws.mounted = True
+        payload = f"import os\nopen('{marks}/ran-as-%d' % os.getuid(), 'w').close()\n"
+
+        def plant_package() -> None:
+            for pkg in ("cowfs", "cowfs/fuse", "cowfs/service"):
+                os.mkdir(work / pkg)
+                (work / pkg / "__init__.py").write_text(payload)
+            (work / "cowfs" / "__main__.py").write_text(payload)
+
+        as_agent(plant_package)
+        view_dir = agents_dir(tmp_path / "view")
+        code, out, err = users.cowfs_as(
+            AGENT.pw_uid, AGENT.pw_gid, ws.path, ["view", "1", str(view_dir)]
+        )
+        try:
+            assert os.listdir(marks) == [], "the planted module ran"
+            assert code == 0, err
+            assert not (view_dir / "work" / "cowfs").exists()  # (the past)
+            f = Path(ws.json("fork", "f")["path"])  # (the zygote, the fork's view and daemon)
+            assert (f / "work" / "cowfs" / "__init__.py").read_text() == payload
+            assert os.listdir(marks) == [], "the planted module ran"
+        finally:
+            run("unmount", view_dir, check=False)
+            ws.cowfs("drop", "--force", "f", check=False)

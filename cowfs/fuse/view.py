@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--since", type=int, default=None, help="a fork point's journal position")
     p.add_argument("mountpoint")
     a = p.parse_args(argv)
+    os.chdir("/")  # (out of the directory it was started from: see the daemon)
     from ..service.launch import detach
 
     return serve(

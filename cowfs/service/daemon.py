@@ -537,6 +537,13 @@ def serve(
     # 100,000 records.  A pass every 50,000 costs a few MB of cyclic garbage
     # kept a little longer.
     gc.set_threshold(GC_YOUNG, 20, 10)
+    # Out of whatever directory started it (the workspace itself, often):
+    # nothing the daemon starts may find a module there, nor a path be
+    # read against it.
+    workspace = os.path.abspath(workspace)
+    mountpoint = None if mountpoint is None else os.path.abspath(mountpoint)
+    store = None if store is None else os.path.abspath(store)
+    os.chdir("/")
     if _TRACE:
         import tracemalloc
 

@@ -191,6 +191,17 @@ class Forking:
         me = {os.getpid()}
         return {fid: sorted(set(pids) - me) for fid, pids in zip(live, found, strict=True)}
 
+    async def fork_changes(self, name: str) -> dict:
+        """What fork *name* changed since its fork point, path by path
+        (ignored paths included): its net changes, as `status` lists a
+        layer's."""
+        row = forkpoints.get(self.store, name)
+        found = await self.hooks.blocking(self._fork_changes, row)
+        return {
+            "fork": name,
+            "changes": [{"path": os.fsdecode(c.path), "kind": c.kind} for c in found],
+        }
+
     async def fork_compare(self, a: str, b: str) -> dict:
         """`cowfs diff --fork A --fork B`: every path whose state differs
         between fork *a* and fork *b* as they are now, the kind of each as

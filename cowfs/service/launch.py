@@ -15,7 +15,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -33,7 +32,7 @@ from ..system.mounts import (
 )
 from ..text import quote
 from .control import wait_readable
-from .zygote import ZYGOTE, Child
+from .zygote import PYTHON, ZYGOTE, Child
 
 log = logging.getLogger("cowfs.launch")
 
@@ -388,9 +387,10 @@ def start_and_wait(
         proc = ZYGOTE.spawn(module, ["--ready-fd", str(w), *args], (w, *pass_fds))
         if proc is None:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--ready-fd", str(w), *args],
+                [*PYTHON, module, "--ready-fd", str(w), *args],
                 pass_fds=(w, *pass_fds),
                 start_new_session=True,
+                cwd="/",
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

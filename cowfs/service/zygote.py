@@ -35,6 +35,10 @@ import threading
 
 log = logging.getLogger("cowfs.zygote")
 
+# How a process of cowfs is started as root: -P, no directory of the
+# caller's (its working directory: perhaps a workspace another user
+# writes) on the module path.
+PYTHON = (sys.executable, "-P", "-m")
 PRELOAD = ("cowfs.fuse.view", "cowfs.service.daemon")
 # (and what they import only once they run)
 IMPORTS = (*PRELOAD, "cowfs.fuse.kernel_engine", "cowfs.fuse.pyfuse3_engine")
@@ -104,9 +108,10 @@ class Zygote:
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, str(theirs.fileno()), " " * CMDLINE],
+                    [*PYTHON, __name__, str(theirs.fileno()), " " * CMDLINE],
                     pass_fds=(theirs.fileno(),),
                     start_new_session=True,
+                    cwd="/",
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
@@ -168,6 +173,7 @@ ZYGOTE = Zygote()
 
 
 def serve(sock: socket.socket) -> None:
+    os.chdir("/")
     for name in IMPORTS:
         importlib.import_module(name)
     # (what is here now is never collected: a child's collector leaves the
@@ -224,15 +230,19 @@ def _child(sock: socket.socket, request: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         os.setsid()
-        # the descriptors at the numbers the requester gave, nothing else open
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, HIGH_FD) for fd in fds]
-        os.closerange(3, HIGH_FD)
-        for fd, want in zip(high, request["fds"], strict=True):
+        # the descriptors at the numbers the requester gave, nothing else
+        # open: each first copied above every number involved, the rest closed
+        wanted = request["fds"]
+        base = max(HIGH_FD, *(n + 1 for n in wanted), *(fd + 1 for fd in fds))
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
+        os.closerange(3, base)
+        os.closerange(max(high) + 1, os.sysconf("SC_OPEN_MAX"))
+        for fd, want in zip(high, wanted, strict=True):
             os.dup2(fd, want)
         for fd in high:
             os.close(fd)
         module, args = request["module"], request["args"]
-        _set_cmdline([sys.executable, "-m", module, *args])
+        _set_cmdline([*PYTHON, module, *args])
         sys.argv = [module, *args]
         code = importlib.import_module(module).main(args)
         logging.shutdown()
