@@ -257,3 +257,21 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_restored(mounted):
         assert [d for d in diffs if not d.startswith("changed .: mtime ")] == [], diffs
     finally:  # (pytest removes its old directories recursively: none this deep)
         subprocess.run(["rm", "-rf", str(ws / "a")], check=False)
+
+
+def test_a_directory_made_in_a_layer_goes_with_a_deep_ignored_tree_in_it(mounted):
+    """A rollback takes away a directory the layer made, with what was
+    made in it at ignored paths (never captured) -- here a tree 1,100
+    directories deep, looked through and removed without recursion."""
+    ws = mounted
+    (ws / ".cowfsignore").write_text("build/\n")
+    before = ws.snapshot()
+    ws.checkpoint("deep ignored")
+    (ws / "d" / "build").mkdir(parents=True)
+    deep_tree(ws.path / "d" / "build", 1100)
+    try:
+        assert [c["path"] for c in ws.json("status")["changes"]] == ["d"]
+        ws.rollback()
+        treesnap.assert_same(before, ws.snapshot())
+    finally:
+        subprocess.run(["rm", "-rf", str(ws / "d")], check=False)

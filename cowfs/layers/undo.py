@@ -244,25 +244,57 @@ class Undoer:
     def _only_ignored(self, d: int, n: bytes, path: bytes, inside: bool = False) -> bool:
         """Whether directory *n* holds nothing but ignored paths (true when
         it is empty; *inside*: it is below an ignored directory) and no
-        object that is not the undone layers' to take away (``_foreign``)."""
-        fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
-        try:
+        object that is not the undone layers' to take away (``_foreign``).
+        (A directory at a time, however deep: no recursion.)"""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        # each: a directory read, and its subdirectories still to read
+        stack: list[tuple[int, list[tuple[bytes, bytes, bool]]]] = []
+
+        def scan(fd: int, here_path: bytes, here_inside: bool) -> list | None:
+            """Its subdirectories, or None where it holds what must stay."""
+            subdirs = []
             with os.scandir(fd) as entries:
                 for entry in entries:
                     if self.ignored is None or self._foreign(entry.inode()):
-                        return False
-                    name = os.fsencode(entry.name)
-                    child = path + b"/" + name
+                        return None
+                    child_name = os.fsencode(entry.name)
+                    child = here_path + b"/" + child_name
                     is_dir = entry.is_dir(follow_symlinks=False)
-                    here = inside or self.ignored(child, is_dir)
+                    here = here_inside or self.ignored(child, is_dir)
                     if is_dir:
-                        if not self._only_ignored(fd, name, child, here):
-                            return False
+                        subdirs.append((child_name, child, here))
                     elif not here:
+                        return None
+            return subdirs
+
+        def enter(parent: int, name: bytes, here_path: bytes, here_inside: bool) -> bool:
+            fd = os.open(name, flags, dir_fd=parent)
+            try:
+                subdirs = scan(fd, here_path, here_inside)
+            except BaseException:
+                os.close(fd)
+                raise
+            if subdirs is None:
+                os.close(fd)
+                return False
+            stack.append((fd, subdirs))
+            return True
+
+        try:
+            if not enter(d, n, path, inside):
+                return False
+            while stack:
+                fd, subdirs = stack[-1]
+                if subdirs:
+                    if not enter(fd, *subdirs.pop()):
                         return False
+                    continue
+                stack.pop()
+                os.close(fd)
+            return True
         finally:
-            os.close(fd)
-        return True
+            for fd, _ in stack:
+                os.close(fd)
 
     def _foreign(self, ino: int) -> bool:
         """Whether object *ino*, found in a directory the undone layers
