@@ -41,6 +41,16 @@ cache, the time from the start of the rm until that pass has caught up (read
 from the store, which that workspace keeps beside it) and the rollback,
 which verifies every hash.
 
+Forks (cowfs only, the first engine of --engines): for workspaces of
+1,000, 10,000 and 100,000 files (times --scale; --fork-sizes gives them, as
+many files as said, 1000000 included), four forks made and dropped through
+the API (the daemon's operation and its answer; the first one starts the
+workspace's zygote) and one each through the CLI (its interpreter's start
+included); at the largest size, the disk 8 forks changing 10 files each
+take, reads (cold, warm) of files unchanged since the fork point and
+creates of 4 KiB files in a fork against the same in its workspace, pinned
+and unpinned, and an adopt of 10,000 new files (times --scale).
+
 Providers (last in a full run, or alone with --providers): on one cowfs
 workspace, for the files alone and for each provider kind -- a command provider
 (cp of a small file to $COWFS_STATE_DIR), a running busybox container with the
@@ -60,6 +70,7 @@ Run as root:  tools/bench [--quick] [--reps N] [--scale F] [--fs ext4|tmpfs]
                           [--json FILE] [--markdown] [--no-memory] [--workloads a,b,...]
                           [--engines kernel,pyfuse3] [--placement pinned,unpinned]
                           [--providers] [--provider-reps N] [--provider-kinds a,b,...]
+                          [--fork-sizes N,N,...]
 """
 
 from __future__ import annotations
