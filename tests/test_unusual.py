@@ -220,6 +220,16 @@ def deep_tree(root, depth: int) -> None:
         os.close(fd)
 
 
+def clear_deep(ws, name: str) -> None:
+    """Remove the deep tree at *name* (pytest removes its old directories
+    recursively: none this deep), and what the store keeps of deep trees
+    removed through the mount (its grave), the workspace unmounted."""
+    subprocess.run(["rm", "-rf", str(ws / name)], check=False)
+    if ws.mounted:
+        ws.unmount()
+    subprocess.run(["rm", "-rf", str(ws.path / ".cowfs" / "grave")], check=False)
+
+
 def test_a_tree_deeper_than_pythons_recursion_limit_is_listed_and_rolled_back(mounted):
     """Paths of 1,500 directories (3 KB): status, log, diff and a rollback
     walk them without recursion."""
@@ -255,8 +265,8 @@ def test_a_tree_deeper_than_pythons_recursion_limit_is_restored(mounted):
         ws.cowfs("restore", "--from", str(layer), "a")
         diffs = treesnap.compare(before, ws.snapshot())
         assert [d for d in diffs if not d.startswith("changed .: mtime ")] == [], diffs
-    finally:  # (pytest removes its old directories recursively: none this deep)
-        subprocess.run(["rm", "-rf", str(ws / "a")], check=False)
+    finally:
+        clear_deep(ws, "a")
 
 
 def test_a_directory_made_in_a_layer_goes_with_a_deep_ignored_tree_in_it(mounted):
@@ -274,4 +284,4 @@ def test_a_directory_made_in_a_layer_goes_with_a_deep_ignored_tree_in_it(mounted
         ws.rollback()
         treesnap.assert_same(before, ws.snapshot())
     finally:
-        subprocess.run(["rm", "-rf", str(ws / "d")], check=False)
+        clear_deep(ws, "d")
