@@ -29,7 +29,6 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable
 
 from ..errors import AlreadyMounted, CowfsError
@@ -60,7 +59,6 @@ MS_BIND = 4096
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 OVERLAY_XATTR = b"trusted.overlay."
 MOUNT_TIMEOUT = 120
-BUSY_WAIT = 2.0  # s
 
 libc.mount.argtypes = [
     ctypes.c_char_p,
@@ -233,23 +231,16 @@ def _unbind(merged: str, lazy: bool) -> None:
 
 
 def _unmount_all(where: str, what: Callable[[str], bool], lazy: bool) -> None:
-    busy_until = time.monotonic() + BUSY_WAIT
     for _ in range(8):
         fs = mount_table().get(where)
         if fs is None or not what(fs):
             return
-        while True:
-            try:
-                checked(libc.umount2(os.fsencode(where), 2 if lazy else 0), where)
-                break
-            except OSError as e:
-                if e.errno != errno.EBUSY or lazy:
-                    raise
-                # (a daemon that just ended may hold it a moment longer:
-                # its exit closes its descriptors)
-                if time.monotonic() > busy_until:
-                    raise AlreadyMounted(f"{quote(where)} is busy") from None
-                time.sleep(0.01)
+        try:
+            checked(libc.umount2(os.fsencode(where), 2 if lazy else 0), where)
+        except OSError as e:
+            if e.errno == errno.EBUSY and not lazy:
+                raise AlreadyMounted(f"{quote(where)} is busy") from None
+            raise
 
 
 def remove(workspace: str, store_dirfd: int, fid: int) -> None:

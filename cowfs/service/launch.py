@@ -32,7 +32,7 @@ from ..system.mounts import (
 )
 from ..text import quote
 from .control import wait_readable
-from .zygote import PYTHON, ZYGOTE, Child
+from .zygote import ZYGOTE, Child, start_detached
 
 log = logging.getLogger("cowfs.launch")
 
@@ -386,15 +386,7 @@ def start_and_wait(
         # to start, no imports to make)
         proc = ZYGOTE.spawn(module, ["--ready-fd", str(w), *args], (w, *pass_fds))
         if proc is None:
-            proc = subprocess.Popen(
-                [*PYTHON, module, "--ready-fd", str(w), *args],
-                pass_fds=(w, *pass_fds),
-                start_new_session=True,
-                cwd="/",
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            proc = start_detached([module, "--ready-fd", str(w), *args], (w, *pass_fds))
     except BaseException:
         os.close(r)
         raise

@@ -47,6 +47,20 @@ HIGH_FD = 1024  # (received descriptors wait above this while others close)
 CMDLINE = 8192  # (room for the command lines of the processes it makes)
 
 
+def start_detached(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """``python -P -m`` *argv* (a module and its arguments) in a session of
+    its own, from /, with *pass_fds* and /dev/null for its standard streams."""
+    return subprocess.Popen(
+        [*PYTHON, *argv],
+        pass_fds=pass_fds,
+        start_new_session=True,
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 class Child:
     """A process the zygote made, as ``start_and_wait`` uses a Popen: it is
     not this process's child, so it is followed through a pidfd (its exit
@@ -69,11 +83,6 @@ class Child:
             self._ended()
         assert self.returncode is not None
         return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def _ended(self) -> None:
         self.returncode = "exited"
@@ -107,14 +116,8 @@ class Zygote:
                 return
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
-                self._proc = subprocess.Popen(
-                    [*PYTHON, __name__, str(theirs.fileno()), " " * CMDLINE],
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                    cwd="/",
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
+                self._proc = start_detached(
+                    [__name__, str(theirs.fileno()), " " * CMDLINE], (theirs.fileno(),)
                 )
             except BaseException:
                 mine.close()
