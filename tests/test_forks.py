@@ -22,6 +22,7 @@ import pytest
 
 from cowfs.errors import ALREADY_MOUNTED, REFUSED
 from cowfs.layers import treesnap
+from cowfs.service import forks as stacks
 from cowfs.system.mounts import MountRecord, mounts, path_key, pid_alive, runtime_dir
 
 from .helpers import COWFS, managed_workspace, view_processes
@@ -55,6 +56,11 @@ def clear_forks(ws: Path) -> None:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"cowfs.fuse.view" in argv and any(str(ws).encode() in a for a in argv):
                 os.kill(int(pid), signal.SIGKILL)
+    # (and the directories they were mounted at, emptied by the detaching)
+    subprocess.run(
+        ["rm", "-rf", "--one-file-system", os.path.dirname(stacks.run_dir(str(ws), 0))],
+        check=False,
+    )
 
 
 @pytest.fixture

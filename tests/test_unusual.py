@@ -204,14 +204,14 @@ def test_file_over_4_gib(mounted):
     assert os.stat(big).st_size == BIG_SIZE and region(big, BIG_AT, 12) == b"beyond 4 GiB"
 
 
-def deep_tree(root, depth: int) -> None:
-    """a/a/.../a (*depth* directories) with a file f at the bottom, made
-    through descriptors (the path is longer than PATH_MAX)."""
+def deep_tree(root, depth: int, name: str = "a") -> None:
+    """a/a/.../a (*depth* directories, each *name*) with a file f at the
+    bottom, made through descriptors (the path is longer than PATH_MAX)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(depth):
-            os.mkdir("a", dir_fd=fd)
-            nfd = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.mkdir(name, dir_fd=fd)
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = nfd
         with open("f", "w", opener=lambda p, f: os.open(p, f, 0o644, dir_fd=fd)) as f:
@@ -285,3 +285,25 @@ def test_a_directory_made_in_a_layer_goes_with_a_deep_ignored_tree_in_it(mounted
         treesnap.assert_same(before, ws.snapshot())
     finally:
         clear_deep(ws, "d")
+
+
+def test_a_restore_of_paths_longer_than_twice_path_max_is_refused_and_changes_nothing(mounted):
+    """Each level of a tree is held by its whole path while a restore walks
+    below it: a tree whose paths pass 8 KiB (90 levels of 100-byte names
+    here; an agent's could cost the daemon gigabytes, every request
+    waiting) is refused with one line, before anything changes."""
+    ws = mounted
+    name = "n" * 100
+    deep_tree(ws.path, 90, name)
+    try:
+        layer = ws.checkpoint("deep, long names")
+        subprocess.run(["rm", "-rf", str(ws / name)], check=True)
+        (ws / "kept.txt").write_text("made since\n")
+        before = ws.snapshot()
+        r = ws.cowfs("restore", "--from", str(layer), name, "kept.txt", check=False)
+        assert r.returncode == 2, r.stderr
+        assert "longer than 8192 bytes; nothing restored" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        treesnap.assert_same(before, ws.snapshot())
+    finally:
+        clear_deep(ws, name)

@@ -258,8 +258,10 @@ class Undoer:
                     if self.ignored is None or self._foreign(entry.inode()):
                         return None
                     child_name = os.fsencode(entry.name)
-                    child = here_path + b"/" + child_name
                     is_dir = entry.is_dir(follow_symlinks=False)
+                    # (below an ignored directory no path is needed: none
+                    # is made, however deep the tree)
+                    child = b"" if here_inside else here_path + b"/" + child_name
                     here = here_inside or self.ignored(child, is_dir)
                     if is_dir:
                         subdirs.append((child_name, child, here))

@@ -252,6 +252,7 @@ class Restore:
         st: os.stat_result,
     ) -> Steps:
         """``_remove``, each directory below yielded as its own steps."""
+        _not_too_long(rel)
         self._may_remove(parent, pst, st, rel)
         if stat.S_ISDIR(st.st_mode):
             self._may_now(node, st, R | W | X, f"{_show(rel)}: cannot empty it")
@@ -344,6 +345,7 @@ class Restore:
     def _restoring(self, parent: Node | None, rel: bytes) -> Steps:
         """``_restore``, each name of a directory yielded as its own steps
         (however deep the tree: no recursion)."""
+        _not_too_long(rel)
         name = rel.rpartition(b"/")[2]
         pst = os.stat(parent.fd) if parent is not None else None
         self._may_now(parent, pst, X, f"{_show(rel)}: cannot reach it")
@@ -679,3 +681,18 @@ def _run(steps: Steps) -> None:
         for pending in reversed(stack):  # (their finally blocks, innermost first)
             pending.close()
         raise
+
+
+# The longest path a restore walks to: twice PATH_MAX.  Each level of a
+# tree is held by its whole path while the levels below it are walked, and
+# looked up from the top: a deeper tree (an agent's, of long names) would
+# cost memory and time in the square of its depth, every request waiting.
+MAX_PATH = 8192
+
+
+def _not_too_long(rel: bytes) -> None:
+    if len(rel) > MAX_PATH:
+        raise CowfsError(
+            f"{_show(rel[:200])}...: a path longer than {MAX_PATH} bytes; nothing restored",
+            USAGE,
+        )
