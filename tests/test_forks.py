@@ -94,6 +94,15 @@ def forks_of(ws) -> dict[str, dict]:
     return {f["name"]: f for f in ws.json("forks")}
 
 
+def drop_when_unused(ws, name: str) -> None:
+    """Drop fork *name* once the processes that used it are seen gone."""
+    deadline = time.monotonic() + 60
+    while forks_of(ws)[name]["users"]:
+        assert time.monotonic() < deadline, forks_of(ws)[name]["users"]
+        time.sleep(0.1)
+    ws.cowfs("drop", name)
+
+
 def fork(ws, name: str, *extra: str) -> Path:
     ws.cowfs("fork", *extra, name)
     return Path(forks_of(ws)[name]["path"])
@@ -546,11 +555,7 @@ def test_a_process_running_in_a_fork_from_run_fork_keeps_it_from_adopt_and_drop(
     finally:
         os.killpg(runner.pid, signal.SIGKILL)  # (the command and its shell too)
         runner.wait()
-    deadline = time.monotonic() + 60
-    while forks_of(ws)["a"]["users"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    ws.cowfs("drop", "a")
+    drop_when_unused(ws, "a")
 
 
 def _argv(pid: int) -> list[bytes]:

@@ -4,8 +4,11 @@ point, ``--at`` a path that is not the directory's own name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,8 +18,8 @@ from cowfs.errors import ALREADY_MOUNTED, REFUSED
 from cowfs.layers import treesnap
 from cowfs.system.mounts import is_cowfs_mount, mounts, path_key, runtime_dir
 
-from .helpers import managed_workspace
-from .test_forks import fork, fork_mounts, forks_of, parent  # noqa: F401  (the fixture)
+from .helpers import COWFS, managed_workspace
+from .test_forks import drop_when_unused, fork, fork_mounts, forks_of, parent  # noqa: F401  (the fixture)
 
 
 def test_a_commit_of_the_base_keeps_a_fork_made_before_any_change(parent):  # noqa: F811
@@ -92,3 +95,88 @@ def test_fork_commands_refuse_the_fork_option(parent, args):  # noqa: F811
     r = ws.cowfs("--fork", "a", *args, check=False)
     assert r.returncode == 2 and "--fork does not apply" in r.stderr, r.stderr
     assert sorted(forks_of(ws)) == ["a"] and forks_of(ws)["a"]["mounted"]
+
+
+# A process run in fork a (by `run --fork`, so in a mount namespace of its
+# own) that becomes nobody and then hides how it holds the fork: what the
+# main thread shows of it says nothing.
+HIDDEN_USER = r"""
+import ctypes, os, sys, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+how = sys.argv[1]
+held = os.open("src", os.O_RDONLY | os.O_DIRECTORY)  # (in the fork)
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+ready = threading.Event()
+
+def holder():
+    if how == "unshared":  # its own descriptors and directories, then the fork's
+        assert libc.unshare(0x400 | 0x200) == 0  # CLONE_FILES | CLONE_FS
+        os.fchdir(held)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+threading.Thread(target=holder).start()
+ready.wait()
+if how == "unshared":
+    os.close(held)  # (the main thread's: its copy is the thread's own)
+    os.chdir("/")
+print("ready", flush=True)
+if how == "leader-exited":
+    libc.syscall(60, 0)  # SYS_exit: the main thread alone ends, a zombie
+else:
+    while True:
+        time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["leader-exited", "unshared"])
+def test_an_unprivileged_process_hiding_its_use_of_a_fork_in_a_thread_still_holds_it(
+    parent,  # noqa: F811
+    how,
+):
+    """A thread that unshared its descriptors and directories, or that
+    outlived the main thread, still uses the fork: listed as its user,
+    and drop and adopt are refused while it runs (they looked at the main
+    thread alone, and went on)."""
+    ws = parent
+    fork(ws, "a")
+    user = subprocess.Popen(
+        [*COWFS, "run", "--fork", "a", "--", sys.executable, "-c", HIDDEN_USER, how],
+        cwd=ws.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert user.stdout is not None and user.stdout.readline() == b"ready\n"
+        pid = _the_nobody_process(user.pid)
+        if how == "leader-exited":
+            deadline = time.monotonic() + 30
+            while _state(pid) != "Z":
+                assert time.monotonic() < deadline, "the main thread never ended"
+                time.sleep(0.05)
+        assert pid in forks_of(ws)["a"]["users"]  # (beside `cowfs run`, waiting for it)
+        for cmd in (["adopt", "a"], ["drop", "a"]):
+            r = ws.cowfs(*cmd, check=False)
+            assert r.returncode == ALREADY_MOUNTED and str(pid) in r.stderr, r.stderr
+        assert forks_of(ws)["a"]["mounted"]
+    finally:
+        os.killpg(user.pid, signal.SIGKILL)
+        user.wait()
+    drop_when_unused(ws, "a")
+
+
+def _the_nobody_process(top: int) -> int:
+    """The process below *top* (the `cowfs run`) that runs as nobody."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.getsid(int(name)) == top and os.stat(f"/proc/{name}").st_uid == 65534:
+                found.append(int(name))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

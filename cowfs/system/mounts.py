@@ -594,7 +594,7 @@ def mounts_users(found: list[Mount], any_namespace: bool = False) -> list[list[i
     for dev in devs:
         major, minor = (int(x) for x in dev.split(":"))
         mapped.append(f" {major:02x}:{minor:02x} ".encode())
-    ours = _namespace("self")
+    ours = _namespace("/proc/self")
     table = mounts()
     here = [
         {m.id for m in table if m.dev == mount.dev} if any_namespace else {mount.id}
@@ -606,21 +606,70 @@ def mounts_users(found: list[Mount], any_namespace: bool = False) -> list[list[i
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
-        proc = f"/proc/{name}"
-        try:
-            ids = here
-            if any_namespace and _namespace(name) != ours:
-                theirs = _ids_by_dev(proc)
-                ids = [theirs.get(dev, set()) for dev in devs]
-            for i in _uses(proc, ids, mapped):
-                users[i].append(int(name))
-        except OSError:  # gone, a kernel thread, or not ours to read
-            continue
+        hit: set[int] = set()
+        for proc in _tasks(name):
+            try:
+                ids = here
+                if any_namespace and _namespace(proc) != ours:
+                    theirs = _ids_by_dev(proc)
+                    ids = [theirs.get(dev, set()) for dev in devs]
+                hit.update(_uses(proc, ids, mapped))
+            except OSError:  # gone, a kernel thread, or not ours to read
+                continue
+        for i in hit:
+            users[i].append(int(name))
     return [sorted(u) for u in users]
 
 
-def _namespace(pid: str) -> str:
-    return os.readlink(f"/proc/{pid}/ns/mnt")
+# kcmp(2)'s number and the kinds it compares: which threads of a process
+# share their leader's descriptors, directories and memory
+_KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272}.get(os.uname().machine)
+KCMP_VM, KCMP_FILES, KCMP_FS = 1, 2, 3
+
+
+def _tasks(pid: str) -> list[str]:
+    """Where to read what process *pid* uses: its own entry, and each
+    thread's that does not share the leader's descriptors, working and
+    root directory, memory and mount namespace -- a thread may have
+    unshared them, and a leader that exited before its threads (a zombie)
+    shows none of what they hold."""
+    proc = f"/proc/{pid}"
+    try:
+        threads = os.listdir(f"{proc}/task")
+    except OSError:
+        return [proc]
+    if len(threads) == 1:
+        return [proc]
+    out = [proc]
+    try:
+        ns = _namespace(proc)
+    except OSError:  # (an exited leader)
+        ns = None
+    for tid in threads:
+        if tid == pid:
+            continue
+        task = f"{proc}/task/{tid}"
+        try:
+            if ns is not None and _same_as_leader(int(pid), int(tid)) and _namespace(task) == ns:
+                continue
+        except OSError:
+            pass
+        out.append(task)
+    return out
+
+
+def _same_as_leader(pid: int, tid: int) -> bool:
+    if _KCMP is None:
+        return False
+    from .backing import libc
+
+    return all(
+        libc.syscall(_KCMP, pid, tid, kind, 0, 0) == 0 for kind in (KCMP_FILES, KCMP_FS, KCMP_VM)
+    )
+
+
+def _namespace(proc: str) -> str:
+    return os.readlink(f"{proc}/ns/mnt")
 
 
 def _ids_by_dev(proc: str) -> dict[str, set[int]]:
