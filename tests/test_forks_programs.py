@@ -3,7 +3,9 @@ too: git, gcc and python each in a fork of their own (run at the
 workspace's own path), every fork's result compared with the same
 commands run natively on a copy of the fork point, then adopted one after
 the other -- the workspace ends with each fork's work and its own, and
-the conflict the last one makes is named exactly.
+the conflict the last one makes is named exactly; pip and npm likewise;
+and eight forks at once each installing and testing a project (pip,
+pytest), the first whose tests pass adopted.
 """
 
 from __future__ import annotations
@@ -185,6 +187,51 @@ def make_wheel(where: Path) -> Path:
     return wheel
 
 
+def forks_and_a_copy(ws, names, tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+    """A copy of the workspace (the fork point, for native runs), and a
+    fork of it named each of *names*: where each is mounted."""
+    native_base = tmp_path / "native-base"
+    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
+    return native_base, {name: fork(ws, name) for name in names}
+
+
+def parent_writes(ws) -> None:
+    """The workspace's own changes while its forks work."""
+    for i in range(50):
+        (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
+
+
+def assert_as_native(ws, base: Path, native: Path, cmds, env: dict, forked: Path) -> None:
+    """*cmds* run natively on *native*, a copy of *base* (the fork point),
+    seen at the workspace's path as the fork ran them (a mount namespace
+    of their own), make the tree the fork *forked* holds."""
+    subprocess.run(["cp", "-a", str(base), str(native)], check=True)
+    for cmd in cmds:
+        r = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "slave",
+                "--",
+                "sh",
+                "-c",
+                'mount --bind -- "$1" "$2" && cd -- "$2" && shift 2 && exec "$@"',
+                "native",
+                str(native),
+                str(ws.path),
+                *cmd,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+    diffs = treesnap.compare(treesnap.snapshot(native), treesnap.snapshot(forked), mtimes=False)
+    assert not diffs, f"fork {forked} differs from the native run:\n" + "\n".join(diffs[:20])
+
+
 def test_pip_and_npm_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F811
     """pip and npm, each in a fork, at once, while the workspace changes:
     each fork is what the same commands make natively on a copy of the
@@ -207,15 +254,8 @@ def test_pip_and_npm_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F
         ],
         "npm": [["npm", "install", "--offline", "--no-fund", *specs.values()]],
     }
-    native_base = tmp_path / "native-base"
-    subprocess.run(["cp", "-a", str(ws.path), str(native_base)], check=True)
-    paths = {name: fork(ws, name) for name in plan}
-
-    def meanwhile() -> None:
-        for i in range(50):
-            (ws / f"parent-{i}.txt").write_text(f"the workspace's own {i}\n")
-
-    run_in_forks(ws, plan, env, meanwhile)
+    native_base, paths = forks_and_a_copy(ws, plan, tmp_path)
+    run_in_forks(ws, plan, env, lambda: parent_writes(ws))
     check = {
         "pip": [
             sys.executable,
@@ -225,34 +265,7 @@ def test_pip_and_npm_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F
         "npm": ["node", "-e", "if (require('util-local') !== 2) process.exit(1)"],
     }
     for name, cmds in plan.items():
-        native = tmp_path / f"native-{name}"
-        subprocess.run(["cp", "-a", str(native_base), str(native)], check=True)
-        for cmd in cmds:  # (at the workspace's path, as the fork ran them)
-            r = subprocess.run(
-                [
-                    "unshare",
-                    "--mount",
-                    "--propagation",
-                    "slave",
-                    "--",
-                    "sh",
-                    "-c",
-                    'mount --bind -- "$1" "$2" && cd -- "$2" && shift 2 && exec "$@"',
-                    "native",
-                    str(native),
-                    str(ws.path),
-                    *cmd,
-                ],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert r.returncode == 0, r.stderr
-        diffs = treesnap.compare(
-            treesnap.snapshot(native), treesnap.snapshot(paths[name]), mtimes=False
-        )
-        assert not diffs, f"fork {name} differs from the native run:\n" + "\n".join(diffs[:20])
+        assert_as_native(ws, native_base, tmp_path / f"native-{name}", cmds, env, paths[name])
         r = subprocess.run(
             [*COWFS, "run", "--fork", name, "--", *check[name]],
             cwd=ws.path,
@@ -270,4 +283,95 @@ def test_pip_and_npm_in_forks_at_once_then_adopted(parent, tmp_path):  # noqa: F
     assert (ws / "parent-49.txt").read_text() == "the workspace's own 49\n"
     assert forks_of(ws) == {}
     ws.rollback(ws.log()[-2]["id"])
+    treesnap.assert_same(before, ws.snapshot())
+
+
+CALC_TESTS = """\
+import sys, pathlib
+sys.path[:0] = [str(pathlib.Path(__file__).parent.parent / "site")]
+from forkpkg import VALUE
+from calc import add, scale
+
+def test_add():
+    assert add(2, 3) == 5
+
+def test_add_negative():
+    assert add(-2, -3) == -5
+
+def test_scale_uses_the_dependency():
+    assert scale(1) == VALUE
+
+def test_scale_zero():
+    assert scale(0) == 0
+"""
+
+
+def calc_variant(i: int) -> str:
+    """Attempt *i* at the project's module: only attempts 5 and 6 are right."""
+    plus = "a + b" if i in (5, 6) else f"a + b + {i % 3 or 1}"
+    return f"def add(a, b):\n    return {plus}\n\n\ndef scale(x):\n    return x * 42\n"
+
+
+def test_eight_forks_install_and_test_a_project_at_once_then_the_first_to_pass_is_adopted(
+    parent,  # noqa: F811
+    tmp_path,
+):
+    """Best of 8 by hand: eight forks at once, each writing its attempt at
+    a module, installing the project's dependency with pip and running its
+    tests with pytest (test results and pytest's cache are part of each
+    fork's tree), while the workspace changes: every fork is exactly what
+    the same commands make natively on a copy of the fork point; the first
+    whose tests pass is adopted, the others dropped; the adopt rolled back
+    leaves the workspace as it was."""
+    import sys
+
+    ws = parent
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    wheel = make_wheel(tmp_path)
+    (ws / "tests").mkdir()
+    (ws / "tests" / "test_calc.py").write_text(CALC_TESTS)
+    (ws / "pytest.ini").write_text("[pytest]\ntestpaths = tests\npythonpath = .\n")
+    (ws / "calc.py").write_text("def add(a, b):\n    raise NotImplementedError\n")
+    plan = {
+        f"try{i}": [
+            ["sh", "-c", 'printf "%s" "$1" > calc.py', "attempt", calc_variant(i)],
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile"]
+            + ["--disable-pip-version-check", "--target", "site", str(wheel)],
+            ["sh", "-c", '"$1" -m pytest -q -p no:randomly >/dev/null; echo $? > tested', "pytest"]
+            + [sys.executable],
+        ]
+        for i in range(8)
+    }
+    native_base, paths = forks_and_a_copy(ws, plan, tmp_path)
+
+    def meanwhile() -> None:
+        parent_writes(ws)
+        (ws / "calc.py").write_text("def add(a, b):\n    return NotImplemented\n")
+
+    run_in_forks(ws, plan, env, meanwhile)
+    outcome = {name: (paths[name] / "tested").read_text().strip() for name in plan}
+    assert outcome == {f"try{i}": "0" if i in (5, 6) else "1" for i in range(8)}, outcome
+    for name, cmds in plan.items():
+        assert (paths[name] / ".pytest_cache").is_dir()
+        assert_as_native(ws, native_base, tmp_path / f"native-{name}", cmds, env, paths[name])
+    before = ws.snapshot()
+    adopted = ws.json("adopt", "try5", "--prefer", "fork")  # (calc.py: both changed it)
+    assert [c["path"] for c in adopted["conflicts"]] == ["calc.py"], adopted["conflicts"]
+    for name in plan:
+        if name != "try5":
+            ws.cowfs("drop", name)
+    assert forks_of(ws) == {}
+    assert (ws / "calc.py").read_text() == calc_variant(5)
+    assert (ws / "parent-49.txt").read_text() == "the workspace's own 49\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=ws.path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ws.log()[-1]["message"] == "adopt try5" and ws.log()[-1]["id"] == adopted["layer"]
+    ws.rollback(adopted["layer"])
     treesnap.assert_same(before, ws.snapshot())
