@@ -471,8 +471,38 @@ def test_best_of_adopts_the_first_command_that_passes_and_drops_the_others(paren
     # (written through one name of a hard-linked file: both show it, one object)
     assert os.stat(ws / "src" / "a.hard").st_ino == os.stat(ws / "src" / "a.txt").st_ino
     assert forks_of(ws) == {} and not fork_mounts(ws.path)
+    # (the three forks started at one layer)
+    assert [row["message"] for row in ws.log() if row["message"].startswith("best of")] == [
+        "best of 3: 1"
+    ]
     ws.rollback(res["layer"])
     same(before, ws.snapshot())
+
+
+def test_forks_made_with_nothing_changed_between_share_one_fork_point(parent):
+    """A fork made while the open layer is another live fork's fork point
+    and nothing was recorded since starts there too (no empty layer); one
+    made after a change, or once no fork holds the layer (a change at an
+    ignored path, uncaptured meanwhile, may have come between), opens its
+    own."""
+    ws = parent
+    layers = len(ws.log())
+    fork(ws, "a")
+    shared = forks_of(ws)["a"]["layer"]
+    assert len(ws.log()) == layers + 1
+    b = fork(ws, "b")
+    assert forks_of(ws)["b"]["layer"] == shared and len(ws.log()) == layers + 1
+    (ws / "src" / "after.txt").write_text("after a and b\n")
+    c = fork(ws, "c")
+    assert forks_of(ws)["c"]["layer"] == shared + 1 and (c / "src" / "after.txt").exists()
+    assert not (b / "src" / "after.txt").exists()
+    for name in ("a", "b", "c"):
+        ws.cowfs("drop", name)
+    (ws / "node_modules" / "pkg" / "index.js").write_text("module.exports = 2\n")  # (ignored)
+    d = fork(ws, "d")
+    assert forks_of(ws)["d"]["layer"] == shared + 2
+    assert (d / "node_modules" / "pkg" / "index.js").read_text() == "module.exports = 2\n"
+    ws.cowfs("drop", "d")
 
 
 def test_best_of_through_the_api_with_a_chooser_and_nothing_to_adopt(parent):

@@ -216,10 +216,17 @@ class ForksModel(RuleBasedStateMachine):
         name = data.draw(st.sampled_from([n for n in NAMES if n not in self.forks]))
         then = self.ws.snapshot()
         self.ws.cowfs("fork", name)
-        row = {f["name"]: f for f in self.ws.json("forks")}[name]
-        self.parent.layers.append(
-            Layer(self.ws.log()[-1]["id"], then, self._copy(self.parent.shadow), True)
-        )
+        rows = {f["name"]: f for f in self.ws.json("forks")}
+        row = rows[name]
+        top = self.ws.log()[-1]["id"]
+        assert row["layer"] == top
+        if self.parent.layers and self.parent.layers[-1].id == top:
+            # (nothing recorded since another live fork's fork point: this
+            # fork starts there too, no empty layer opened)
+            assert any(r["layer"] == top for n, r in rows.items() if n != name)
+            treesnap.assert_same(self.parent.layers[-1].snap, then)
+        else:
+            self.parent.layers.append(Layer(top, then, self._copy(self.parent.shadow), True))
         side = Side(
             row["path"], self._copy(self.parent.shadow), origin=self._copy(self.parent.shadow)
         )

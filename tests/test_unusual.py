@@ -11,6 +11,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -307,3 +308,30 @@ def test_a_restore_of_paths_longer_than_twice_path_max_is_refused_and_changes_no
         treesnap.assert_same(before, ws.snapshot())
     finally:
         clear_deep(ws, name)
+
+
+def test_a_tree_deeper_than_the_descriptor_limit_is_removed(tmp_path):
+    """Removing a tree holds at most backing.HELD_LEVELS directories open:
+    one 1,500 deep goes in a process allowed 128 descriptors (each level
+    held open before: EMFILE, and the tree left half removed)."""
+    deep_tree(tmp_path, 1500)
+    (tmp_path / "a" / "side").mkdir()  # (a level with two subdirectories)
+    (tmp_path / "kept").write_text("not below it\n")
+    code = (
+        "import os, resource, sys\n"
+        "from cowfs.system import backing\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+        "backing.remove_tree_at(fd, b'a')\n"
+    )
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(os.listdir(tmp_path)) == ["kept"]
+    finally:  # (what a failure left: nothing deep for pytest's own clean-up)
+        subprocess.run(["rm", "-rf", str(tmp_path / "a")], check=False)

@@ -134,11 +134,22 @@ class ForkSource:
         self.layer = f"fork {name}"  # (how the restore's messages name the source)
         self.j = _NoReading()
         self._dirs: dict[bytes, int] = {}
+        # (the fork is quiet while it is adopted: each path is looked up
+        # once, and the object last held stays held for the next question
+        # of it -- its bytes, its xattrs)
+        self._found: dict[bytes, Past | None] = {}
+        self._last: tuple[bytes, int, int, os.stat_result] | None = None
 
     def close(self) -> None:
         for fd in self._dirs.values():
             os.close(fd)
         self._dirs.clear()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._last is not None:
+            os.close(self._last[2])
+            self._last = None
 
     def _dir(self, rel: bytes) -> int:
         fd = self._dirs.get(rel)
@@ -148,14 +159,16 @@ class ForkSource:
         return fd
 
     def object_at(self, rel: bytes) -> Past | None:
+        if rel in self._found:
+            return self._found[rel]
         head, name = backing.split(rel)
         try:
             st = backing.lstat_at(self._dir(head), name) if name else os.fstat(self.root)
         except OSError:
-            return None
-        if st is None:
-            return None
-        return Past(rel, st.st_ino, rel, st)
+            st = None
+        found = None if st is None else Past(rel, st.st_ino, rel, st)
+        self._found[rel] = found
+        return found
 
     def readable(self, rel: bytes, who: Requester) -> bool:
         return True  # (adopt is the owner's or root's)
@@ -163,6 +176,11 @@ class ForkSource:
     @contextlib.contextmanager
     def held(self, obj: Past) -> Iterator[tuple[int, os.stat_result]]:
         """An O_PATH descriptor of *obj*, checked to be it."""
+        last = self._last
+        if last is not None and last[:2] == (obj.loc, obj.ino):
+            yield last[2], last[3]
+            return
+        self._let_go()
         head, name = backing.split(obj.loc)
         fd = (
             os.open(name, backing.PATH_FLAGS, dir_fd=self._dir(head)) if name else os.dup(self.root)
@@ -174,9 +192,11 @@ class ForkSource:
                     f"{quote(obj.path)}: changed in the fork while it was adopted",
                     errors.DAEMON_ERROR,
                 )
-            yield fd, st
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._last = (obj.loc, obj.ino, fd, st)
+        yield fd, st
 
     @contextlib.contextmanager
     def opened(self, obj: Past, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> Iterator[int]:

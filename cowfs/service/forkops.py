@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .. import errors
 from ..errors import AlreadyMounted, CowfsError, NotOwner
-from ..layers import forkpoints
+from ..layers import forkpoints, redo
 from ..layers.past import History
 from ..storage import schema
 from ..system.mounts import mounts, mounts_users
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..layers.ignore import IgnoreRules
     from ..layers.layerfiles import LayerFiles
     from ..layers.stackview import StackView
-    from ..storage.store import Store
+    from ..storage.store import Layer, Store
     from ..system.access import Requester
 
 log = logging.getLogger("cowfs.forks")
@@ -117,8 +117,11 @@ class Forking:
         self.recorder.ignore = None
         try:
             await self.flush()
-            layer = self.files.checkpoint(message or f"fork {name}")
-            self._switched(fresh=True)
+            layer = self._shared_fork_point()
+            opened = layer is None
+            if layer is None:
+                layer = self.files.checkpoint(message or f"fork {name}")
+                self._switched(fresh=True)
             row = forkpoints.add(self.store, name, layer.id, layer.start, message, at)
         except BaseException:
             self.capture_filter()
@@ -137,11 +140,26 @@ class Forking:
             stacks.remove(self.workspace, self.store.dirfd, row["id"])
             forkpoints.remove(self.store, name)
             self.capture_filter()
-            self._drop_checkpoint(layer.id)  # (its changes, if any, stay in the one below)
+            if opened:
+                self._drop_checkpoint(layer.id)  # (its changes, if any, stay in the one below)
             raise
         forkpoints.set_state(self.store, name, forkpoints.LIVE)
         self.store.audit("fork", layer=layer.id, fork=name, message=message)
         return {"fork": name, "id": row["id"], "layer": layer.id, "path": where, "at": at}
+
+    def _shared_fork_point(self) -> Layer | None:
+        """The open layer, where it is another live fork's fork point and
+        nothing was recorded since it opened: the tree is as it was there,
+        ignored paths included (captured since, while that fork lives), so
+        this fork starts there too rather than at an empty layer of its own
+        (``best-of`` makes its forks at one layer)."""
+        top = self.store.top()
+        if top is None or self.store.next_seq != top.start or redo.segment(self.store) is not None:
+            return None
+        rows = forkpoints.forks(self.store).values()
+        if any(r["layer"] == top.id and r["state"] == forkpoints.LIVE for r in rows):
+            return top
+        return None
 
     async def forks(self, changes: bool = False, brief: bool = False) -> dict:
         """`cowfs forks`: every fork, with where it is mounted, the disk space

@@ -460,9 +460,11 @@ class Restore:
                 ranges = self._data_ranges(obj, past)
             fh, _ = self.ops.open(node.ino, os.O_WRONLY, ctx=self.ctx)
             try:
-                if st.st_size != obj.size or not same:
-                    if not same:
-                        self._do(self.ops.setattr, node.ino, fh, size=0)
+                size = st.st_size
+                if not same and size:  # (another object's bytes all go)
+                    self._do(self.ops.setattr, node.ino, fh, size=0)
+                    size = 0
+                if size != obj.size:
                     self._do(self.ops.setattr, node.ino, fh, size=obj.size)
                 # (ranges of zeros: what the file holds there now is punched
                 # out, never written as zeros -- they may span TiBs; found at

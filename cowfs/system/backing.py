@@ -559,9 +559,27 @@ def set_all_xattrs(path: bytes, follow: bool, pairs: list[tuple[bytes, bytes]]) 
         os.setxattr(path, n, v, follow_symlinks=follow)
 
 
+# (the directories a removal of a tree holds open at most: those above are
+# let go, each known by its identity, and found again through "..")
+HELD_LEVELS = 64
+
+
+class _Level:
+    __slots__ = ("fd", "name", "subdirs", "ident")
+
+    def __init__(self, fd: int, name: bytes, subdirs: list[bytes]):
+        self.fd = fd
+        self.name = name
+        self.subdirs = subdirs
+        self.ident: bytes | None = None
+
+
 def remove_tree_at(dirfd: int, name: bytes) -> None:
     """Remove *name* in *dirfd* and everything below it, never following
-    symlinks (a directory at a time, however deep: no recursion)."""
+    symlinks (a directory at a time, however deep: no recursion, and no
+    more than HELD_LEVELS descriptors however deep the tree -- a directory
+    let go is found again through the ".." of the one below it, checked
+    to be the very object it was)."""
     st = lstat_at(dirfd, name)
     if st is None:
         return
@@ -569,8 +587,7 @@ def remove_tree_at(dirfd: int, name: bytes) -> None:
         os.unlink(name, dir_fd=dirfd)
         return
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    # each: (the directory holding it, its name, it, its subdirectories left)
-    stack: list[tuple[int, bytes, int, list[bytes]]] = []
+    stack: list[_Level] = []  # (each below the one before; the first in dirfd)
 
     def enter(parent: int, here: bytes) -> None:
         fd = os.open(here, flags, dir_fd=parent)
@@ -585,21 +602,38 @@ def remove_tree_at(dirfd: int, name: bytes) -> None:
         except BaseException:
             os.close(fd)
             raise
-        stack.append((parent, here, fd, subdirs))
+        stack.append(_Level(fd, here, subdirs))
+        if len(stack) > HELD_LEVELS:
+            far = stack[-HELD_LEVELS - 1]
+            if far.fd >= 0:
+                far.ident = object_id(far.fd)
+                if far.ident is not None:  # (else it stays held)
+                    os.close(far.fd)
+                    far.fd = -1
 
     try:
         enter(dirfd, name)
         while stack:
-            parent, here, fd, subdirs = stack[-1]
-            if subdirs:
-                enter(fd, subdirs.pop())
+            top = stack[-1]
+            if top.subdirs:
+                enter(top.fd, top.subdirs.pop())
                 continue
             stack.pop()
-            os.close(fd)
-            os.rmdir(here, dir_fd=parent)
+            try:
+                if stack and stack[-1].fd < 0:
+                    above = stack[-1]
+                    fd = os.open(b"..", flags, dir_fd=top.fd)
+                    if object_id(fd) != above.ident:
+                        os.close(fd)
+                        raise OSError(errno.ESTALE, "a directory moved while its tree was removed")
+                    above.fd = fd
+            finally:
+                os.close(top.fd)
+            os.rmdir(top.name, dir_fd=stack[-1].fd if stack else dirfd)
     finally:
-        for _, _, fd, _ in stack:
-            os.close(fd)
+        for level in stack:
+            if level.fd >= 0:
+                os.close(level.fd)
 
 
 # -- has it changed since? -------------------------------------------------------------
