@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cowfs.interface.api import seen_at
 from cowfs.layers import treesnap
 
 from .helpers import COWFS
@@ -208,20 +209,7 @@ def assert_as_native(ws, base: Path, native: Path, cmds, env: dict, forked: Path
     subprocess.run(["cp", "-a", str(base), str(native)], check=True)
     for cmd in cmds:
         r = subprocess.run(
-            [
-                "unshare",
-                "--mount",
-                "--propagation",
-                "slave",
-                "--",
-                "sh",
-                "-c",
-                'mount --bind -- "$1" "$2" && cd -- "$2" && shift 2 && exec "$@"',
-                "native",
-                str(native),
-                str(ws.path),
-                *cmd,
-            ],
+            seen_at(str(native), str(ws.path), str(ws.path), cmd),
             env=env,
             capture_output=True,
             text=True,

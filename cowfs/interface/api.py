@@ -906,22 +906,28 @@ class Fork(Workspace):
 
     def _in_place(self, cmd: Command, cwd: str) -> tuple[Command, str]:
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        wrapped = [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "slave",
-            "--",
-            "sh",
-            "-c",
-            'mount --bind -- "$1" "$2" && cd -- "$3" && shift 3 && exec "$@"',
-            "cowfs-fork",
-            self.root,
-            self.parent.root,
-            cwd,
-            *argv,
-        ]
-        return wrapped, self.parent.root
+        return seen_at(self.root, self.parent.root, cwd, argv), self.parent.root
+
+
+def seen_at(source: str, where: str, cwd: str, argv: Sequence[str]) -> list[str]:
+    """*argv* run from *cwd* in a mount namespace of its own in which the
+    directory *source* is bound over *where* (a fork at its workspace's
+    path); every other process still sees *where* as it is."""
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "slave",
+        "--",
+        "sh",
+        "-c",
+        'mount --bind -- "$1" "$2" && cd -- "$3" && shift 3 && exec "$@"',
+        "cowfs-fork",
+        source,
+        where,
+        cwd,
+        *argv,
+    ]
 
 
 @dataclass

@@ -85,12 +85,15 @@ class ForkRuns:
         a fork point of its own (forks made with nothing changed between
         share one, and skip opening a layer)."""
 
+        def change(why: str) -> None:
+            with open(os.path.join(t.dir, "between-forks"), "w") as fh:
+                fh.write(f"before {why}\n")
+
         def api(op: str) -> list[float]:
             took = []
             for i in range(FORKS_EACH):
                 if op == "fork":
-                    with open(os.path.join(t.dir, "between-forks"), "w") as fh:
-                        fh.write(f"before fork {i}\n")
+                    change(f"fork {i}")
                 balloon()
                 t0 = perf()
                 ws.call(op, name=f"b{i}")
@@ -99,8 +102,7 @@ class ForkRuns:
 
         def cli(op: str) -> None:
             if op == "fork":
-                with open(os.path.join(t.dir, "between-forks"), "w") as fh:
-                    fh.write("before the CLI's fork\n")
+                change("the CLI's fork")
             t0 = perf()
             r = run([COWFS, "-C", t.dir, op, "cli"], timeout=300, check=False)
             if r.returncode:
